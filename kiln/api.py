@@ -1,0 +1,199 @@
+"""kiln.compile and kiln.load: the pipeline behind the public API.
+
+`kiln.compile(model, args, kwargs=None, dynamic_shapes=None, target="cpu")` feels
+like torch.export + torch.compile: it returns a callable that takes and returns
+what the model does. `compile_to=<stage>` returns that stage's IR instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from kiln.codegen.select_kernels import select_kernels
+from kiln.dispatch.form_regions import form_regions
+from kiln.dispatch.reinplace import reinplace
+from kiln.errors import ArgumentError
+from kiln.frontend.export import import_model
+from kiln.graph import GRAPH_PASSES
+from kiln.ir.graph import KilnGraph
+from kiln.parallel.assign_devices import assign_devices
+from kiln.pipeline import Context, Pass, PassManager, Stage
+from kiln.runtime.guards import bind_symbols
+from kiln.runtime.program import Program
+from kiln.runtime.schedule import schedule
+from kiln.target import Target, get_target
+
+
+@dataclass
+class ModelSource:
+    """The import stage's input: what the user handed to kiln.compile."""
+
+    model: torch.nn.Module
+    args: tuple
+    kwargs: dict
+    dynamic_shapes: Any
+
+    def describe(self) -> str:
+        return f"model {type(self.model).__name__} with {len(self.args)} args"
+
+
+def _import(src: ModelSource, ctx: Context) -> KilnGraph:
+    kg = import_model(src.model, src.args, src.kwargs, src.dynamic_shapes)
+    ctx.options["state"] = kg.state
+    return kg
+
+
+def _example_env(plan, ctx: Context):
+    leaves = ctx.options.get("example_leaves")
+    if leaves is not None:
+        tensors = [x for i, x in enumerate(leaves) if i not in plan.const_args]
+        ctx.options["example_env"] = bind_symbols(plan, tensors)
+    return plan
+
+
+def build_pipeline(dump_dir: str | None = None) -> PassManager:
+    return PassManager(
+        [
+            Stage("import", [Pass("export", _import)]),
+            Stage("graph", list(GRAPH_PASSES)),
+            Stage("parallel", [assign_devices]),
+            Stage("dispatch", [form_regions, reinplace, Pass("example_sizes", _example_env)]),
+            Stage("codegen", [select_kernels]),
+            Stage("schedule", [schedule]),
+        ],
+        dump_dir=dump_dir,
+    )
+
+
+def compile(  # noqa: A001 - mirrors torch.compile
+    model: torch.nn.Module,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    dynamic_shapes=None,
+    target: str | Target = "cpu",
+    compile_to: str | None = None,
+    dump_ir: str | None = None,
+    options: dict | None = None,
+):
+    """Compile `model` for `target`; returns a CompiledModule (or an IR with compile_to)."""
+    tgt = get_target(target)
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    kwargs = dict(kwargs or {})
+    ctx = Context(target=tgt, options=dict(options or {}))
+    ctx.options["example_leaves"] = pytree.tree_leaves((args, kwargs))
+    src = ModelSource(model, args, kwargs, dynamic_shapes)
+    result = build_pipeline(dump_ir).run(src, ctx, compile_to=compile_to)
+    if not isinstance(result, Program):
+        return result
+    return CompiledModule(result, _state_for(result, ctx.options["state"], tgt))
+
+
+def _state_for(program: Program, named: dict[str, torch.Tensor], tgt: Target):
+    """The module's parameters, buffers and constants the plan reads, on the target's device.
+
+    On the model's own device they are shared, not copied (as torch.compile does):
+    an 8B model must not need two copies, and buffer updates (the KV cache) are the
+    model's own.
+    """
+    device = torch.device(tgt.torch_device)
+    state = {}
+    for v in program.plan.values.values():
+        if v.target is None:
+            continue
+        t = named.get(v.target)
+        if t is None:
+            raise ArgumentError(f"the compiled plan reads {v.target}, which the model lacks")
+        t = t.detach()
+        state[v.target] = t if t.device.type == device.type else t.to(device)
+    return state
+
+
+def _child(spec: pytree.TreeSpec, i: int) -> pytree.TreeSpec:
+    """spec's i-th child (TreeSpec.child is new in torch 2.13; children_specs before)."""
+    return spec.child(i) if hasattr(spec, "child") else spec.children_specs[i]
+
+
+class CompiledModule:
+    """What kiln.compile returns: call it like the model; save it; explain it."""
+
+    def __init__(self, program: Program, state: dict[str, torch.Tensor]):
+        self.program = program
+        self.plan = program.plan
+        self.state = state
+        self.target = program.kplan.target
+        self._in_spec = pytree.treespec_loads(self.plan.in_spec)
+        self._out_spec = pytree.treespec_loads(self.plan.out_spec)
+
+    def _flatten(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        kw_spec = _child(self._in_spec, 1) if self._in_spec.num_children == 2 else None
+        if kw_spec is not None and kw_spec.context is not None:
+            keys = list(kw_spec.context)
+            extra = set(kwargs) - set(keys)
+            missing = set(keys) - set(kwargs)
+            if extra or missing:
+                raise ArgumentError(
+                    f"keyword arguments differ from the compiled ones: "
+                    f"unexpected {sorted(extra)}, missing {sorted(missing)}",
+                    hint=f"the module was compiled with keywords {keys}",
+                )
+            kwargs = {k: kwargs[k] for k in keys}
+        leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
+        if spec != self._in_spec:
+            self._explain_mismatch(args)
+        for i, want in self.plan.const_args.items():
+            if leaves[i] != want:
+                raise ArgumentError(
+                    f"non-tensor argument {i} is {leaves[i]!r}, the module was compiled for "
+                    f"{want!r}",
+                    hint="export specialises non-tensor arguments: recompile for the new value",
+                )
+        return [x for i, x in enumerate(leaves) if i not in self.plan.const_args]
+
+    def _explain_mismatch(self, args: tuple):
+        want = _child(self._in_spec, 0)
+        if len(args) != want.num_children:
+            raise ArgumentError(
+                f"the compiled module takes {want.num_children} positional arguments, "
+                f"got {len(args)}",
+                hint="call it with the same arguments as the example args",
+            )
+        for i, a in enumerate(args):
+            spec_i = _child(want, i)
+            if pytree.tree_flatten(a)[1] != spec_i:
+                expected = "a tensor" if spec_i.is_leaf() else f"a {spec_i.type.__name__}"
+                raise ArgumentError(
+                    f"positional argument {i} must be {expected}, got {type(a).__name__}",
+                    hint="call with the same arguments (and nesting) as the example args",
+                )
+        raise ArgumentError("the keyword arguments' structure differs from the compiled one")
+
+    def __call__(self, *args, **kwargs):
+        flat = self._flatten(args, kwargs)
+        env = self.program.bind(flat, self.plan.user_inputs)
+        with torch.no_grad():
+            outs = self.program.run(flat, self.state, env)
+        return pytree.tree_unflatten(outs, self._out_spec)
+
+    def save(self, path) -> None:
+        from kiln.artifact.save import save
+
+        save(self, path)
+
+    def describe(self) -> str:
+        return self.program.describe()
+
+    def __repr__(self) -> str:
+        return (f"CompiledModule(target={self.target}, regions={len(self.plan.regions)}, "
+                f"inputs={self.plan.user_inputs})")
+
+
+def load(path, target: str | Target | None = None) -> CompiledModule:
+    """Load a module saved with CompiledModule.save, without recompiling."""
+    from kiln.artifact.load import load as _load
+
+    return _load(path, target)

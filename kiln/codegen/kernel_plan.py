@@ -1,0 +1,45 @@
+"""The codegen stage's IR: the dispatch plan plus one kernel per region."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from kiln.ir.plan import DispatchPlan, Region
+from kiln.ir.printer import print_plan
+from kiln.ir.verify import verify_plan
+from kiln.target import Target
+
+
+class Kernel(Protocol):
+    """Runs one region: reads `inputs`, writes each output into its buffer in `outs`."""
+
+    kind: str
+    region: Region
+
+    def run(self, inputs: dict[str, torch.Tensor], outs: dict[str, torch.Tensor],
+            env: dict[str, int]) -> None: ...
+
+    def describe(self) -> str: ...
+
+    def to_json(self) -> dict: ...
+
+
+@dataclass
+class KernelPlan:
+    plan: DispatchPlan
+    target: Target
+    kernels: dict[str, Kernel] = field(default_factory=dict)  # region name -> kernel
+
+    def describe(self) -> str:
+        lines = [print_plan(self.plan).rstrip(), f"kernels for {self.target}:"]
+        for r in self.plan.regions:
+            k = self.kernels.get(r.name)
+            lines.append(f"  {r.name}: {k.kind if k else 'MISSING'}")
+        return "\n".join(lines) + "\n"
+
+    def verify(self) -> list[str]:
+        missing = [r.name for r in self.plan.regions if r.name not in self.kernels]
+        return verify_plan(self.plan) + [f"region {m} has no kernel" for m in missing]

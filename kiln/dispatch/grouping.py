@@ -1,0 +1,163 @@
+"""Which FX nodes fuse into which region: the grouping rules of dispatch formation.
+
+Nodes are visited consumers-first. A producer joins its consumer's group when every
+one of its consumers is in that group (so a group has one value leaving it: its
+root) and the group's kind accepts it:
+
+- pointwise, gather, concat ops fuse into anything but extern; into a matmul only
+  after the product (epilogue: bias, activation, residual, cast), into attention and
+  copy (scatter) regions only before (prologue: RoPE, masks, values written);
+- a reduction joins a group whose iteration domain is its input shape (RMSNorm's
+  final multiply, softmax's divide), or a group already reducing the same axes of
+  the same shape (softmax's max and sum);
+- a matmul joins a group that so far holds only its pointwise epilogue;
+- attention, scatter and extern ops start groups of their own.
+
+View ops never join a group: each consumer folds them into its index maps. CREATE
+ops (arange, full) are recomputed inside every region that reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from kiln.ir.graph import shape_of
+from kiln.ir.ops import OpCategory, category, op_name, reduction_dims
+from kiln.ir.plan import RegionKind
+
+POINTWISE_LIKE = {OpCategory.POINTWISE, OpCategory.GATHER, OpCategory.CONCAT}
+ANCHORS = {OpCategory.MATMUL, OpCategory.ATTENTION, OpCategory.REDUCTION,
+           OpCategory.SCATTER, OpCategory.EXTERN}
+
+
+def cat_of(node: fx.Node) -> OpCategory | None:
+    if node.op != "call_function":
+        return None
+    c = category(op_name(node.target))
+    if c == OpCategory.TUPLE:  # getitem: a view of a view-tuple, else part of its producer
+        src = node.args[0]
+        return OpCategory.VIEW if cat_of(src) == OpCategory.VIEW else OpCategory.TUPLE
+    return c
+
+
+def is_compute(node: fx.Node) -> bool:
+    c = cat_of(node)
+    return c is not None and c not in (OpCategory.VIEW, OpCategory.CREATE, OpCategory.TUPLE) \
+        and not isinstance(node.meta.get("val"), torch.SymInt)
+
+
+@dataclass
+class Group:
+    root: fx.Node
+    members: list[fx.Node] = field(default_factory=list)
+    anchor: fx.Node | None = None  # the matmul / attention / reduction / scatter / extern op
+    prologue: set[fx.Node] = field(default_factory=set)  # members feeding the anchor
+
+    @property
+    def kind(self) -> RegionKind:
+        if self.anchor is not None:
+            return {
+                OpCategory.MATMUL: RegionKind.MATMUL,
+                OpCategory.ATTENTION: RegionKind.ATTENTION,
+                OpCategory.REDUCTION: RegionKind.REDUCTION,
+                OpCategory.SCATTER: RegionKind.COPY,
+                OpCategory.EXTERN: RegionKind.EXTERN,
+            }[cat_of(self.anchor)]
+        if any(cat_of(m) == OpCategory.POINTWISE for m in self.members):
+            return RegionKind.POINTWISE
+        return RegionKind.COPY
+
+    def add(self, node: fx.Node, feeds_anchor: bool) -> None:
+        self.members.append(node)
+        if cat_of(node) in ANCHORS and self.anchor is None:
+            self.anchor = node
+            self.prologue.add(node)
+        elif feeds_anchor:
+            self.prologue.add(node)
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    return [a for a in node.all_input_nodes
+            if isinstance(a.meta.get("val"), (torch.Tensor, tuple, list))]
+
+
+def compute_consumers(node: fx.Node) -> tuple[set[fx.Node], bool]:
+    """Compute nodes that read `node` (seeing through views and getitems); and whether
+    the value (or a view of it) is returned from the graph."""
+    found: set[fx.Node] = set()
+    returned = False
+    stack = list(node.users)
+    seen = set()
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if u.op == "output":
+            returned = True
+        elif cat_of(u) in (OpCategory.VIEW, OpCategory.TUPLE):
+            stack.extend(u.users)
+        else:
+            found.add(u)
+    return found, returned
+
+
+def _reduction_key(node: fx.Node):
+    src = node.args[0]
+    shape = shape_of(src)
+    dims = reduction_dims(op_name(node.target), node.args, node.kwargs, len(shape))
+    return shape, dims
+
+
+def can_join(p: fx.Node, g: Group, consumers: set[fx.Node]) -> bool:
+    """May producer `p`, all of whose consumers are in `g`, fuse into `g`?"""
+    c = cat_of(p)
+    feeds_anchor = any(u in g.prologue for u in consumers)
+    anchor = cat_of(g.anchor) if g.anchor is not None else None
+    if c in POINTWISE_LIKE:
+        if anchor == OpCategory.EXTERN:
+            return False
+        if anchor == OpCategory.MATMUL:
+            return not feeds_anchor
+        if anchor in (OpCategory.ATTENTION, OpCategory.SCATTER):
+            return feeds_anchor
+        return True
+    if c == OpCategory.REDUCTION:
+        if anchor is None:
+            return shape_of(p.args[0]) == shape_of(g.root) and not _is_tuple(p)
+        if anchor == OpCategory.REDUCTION:
+            return _reduction_key(p) == _reduction_key(g.anchor) and not _is_tuple(p)
+        return False
+    if c == OpCategory.MATMUL:
+        return anchor is None and all(cat_of(m) in POINTWISE_LIKE for m in g.members)
+    return False
+
+
+def _is_tuple(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (tuple, list))
+
+
+def form_groups(graph: fx.Graph) -> list[Group]:
+    """Partition the compute nodes of `graph` into groups, returned in execution order."""
+    group_of: dict[fx.Node, Group] = {}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    groups: list[Group] = []
+    for p in reversed(list(graph.nodes)):
+        if not is_compute(p):
+            continue
+        consumers, returned = compute_consumers(p)
+        targets = {id(group_of[c]): group_of[c] for c in consumers if c in group_of}
+        g = next(iter(targets.values())) if len(targets) == 1 else None
+        if (g is not None and not returned and all(c in group_of for c in consumers)
+                and not _is_tuple(p) and can_join(p, g, consumers)):
+            g.add(p, feeds_anchor=any(u in g.prologue for u in consumers))
+        else:
+            g = Group(root=p)
+            g.add(p, feeds_anchor=False)
+            groups.append(g)
+        group_of[p] = g
+    groups.sort(key=lambda g: order[g.root])
+    return groups

@@ -1,0 +1,91 @@
+"""Write state updates in place: a KV-cache write touches T rows, not the whole cache.
+
+The functional graph returns a buffer's new value (index_put on the old one); a copy
+back after every call would move the entire cache. When the scatter's destination is
+the state value itself and every other reader of the old value can run first, the
+region writes the state's storage directly (`Region.inplace`) and regions are
+reordered so those readers come first. Otherwise the functional form and the copy
+back stay: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kiln.ir.ops import INPLACE_OF
+from kiln.ir.plan import DispatchPlan, Ref, Region, Role
+from kiln.pipeline import as_pass
+
+log = logging.getLogger("kiln.dispatch")
+
+
+def _depends_on(plan: DispatchPlan, region: Region, writer: Region) -> bool:
+    """Does `region` read, transitively, anything `writer` produces?"""
+    producers = plan.producers()
+    stack, seen = list(region.inputs), set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        r = producers.get(v)
+        if r is None:
+            continue
+        if r is writer:
+            return True
+        stack.extend(r.inputs)
+    return False
+
+
+def _move_before(plan: DispatchPlan, readers: list[Region], writer: Region) -> None:
+    """Reorder so `readers` (and what they need) run before `writer`; a stable topo sort."""
+    regions = plan.regions
+    pos = {r.name: i for i, r in enumerate(regions)}
+    producers = plan.producers()
+    must_precede: set[str] = set()
+    stack = list(readers)
+    while stack:
+        r = stack.pop()
+        if r.name in must_precede or pos[r.name] < pos[writer.name]:
+            continue
+        must_precede.add(r.name)
+        stack.extend(producers[v] for v in r.inputs if v in producers)
+    if not must_precede:
+        return
+    i = pos[writer.name]
+    moved = [r for r in regions[i:] if r.name in must_precede]
+    rest = [r for r in regions[i:] if r.name not in must_precede]
+    plan.regions = regions[:i] + moved + rest
+
+
+def try_reinplace(plan: DispatchPlan, state: str, value: str) -> bool:
+    producers = plan.producers()
+    writer = producers.get(value)
+    if writer is None or len(writer.outputs) != 1:
+        return False
+    op = writer.op(value)
+    if op.target not in INPLACE_OF or not op.args or op.args[0] != Ref(state):
+        return False
+    if any(o.name != value and Ref(state) in o.args for o in writer.ops):
+        return False  # the region itself reads the old value elsewhere
+    readers = [r for r in plan.regions if r is not writer and state in r.inputs]
+    if any(_depends_on(plan, r, writer) for r in readers):
+        return False  # someone needs both the old and the new value
+    _move_before(plan, readers, writer)
+    writer.inplace[value] = state
+    return True
+
+
+@as_pass
+def reinplace(plan: DispatchPlan, ctx) -> DispatchPlan:
+    for state_target, value in list(plan.state_writes.items()):
+        state = next((v.name for v in plan.values.values()
+                      if v.role == Role.STATE and v.target == state_target), None)
+        if state is None or plan.values[value].role == Role.OUTPUT:
+            continue
+        if try_reinplace(plan, state, value):
+            del plan.state_writes[state_target]
+            log.info("state %s is updated in place by %%%s", state_target, value)
+        else:
+            log.info("state %s is copied back after each call", state_target)
+    return plan

@@ -1,0 +1,97 @@
+"""Errors kiln raises for bad input: each says what went wrong, where, and what to do.
+
+A user's mistake must never surface as a raw traceback from deep inside kiln, so
+every stage converts what it detects into one of these classes.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Frames from these packages are never "the user's line".
+_INTERNAL = re.compile(r"[/\\](torch|kiln|triton|transformers|contextlib|importlib)[/\\]")
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)')
+
+
+class KilnError(Exception):
+    """Base class: `what` happened, `where` (a source line or object), and a `hint`."""
+
+    def __init__(self, what: str, where: str | None = None, hint: str | None = None):
+        self.what = what
+        self.where = where
+        self.hint = hint
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        parts = [self.what]
+        if self.where:
+            parts.append(f"  where: {self.where}")
+        if self.hint:
+            parts.append(f"  hint: {self.hint}")
+        return "\n".join(parts)
+
+
+class UnsupportedOpError(KilnError):
+    """The model uses an operation kiln cannot compile."""
+
+
+class ExportError(KilnError):
+    """torch.export could not capture the model."""
+
+
+class ShapeError(KilnError):
+    """A shape is wrong, or a size falls outside its declared bounds."""
+
+
+class DTypeError(KilnError):
+    """An argument has a dtype the compiled module was not compiled for."""
+
+
+class ArgumentError(KilnError):
+    """The call's arguments do not match the compiled signature (count or structure)."""
+
+
+class DeviceError(KilnError):
+    """A device is used but not declared, or a tensor is on the wrong device."""
+
+
+class TargetError(KilnError):
+    """An unknown target, or a target that cannot be used on this machine."""
+
+
+class ResourceError(KilnError):
+    """A kernel cannot fit the target's limits (shared memory, registers, threads)."""
+
+
+class CheckpointError(KilnError):
+    """A checkpoint is missing, truncated, or does not match the model."""
+
+
+class ArtifactError(KilnError):
+    """A saved kiln artifact cannot be read."""
+
+
+class VerifierError(KilnError):
+    """An IR invariant was broken; names the pass that broke it. A kiln bug, not the user's."""
+
+
+def user_frame(stack_trace: str | None) -> str | None:
+    """The innermost frame of `stack_trace` that is the user's code, as 'file:line in fn: code'.
+
+    FX nodes keep the Python stack that created them; the last frame outside torch
+    and kiln is the model line a user recognises.
+    """
+    if not stack_trace:
+        return None
+    lines = stack_trace.rstrip().splitlines()
+    best = None
+    for i, line in enumerate(lines):
+        m = _FRAME.search(line)
+        if not m or _INTERNAL.search(m.group("file")):
+            continue
+        nxt = lines[i + 1] if i + 1 < len(lines) else ""
+        code = nxt.strip() if not _FRAME.search(nxt) else ""
+        best = f"{m.group('file')}:{m.group('line')} in {m.group('fn')}"
+        if code:
+            best += f": {code}"
+    return best

@@ -1,0 +1,183 @@
+"""The import stage: nn.Module + example args -> KilnGraph (core ATen, symbolic dims).
+
+torch.export captures the model; decompositions lower it to core ATen, except
+`scaled_dot_product_attention`, which stays whole so attention can become one
+region. Parameters and buffers stay named placeholders (never inlined).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+import torch.fx as fx
+
+from kiln.errors import ExportError, KilnError, ShapeError, UnsupportedOpError
+from kiln.ir.graph import GraphInput, GraphOutput, KilnGraph, where
+from kiln.ir.ops import ASSERT_OPS, category, op_name
+from kiln.ir.symbolic import Bounds
+
+log = logging.getLogger("kiln.frontend")
+
+# Ops kept whole instead of decomposed: LLM building blocks kiln fuses as a unit.
+KEEP_WHOLE = [torch.ops.aten.scaled_dot_product_attention.default]
+
+
+def export_model(model: torch.nn.Module, args: tuple, kwargs=None, dynamic_shapes=None):
+    """torch.export with kiln's error messages."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecations
+            return torch.export.export(
+                model, tuple(args), kwargs=kwargs or {}, dynamic_shapes=dynamic_shapes,
+                strict=False,
+            )
+    except KilnError:
+        raise
+    except Exception as e:  # torch raises many types; all mean "could not capture"
+        text = str(e).strip()
+        name = type(e).__name__
+        if "Constraints violated" in text or "specializ" in text or name == "UserError":
+            raise ShapeError(
+                "the dynamic dims declared in dynamic_shapes do not hold for this model",
+                where=_first_line(text),
+                hint="torch.export's suggestion follows; adjust Dim(min=, max=) or mark the "
+                "dim static:\n" + _tail(text),
+            ) from None
+        raise ExportError(
+            f"torch.export could not capture the model ({name})",
+            where=_first_line(text),
+            hint="kiln compiles what torch.export can capture: avoid data-dependent Python "
+            "control flow and unsupported Python constructs. torch said:\n" + _tail(text),
+        ) from None
+
+
+def _first_line(text: str) -> str:
+    return text.splitlines()[0][:300] if text else ""
+
+
+def _tail(text: str, n: int = 25) -> str:
+    return "\n".join(text.splitlines()[:n])
+
+
+def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    table = torch.export.default_decompositions()
+    for op in KEEP_WHOLE:
+        if op in table:
+            del table[op]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return ep.run_decompositions(table)
+
+
+def _drop_asserts(gm: fx.GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and op_name(node.target) in ASSERT_OPS and not node.users:
+            gm.graph.erase_node(node)
+
+
+def _check_supported(gm: fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = op_name(node.target)
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt | int) or name.startswith("aten.sym_"):
+            continue  # size arithmetic: becomes a symbolic expression
+        if category(name) is None and not _is_symint_op(node):
+            raise UnsupportedOpError(
+                f"kiln cannot compile the operation {name}",
+                where=where(node) or node.name,
+                hint="rewrite this line with supported ops (elementwise math, reductions, "
+                "matmul, scaled_dot_product_attention, views, cat, index/embedding), "
+                "or run that part of the model outside kiln",
+            )
+
+
+def _is_symint_op(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.SymInt)
+
+
+def _check_no_unbacked(ep: torch.export.ExportedProgram) -> None:
+    for node in ep.graph.nodes:
+        val = node.meta.get("val")
+        shapes = val.shape if isinstance(val, torch.Tensor) else ()
+        for d in shapes:
+            expr = getattr(getattr(d, "node", None), "expr", None)
+            if expr is not None and any(s.name.startswith("u") for s in expr.free_symbols):
+                raise UnsupportedOpError(
+                    f"{op_name(node.target)} produces a tensor whose size depends on its "
+                    "data",
+                    where=where(node) or node.name,
+                    hint="kiln plans memory from sizes known at call time; use a fixed-size "
+                    "formulation (e.g. a mask with torch.where instead of nonzero/masked_select)",
+                )
+
+
+def to_kiln_graph(ep: torch.export.ExportedProgram) -> KilnGraph:
+    sig = ep.graph_signature
+    kinds = {
+        "USER_INPUT": "user", "PARAMETER": "param", "BUFFER": "buffer",
+        "CONSTANT_TENSOR": "constant", "CUSTOM_OBJ": "constant", "TOKEN": "token",
+    }
+    inputs = []
+    vals = {n.name: n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"}
+    for spec in sig.input_specs:
+        kind = kinds[spec.kind.name]
+        if kind == "token":
+            raise UnsupportedOpError("the model uses side-effecting ops (effect tokens)")
+        val = vals.get(spec.arg.name)
+        if kind == "user" and not isinstance(val, torch.Tensor):
+            inputs.append(GraphInput(spec.arg.name, "user_const", None, val))
+            continue
+        inputs.append(GraphInput(spec.arg.name, kind, spec.target))
+    outputs = []
+    mutable = set()
+    for spec in sig.output_specs:
+        kind = spec.kind.name
+        if kind == "USER_OUTPUT":
+            outputs.append(GraphOutput(spec.arg.name, "user"))
+        elif kind == "BUFFER_MUTATION":
+            outputs.append(GraphOutput(spec.arg.name, "buffer_mutation", spec.target))
+            mutable.add(spec.target)
+        else:
+            raise UnsupportedOpError(
+                f"kiln does not support {kind.lower().replace('_', ' ')} outputs",
+                hint="kiln compiles inference: only buffers may be updated in place",
+            )
+    state = dict(ep.state_dict)
+    state.update(ep.constants)
+    symbols = {}
+    for sym, vr in ep.range_constraints.items():
+        hi = vr.upper
+        symbols[str(sym)] = Bounds(int(vr.lower), int(hi) if hi.is_Integer else None)
+    gm = ep.graph_module
+    return KilnGraph(
+        module=gm,
+        inputs=inputs,
+        outputs=outputs,
+        symbols=symbols,
+        in_spec=ep.call_spec.in_spec,
+        out_spec=ep.call_spec.out_spec,
+        state=state,
+        mutable=mutable,
+    )
+
+
+def import_model(model, args, kwargs=None, dynamic_shapes=None) -> KilnGraph:
+    """The whole import stage, as one pass of the pipeline."""
+    if not isinstance(model, torch.nn.Module):
+        raise ExportError(
+            f"kiln.compile takes a torch.nn.Module, got {type(model).__name__}",
+            hint="wrap a plain function in an nn.Module whose forward calls it",
+        )
+    ep = export_model(model, args, kwargs, dynamic_shapes)
+    ep = decompose(ep)
+    _check_no_unbacked(ep)
+    _drop_asserts(ep.graph_module)
+    _check_supported(ep.graph_module)
+    kg = to_kiln_graph(ep)
+    kg.recompile()
+    log.info("imported %d nodes, symbols %s", len(kg.graph.nodes), kg.symbols)
+    return kg

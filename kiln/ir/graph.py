@@ -1,0 +1,109 @@
+"""The graph-level IR: a core-ATen FX graph plus what kiln needs around it.
+
+Placeholders are user inputs, parameters, buffers and lifted constants (named, never
+inlined). Outputs are user outputs and buffer mutations (the new value of a buffer
+the model updated in place, e.g. a KV cache written with index_copy_). Every node
+keeps `meta["val"]` (a fake tensor whose sizes are symbolic) and its stack trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from kiln.errors import user_frame
+from kiln.ir.symbolic import Bounds, Dim, as_dim
+
+
+@dataclass
+class GraphInput:
+    name: str  # placeholder name
+    kind: str  # "user" | "user_const" | "param" | "buffer" | "constant"
+    target: str | None = None  # state-dict name for param/buffer/constant
+    value: object = None  # for "user_const": a non-tensor argument export specialised on
+
+
+@dataclass
+class GraphOutput:
+    name: str  # node name of the returned value
+    kind: str  # "user" | "buffer_mutation"
+    target: str | None = None  # the buffer a mutation writes
+
+
+@dataclass
+class KilnGraph:
+    module: fx.GraphModule
+    inputs: list[GraphInput]
+    outputs: list[GraphOutput]
+    symbols: dict[str, Bounds]
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    state: dict[str, torch.Tensor]  # params, buffers, constants by state-dict name
+    mutable: set[str] = field(default_factory=set)  # state names the model updates
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.module.graph
+
+    def placeholders(self) -> dict[str, fx.Node]:
+        return {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
+
+    def output_node(self) -> fx.Node:
+        return next(n for n in reversed(self.graph.nodes) if n.op == "output")
+
+    def output_values(self) -> list:
+        return list(self.output_node().args[0])
+
+    def fake_mode(self):
+        for n in self.graph.nodes:
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor) and hasattr(val, "fake_mode"):
+                return val.fake_mode
+        return None
+
+    def recompile(self) -> None:
+        self.graph.lint()
+        self.module.recompile()
+
+
+def shape_of(node: fx.Node) -> tuple[Dim, ...]:
+    return tuple(as_dim(d) for d in node.meta["val"].shape)
+
+
+def dtype_of(node: fx.Node) -> torch.dtype:
+    return node.meta["val"].dtype
+
+
+def is_tensor_node(node) -> bool:
+    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def where(node: fx.Node) -> str | None:
+    """The user's source line that created `node`, for error messages."""
+    return user_frame(node.meta.get("stack_trace"))
+
+
+def infer_meta(kg: KilnGraph, node: fx.Node) -> None:
+    """Fill `node.meta['val']` by running its op on the fake inputs (for nodes a pass adds)."""
+
+    def val(a):
+        return a.meta["val"] if isinstance(a, fx.Node) else a
+
+    mode = kg.fake_mode()
+    args = fx.node.map_arg(node.args, val)
+    kwargs = fx.node.map_arg(node.kwargs, val)
+    with mode:
+        node.meta["val"] = node.target(*args, **kwargs)
+
+
+def add_node(kg: KilnGraph, before: fx.Node, target, args, kwargs=None, like=None) -> fx.Node:
+    """Insert `target(*args)` before `before`: meta inferred, `like`'s stack trace kept."""
+    with kg.graph.inserting_before(before):
+        node = kg.graph.call_function(target, tuple(args), dict(kwargs or {}))
+    if like is not None and "stack_trace" in like.meta:
+        node.meta["stack_trace"] = like.meta["stack_trace"]
+    infer_meta(kg, node)
+    return node

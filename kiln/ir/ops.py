@@ -1,0 +1,192 @@
+"""The ATen ops kiln understands, each with the category that decides how it is fused.
+
+Anything not listed here is an UnsupportedOpError at import: kiln only promises to
+compile what it knows how to place in a region and generate (or extern) code for.
+"""
+
+from __future__ import annotations
+
+import operator
+from enum import StrEnum
+
+import torch
+
+
+class OpCategory(StrEnum):
+    VIEW = "view"  # no data movement: folds into the consumer's index map
+    POINTWISE = "pointwise"  # elementwise math and casts
+    CREATE = "create"  # tensors made from nothing (arange, full): recomputed per use
+    GATHER = "gather"  # indirect loads (embedding, index): fuse like pointwise
+    CONCAT = "concat"  # each output element comes from one input: fuses like pointwise
+    REDUCTION = "reduction"  # reduces some axes of one input
+    MATMUL = "matmul"
+    ATTENTION = "attention"
+    SCATTER = "scatter"  # writes a subset of a tensor (KV-cache updates): copy regions
+    EXTERN = "extern"  # run as the framework's own op (sort, topk, cumsum, ...)
+    TUPLE = "tuple"  # getitem on a multi-output op
+
+
+def _names(*names: str) -> list[str]:
+    return [f"aten.{n}" for n in names]
+
+
+_TABLE: dict[str, OpCategory] = {}
+
+
+def _register(category: OpCategory, names: list[str]) -> None:
+    for n in names:
+        _TABLE[n] = category
+
+
+_register(
+    OpCategory.VIEW,
+    _names(
+        "view.default", "_unsafe_view.default", "reshape.default", "permute.default",
+        "transpose.int", "t.default", "expand.default", "unsqueeze.default",
+        "squeeze.default", "squeeze.dim", "squeeze.dims", "slice.Tensor", "select.int",
+        "alias.default", "view_as_real.default", "unfold.default", "diagonal.default",
+        "split_with_sizes.default", "split.Tensor", "unbind.int",
+    ),
+)
+_register(
+    OpCategory.POINTWISE,
+    _names(
+        "add.Tensor", "add.Scalar", "sub.Tensor", "sub.Scalar", "rsub.Scalar", "rsub.Tensor",
+        "mul.Tensor", "mul.Scalar", "div.Tensor", "div.Scalar", "div.Tensor_mode",
+        "div.Scalar_mode", "neg.default", "abs.default", "exp.default", "exp2.default",
+        "expm1.default", "log.default", "log2.default", "log1p.default", "sqrt.default",
+        "rsqrt.default", "reciprocal.default", "pow.Tensor_Scalar", "pow.Tensor_Tensor",
+        "pow.Scalar", "sin.default", "cos.default", "tan.default", "tanh.default",
+        "sigmoid.default", "silu.default", "gelu.default", "relu.default", "erf.default",
+        "sign.default", "floor.default", "ceil.default", "round.default", "trunc.default",
+        "maximum.default", "minimum.default", "clamp.default", "clamp.Tensor",
+        "clamp_min.default", "clamp_max.default", "where.self", "where.ScalarSelf",
+        "where.ScalarOther", "eq.Tensor", "eq.Scalar", "ne.Tensor", "ne.Scalar",
+        "lt.Tensor", "lt.Scalar", "le.Tensor", "le.Scalar", "gt.Tensor", "gt.Scalar",
+        "ge.Tensor", "ge.Scalar", "logical_and.default", "logical_or.default",
+        "logical_not.default", "logical_xor.default", "bitwise_and.Tensor",
+        "bitwise_or.Tensor", "bitwise_xor.Tensor", "bitwise_not.default",
+        "bitwise_and.Scalar", "bitwise_or.Scalar", "isnan.default", "isinf.default",
+        "fmod.Tensor", "fmod.Scalar", "remainder.Tensor", "remainder.Scalar",
+        "masked_fill.Scalar", "masked_fill.Tensor", "_to_copy.default", "clone.default",
+        "lerp.Scalar", "lerp.Tensor", "atan2.default", "sinh.default", "cosh.default",
+        "asin.default", "acos.default", "atan.default", "hardtanh.default",
+        "leaky_relu.default", "elu.default", "softplus.default", "copy.default",
+        "lift_fresh_copy.default", "detach.default", "logit.default",
+    ),
+)
+_register(
+    OpCategory.CREATE,
+    _names(
+        "arange.start_step", "arange.default", "arange.start", "full.default",
+        "scalar_tensor.default", "zeros.default", "ones.default", "empty.memory_format",
+        "full_like.default", "zeros_like.default", "ones_like.default",
+        "empty_like.default", "iota.default",
+    ),
+)
+_register(
+    OpCategory.GATHER,
+    _names("embedding.default", "index.Tensor", "index_select.default", "gather.default"),
+)
+_register(OpCategory.CONCAT, _names("cat.default", "constant_pad_nd.default"))
+_register(
+    OpCategory.REDUCTION,
+    _names(
+        "sum.dim_IntList", "sum.default", "mean.dim", "mean.default", "amax.default",
+        "amin.default", "max.dim", "min.dim", "max.default", "min.default",
+        "argmax.default", "argmin.default", "prod.dim_int", "prod.default",
+        "var.correction", "var.dim", "var_mean.correction", "any.dim", "any.dims",
+        "any.default", "all.dim", "all.default", "_softmax.default", "_log_softmax.default",
+        "native_layer_norm.default", "logsumexp.default",
+    ),
+)
+_register(OpCategory.MATMUL, _names("mm.default", "bmm.default", "addmm.default"))
+_register(
+    OpCategory.ATTENTION,
+    _names(
+        "scaled_dot_product_attention.default",
+        "_scaled_dot_product_flash_attention_for_cpu.default",
+    ),
+)
+_register(
+    OpCategory.SCATTER,
+    _names(
+        "index_put.default", "index_copy.default", "slice_scatter.default",
+        "select_scatter.default", "scatter.src", "scatter.value", "scatter_add.default",
+        "index_add.default",
+    ),
+)
+_register(
+    OpCategory.EXTERN,
+    _names(
+        "topk.default", "sort.default", "sort.stable", "cumsum.default", "cumprod.default",
+        "argsort.default", "argsort.stable", "multinomial.default", "flip.default",
+        "roll.default", "repeat.default", "tril.default", "triu.default",
+        "native_group_norm.default", "convolution.default", "avg_pool2d.default",
+        "max_pool2d_with_indices.default", "upsample_nearest2d.vec", "rand.default",
+        "randn.default", "bernoulli.p", "native_dropout.default", "polar.default",
+        "view_as_complex.default", "baddbmm.default", "_cdist_forward.default",
+    ),
+)
+
+# Ops that change no values at all in kiln's value semantics (every tensor is a value).
+IDENTITY_OPS = {
+    "aten.clone.default", "aten.alias.default", "aten.lift_fresh_copy.default",
+    "aten.detach.default",
+}
+
+# Frontend drops these: they assert facts kiln checks itself.
+ASSERT_OPS = {
+    "aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
+    "aten.sym_constrain_range_for_size.default", "aten._assert_async.msg",
+    "aten.sym_constrain_range.default",
+}
+
+# Functional scatter -> the in-place op that writes the destination's own storage.
+INPLACE_OF = {
+    "aten.index_put.default": "aten.index_put_.default",
+    "aten.index_copy.default": "aten.index_copy_.default",
+    "aten.scatter.src": "aten.scatter_.src",
+    "aten.scatter.value": "aten.scatter_.value",
+    "aten.scatter_add.default": "aten.scatter_add_.default",
+    "aten.index_add.default": "aten.index_add_.default",
+    "aten.copy.default": "aten.copy_.default",
+}
+
+
+def op_name(target) -> str:
+    """The stable string name of an FX call target ('aten.mul.Tensor', 'getitem')."""
+    if target is operator.getitem:
+        return "getitem"
+    return str(target)
+
+
+def category(name: str) -> OpCategory | None:
+    if name == "getitem":
+        return OpCategory.TUPLE
+    return _TABLE.get(name)
+
+
+def resolve(name: str):
+    """The callable for an op name: torch.ops.aten.<op>.<overload>, or operator.getitem."""
+    if name == "getitem":
+        return operator.getitem
+    ns, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, ns), op), overload)
+
+
+def reduction_dims(name: str, args: tuple, kwargs: dict, rank: int) -> tuple[int, ...]:
+    """Which input axes an op of category REDUCTION reduces (normalised, sorted)."""
+    if name in ("aten._softmax.default", "aten._log_softmax.default"):
+        dims = [args[1]]
+    elif name == "aten.native_layer_norm.default":
+        dims = list(range(rank - len(args[1]), rank))
+    elif name.endswith(".default") and len(args) < 2 and "dim" not in kwargs:
+        dims = list(range(rank))  # full reduction: sum.default, amax.default with dim=[]
+    else:
+        dims = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+            dims = list(range(rank))
+        elif isinstance(dims, int):
+            dims = [dims]
+    return tuple(sorted({d % rank if rank else 0 for d in dims}))

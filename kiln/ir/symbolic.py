@@ -1,0 +1,184 @@
+"""Symbolic dims with value bounds.
+
+A dim is an int or a sympy expression over the model's dynamic-dim symbols (s0, s1,
+...). Every symbol carries `Bounds` from the export's Dim(min=, max=); bounds of any
+expression follow by interval arithmetic. An upper bound of None means unbounded: a
+pass that needs a bound must fall back (mask, loop), never fail.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import sympy
+from sympy.printing.str import StrPrinter
+from torch.utils._sympy import functions as tfn
+from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
+
+Dim = int | sympy.Expr
+
+
+@dataclass(frozen=True)
+class Bounds:
+    lo: int
+    hi: int | None  # None: no upper bound
+
+    def __str__(self) -> str:
+        return f"[{self.lo}, {'inf' if self.hi is None else self.hi}]"
+
+    def contains(self, v: int) -> bool:
+        return v >= self.lo and (self.hi is None or v <= self.hi)
+
+    def to_json(self) -> dict:
+        return {"min": self.lo, "max": self.hi}
+
+    @staticmethod
+    def from_json(d: Mapping) -> Bounds:
+        return Bounds(int(d["min"]), None if d["max"] is None else int(d["max"]))
+
+
+def symbol(name: str) -> sympy.Symbol:
+    # export's size symbols are positive integers; matching assumptions keeps
+    # parsed expressions equal to the ones torch produced.
+    return sympy.Symbol(name, integer=True, positive=True)
+
+
+def as_dim(x) -> Dim:
+    """A torch SymInt / sympy expr / int as a kiln Dim (an int whenever it is constant)."""
+    if hasattr(x, "node") and hasattr(x.node, "expr"):  # torch.SymInt
+        x = x.node.expr
+    if isinstance(x, sympy.Expr):
+        return int(x) if x.is_Integer else x
+    return int(x)
+
+
+def is_static(d: Dim) -> bool:
+    return isinstance(d, int)
+
+
+def numel(shape) -> Dim:
+    n: Dim = 1
+    for d in shape:
+        n = n * d
+    return as_dim(n) if not isinstance(n, int) else n
+
+
+def bounds_of(expr: Dim, symbols: Mapping[str, Bounds]) -> Bounds:
+    """Interval bounds of a dim expression given each symbol's bounds."""
+    if isinstance(expr, int):
+        return Bounds(expr, expr)
+    ranges = {}
+    for s in expr.free_symbols:
+        b = symbols.get(s.name)
+        if b is None:
+            ranges[s] = ValueRanges(0, sympy.oo)
+        else:
+            ranges[s] = ValueRanges(b.lo, sympy.oo if b.hi is None else b.hi)
+    vr = bound_sympy(expr, ranges)
+    lo = int(vr.lower) if vr.lower.is_Integer else 0
+    hi = int(vr.upper) if vr.upper.is_Integer else None
+    return Bounds(lo, hi)
+
+
+def upper_bound(expr: Dim, symbols: Mapping[str, Bounds]) -> int | None:
+    return bounds_of(expr, symbols).hi
+
+
+def evaluate(expr: Dim, env: Mapping[str, int]) -> int:
+    if isinstance(expr, int):
+        return expr
+    return compile_expr(expr)(env)
+
+
+class _Printer(StrPrinter):
+    """Prints torch's integer functions by name so `parse` reads them back exactly."""
+
+    def _print_FloorDiv(self, e):
+        return f"FloorDiv({self._print(e.args[0])}, {self._print(e.args[1])})"
+
+    def _print_CeilDiv(self, e):
+        return f"CeilDiv({self._print(e.args[0])}, {self._print(e.args[1])})"
+
+    def _print_ModularIndexing(self, e):
+        return "ModularIndexing(" + ", ".join(self._print(a) for a in e.args) + ")"
+
+    def _print_PythonMod(self, e):
+        return f"PythonMod({self._print(e.args[0])}, {self._print(e.args[1])})"
+
+
+class _PyPrinter(StrPrinter):
+    """Prints a dim expression as Python integer arithmetic over a dict `env`."""
+
+    def _print_Symbol(self, e):
+        return f"env[{e.name!r}]"
+
+    def _print_FloorDiv(self, e):
+        return f"(({self._print(e.args[0])}) // ({self._print(e.args[1])}))"
+
+    def _print_CeilDiv(self, e):
+        return f"(-((-({self._print(e.args[0])})) // ({self._print(e.args[1])})))"
+
+    def _print_ModularIndexing(self, e):
+        a, b, c = (self._print(x) for x in e.args)
+        return f"((({a}) // ({b})) % ({c}))"
+
+    def _print_Mod(self, e):
+        return f"(({self._print(e.args[0])}) % ({self._print(e.args[1])}))"
+
+    _print_PythonMod = _print_Mod
+
+    def _print_Max(self, e):
+        return "max(" + ", ".join(self._print(a) for a in e.args) + ")"
+
+    def _print_Min(self, e):
+        return "min(" + ", ".join(self._print(a) for a in e.args) + ")"
+
+    def _print_PowByNatural(self, e):
+        return f"(({self._print(e.args[0])}) ** ({self._print(e.args[1])}))"
+
+    def _print_Pow(self, e):
+        return f"(({self._print(e.base)}) ** ({self._print(e.exp)}))"
+
+    def _print_Rational(self, e):
+        return f"({e.p} / {e.q})"
+
+
+def to_str(expr: Dim) -> str:
+    """Exact text form of a dim, for manifests and IR dumps; `parse` inverts it."""
+    return str(expr) if isinstance(expr, int) else _Printer().doprint(expr)
+
+
+_PARSE_FUNCS = {
+    "FloorDiv": tfn.FloorDiv,
+    "CeilDiv": tfn.CeilDiv,
+    "ModularIndexing": tfn.ModularIndexing,
+    "PythonMod": tfn.PythonMod,
+    "Mod": tfn.Mod,
+    "Max": tfn.Max,
+    "Min": tfn.Min,
+}
+
+
+@functools.lru_cache(maxsize=4096)
+def parse(text: str) -> Dim:
+    text = text.strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    expr = sympy.sympify(text, locals=dict(_PARSE_FUNCS))
+    expr = expr.subs({s: symbol(s.name) for s in expr.free_symbols})
+    return as_dim(expr)
+
+
+@functools.lru_cache(maxsize=4096)
+def compile_expr(expr: sympy.Expr):
+    """A fast callable env -> int for a dim expression (used on every call at run time)."""
+    code = _PyPrinter().doprint(expr)
+    fn = eval(f"lambda env: int({code})", {"max": max, "min": min})  # noqa: S307
+    fn.__doc__ = code
+    return fn
+
+
+def shape_str(shape) -> str:
+    return "[" + ", ".join(to_str(d) for d in shape) + "]"

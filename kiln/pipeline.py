@@ -1,0 +1,121 @@
+"""The pass manager: named stages of passes, verification after every pass, IR dumps.
+
+A pass is a function IR -> IR with a name. A pass may declare invariants it
+*establishes*; from then on the verifier checks them after every later pass, so the
+pass that breaks one is named in the error (IREE-style). `KILN_DUMP_IR=<dir>` writes
+the printed IR after each pass; `compile_to=<stage>` stops after that stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import KilnError, VerifierError
+from kiln.ir.printer import print_ir
+from kiln.ir.verify import verify
+from kiln.progress import progress
+
+log = logging.getLogger("kiln.pipeline")
+
+STAGES = ("import", "graph", "parallel", "dispatch", "codegen", "schedule")
+
+
+@dataclass
+class Pass:
+    name: str
+    fn: Callable[[Any, Context], Any]
+    establishes: tuple[str, ...] = ()
+
+    def __call__(self, ir, ctx):
+        return self.fn(ir, ctx)
+
+
+@dataclass
+class Stage:
+    name: str
+    passes: list[Pass]
+
+
+@dataclass
+class Context:
+    """What every pass may read: the target, options, and a place for notes."""
+
+    target: Any
+    options: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def as_pass(fn=None, *, name: str | None = None, establishes: tuple[str, ...] = ()):
+    """Decorator: make `fn(ir, ctx) -> ir` a Pass named after its module."""
+
+    def wrap(f):
+        return Pass(name or f.__module__.rsplit(".", 1)[-1], f, establishes)
+
+    return wrap(fn) if fn is not None else wrap
+
+
+class PassManager:
+    def __init__(self, stages: list[Stage], dump_dir: str | None = None, verify_ir: bool = True):
+        names = [s.name for s in stages]
+        unknown = [n for n in names if n not in STAGES]
+        if unknown:
+            raise ValueError(f"unknown stages {unknown}")
+        self.stages = stages
+        self.dump_dir = Path(dump_dir) if dump_dir else _env_dump_dir()
+        self.verify_ir = verify_ir
+        self.invariants: set[str] = set()
+
+    def run(self, ir, ctx: Context, compile_to: str | None = None):
+        if compile_to is not None and compile_to not in STAGES:
+            raise KilnError(
+                f"unknown stage {compile_to!r} for compile_to",
+                hint="choose one of: " + ", ".join(STAGES),
+            )
+        total = sum(len(s.passes) for s in self.stages)
+        step = 0
+        with progress(total=total, desc="kiln compile", unit="pass") as bar:
+            for stage in self.stages:
+                for p in stage.passes:
+                    step += 1
+                    bar.set_postfix_str(f"{stage.name}/{p.name}")
+                    t0 = time.perf_counter()
+                    ir = p(ir, ctx)
+                    ctx.timings[f"{stage.name}/{p.name}"] = time.perf_counter() - t0
+                    self.invariants.update(p.establishes)
+                    self._check(ir, stage, p)
+                    self._dump(ir, step, stage, p)
+                    bar.update(1)
+                if stage.name == compile_to:
+                    break
+        return ir
+
+    def _check(self, ir, stage: Stage, p: Pass) -> None:
+        if not self.verify_ir:
+            return
+        problems = verify(ir, self.invariants)
+        if problems:
+            raise VerifierError(
+                f"IR verification failed after pass {stage.name}/{p.name}: " + problems[0],
+                where=f"pass {stage.name}/{p.name}",
+                hint="this is a kiln bug; rerun with KILN_DUMP_IR=<dir> and report the dumps. "
+                + (f"({len(problems) - 1} more problems)" if len(problems) > 1 else ""),
+            )
+
+    def _dump(self, ir, step: int, stage: Stage, p: Pass) -> None:
+        if self.dump_dir is None:
+            return
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        path = self.dump_dir / f"{step:02d}-{stage.name}-{p.name}.txt"
+        path.write_text(print_ir(ir))
+
+
+def _env_dump_dir() -> Path | None:
+    d = os.environ.get("KILN_DUMP_IR")
+    return Path(d) if d else None

@@ -1,0 +1,63 @@
+"""A Program runs a kernel plan: bind sizes, lay out the arena, launch regions in order.
+
+Inputs are checked first (guards), so a bad call fails before any kernel runs and
+no state (KV cache) is half-updated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.codegen.kernel_plan import KernelPlan
+from kiln.ir.plan import Role
+from kiln.ir.symbolic import evaluate
+from kiln.runtime.guards import bind_symbols
+from kiln.runtime.memory_plan import Arena, MemoryPlan
+
+
+class Program:
+    def __init__(self, kplan: KernelPlan, mem: MemoryPlan):
+        self.kplan = kplan
+        self.plan = kplan.plan
+        self.mem = mem
+        self.device = torch.device(kplan.target.torch_device)
+        self.arena = Arena(mem, self.plan, self.device)
+        self._steps = [(r, kplan.kernels[r.name]) for r in self.plan.regions]
+        self._weights = {n: v.target for n, v in self.plan.values.items()
+                         if v.role in (Role.WEIGHT, Role.STATE)}
+
+    def bind(self, args, names=None) -> dict[str, int]:
+        return bind_symbols(self.plan, args, self.device.type, names)
+
+    def run(self, args: list[torch.Tensor], state: dict[str, torch.Tensor],
+            env: dict[str, int] | None = None) -> list[torch.Tensor]:
+        if env is None:
+            env = self.bind(args)
+        values: dict[str, torch.Tensor] = {n: state[t] for n, t in self._weights.items()}
+        values.update(zip(self.plan.user_inputs, args))
+        planned = self.arena.views(env)
+        for region, kernel in self._steps:
+            outs = {}
+            for o in region.outputs:
+                if o in region.inplace:
+                    outs[o] = values[region.inplace[o]]
+                elif o in planned:
+                    outs[o] = planned[o]
+                else:
+                    v = self.plan.values[o]
+                    outs[o] = torch.empty([evaluate(d, env) for d in v.shape], dtype=v.dtype,
+                                          device=self.device)
+            kernel.run({i: values[i] for i in region.inputs}, outs, env)
+            values.update(outs)
+        for target, v in self.plan.state_writes.items():
+            state[target].copy_(values[v])
+        return [values[o] for o in self.plan.outputs]
+
+    def describe(self) -> str:
+        lines = [self.kplan.describe().rstrip(), "memory slots:"]
+        for i, s in enumerate(self.mem.slots):
+            lines.append(f"  slot {i}: " + ", ".join("%" + v for v in s.values))
+        return "\n".join(lines) + "\n"
+
+    def verify(self) -> list[str]:
+        return self.kplan.verify()

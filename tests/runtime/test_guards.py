@@ -1,0 +1,98 @@
+"""Bad calls of a compiled module: each a KilnError naming the offending thing."""
+
+import pytest
+import torch
+
+import kiln
+from kiln.errors import ArgumentError, DeviceError, DTypeError, ShapeError
+
+
+class Scale(torch.nn.Module):
+    def forward(self, x, y):
+        return x * 2 + y.sum(-1, keepdim=True)
+
+
+@pytest.fixture(scope="module")
+def exe():
+    T = kiln.Dim("T", min=2, max=16)
+    args = (torch.randn(4, 8), torch.randn(4, 3))
+    return kiln.compile(Scale(), args, dynamic_shapes=({0: T}, {0: T}))
+
+
+def test_good_call_in_bounds(exe):
+    for t in (2, 9, 16):
+        x, y = torch.randn(t, 8), torch.randn(t, 3)
+        torch.testing.assert_close(exe(x, y), x * 2 + y.sum(-1, keepdim=True))
+
+
+def test_size_above_bound_names_dim_bound_and_argument(exe):
+    with pytest.raises(ShapeError) as e:
+        exe(torch.randn(17, 8), torch.randn(17, 3))
+    msg = str(e.value)
+    assert "'x'" in msg and "17" in msg and "[2, 16]" in msg
+
+
+def test_size_below_bound(exe):
+    with pytest.raises(ShapeError, match=r"\[2, 16\]"):
+        exe(torch.randn(1, 8), torch.randn(1, 3))
+
+
+def test_static_dim_mismatch(exe):
+    with pytest.raises(ShapeError, match="dim 1"):
+        exe(torch.randn(4, 9), torch.randn(4, 3))
+
+
+def test_shared_dim_disagrees(exe):
+    with pytest.raises(ShapeError, match="already 4"):
+        exe(torch.randn(4, 8), torch.randn(5, 3))
+
+
+def test_wrong_rank(exe):
+    with pytest.raises(ShapeError, match="'y'"):
+        exe(torch.randn(4, 8), torch.randn(4, 3, 1))
+
+
+def test_wrong_dtype(exe):
+    with pytest.raises(DTypeError, match="'x'.*f64.*f32"):
+        exe(torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 3))
+
+
+def test_wrong_number_of_arguments(exe):
+    with pytest.raises(ArgumentError, match="2 positional"):
+        exe(torch.randn(4, 8))
+    with pytest.raises(ArgumentError):
+        exe(torch.randn(4, 8), torch.randn(4, 3), torch.randn(1))
+
+
+def test_not_a_tensor(exe):
+    with pytest.raises(ArgumentError, match="argument 1 must be a tensor, got list"):
+        exe(torch.randn(4, 8), [1.0, 2.0, 3.0])
+
+
+def test_wrong_device_is_named():
+    exe = kiln.compile(Scale(), (torch.randn(4, 8), torch.randn(4, 3)))
+    meta = torch.randn(4, 8, device="meta")
+    with pytest.raises(DeviceError, match="meta"):
+        exe(meta, torch.randn(4, 3))
+
+
+def test_unbounded_dim_accepts_large_sizes():
+    T = kiln.Dim("T", min=1)
+    exe = kiln.compile(Scale(), (torch.randn(4, 8), torch.randn(4, 3)),
+                       dynamic_shapes=({0: T}, {0: T}))
+    assert exe.plan.symbols[next(iter(exe.plan.symbols))].hi is None
+    x, y = torch.randn(5000, 8), torch.randn(5000, 3)
+    torch.testing.assert_close(exe(x, y), x * 2 + y.sum(-1, keepdim=True))
+
+
+def test_bad_call_leaves_state_untouched():
+    """A rejected call runs nothing: the KV cache is not half-updated."""
+    from kiln.models.llama import example_inputs, tiny_llama
+
+    model = tiny_llama()
+    args, dynamic = example_inputs(model.cfg, seq_len=4)
+    exe = kiln.compile(model, args, dynamic_shapes=dynamic)
+    before = [b.clone() for b in model.buffers()]
+    with pytest.raises(ShapeError):
+        exe(torch.zeros(1, 200, dtype=torch.long), torch.arange(200))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
