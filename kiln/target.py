@@ -26,17 +26,24 @@ class Target:
 
     @property
     def is_gpu(self) -> bool:
+        return self.backend in ("cuda", "hip")
+
+    @property
+    def uses_triton(self) -> bool:
+        """Regions become Triton kernels (on a GPU, or run by Triton's interpreter)."""
         return self.backend != "cpu"
 
     @property
     def torch_device(self) -> str:
         """The torch device type tensors live on for this target (ROCm torch says 'cuda')."""
-        return "cpu" if self.backend == "cpu" else "cuda"
+        return "cuda" if self.is_gpu else "cpu"
 
     def triton_target(self):
         """Triton's GPUTarget, for compiling without (or with) the GPU present."""
         from triton.backends.compiler import GPUTarget
 
+        if self.backend == "interpret":
+            return GPUTarget("cuda", self.arch, self.warp_size)  # kernels are sm_90's
         if not self.is_gpu:
             raise TargetError(f"target {self.name} has no Triton backend")
         return GPUTarget(self.backend, self.arch, self.warp_size)
@@ -67,6 +74,9 @@ TARGETS: dict[str, Target] = {
     "cuda:sm_89": _cuda(89, 99),  # L4, L40, RTX 40xx
     "cuda:sm_90": _cuda(90, 227),  # H100, H200
     "cuda:sm_100": _cuda(100, 227),  # B200
+    # The sm_90 kernels, run by Triton's interpreter on CPU tensors: for testing
+    # generated code on a machine without a GPU (slow; keep shapes tiny).
+    "interpret": Target("interpret", "interpret", 90, 32, 227 * KiB, 255, 64 * KiB, 1024),
     # MI300X: 64 KiB of LDS per workgroup; 512 VGPRs per lane (256 arch + 256 acc).
     "rocm:gfx942": Target("rocm:gfx942", "hip", "gfx942", 64, 64 * KiB, 512, 128 * KiB, 1024),
 }

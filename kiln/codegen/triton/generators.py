@@ -1,0 +1,1 @@
+"""Imports every region generator so each registers itself with select_kernels."""

@@ -1,0 +1,70 @@
+"""TritonKernel: a region's generated kernel at its chosen config, ready to launch.
+
+On a GPU it launches the compiled binary (no JIT, so a loaded artifact never
+recompiles); on the `interpret` target it runs the same source through Triton's
+interpreter on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.codegen.triton.compiler import Binary
+from kiln.codegen.triton.source import load_kernel
+from kiln.codegen.triton.spec import Config, KernelSpec
+from kiln.ir.plan import Region
+from kiln.ir.symbolic import evaluate
+
+
+class TritonKernel:
+    kind = "triton"
+
+    def __init__(self, region: Region, spec: KernelSpec, config: Config,
+                 binary: Binary | None = None, interpret: bool = False):
+        self.region = region
+        self.spec = spec
+        self.config = config
+        self.binary = binary
+        self.interpret = interpret
+        self._tunables = [config[t] for t in spec.tunables]
+        self._fn = load_kernel(spec.source, spec.name, interpret=True) if interpret else None
+        if not interpret and binary is None:
+            raise ValueError(f"kernel {spec.name} needs a compiled binary to run on a GPU")
+
+    def _args(self, inputs, outs, env):
+        args, sizes = [], {}
+        for a in self.spec.args:
+            if a.kind == "tensor":
+                t = outs[a.value] if a.value in outs else inputs[a.value]
+                if a.value not in outs and (not t.is_contiguous() or t.data_ptr() % 16):
+                    t = t.contiguous().clone()  # kernels assume dense, 16-byte-aligned inputs
+                args.append(t)
+            elif a.kind == "size":
+                v = evaluate(a.expr, env)
+                sizes[a.name] = v
+                args.append(v)
+            else:
+                args.append(a.expr)
+        return args + self._tunables, sizes
+
+    def run(self, inputs: dict[str, torch.Tensor], outs: dict[str, torch.Tensor],
+            env: dict[str, int]) -> None:
+        args, sizes = self._args(inputs, outs, env)
+        grid = self.spec.grid_for(sizes, self.config)
+        if 0 in grid:
+            return
+        if self.interpret:
+            self._fn[grid](*args, num_warps=self.config.num_warps,
+                           num_stages=self.config.num_stages)
+        else:
+            self.binary.kernel()[grid](*args)
+
+    def describe(self) -> str:
+        res = self.binary.resources if self.binary else None
+        head = f"triton {self.spec.template} kernel {self.spec.name} [{self.config}]"
+        if res is not None:
+            head += (f" shared={res.shared}B regs={res.registers} spills={res.spills}")
+        return head + "\n" + self.spec.source
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "spec": self.spec.to_json(), "config": self.config.to_json()}

@@ -1,0 +1,160 @@
+"""A generated Triton kernel, independent of the config it will run with.
+
+A `KernelSpec` is readable Triton source plus how to call it: which region values
+its pointer arguments are, which size expressions its integer arguments are, the
+grid as expressions over those sizes and the tunable constexprs, and the candidate
+`Config`s. Generators (pointwise, reduction) and templates (matmul, attention) all
+produce KernelSpecs; the autotuner, the resource model and the runtime consume them.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+import triton
+
+from kiln.ir.symbolic import Dim, parse, to_str
+
+TRITON_DTYPES = {
+    torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+    torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32", torch.int16: "i16",
+    torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
+}
+_DTYPE_NAMES = {str(d).replace("torch.", ""): d for d in TRITON_DTYPES}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of a kernel's config space: tunable constexprs, warps, pipeline stages."""
+
+    params: tuple[tuple[str, int], ...] = ()
+    num_warps: int = 4
+    num_stages: int = 1
+
+    @staticmethod
+    def make(num_warps: int = 4, num_stages: int = 1, **params) -> Config:
+        return Config(tuple(sorted(params.items())), num_warps, num_stages)
+
+    def __getitem__(self, name: str) -> int:
+        return dict(self.params)[name]
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.params)
+
+    def __str__(self) -> str:
+        ps = ",".join(f"{k}={v}" for k, v in self.params)
+        return f"{ps}{',' if ps else ''}warps={self.num_warps},stages={self.num_stages}"
+
+    def to_json(self) -> dict:
+        return {"params": dict(self.params), "num_warps": self.num_warps,
+                "num_stages": self.num_stages}
+
+    @staticmethod
+    def from_json(d: dict) -> Config:
+        return Config.make(d["num_warps"], d["num_stages"], **d["params"])
+
+
+@dataclass
+class KernelArg:
+    """One runtime argument of the kernel, in parameter order."""
+
+    name: str
+    kind: str  # "tensor" | "size" | "constexpr"
+    value: str | None = None  # tensor: the region input/output value it points at
+    expr: Dim | float | bool | None = None  # size: dim expression; constexpr: the value
+    dtype: torch.dtype | None = None  # tensor: element type
+
+    def triton_type(self, index_bits: int = 32) -> str:
+        if self.kind == "tensor":
+            return "*" + TRITON_DTYPES[self.dtype]
+        if self.kind == "size":
+            return "i64" if index_bits == 64 else "i32"
+        return "constexpr"
+
+    def to_json(self) -> dict:
+        d = {"name": self.name, "kind": self.kind}
+        if self.value is not None:
+            d["value"] = self.value
+        if self.dtype is not None:
+            d["dtype"] = str(self.dtype).replace("torch.", "")
+        if self.expr is not None:
+            d["expr"] = to_str(self.expr) if self.kind == "size" else self.expr
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> KernelArg:
+        expr = d.get("expr")
+        if d["kind"] == "size" and expr is not None:
+            expr = parse(expr)
+        dtype = _DTYPE_NAMES[d["dtype"]] if "dtype" in d else None
+        return KernelArg(d["name"], d["kind"], d.get("value"), expr, dtype)
+
+
+@dataclass
+class KernelSpec:
+    name: str  # the @triton.jit function's name in `source`
+    source: str  # a whole Python module: imports + the kernel
+    args: list[KernelArg]  # parameters in order, before the tunables
+    tunables: list[str]  # constexpr parameters set by a Config, after `args`
+    grid: tuple[str, ...]  # Python expressions over size-arg names, tunables and cdiv
+    configs: list[Config]  # the candidates the autotuner may try
+    default: Config  # the heuristic choice (tune=none)
+    template: str  # "pointwise", "reduction", "matmul", "attention": picks the resource model
+    meta: dict = field(default_factory=dict)  # template parameters (tile shapes, dtypes, ...)
+    index_bits: int = 32  # 64 when some size may exceed 2**31 - 1
+
+    @property
+    def source_hash(self) -> str:
+        fixed = repr([(a.name, a.kind, a.expr if a.kind == "constexpr" else None,
+                       str(a.dtype)) for a in self.args])
+        return hashlib.sha256((self.source + fixed).encode()).hexdigest()[:24]
+
+    def signature(self) -> dict[str, str]:
+        sig = {a.name: a.triton_type(self.index_bits) for a in self.args}
+        sig.update({t: "constexpr" for t in self.tunables})
+        return sig
+
+    def constexprs(self, config: Config) -> dict[str, object]:
+        out = {a.name: a.expr for a in self.args if a.kind == "constexpr"}
+        out.update(config.as_dict())
+        return out
+
+    def pointer_indices(self) -> list[int]:
+        return [i for i, a in enumerate(self.args) if a.kind == "tensor"]
+
+    def grid_for(self, sizes: dict[str, int], config: Config) -> tuple[int, ...]:
+        return _grid_fn(self.grid)({**sizes, **config.as_dict()})
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name, "source": self.source,
+            "args": [a.to_json() for a in self.args], "tunables": list(self.tunables),
+            "grid": list(self.grid), "configs": [c.to_json() for c in self.configs],
+            "default": self.default.to_json(), "template": self.template, "meta": self.meta,
+            "index_bits": self.index_bits,
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> KernelSpec:
+        return KernelSpec(
+            d["name"], d["source"], [KernelArg.from_json(a) for a in d["args"]],
+            list(d["tunables"]), tuple(d["grid"]), [Config.from_json(c) for c in d["configs"]],
+            Config.from_json(d["default"]), d["template"], dict(d.get("meta", {})),
+            d.get("index_bits", 32),
+        )
+
+
+_SCOPE = {"cdiv": triton.cdiv, "max": max, "min": min, "int": int, "__builtins__": {}}
+
+
+@functools.lru_cache(maxsize=1024)
+def _grid_code(grid: tuple[str, ...]):
+    return compile("(" + ", ".join(f"int({g})" for g in grid) + ",)", "<grid>", "eval")
+
+
+def _grid_fn(grid: tuple[str, ...]):
+    code = _grid_code(grid)
+    return lambda env: eval(code, _SCOPE, env)  # noqa: S307 - kiln's own expressions
