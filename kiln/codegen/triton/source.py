@@ -4,6 +4,9 @@ Triton reads a kernel's source through `inspect`, so generated code is written t
 real file (KILN_CACHE_DIR/kernels/<hash>.py) and imported. With `interpret=True` the
 module is imported with TRITON_INTERPRET=1, which makes `@triton.jit` build an
 interpreter function that runs on CPU tensors (tests, and the `interpret` target).
+Triton's own jit'd library functions (tl.max, tl.sum, tl.zeros, ...) were built when
+triton was imported, without the interpreter; while an interpreted kernel runs they
+are swapped for interpreted twins (`_interpreted_stdlib`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import hashlib
 import importlib.util
 import os
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 _lock = threading.Lock()
@@ -55,4 +59,50 @@ def load_kernel(source: str, name: str, interpret: bool = False):
                 else:
                     os.environ["TRITON_INTERPRET"] = old
             _modules[key] = module
-    return getattr(module, name)
+    fn = getattr(module, name)
+    return _Interpreted(fn) if interpret else fn
+
+
+class _Interpreted:
+    """An interpreter kernel launched as `fn[grid](*args)`, with the stdlib interpretable."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            with _interpreted_stdlib():
+                return self.fn[grid](*args, **kwargs)
+
+        return launch
+
+
+_twins: dict[int, object] = {}
+
+
+@contextmanager
+def _interpreted_stdlib():
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    try:  # imported lazily by the launcher; it must see the real jit functions
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError:
+        pass
+    modules = [tl, tl.core, tl.standard, tl.math]
+    saved = []
+    with _lock:
+        try:
+            for mod in modules:
+                for attr, val in list(vars(mod).items()):
+                    if isinstance(val, JITFunction):
+                        twin = _twins.get(id(val))
+                        if twin is None:
+                            twin = _twins[id(val)] = InterpretedFunction(val.fn)
+                        saved.append((mod, attr, val))
+                        setattr(mod, attr, twin)
+            yield
+        finally:
+            for mod, attr, val in saved:
+                setattr(mod, attr, val)
