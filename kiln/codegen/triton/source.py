@@ -15,7 +15,7 @@ import hashlib
 import importlib.util
 import os
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 _lock = threading.Lock()
@@ -86,10 +86,8 @@ def _interpreted_stdlib():
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    try:  # imported lazily by the launcher; it must see the real jit functions
+    with suppress(ImportError):  # imported lazily by the launcher: let it see the originals
         import triton.experimental.gluon  # noqa: F401
-    except ImportError:
-        pass
     modules = [tl, tl.core, tl.standard, tl.math]
     saved = []
     with _lock:
