@@ -139,15 +139,16 @@ def test_abort_is_quarantined_and_never_retried(compiles):
 
 def test_hang_times_out_and_is_quarantined(compiles):
     spec = add_spec(W8, [W4])
-    kernel, _ = tune(spec, compiler="compile_hang_on_8_warps", tune="full", tune_timeout=3)
-    assert kernel.config == W4
+    with pytest.warns(TuningWarning, match="hang"):  # tune=none: the hanging default only
+        kernel, _ = tune(spec, compiler="compile_hang_on_8_warps", tune="none",
+                         tune_timeout=3)
+    assert isinstance(kernel, TorchKernel)
     hang = Quarantine().get(FailureKey.of(spec, W8, get_target("cuda:sm_90")))
     assert hang.kind == "hang" and "3 s" in hang.reason
 
-    forget_choices()
-    kernel, region = tune(spec, compiler="compile_hang_on_8_warps", tune="full",
-                          tune_timeout=3)
-    assert kernel.config == W4 and compiles() == [f"add {W8}", f"add {W4}", f"add {W4}"]
+    kernel, region = tune(spec, compiler="compile_hang_on_8_warps", tune="full")
+    assert kernel.config == W4 and compiles() == [f"add {W8}", f"add {W4}"]
+    assert "quarantined" in region.notes[-1]
 
 
 def test_every_config_fails_falls_back_to_extern_with_a_warning(compiles):
@@ -167,6 +168,21 @@ def test_every_config_fails_falls_back_to_extern_with_a_warning(compiles):
     with pytest.warns(TuningWarning, match="planted compiler error"):
         tune(spec, "rocm:gfx942", "compile_abort_8_error_2", tune="full")
     assert compiles()[3:] == [f"transpose {error}"]
+
+
+def test_no_worker_can_start_fails_the_kernel_not_its_configs(compiles, monkeypatch):
+    from kiln.codegen.autotune import workers
+
+    pool = workers.WorkerPool(2)
+    monkeypatch.setattr(workers, "_pool", pool)
+    monkeypatch.setattr(workers.sys, "executable", "/bin/false")  # every start fails
+    spec = add_spec(W4, [W8_BIG])
+    with pytest.warns(TuningWarning, match="no_worker: worker exited with status 1"):
+        kernel, _ = tune(spec, tune="full")
+    assert isinstance(kernel, TorchKernel) and pool.start_error
+    assert Quarantine().all() == [] and compiles() == []
+    assert pool.workers_started == 2 and pool.jobs_sent == 0  # gave up, no start loop
+    assert pool.workers == []
 
 
 def test_cache_makes_a_second_tuning_do_nothing(compiles):

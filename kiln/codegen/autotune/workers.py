@@ -66,17 +66,25 @@ class _Worker:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (_KILN_ROOT, env.get("PYTHONPATH")) if p)
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kiln.codegen.autotune.worker",
-                 str(child_reads), str(child_writes)],
-                pass_fds=(child_reads, child_writes), stdin=subprocess.DEVNULL,
-                stdout=log, stderr=log, env=env, start_new_session=True)
-        os.close(child_reads)
-        os.close(child_writes)
+        try:
+            with open(self.log, "ab") as log:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "kiln.codegen.autotune.worker",
+                     str(child_reads), str(child_writes)],
+                    pass_fds=(child_reads, child_writes), stdin=subprocess.DEVNULL,
+                    stdout=log, stderr=log, env=env, start_new_session=True)
+        except OSError:
+            for fd in (parent_reads, parent_writes):
+                os.close(fd)
+            Path(self.log).unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(child_reads)
+            os.close(child_writes)
         self.outbox = Connection(parent_writes, readable=False)
         self.inbox = Connection(parent_reads, writable=False)
-        self.outbox.send({"sys_path": [p for p in sys.path if isinstance(p, str)]})
+        with contextlib.suppress(OSError):  # died at once: seen as EOF while starting
+            self.outbox.send({"sys_path": [p for p in sys.path if isinstance(p, str)]})
         self.ready = False
         self.deadline = time.monotonic() + STARTUP_TIMEOUT
         self.job: tuple[int, int] | None = None  # (job index, job id) in flight
@@ -144,6 +152,7 @@ class WorkerPool:
         self.workers_started = 0  # processes started over the pool's life
         self.jobs_sent = 0  # jobs handed to a worker over the pool's life
         self.start_error: str | None = None  # set once no worker could start
+        self._start_failures = 0  # since a worker last became ready
 
     def run(self, jobs: list[Job], timeout: float,
             want_more: Callable[[], bool] = lambda: True) -> Iterator[tuple[int, Outcome]]:
@@ -190,6 +199,8 @@ class WorkerPool:
                 busy[self.jobs_sent] = w
 
     def _grow(self, queued: int) -> None:
+        if self._start_failures and self.workers:
+            return  # a start failed: start no more until one of those starting is ready
         idle_or_starting = sum(1 for w in self.workers if not w.job)
         want = min(self.size - len(self.workers), queued - idle_or_starting)
         for _ in range(max(0, want)):
@@ -238,6 +249,7 @@ class WorkerPool:
             return
         if msg.get("status") == "ready":
             w.ready = True
+            self._start_failures = 0
             return
         index, job_id = w.job
         busy.pop(job_id, None)
@@ -253,10 +265,12 @@ class WorkerPool:
     def _start_failed(self, w: _Worker, why: str) -> None:
         """A worker died or stalled before it was ready: a broken environment, not a config.
 
-        When no other worker is alive the pool gives up for good (start_error), so that
-        every later job fails at once with NO_WORKER instead of each paying a start-up.
+        No replacement starts until another worker proves the environment works; when
+        none is left the pool gives up for good (start_error): every later job fails
+        at once with NO_WORKER instead of each paying for another start.
         """
         self._drop(w, kill=True)
+        self._start_failures += 1
         if not self.workers:
             self.start_error = why
 
