@@ -60,7 +60,7 @@ def test_spec_json_roundtrip():
     spec = axpy_spec()
     again = KernelSpec.from_json(spec.to_json())
     assert again.source_hash == spec.source_hash
-    assert again.grid_for({"n": 3000}, again.configs[0]) == (3,)
+    assert again.grid_for({"n": 3000}, again.configs[0]) == (3, 1, 1)
 
 
 def test_interpreter_runs_kernel_with_tail():
