@@ -1,11 +1,14 @@
 """The matmul template: a region's mm / bmm / addmm as a tiled Triton kernel.
 
-Operands are read through their views as strided maps, so a linear layer's weight,
-which arrives as permute(W) of an [N, K] parameter, is read in place with B's
-strides swapped (never copied). Tiles accumulate in fp32; fp16/bf16 inputs use the
-tensor cores, fp32 inputs use exact ("ieee") products so results match eager to
-1e-5. addmm's bias and scalars are applied in the kernel, then the region's
-epilogue (the ops after the product) before the single store.
+Operands are read through their views by the emitter's index maps, so a linear
+layer's weight, which arrives as permute(W) of an [N, K] parameter, is read in place
+(`B[k, n]` at `W + n * K + k`, never copied), and attention's [B, H, T, D] output
+viewed as o_proj's [B*T, H*D] input is read where it lies. Tiles accumulate in fp32;
+fp16/bf16 inputs use the tensor cores, fp32 inputs exact ("ieee") products so results
+match eager to 1e-5. addmm's bias and scalars are applied in the kernel; the product
+is rounded to its dtype, as eager does, and the region's epilogue (the ops after the
+product: bias, activation, residual, cast, SwiGLU's silu * mul) is computed by the
+emitter at the tile before the single store.
 
 When the M dimension's upper bound is small (decode: M = batch) the region gets a
 GEMV form instead: each program owns BLOCK_N output columns for every row and
@@ -20,10 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from kiln.codegen.select_kernels import register
-from kiln.codegen.triton import epilogue, strided
-from kiln.codegen.triton.params import Params, extent, offset_code
+from kiln.codegen.triton.emit import TL, Cond, Emitter, Val, mask_of, module_source
+from kiln.codegen.triton.indexing import Lin, Var, broadcast_index, reshape_index
+from kiln.codegen.triton.params import Params
 from kiln.codegen.triton.spec import Config, KernelSpec
-from kiln.ir.plan import DispatchPlan, Region, RegionKind
+from kiln.codegen.triton.views import CodegenUnsupported
+from kiln.ir.plan import DispatchPlan, Ref, Region, RegionKind
 from kiln.ir.symbolic import Dim, bounds_of
 from kiln.target import Target
 
@@ -44,23 +49,27 @@ _GEMV = [  # (BLOCK_N, BLOCK_K, warps, stages)
 ]
 
 
+def dot_operand(code: str, dtype: torch.dtype, target: Target) -> str:
+    """A tl.dot operand; Triton's interpreter multiplies bf16's raw bits, so there it is
+    widened to fp32 first (exact: the products of bf16 values fit fp32)."""
+    if dtype == torch.bfloat16 and target.backend == "interpret":
+        return f"{code}.to(tl.float32)"
+    return code
+
+
 @dataclass
 class MatmulShape:
-    a: strided.Strided  # [batch, M, K]
-    b: strided.Strided  # [batch, K, N]
-    bias: strided.Strided | None  # addmm's input, broadcast to [1, M, N]
+    a: str  # the product's operands: names of region values / ops
+    b: str
+    bias: Ref | None  # addmm's input (broadcast to [M, N])
     alpha: float
     beta: float
+    batched: bool  # bmm: operands [batch, M, K] x [batch, K, N]
     batch: Dim
     m: Dim
     n: Dim
     k: Dim
-    dtype: torch.dtype  # of the operands
-    out: epilogue.Epilogue  # how the product becomes the region's output
-
-
-def _batched(op: strided.Strided) -> strided.Strided:
-    return op if op.rank == 3 else op.with_rank(3)
+    dtype: torch.dtype  # of the operands and the product
 
 
 def analyse(region: Region, plan: DispatchPlan) -> MatmulShape | None:
@@ -69,41 +78,26 @@ def analyse(region: Region, plan: DispatchPlan) -> MatmulShape | None:
         return None
     addmm = anchor.target == "aten.addmm.default"
     a_ref, b_ref = anchor.args[1:3] if addmm else anchor.args[:2]
-    a = strided.resolve(region, a_ref, plan.values)
-    b = strided.resolve(region, b_ref, plan.values)
-    if a is None or b is None:
+    if not (isinstance(a_ref, Ref) and isinstance(b_ref, Ref)):
         return None
-    if any(plan.values[x.value].dtype != anchor.dtype for x in (a, b)):
-        return None
-    a, b = _batched(a), _batched(b)
-    batch, m, k = a.shape
-    n = b.shape[2]
+    batched = anchor.target == "aten.bmm.default"
+    *lead, m, n = anchor.shape
+    k = _shape(region, plan, a_ref.name)[-1]
     bias, alpha, beta = None, 1.0, 1.0
     if addmm:
-        bias = strided.resolve(region, anchor.args[0], plan.values)
-        if bias is None or bias.rank > 2:
-            return None
-        bias = _broadcast_2d(bias.with_rank(2), m, n)
+        bias = anchor.args[0] if isinstance(anchor.args[0], Ref) else None
         if bias is None:
             return None
         alpha = float(anchor.kwargs.get("alpha", 1))
         beta = float(anchor.kwargs.get("beta", 1))
-    out = epilogue.analyse(region, anchor, plan)
-    if out is None:
-        return None
-    return MatmulShape(a, b, bias, alpha, beta, batch, m, n, k, anchor.dtype, out)
+    return MatmulShape(a_ref.name, b_ref.name, bias, alpha, beta, batched,
+                       lead[0] if batched else 1, m, n, k, anchor.dtype)
 
 
-def _broadcast_2d(op: strided.Strided, m, n) -> strided.Strided | None:
-    st = []
-    for size, stride, want in zip(op.shape, op.strides, (m, n)):
-        if strided._eq(size, want):
-            st.append(stride)
-        elif strided._eq(size, 1):
-            st.append(0)
-        else:
-            return None
-    return strided.Strided(op.value, (1, m, n), (0, *st), op.offset)
+def _shape(region: Region, plan: DispatchPlan, name: str) -> tuple:
+    if name in region.inputs:
+        return tuple(plan.values[name].shape)
+    return tuple(region.op(name).shape)
 
 
 def _pow2(n: int) -> int:
@@ -120,7 +114,7 @@ def tiled_configs(shape: MatmulShape, m_hi: int | None) -> list[Config]:
         if isinstance(shape.k, int) and bk > max(16, _pow2(shape.k)):
             continue
         out.append(Config.make(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8))
-    return out or [Config.make(4, 2, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=8)]
+    return out or [Config.make(1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=8)]
 
 
 def gemv_configs(shape: MatmulShape) -> list[Config]:
@@ -141,134 +135,169 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec |
         return None
     m_hi = bounds_of(shape.m, plan.symbols).hi
     gemv = m_hi is not None and m_hi <= GEMV_MAX_M
-    return _MatmulSource(region, plan, shape, m_hi, gemv).spec()
+    try:
+        return _MatmulSource(region, plan, target, shape, m_hi, gemv).spec()
+    except CodegenUnsupported:
+        return None
 
 
 class _MatmulSource:
-    def __init__(self, region, plan, shape: MatmulShape, m_hi, gemv: bool):
+    def __init__(self, region, plan, target, shape: MatmulShape, m_hi, gemv: bool):
         self.region, self.plan, self.s = region, plan, shape
         self.m_hi, self.gemv = m_hi, gemv
         self.p = Params(plan.symbols)
+        self.anchor = region.anchor()
+        self.tile = self._tile()
+        self.em = Emitter(region, plan, self.p, target,
+                          overrides={self.anchor.name: self._acc_at})
         self.name = f"{'gemv' if gemv else 'matmul'}_{region.name}"
 
+    def _tile(self):
+        """The product's index as the kernel's variables: (batch,) rows, cols."""
+        rows = Lin.of(Var("rm2", self.s.m))
+        cols = Lin.of(Var("rn2", self.s.n))
+        if self.s.batched:
+            return (Lin.of(Var("pid_b", self.s.batch, block=False)), rows, cols)
+        return (rows, cols)
+
+    def _acc_at(self, index):
+        if all(a.equals(b) for a, b in zip(index, self.tile)):
+            return Val("acc", self.s.dtype, frozenset({"rm2", "rn2"}))
+        return None  # the epilogue reads the product elsewhere: not this template's
+
+    def _batch(self) -> tuple:
+        return (Lin.of(Var("pid_b", self.s.batch, block=False)),) if self.s.batched else ()
+
     def spec(self) -> KernelSpec:
-        s, p, vals = self.s, self.p, self.plan.values
-        a = p.tensor("a_ptr", s.a.value, vals[s.a.value].dtype)
-        b = p.tensor("b_ptr", s.b.value, vals[s.b.value].dtype)
-        bias = p.tensor("bias_ptr", s.bias.value, vals[s.bias.value].dtype) if s.bias else None
-        s.out.bind(p)
-        for op in (s.a, s.b) + ((s.bias,) if s.bias else ()):
-            p.check_extent(extent(op))
+        s, p = self.s, self.p
+        for v in list(self.region.inputs) + list(self.region.outputs):
+            p.check_extent(self.plan.values[v].numel)
         p.check_extent(s.batch * s.m * s.n)
-        m, n, k = p.size(s.m), p.size(s.n), p.size(s.k)
         if self.gemv:
             tunables = ["BLOCK_N", "BLOCK_K"]
             grid = (f"cdiv({p.grid(s.n)}, BLOCK_N)", p.grid(s.batch))
-            body = self._gemv_body(a, b, bias, m, n, k)
+            body = self._gemv_body()
             configs = gemv_configs(s)
         else:
             tunables = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"]
             grid = (f"cdiv({p.grid(s.m)}, BLOCK_M) * cdiv({p.grid(s.n)}, BLOCK_N)",
                     p.grid(s.batch))
-            body = self._tiled_body(a, b, bias, m, n, k)
+            body = self._tiled_body()
             configs = tiled_configs(s, self.m_hi)
-        params = ", ".join([x.name for x in p.args()] + [f"{t}: tl.constexpr" for t in tunables])
-        source = ("import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
-                  f"def {self.name}({params}):\n" + body)
+        params = p.params() + [f"{t}: tl.constexpr" for t in tunables]
+        source = module_source(self.name, params, body, self.em.helpers, self.em.target,
+                               p.describe())
+        out = self.region.outputs[0]
         meta = {"form": "gemv" if self.gemv else "tiled",
                 "dtype": str(s.dtype).replace("torch.", ""),
-                "out_dtype": str(s.out.dtype).replace("torch.", ""),
+                "out_dtype": str(self.plan.values[out].dtype).replace("torch.", ""),
                 "m_pad": _pow2(self.m_hi) if self.gemv else None,
-                "epilogue_loads": s.out.loads + (1 if s.bias else 0)}
+                "epilogue_loads": self._epilogue_loads}
         return KernelSpec(self.name, source, p.args(), tunables, grid, configs, configs[0],
                           "matmul", meta, 64 if p.needs_int64 else 32)
 
-    def _common(self, L):
-        wide = ".to(tl.int64)" if self.p.needs_int64 else ""
-        L.append(f"pid_b = tl.program_id(1){wide}")
-        return wide
+    def _dot(self, x: str, w: str) -> str:
+        x, w = dot_operand(x, self.s.dtype, self.em.target), dot_operand(w, self.s.dtype,
+                                                                           self.em.target)
+        ieee = ', input_precision="ieee"' if self.s.dtype == torch.float32 else ""
+        return f"tl.dot({x}, {w}, acc{ieee}, out_dtype=tl.float32)"
 
-    def _dot_args(self) -> str:
-        return ', input_precision="ieee"' if self.s.dtype == torch.float32 else ""
+    def _load(self, name: str, index, mask) -> tuple[list[str], str]:
+        """Lines loading operand `name` at `index` (through its views), and the value."""
+        with self.em.block() as lines:
+            v = self.em.value(name, index, mask)
+        return lines, v.code
 
-    def _tiled_body(self, a, b, bias, m, n, k) -> str:
+    def _wide(self) -> str:
+        return ".to(tl.int64)" if self.p.needs_int64 else ""
+
+    def _tiled_body(self) -> list[str]:
         s, p = self.s, self.p
-        L: list[str] = []
-        wide = self._common(L)
-        L += [
+        m, n, k, wide = p.dim(s.m), p.dim(s.n), p.dim(s.k), self._wide()
+        head = [
+            f"pid_b = tl.program_id(1){wide}",
             "pid = tl.program_id(0)",
             f"grid_m = tl.cdiv({m}, BLOCK_M)",
             f"grid_n = tl.cdiv({n}, BLOCK_N)",
-            "width = GROUP_M * grid_n",  # GROUP_M row-tiles share B tiles in L2
+            "width = GROUP_M * grid_n",  # GROUP_M row tiles share B tiles in L2
             "first_m = (pid // width) * GROUP_M",
             "group_rows = tl.minimum(grid_m - first_m, GROUP_M)",
             "pid_m = first_m + (pid % width) % group_rows",
             "pid_n = (pid % width) // group_rows",
             f"rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M){wide}",
             f"rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N){wide}",
-            # Wrapped rows/cols load valid memory; the store masks them out.
-            f"ra = rm % {m}",
-            f"rb = rn % {n}",
+            # Wrapped rows / columns read valid memory; only the store is masked.
+            f"ra2 = (rm % {m})[:, None]",
+            f"rb2 = (rn % {n})[None, :]",
             "rk = tl.arange(0, BLOCK_K)",
-        ]
-        a_off = offset_code(p, s.a, ["pid_b", "ra[:, None]", "rk[None, :]"])
-        b_off = offset_code(p, s.b, ["pid_b", "rk[:, None]", "rb[None, :]"])
-        a_step = p.size(s.a.strides[2])
-        b_step = p.size(s.b.strides[1])
-        L += [
-            f"a_ptrs = {a} + {a_off}",
-            f"b_ptrs = {b} + {b_off}",
             "acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)",
             f"for k0 in range(0, {k}, BLOCK_K):",
-            f"    x = tl.load(a_ptrs, mask=rk[None, :] < {k} - k0, other=0.0)",
-            f"    w = tl.load(b_ptrs, mask=rk[:, None] < {k} - k0, other=0.0)",
-            f"    acc = tl.dot(x, w, acc{self._dot_args()}, out_dtype=tl.float32)",
-            f"    a_ptrs += BLOCK_K * {a_step}",
-            f"    b_ptrs += BLOCK_K * {b_step}",
-            f"ok = (rm[:, None] < {m}) & (rn[None, :] < {n})",
         ]
-        L += self._finish(bias, "rm[:, None]", "rn[None, :]", "ok")
-        return "".join(f"    {x}\n" for x in L)
+        kk_a, kk_b = Var("ka2", s.k), Var("kb2", s.k)
+        a_idx = self._batch() + (Lin.of(Var("ra2", s.m)), Lin.of(kk_a))
+        b_idx = self._batch() + (Lin.of(kk_b), Lin.of(Var("rb2", s.n)))
+        a_lines, a = self._load(s.a, a_idx, mask_of(Cond("ka_ok", frozenset({"ka2"}))))
+        b_lines, b = self._load(s.b, b_idx, mask_of(Cond("kb_ok", frozenset({"kb2"}))))
+        loop = [
+            "kk = k0 + rk",
+            "ka2 = kk[None, :]",
+            "kb2 = kk[:, None]",
+            f"ka_ok = ka2 < {k}",
+            f"kb_ok = kb2 < {k}",
+            *a_lines, *b_lines,
+            f"acc = {self._dot(a, b)}",
+        ]
+        tail = ["rm2 = rm[:, None]", "rn2 = rn[None, :]", f"m_ok = rm2 < {m}",
+                f"n_ok = rn2 < {n}"]
+        return head + ["    " + x for x in loop] + tail + self._finish()
 
-    def _gemv_body(self, a, b, bias, m, n, k) -> str:
+    def _gemv_body(self) -> list[str]:
         s, p = self.s, self.p
+        m, n, k, wide = p.dim(s.m), p.dim(s.n), p.dim(s.k), self._wide()
         mp = _pow2(self.m_hi)
-        L: list[str] = []
-        wide = self._common(L)
-        a_row = offset_code(p, s.a, ["pid_b", "mi", "rk"])
-        b_off = offset_code(p, s.b, ["pid_b", "rk[:, None]", "rn[None, :]"])
-        L += [
+        head = [
+            f"pid_b = tl.program_id(1){wide}",
             f"rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N){wide}",
             f"rm = tl.arange(0, {mp})",
-            "n_ok = rn < " + n,
+            f"rb2 = (rn % {n})[None, :]",
             f"acc = tl.zeros([{mp}, BLOCK_N], dtype=tl.float32)",
             f"for k0 in range(0, {k}, BLOCK_K):",
-            f"    rk = k0 + tl.arange(0, BLOCK_K){wide}",
-            f"    k_ok = rk < {k}",
-            f"    w = tl.load({b} + {b_off}, mask=k_ok[:, None] & n_ok[None, :], other=0.0)",
-            "    w = w.to(tl.float32)",
-            f"    for mi in tl.static_range({mp}):",
-            # (a tensor comparison: the interpreter rejects scalar-bool masks)
-            f"        x_ok = k_ok & (tl.zeros_like(rk) + mi < {m})",
-            f"        x = tl.load({a} + {a_row}, mask=x_ok, other=0.0)",
-            "        part = tl.sum(x.to(tl.float32)[:, None] * w, 0)",
-            "        acc += tl.where(rm[:, None] == mi, part[None, :], 0.0)",
-            f"ok = (rm[:, None] < {m}) & n_ok[None, :]",
         ]
-        L += self._finish(bias, "rm[:, None]", "rn[None, :]", "ok")
-        return "".join(f"    {x}\n" for x in L)
+        kk_b, kk_a = Var("kb2", s.k), Var("kk", s.k)
+        b_idx = self._batch() + (Lin.of(kk_b), Lin.of(Var("rb2", s.n)))
+        b_lines, w = self._load(s.b, b_idx, mask_of(Cond("kb_ok", frozenset({"kb2"}))))
+        loop = [f"kk = k0 + tl.arange(0, BLOCK_K){wide}", "kb2 = kk[:, None]",
+                f"k_ok = kk < {k}", f"kb_ok = kb2 < {k}", *b_lines,
+                f"w = {w}.to(tl.float32)"]
+        for mi in range(mp):  # rows unrolled: the weight tile is loaded once for all
+            # (the row condition is a tensor: the interpreter rejects scalar-bool masks)
+            row_ok = Cond(f"row_ok{mi}", frozenset({"kk"}))
+            a_idx = self._batch() + (Lin.of(mi), Lin.of(kk_a))
+            a_lines, x = self._load(s.a, a_idx, mask_of(Cond("k_ok", frozenset({"kk"})),
+                                                         row_ok))
+            loop += [f"row_ok{mi} = (kk * 0 + {mi}) < {m}", *a_lines,
+                     f"part = tl.sum({x}.to(tl.float32)[:, None] * w, 0)",
+                     f"acc += tl.where(rm[:, None] == {mi}, part[None, :], 0.0)"]
+        tail = ["rm2 = rm[:, None]", "rn2 = rn[None, :]", f"m_ok = rm2 < {m}",
+                f"n_ok = rn2 < {n}"]
+        return head + ["    " + x for x in loop] + tail + self._finish()
 
-    def _finish(self, bias, rows: str, cols: str, ok: str) -> list[str]:
-        """alpha/beta/bias of addmm, then the epilogue and the store of the region output."""
-        s, p = self.s, self.p
-        L = []
+    def _finish(self) -> list[str]:
+        """addmm's alpha, beta and bias; rounding to the product's dtype; the epilogue."""
+        s, em = self.s, self.em
+        mask = mask_of(Cond("m_ok", frozenset({"rm2"})), Cond("n_ok", frozenset({"rn2"})))
+        em.lines = []
         if s.alpha != 1.0:
-            L.append(f"acc = acc * {s.alpha!r}")
-        if bias is not None:
-            off = offset_code(p, s.bias, ["pid_b", rows, cols])
-            term = f"tl.load({bias} + {off}, mask={ok}, other=0.0).to(tl.float32)"
-            L.append(f"acc = acc + {term}" + (f" * {s.beta!r}" if s.beta != 1.0 else ""))
-        # The anchor's value in its own dtype (mm rounds to it before any epilogue op).
-        L.append(f"acc = acc.to({epilogue.TL_DTYPES[s.dtype]})")
-        L += s.out.code(p, "acc", "pid_b", rows, cols, ok, s.m, s.n)
-        return L
+            em.lines.append(f"acc = acc * {s.alpha!r}")
+        if s.bias is not None:
+            bshape = _shape(self.region, self.plan, s.bias.name)
+            bidx = broadcast_index(self.tile, self.anchor.shape, bshape)
+            bias = em.value(s.bias.name, bidx, mask)
+            scale = f" * {s.beta!r}" if s.beta != 1.0 else ""
+            em.lines.append(f"acc = acc + {bias}.to(tl.float32){scale}")
+        em.lines.append(f"acc = acc.to({TL[s.dtype]})")
+        out = self.region.outputs[0]
+        idx = reshape_index(self.tile, self.anchor.shape, self.plan.values[out].shape)
+        em.store(out, idx, em.value(out, idx, mask), mask)
+        self._epilogue_loads = sum("tl.load(" in x for x in em.lines)
+        return list(em.lines)

@@ -1,9 +1,10 @@
 """The runtime parameters of a template kernel, collected while its source is written.
 
-Templates ask for a tensor pointer or a size while writing code and get back the
-text to use: a constant size becomes a literal (so the compiler sees stride 1 and
-static tile bounds), a symbolic one becomes an integer argument evaluated from the
-bound symbols at launch. The result is the KernelSpec's `args` in parameter order.
+Templates (and the emitter writing their prologues and epilogues) ask for a tensor
+pointer or a size while writing code and get back the text to use: a constant size
+becomes a literal (so the compiler sees stride 1 and static tile bounds), a symbolic
+one becomes code over the model's size symbols, passed as integer arguments and
+evaluated from the bound symbols at launch.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import sympy
 import torch
 from sympy.printing.str import StrPrinter
 
+from kiln.codegen.triton.emit import KernelArgs
 from kiln.codegen.triton.spec import KernelArg
-from kiln.codegen.triton.strided import Strided
 from kiln.ir.symbolic import Bounds, Dim, bounds_of
 
 INT32_MAX = 2**31 - 1
@@ -68,41 +69,47 @@ class _GridPrinter(_KernelPrinter):
         return "min(" + ", ".join(self._print(a) for a in e.args) + ")"
 
 
-class Params:
+class Params(KernelArgs):
+    """The emitter's KernelArgs, with sizes written in terms of the model's symbols.
+
+    A size becomes a literal or arithmetic over symbol arguments (`128 * s0`), not a
+    fresh argument holding its value: Triton's divisibility analysis then sees that a
+    stride is a multiple of 128 and can vectorise and pipeline the loads (with an
+    opaque argument it must assume 2-byte alignment, and a flash-attention key loop
+    loses its cp.async pipelining). Templates may name their pointers.
+    """
+
     def __init__(self, symbols: dict[str, Bounds]):
+        super().__init__()
         self.symbols = symbols
-        self.tensors: list[KernelArg] = []
-        self.sizes: list[KernelArg] = []
-        self._by_expr: dict[str, str] = {}
         self.needs_int64 = False
 
-    def tensor(self, name: str, value: str, dtype: torch.dtype) -> str:
-        for a in self.tensors:
-            if a.value == value:
-                return a.name
-        self.tensors.append(KernelArg(name, "tensor", value=value, dtype=dtype))
-        return name
+    def tensor(self, value: str, dtype: torch.dtype, shape=(), output: bool = False,
+               name: str | None = None) -> str:
+        if value not in self.tensors:
+            kind = "out" if output else "in"
+            n = sum(1 for v in self.tensors if (v in self.outputs) == output)
+            self.tensors[value] = (name or f"{kind}_ptr{n}", dtype, tuple(shape))
+            if output:
+                self.outputs.add(value)
+        return self.tensors[value][0]
 
-    def size(self, expr: Dim) -> str:
-        """Text for `expr` in kernel code: a literal, or arithmetic over symbol arguments.
-
-        Sizes are written in terms of the model's symbols (`128 * s0`, not a fresh
-        argument holding its value) so Triton's divisibility analysis sees that a
-        stride is a multiple of 128 and can vectorise and pipeline the loads.
-        """
-        if isinstance(expr, int) or (isinstance(expr, sympy.Expr) and expr.is_Integer):
-            return str(int(expr))
-        for sym in sorted(expr.free_symbols, key=lambda x: x.name):
-            if sym.name not in self._by_expr:
-                self._by_expr[sym.name] = sym.name
-                self.sizes.append(KernelArg(sym.name, "size", expr=sym))
+    def dim(self, d: Dim) -> str:
+        """`d` in kernel code: a literal, or arithmetic over the symbol arguments."""
+        if isinstance(d, int) or (isinstance(d, sympy.Expr) and d.is_Integer):
+            return str(int(d)) if int(d) >= 0 else f"({int(d)})"
+        for sym in sorted(d.free_symbols, key=lambda x: x.name):
+            if sym.name not in self.sizes:
+                self.sizes[sym.name] = (sym.name, sym)
                 self.check_extent(sym)
-        self.check_extent(expr)
-        return "(" + _KernelPrinter().doprint(expr) + ")"
+        self.check_extent(d)
+        return "(" + _KernelPrinter().doprint(d) + ")"
+
+    size = dim
 
     def grid(self, expr: Dim) -> str:
         """`expr` as a launch-grid expression (plain Python over the same arguments)."""
-        self.size(expr)
+        self.dim(expr)
         return str(int(expr)) if isinstance(expr, int) else _GridPrinter().doprint(expr)
 
     def check_extent(self, expr: Dim) -> None:
@@ -112,27 +119,4 @@ class Params:
             self.needs_int64 = True
 
     def args(self) -> list[KernelArg]:
-        return self.tensors + self.sizes
-
-
-def offset_code(params: Params, op: Strided, index: list[str]) -> str:
-    """`offset + sum(index[d] * stride[d])` as kernel text, skipping zero strides."""
-    terms = []
-    if op.offset != 0:
-        terms.append(params.size(op.offset))
-    for ix, st in zip(index, op.strides):
-        if ix is None or st == 0:
-            continue
-        if st == 1:
-            terms.append(ix)
-        else:
-            terms.append(f"{ix} * {params.size(st)}")
-    return " + ".join(terms) if terms else "0"
-
-
-def extent(op: Strided) -> Dim:
-    """One past the largest element offset `op` can touch (for the int64 decision)."""
-    total: Dim = op.offset + 1
-    for n, s in zip(op.shape, op.strides):
-        total = total + (n - 1) * s
-    return total
+        return self.kernel_args()
