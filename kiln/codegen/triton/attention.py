@@ -126,18 +126,20 @@ def _pow2(n: int) -> int:
 
 
 def config_space(shape: AttentionShape, rows_hi: int | None) -> list[Config]:
-    """Candidate tiles: BLOCK_M over packed query rows, BLOCK_N over keys."""
+    """Candidate tiles (BLOCK_M over packed query rows, BLOCK_N over keys), largest
+    first, so that where the heuristic does not fit the first config that does is big."""
     d = _pow2(max(shape.head_dim, shape.value_dim))
-    block_ms = [16] if rows_hi is not None and rows_hi <= 16 else [16, 32, 64, 128]
-    block_ns = [n for n in (16, 32, 64, 128) if n * d <= 128 * 128]
+    block_ms = [16] if rows_hi is not None and rows_hi <= 16 else [128, 64, 32, 16]
+    block_ns = [n for n in (128, 64, 32, 16) if n * d <= 128 * 128]
+    tiles = sorted(((bm, bn) for bm in block_ms for bn in block_ns),
+                   key=lambda t: (-t[0] * t[1], -t[0]))
     configs = []
-    for bm in block_ms:
-        for bn in block_ns:
-            for warps in (4, 8):
+    for bm, bn in tiles:
+        for stages in (2, 3, 1):
+            for warps in ((8, 4) if bm * bn >= 128 * 64 else (4, 8)):
                 if warps == 8 and bm * bn < 64 * 64:
                     continue
-                for stages in (1, 2, 3):
-                    configs.append(Config.make(warps, stages, BLOCK_M=bm, BLOCK_N=bn))
+                configs.append(Config.make(warps, stages, BLOCK_M=bm, BLOCK_N=bn))
     return configs
 
 
@@ -171,6 +173,7 @@ class _AttentionSource:
         self.em = Emitter(region, plan, self.p, target)
         self.name = f"attention_{region.name}"
         self.loop_loads = 0
+        self.mask_loads = 0
         self.three_d = len(_shape(region, plan, shape.q)) == 3
 
     # indices ------------------------------------------------------------------
@@ -228,7 +231,8 @@ class _AttentionSource:
                 "dtype": str(s.dtype).replace("torch.", ""), "causal": s.causal,
                 "mask": s.mask_kind, "head_dim_pad": _pow2(max(s.head_dim, s.value_dim)),
                 # [BLOCK_N, D] tiles the key loop loads beyond K and V (fused prologues)
-                "prologue_tiles": max(0, self.loop_loads - 2)}
+                "prologue_tiles": max(0, self.loop_loads - 2),
+                "mask_tiles": self.mask_loads}
         return KernelSpec(self.name, source, p.args(), ["BLOCK_M", "BLOCK_N"], grid, configs,
                           default, "attention", meta, 64 if p.needs_int64 else 32)
 
@@ -314,6 +318,7 @@ class _AttentionSource:
             m_lines, m = self._load(s.mask, idx, mask_of(Cond("row_ok2", frozenset({"rows2"})),
                                                          nk_c))
             L += m_lines
+            self.mask_loads = sum("tl.load(" in x for x in m_lines)
             if s.mask_kind == "bool":
                 L.append(f"ok = ok & ({m} != 0)")
             else:

@@ -14,7 +14,10 @@ to the real figures of compile-only builds for sm_80, sm_90 and gfx942:
   with one stage, operands converted one after another share a buffer;
 - a loop-invariant operand (attention's Q tile) is staged once;
 - without wgmma, attention's P tile goes through shared memory to become a dot
-  operand; with wgmma it stays in registers.
+  operand; with wgmma it stays in registers;
+- on CUDA the pipeliner also stages the loop's other loads (a mask tile, the loads of
+  a prologue fused into K: RoPE's partner half, cos and sin), one copy per extra
+  stage; AMD's stages only dot operands (and the mask).
 Registers are estimated from the fp32 accumulators and operand fragments each thread
 holds; they are a guide for ordering and pruning, and the binary's own figures decide.
 `compare` puts the estimate beside the real figures, which tests keep honest.
@@ -85,19 +88,23 @@ def _attention(spec: KernelSpec, c: Config, target: Target, threads: int):
     meta = spec.meta
     e = _BYTES.get(meta.get("dtype"), 4)
     d = meta.get("head_dim_pad", 128)
-    bm, bn = c["BLOCK_M"], c["BLOCK_N"]
+    bm, bn, s = c["BLOCK_M"], c["BLOCK_N"], c.num_stages
     q = bm * d * e
     kv = bn * d * e  # one K or V tile
-    extra_kv = meta.get("prologue_tiles", 0) * kv  # fused prologue loads in the key loop
     p = bm * bn * e
+    mask = meta.get("mask_tiles", 0) * bm * bn * 2  # loaded per key step
+    prologue = meta.get("prologue_tiles", 0) * kv  # fused prologue loads in the key loop
     wgmma = _wgmma(target, bm, c, meta.get("dtype"))
-    s = c.num_stages
-    if target.backend == "hip":
-        shared = max(q, kv + extra_kv if s <= 1 else (s - 1) * (2 * kv + extra_kv) + p)
-    elif s <= 1:
-        shared = q + kv + extra_kv + (0 if wgmma else p)
-    else:
-        shared = q + _staged(target, wgmma, s) * (2 * kv + extra_kv) + (0 if wgmma else p)
+    if s <= 1:  # nothing is pipelined: K and V take turns in one buffer
+        if target.backend == "hip":  # fp32 runs on FMA units: both operands via LDS
+            shared = q + kv if e == 4 else max(q, kv)
+        else:
+            shared = q + kv + (0 if wgmma else p)
+    elif target.backend == "hip":  # MFMA; the stream pipeliner stages dot operands only
+        shared = max(q, (s - 1) * (2 * kv + mask) + p)
+    else:  # cp.async pipelining stages every load of the loop, prologue loads included
+        staged = _staged(target, wgmma, s)
+        shared = q + staged * (2 * kv + mask) + (s - 1) * prologue + (0 if wgmma else p)
     acc = bm * d / threads
     scores = 2 * bm * bn / threads
     q_frag = bm * d * e / 4 / threads
