@@ -174,3 +174,42 @@ def test_dropout_is_left_to_the_extern_form():
 
     plan = kiln.compile(Dropout(), _qkv(1, 2, 2, 4, 4), compile_to="dispatch")
     assert attention.analyse(plan.regions[0], plan) is None
+
+
+class ArangeCausal(torch.nn.Module):
+    """Two ways models build the causal mask: compare aranges, or torch's own tril."""
+
+    def __init__(self, tril: bool):
+        super().__init__()
+        self.tril = tril
+
+    def forward(self, q, k, v):
+        t, s = q.shape[2], k.shape[2]
+        if self.tril:
+            mask = torch.ones(t, s, dtype=torch.bool).tril()
+        else:
+            mask = torch.arange(s)[None, :] <= torch.arange(t)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize("tril", [False, True])
+def test_mask_built_from_aranges_is_recognised_as_causal(tril):
+    model = ArangeCausal(tril)
+    q, k, v = _qkv(1, 4, 2, 12, 12)
+    exe = kiln.compile(model, (q, k, v), target="interpret")
+    _, kernel = _attention_kernel(exe)
+    assert kernel.spec.meta["causal"] and kernel.spec.meta["mask"] is None
+    assert rel_err(exe(q, k, v), model(q, k, v)) <= 1e-5
+
+
+def test_a_shifted_mask_is_not_mistaken_for_causal():
+    class Shifted(torch.nn.Module):
+        def forward(self, q, k, v):
+            mask = torch.arange(k.shape[2])[None, :] <= torch.arange(q.shape[2])[:, None] + 2
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q, k, v = _qkv(1, 2, 2, 6, 9)
+    exe = kiln.compile(Shifted(), (q, k, v), target="interpret")
+    _, kernel = _attention_kernel(exe)
+    assert not kernel.spec.meta["causal"] and kernel.spec.meta["mask"] == "bool"
+    assert rel_err(exe(q, k, v), Shifted()(q, k, v)) <= 1e-5

@@ -14,7 +14,9 @@ Q and K is computed as they are loaded (the rotate-half partner is the other hal
 the head dim, read under the cat's per-element selection), a mask built from arange
 and input_pos is computed at (b, h, i, j). A boolean mask selects, a float mask is
 added to the scaled scores; `is_causal` is top-left aligned, as in torch (key j <=
-query i). Sizes may be symbolic: the key loop and every tile are masked, not padded.
+query i), and a mask the prologue builds from aranges is recognised as causal
+(kiln.codegen.triton.causal). Sizes may be symbolic: the key loop and every tile are
+masked, never padded.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.codegen.select_kernels import register
+from kiln.codegen.triton.causal import is_causal_mask
 from kiln.codegen.triton.emit import Cond, Emitter, mask_of, module_source
 from kiln.codegen.triton.indexing import Lin, Var, floordiv, modidx, same
 from kiln.codegen.triton.matmul import dot_operand
@@ -115,10 +118,12 @@ def analyse(region: Region, plan: DispatchPlan) -> AttentionShape | None:
         if kind is None or len(_shape(region, plan, m.name)) > len(qs):
             return None
         mask = m.name
+    causal = bool(a["is_causal"])
+    if mask is not None and not causal and is_causal_mask(region, mask):
+        mask, kind, causal = None, None, True  # skip the blocks above the diagonal
     scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(D)
-    return AttentionShape(refs[0].name, refs[1].name, refs[2].name, mask, kind,
-                          bool(a["is_causal"]), float(scale), B, H, Hkv, Tq, S, D, Dv,
-                          anchor.dtype)
+    return AttentionShape(refs[0].name, refs[1].name, refs[2].name, mask, kind, causal,
+                          float(scale), B, H, Hkv, Tq, S, D, Dv, anchor.dtype)
 
 
 def _pow2(n: int) -> int:
