@@ -4,7 +4,8 @@ Rewrites, in one forward sweep (inputs are rewritten before their users):
 - split_with_sizes / split / unbind read through getitem -> slice / select of the
   source. Codegen indexes through views, not through tuples (the chunk in HF and
   gpt-fast RoPE produces split_with_sizes + getitem).
-- transpose.int and t -> permute, with non-negative dims; _unsafe_view and reshape
+- transpose.int and t -> permute, with non-negative dims; a permute that moves only
+  unit dims -> view (row-major order is unchanged); _unsafe_view and reshape
   -> view (in kiln's value semantics all three are a logical reshape), with every
   size spelled out (no -1), so equal views look equal to CSE and to matchers.
 - identity ops -> their input: clone, alias, detach, lift_fresh_copy, a _to_copy to
@@ -30,6 +31,7 @@ from kiln.graph.rewrite import (
     insert,
     is_op,
     is_tensor,
+    is_unit,
     name_of,
     normalize_dim,
     provably_le,
@@ -37,6 +39,7 @@ from kiln.graph.rewrite import (
     replace,
     same_shape,
     scalar_arg,
+    shape_args,
 )
 from kiln.ir.graph import KilnGraph, shape_of
 from kiln.ir.symbolic import as_dim
@@ -112,6 +115,24 @@ def canonical_view(kg: KilnGraph, node: fx.Node) -> fx.Node | None:
     if any(a is None for a in explicit):
         explicit = sizes  # a size with no node to read it from: keep the -1
     return insert(kg, node, aten.view.default, (node.args[0], explicit), like=node)
+
+
+def unit_permute_as_view(kg: KilnGraph, node: fx.Node) -> fx.Node | None:
+    """A permute that moves only unit dims keeps row-major order: it is a reshape.
+
+    ([1, T, 4, 8] -> [T, 4, 8, 1], or decode's [B, 1, H, D] -> [B, H, 1, D].) A dim is
+    unit when its bounds are [1, 1]; any other symbolic dim is assumed not to be.
+    """
+    x = node.args[0]
+    shape = shape_of(x)
+    perm = [normalize_dim(d, rank(x)) for d in node.args[1]]
+    moved = [d for d in perm if not is_unit(shape[d], kg.symbols)]
+    if moved != sorted(moved) or perm == list(range(len(perm))):
+        return None
+    sizes = shape_args(kg, shape_of(node), node)
+    if sizes is None:
+        return None
+    return insert(kg, node, aten.view.default, (x, sizes), like=node)
 
 
 def identity_source(kg: KilnGraph, node: fx.Node) -> fx.Node | None:
@@ -194,6 +215,10 @@ def canonicalize_graph(kg: KilnGraph) -> int:
             changed += 1
         if not isinstance(node, fx.Node) or node.op != "call_function":
             continue
+        if name == "aten.permute.default" and (view := unit_permute_as_view(kg, node)):
+            replace(node, view)
+            node = view
+            changed += 1
         if name in RESHAPES and (view := canonical_view(kg, node)) is not None:
             replace(node, view)
             node = view

@@ -133,3 +133,18 @@ def test_views_spell_out_their_sizes():
     assert "-1" not in text
     FileCheck().check_count(f"aten.view.default(%x, [2*{sym}, 4])", 2, exactly=True).run(text)
     assert_same_as_eager(kg, Views(), (x,), (torch.randn(6, 8),))
+
+
+class DecodeHeads(nn.Module):
+    def forward(self, x):  # x [B, 1, 64]: one token; moving its unit dim moves no data
+        return x.view(x.shape[0], 1, 4, 16).transpose(1, 2) * 2, x.transpose(0, 2)
+
+
+def test_permute_of_unit_dims_is_a_view():
+    x = torch.randn(3, 1, 64)
+    kg = apply(canonicalize, graph_of(DecodeHeads(), x, dynamic=({0: Dim("B", min=2)},)))
+    sym = next(iter(kg.symbols))
+    text = ir(kg)
+    FileCheck().check(f"aten.view.default(%view, [{sym}, 4, 1, 16])").run(text)
+    assert ops(kg).count("aten.permute.default") == 1  # x.transpose(0, 2) moves B past 64
+    assert_same_as_eager(kg, DecodeHeads(), (x,), (torch.randn(5, 1, 64),))
