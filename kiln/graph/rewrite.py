@@ -20,8 +20,8 @@ from kiln.ir.symbolic import Bounds, Dim, as_dim, bounds_of
 
 aten = torch.ops.aten
 
-# Views whose meta is computed with reshape: a fake `view` of a non-contiguous value
-# fails, but in kiln's value semantics a view is a logical reshape.
+# Views whose meta is made directly (a contiguous value of the new shape): a fake `view`
+# of a non-contiguous value fails, and in kiln's value semantics a view is a reshape.
 _VIEW_AS_RESHAPE = {aten.view.default, aten._unsafe_view.default}
 
 # Ops whose result is not a function of their arguments: never merged or folded.
@@ -113,12 +113,23 @@ def insert(kg: KilnGraph, before: fx.Node, target, args, kwargs=None,
     if like is not None and "stack_trace" in like.meta:
         node.meta["stack_trace"] = like.meta["stack_trace"]
     if target in _VIEW_AS_RESHAPE:
-        with kg.fake_mode():
-            src = args[0].meta["val"]
-            node.meta["val"] = aten.reshape.default(src, [_meta_arg(a) for a in args[1]])
+        node.meta["val"] = _view_meta(kg, args[0].meta["val"], [_meta_arg(a) for a in args[1]])
     else:
         infer_meta(kg, node)
     return node
+
+
+def _view_meta(kg: KilnGraph, src, sizes):
+    """A view's fake value, made without running view/reshape: their checks compare
+    symbolic sizes, which could add guards that specialise a dynamic dim."""
+    infer = [isinstance(s, int) and s == -1 for s in sizes]
+    if any(infer):
+        known = 1
+        for s, unknown in zip(sizes, infer):
+            known = known if unknown else known * s
+        sizes = [src.numel() // known if unknown else s for s, unknown in zip(sizes, infer)]
+    with kg.fake_mode():
+        return src.new_empty(sizes)
 
 
 def _short_name(target) -> str:
