@@ -64,10 +64,8 @@ def split_to_slices(kg: KilnGraph, node: fx.Node) -> bool:
         return False
     x = node.args[0]
     name = name_of(node)
-    default_dim = 0
-    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", default_dim)
-    if name == "aten.unbind.int":
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    dim_pos = 1 if name == "aten.unbind.int" else 2  # (x, dim) / (x, sizes, dim)
+    dim = node.args[dim_pos] if len(node.args) > dim_pos else node.kwargs.get("dim", 0)
     dim = normalize_dim(dim, rank(x))
     parts = node.meta["val"]
     starts, offset = [], 0
@@ -113,7 +111,9 @@ def canonical_view(kg: KilnGraph, node: fx.Node) -> fx.Node | None:
         return None
     explicit = [dim_arg(kg, d, node) if s == -1 else s for s, d in zip(sizes, shape_of(node))]
     if any(a is None for a in explicit):
-        explicit = sizes  # a size with no node to read it from: keep the -1
+        if name_of(node) == "aten.view.default":
+            return None  # a size with no node to read it from: keep the -1
+        explicit = sizes
     return insert(kg, node, aten.view.default, (node.args[0], explicit), like=node)
 
 

@@ -64,11 +64,12 @@ def rank(node: fx.Node) -> int:
 
 def same_dim(a: Dim, b: Dim) -> bool:
     """Are two dims equal for every value of the symbols?"""
+    a, b = as_dim(a), as_dim(b)  # constants become ints
     if a == b:
         return True
-    if isinstance(a, int) and isinstance(b, int):
-        return False
-    return sympy.simplify(sympy.sympify(a) - sympy.sympify(b)) == 0
+    if isinstance(a, int) or isinstance(b, int):
+        return False  # a constant never equals an expression over free symbols
+    return sympy.expand(a - b) == 0
 
 
 def same_shape(a, b) -> bool:

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from kiln.ir.graph import shape_of
 from kiln.ir.ops import op_name
-from kiln.ir.symbolic import Bounds, bounds_of
+from kiln.ir.symbolic import Bounds, as_dim, bounds_of
 
 RESHAPES = {
     "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
@@ -29,11 +29,12 @@ def is_reshape(node) -> bool:
 
 
 def _eq(a, b) -> bool:
+    a, b = as_dim(a), as_dim(b)  # constants become ints
     if a == b:
         return True
-    if isinstance(a, int) and isinstance(b, int):
-        return False
-    return sympy.simplify(sympy.sympify(a) - sympy.sympify(b)) == 0
+    if isinstance(a, int) or isinstance(b, int):
+        return False  # a constant never equals an expression over free symbols
+    return sympy.expand(sympy.sympify(a) - sympy.sympify(b)) == 0
 
 
 def _is_unit(d) -> bool:
