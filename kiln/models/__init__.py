@@ -78,6 +78,10 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
         default = torch.float32 if tgt.name == "cpu" else torch.bfloat16
         model = hf.random_model(cfg, dtype or default, device, seed)
         tokenizer, stop_ids = ByteTokenizer(), ()
+    elif path.exists() or len(path.parts) > 1:
+        raise CheckpointError(f"checkpoint directory {source} does not exist",
+                              where=str(source), hint="name a directory holding config.json "
+                              f"and *.safetensors, or a preset ({', '.join(PRESETS)})")
     else:
         raise CheckpointError(f"{source} is neither a checkpoint directory nor a preset",
                               hint=f"presets: {', '.join(PRESETS)}")

@@ -73,13 +73,25 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
 class _Text:
     """A sequence's decoded text: what is safe to show, and whether a stop string hit."""
 
-    def __init__(self, tokenizer, stops: list[str]):
+    CONTEXT = 8  # prompt tokens decoded before the new ones, so a leading space survives
+
+    def __init__(self, tokenizer, stops: list[str], prompt: list[int]):
         self.tokenizer, self.stops = tokenizer, stops
+        self.context = prompt[-self.CONTEXT:]
+        self.context_text = tokenizer.decode(self.context)
         self.text, self.shown, self.stopped = "", 0, False
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids` as it reads after the prompt (sentencepiece tokenizers drop
+        a leading space when decoding a lone continuation)."""
+        full = self.tokenizer.decode(self.context + ids)
+        if full.startswith(self.context_text):
+            return full[len(self.context_text):]
+        return self.tokenizer.decode(ids)
 
     def update(self, ids: list[int]) -> str:
         """Decode `ids`; return the new text that can be shown."""
-        text = self.tokenizer.decode(ids)
+        text = self.decode(ids)
         hits = [text.find(s) for s in self.stops if s in text]
         if hits:
             self.text, self.stopped = text[:min(hits)], True
@@ -162,12 +174,17 @@ class LLM:
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor,
                 block_table: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab] from the compiled prefill (T > 1) or decode (T = 1) module."""
-        input_pos = input_pos.expand(tokens.shape).contiguous()
-        module = self.decode_module if tokens.shape[1] == 1 else self.prefill_module
+        """Logits [B, T, vocab] from the compiled prefill (T > 1) or decode (T = 1) module.
+
+        input_pos may be [T] (shared by the rows); inputs move to the model's device.
+        """
         if self.paged != (block_table is not None):
             raise ArgumentError("a block_table is needed with the paged cache, and only then")
-        args = (tokens, input_pos) + ((block_table,) if self.paged else ())
+        args = [tokens, input_pos.expand(tokens.shape)]
+        if self.paged:
+            args.append(block_table)
+        args = [a.to(self.device).contiguous() for a in args]
+        module = self.decode_module if tokens.shape[1] == 1 else self.prefill_module
         return module(*args)
 
     # ---- generate --------------------------------------------------------------------
@@ -195,7 +212,10 @@ class LLM:
         stop_ids = set() if ignore_eos else set(self.stop_ids)
         stop_ids |= {s for s in stop if isinstance(s, int)}
         stops = [s for s in stop if isinstance(s, str)]
-        seqs = [_Seq(i, self._encode(p), self._text(stops)) for i, p in enumerate(prompts)]
+        seqs = []
+        for i, p in enumerate(prompts):
+            ids = self._encode(p)
+            seqs.append(_Seq(i, ids, self._text(stops, ids)))
         self._check_fits(seqs)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
 
@@ -287,8 +307,8 @@ class LLM:
                                 f"[0, {self.cfg.vocab_size})")
         return ids
 
-    def _text(self, stops: list[str]) -> _Text | None:
-        return _Text(self.tokenizer, stops) if self.tokenizer is not None else None
+    def _text(self, stops: list[str], prompt: list[int]) -> _Text | None:
+        return _Text(self.tokenizer, stops, prompt) if self.tokenizer is not None else None
 
     def _check_fits(self, seqs: list[_Seq]) -> None:
         if len(seqs) > self.max_batch_size:

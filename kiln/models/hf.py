@@ -165,7 +165,7 @@ def _headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():
+                for name in st.keys():  # noqa: SIM118 - safe_open is not iterable
                     found[name] = (f, tuple(st.get_slice(name).get_shape()))
         except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f"cannot read {f.name}: {e}", where=str(f),
