@@ -11,7 +11,7 @@ last real token, so no real token attends to it, and decode overwrites it later
 (with the paged cache pads past the row's blocks land in block 0). Each row then
 decodes at its own position. With the contiguous cache a row keeps its cache row, so
 finished rows ride along (their output is ignored); the paged cache drops them.
-Sampling (greedy, temperature, top-k, top-p) runs on the host.
+Choosing tokens (decoding.py) happens outside the compiled model.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch.export import Dim
 
 import kiln
 from kiln.errors import ArgumentError, CheckpointError, ShapeError
+from kiln.models.decoding import TextStream, sample
 from kiln.models.kv_cache import BlockAllocator
 from kiln.models.llama import Llama
 from kiln.target import get_target
@@ -52,74 +53,11 @@ class Generation:
                 f"{self.tokens_per_s:.1f} tokens/s")
 
 
-def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
-           top_p: float | None = None, generator: torch.Generator | None = None) -> list[int]:
-    """The next token of each row of logits [B, vocab]: greedy when temperature is 0."""
-    if temperature <= 0:
-        return logits.argmax(-1).tolist()
-    logits = logits.float().cpu() / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest set reaching top_p
-        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
-
-
-class _Text:
-    """A sequence's decoded text: what is safe to show, and whether a stop string hit."""
-
-    CONTEXT = 8  # prompt tokens decoded before the new ones, so a leading space survives
-
-    def __init__(self, tokenizer, stops: list[str], prompt: list[int]):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.context = prompt[-self.CONTEXT:]
-        self.context_text = tokenizer.decode(self.context)
-        self.text, self.shown, self.stopped = "", 0, False
-
-    def decode(self, ids: list[int]) -> str:
-        """The text of `ids` as it reads after the prompt (sentencepiece tokenizers drop
-        a leading space when decoding a lone continuation)."""
-        full = self.tokenizer.decode(self.context + ids)
-        if full.startswith(self.context_text):
-            return full[len(self.context_text):]
-        return self.tokenizer.decode(ids)
-
-    def update(self, ids: list[int]) -> str:
-        """Decode `ids`; return the new text that can be shown."""
-        text = self.decode(ids)
-        hits = [text.find(s) for s in self.stops if s in text]
-        if hits:
-            self.text, self.stopped = text[:min(hits)], True
-            return self.flush()
-        self.text = text
-        safe = len(text) - self._held_back(text)
-        new = text[self.shown:safe]
-        self.shown = max(self.shown, safe)
-        return new
-
-    def flush(self) -> str:
-        new = self.text[self.shown:]
-        self.shown = len(self.text)
-        return new
-
-    def _held_back(self, text: str) -> int:
-        """Chars kept back: an unfinished UTF-8 character, or a stop string's start."""
-        if text.endswith("\ufffd"):
-            return 1
-        return max((k for s in self.stops for k in range(1, len(s))
-                    if text.endswith(s[:k])), default=0)
-
-
 @dataclass
 class _Seq:
     row: int
     prompt: list[int]
-    text: _Text | None
+    text: TextStream | None
     ids: list[int] = field(default_factory=list)
     finish: str | None = None
     t_first: float = 0.0
@@ -255,6 +193,9 @@ class LLM:
             for s in seqs:
                 if alloc is not None:
                     alloc.release(s.row)
+        rest = seqs[0].text.flush() if seqs[0].text is not None else ""
+        if rest and on_text is not None:  # text held back for a stop string that never came
+            on_text(rest)
         results = [self._result(s, t0) for s in seqs]
         return results[0] if single else results
 
@@ -273,7 +214,8 @@ class LLM:
             table = alloc.block_table([s.row for s in seqs], width, self.device)
         logits = self.forward(tokens.to(self.device), torch.arange(T, device=self.device),
                               table)
-        return logits[torch.arange(len(seqs)), torch.tensor(lens) - 1]
+        last = torch.tensor(lens, device=logits.device) - 1
+        return logits[torch.arange(len(seqs), device=logits.device), last]
 
     def _decode(self, batch: list[_Seq], alloc: BlockAllocator | None) -> torch.Tensor:
         """One decode step; a finished row (contiguous cache only) repeats its last step."""
@@ -307,8 +249,8 @@ class LLM:
                                 f"[0, {self.cfg.vocab_size})")
         return ids
 
-    def _text(self, stops: list[str], prompt: list[int]) -> _Text | None:
-        return _Text(self.tokenizer, stops, prompt) if self.tokenizer is not None else None
+    def _text(self, stops: list[str], prompt: list[int]) -> TextStream | None:
+        return TextStream(self.tokenizer, stops, prompt) if self.tokenizer is not None else None
 
     def _check_fits(self, seqs: list[_Seq]) -> None:
         if len(seqs) > self.max_batch_size:
@@ -324,10 +266,7 @@ class LLM:
                     "the model's max_position_embeddings)")
 
     def _result(self, s: _Seq, t0: float) -> Generation:
-        text = None
-        if s.text is not None:
-            s.text.flush()
-            text = s.text.text
+        text = s.text.text if s.text is not None else None
         return Generation(s.prompt, s.ids, text, s.finish or "length", s.t_first - t0,
                           s.t_last - s.t_first)
 

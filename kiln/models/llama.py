@@ -12,8 +12,8 @@ RoPE scaling, a sliding attention window (Mistral, Qwen2).
 Row b holds T new tokens of sequence b at positions input_pos[b] (a [T] input_pos is
 shared by every row); each attends to its own sequence's cached positions <= its
 own. Without a cache (no setup_cache) the T tokens attend only to each other. The
-cache kinds live in kv_cache.py: the contiguous one gives row b of the batch cache
-row b; the paged one reads the sequence's blocks from `block_table`.
+cache kinds live in kv_cache.py: the contiguous one keeps batch row b in cache row
+b; the paged one finds the sequence's blocks through `block_table`.
 """
 
 from __future__ import annotations

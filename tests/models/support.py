@@ -52,6 +52,12 @@ def make_checkpoint(path, family: str, seed: int = 0, **overrides):
     cfg = getattr(transformers, cfg_cls)(vocab_size=vocab, **{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():  # HF starts biases at 0 and norms at 1: make them count too
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            elif "norm" in name:
+                p.normal_(1.0, 0.1)
     kw = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(str(path), **kw)
     model.generation_config.eos_token_id = None  # compare greedy runs of a fixed length

@@ -5,7 +5,8 @@ import torch
 
 from kiln.cli import main
 from kiln.errors import ArgumentError, ShapeError
-from kiln.models.generate import sample
+from kiln.models.decoding import TextStream, sample
+from kiln.models.tokenizer import ByteTokenizer
 
 FAMILY = "qwen2"
 
@@ -24,6 +25,19 @@ def test_greedy_and_restricted_sampling():
     assert set(drawn) == {0, 1}
     drawn = sample(probs, temperature=1.0, generator=gen)
     assert set(drawn) == {0, 1, 2, 3}
+
+
+def test_text_stream_holds_back_partial_characters_and_stop_strings():
+    stream = TextStream(ByteTokenizer(), ["STOP"], prompt=list(b"> "))
+    ids = []
+    shown = []
+    for b in "café ST".encode() + b"OP!":
+        ids.append(b)
+        shown.append(stream.update(ids))
+    assert shown[:5] == ["c", "a", "f", "", "\u00e9"]  # the first byte of é waits
+    assert "".join(shown) == "café " and stream.stopped and stream.text == "café "
+    stream = TextStream(ByteTokenizer(), ["STOP"], prompt=[])
+    assert stream.update(list(b"a ST")) == "a " and stream.flush() == "ST"
 
 
 def test_seeded_sampling_is_reproducible(llms):
@@ -47,6 +61,11 @@ def test_text_prompt_streams_the_final_text(llms):
     assert out.text == llm.tokenizer.decode(llm.tokenizer.encode("hello world") + out.ids)[
         len("hello world"):]
     assert out.time_to_first_token_s > 0 and out.tokens_per_s > 0
+    # The end looks like the start of a stop string that never comes: still streamed.
+    pieces = []
+    held = llm.generate("hello world", max_new_tokens=20, ignore_eos=True,
+                        stop=[out.text[-2:] + "\x01"], on_text=pieces.append)
+    assert held.text == out.text and "".join(pieces) == out.text
 
 
 def test_stops_at_eos_and_at_stop_strings(llms, checkpoints):

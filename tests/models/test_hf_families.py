@@ -88,3 +88,36 @@ def test_rope_frequencies_match_transformers(case):
         assert math.isclose(ratio[0].item(), 1.0)
         assert math.isclose(ratio[-1].item(), scaling["factor"], rel_tol=1e-6)
         assert ((ratio > 1.001) & (ratio < scaling["factor"] - 1e-3)).any()
+
+
+VARIANTS = {  # (family, config overrides): mapped from config.json, checked eagerly
+    "llama2": ("llama3.1", dict(rope_scaling=None, rope_theta=10000.0)),
+    "llama-biases": ("llama3.1", dict(attention_bias=True, mlp_bias=True)),
+    "llama-linear-rope": ("llama3.1", dict(rope_scaling={"rope_type": "linear",
+                                                         "factor": 2.0})),
+    "qwen2-sliding": ("qwen2", dict(use_sliding_window=True, sliding_window=5,
+                                    max_window_layers=1)),
+    "mistral-no-window": ("mistral", dict(sliding_window=None)),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_config_variants_match_transformers(variant, tmp_path):
+    """Each config.json variant, mapped by kiln, gives transformers' logits (the module
+    kiln compiles, run eagerly, through its KV cache)."""
+    from kiln.models.hf import load_checkpoint
+    from tests.models.support import make_checkpoint
+
+    family, overrides = VARIANTS[variant]
+    hf_model = make_checkpoint(tmp_path, family, **overrides)
+    model, _ = load_checkpoint(tmp_path)
+    model.setup_cache()
+    tokens = torch.randint(3, model.cfg.vocab_size, (1, 16))
+    with torch.no_grad():
+        ref = hf_model(tokens).logits
+        out = torch.cat([model(tokens[:, :9], torch.arange(9)),
+                         *(model(tokens[:, p:p + 1], torch.tensor([p])) for p in range(9, 16))],
+                        dim=1)
+    assert rel_err(out, ref) <= 1e-4, rel_err(out, ref)
+    if variant == "qwen2-sliding":
+        assert [layer.self_attn.window for layer in model.model.layers] == [None, 5]
