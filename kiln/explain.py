@@ -156,7 +156,7 @@ def _memory(mem, example, upper) -> list[str]:
                                                    "unbounded"))
             continue
         peak, total = mem.peak_bytes(env), mem.total_bytes(env)
-        saved = f" (reuse saves {100 * (1 - peak / total):.0f}%)" if total else ""
+        saved = f" (reuse saves {100 * (1 - peak / total):.0f}%)" if peak < total else ""
         lines.append(f"  at {what} sizes: peak planned {human_bytes(peak)} vs "
                      f"{human_bytes(total)} for all intermediates{saved}")
     return lines
