@@ -140,6 +140,20 @@ class CompiledModule:
         self.dim_names = dict(dim_names or {})  # torch.export.Dim name -> symbol
         self._in_spec = pytree.treespec_loads(self.plan.in_spec)
         self._out_spec = pytree.treespec_loads(self.plan.out_spec)
+        self._graphs = None
+        self._graph_when = None
+
+    def cuda_graphs(self, when=None, max_graphs: int = 16) -> CompiledModule:
+        """Replay calls as captured CUDA graphs, one per set of sizes.
+
+        `when(*tensor_args) -> bool` picks the calls that use them (e.g. decode steps:
+        `lambda tokens, pos: tokens.shape[-1] == 1`); other calls run normally.
+        """
+        from kiln.runtime.cuda_graphs import GraphRunner
+
+        self._graphs = GraphRunner(self.program, max_graphs=max_graphs)
+        self._graph_when = when
+        return self
 
     def _flatten(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         kw_spec = _child(self._in_spec, 1) if self._in_spec.num_children == 2 else None
@@ -194,7 +208,10 @@ class CompiledModule:
         flat = self._flatten(args, kwargs)
         env = self.program.bind(flat, self.plan.user_inputs)
         with torch.no_grad():
-            outs = self.program.run(flat, self.state, env)
+            if self._graphs is not None and (self._graph_when is None or self._graph_when(*flat)):
+                outs = self._graphs.run(flat, self.state, env)
+            else:
+                outs = self.program.run(flat, self.state, env)
         return pytree.tree_unflatten(outs, self._out_spec)
 
     def save(self, path) -> None:
