@@ -310,6 +310,52 @@ def _run_llm(args, spec: ModelSpec) -> int:
     return 0
 
 
+# ---- kiln generate ------------------------------------------------------------------
+
+
+def cmd_generate(args) -> int:
+    """Load a checkpoint (or a preset with random weights), compile it, stream text."""
+    from kiln.models import load
+
+    if args.config is not None and not args.random_weights:
+        raise KilnError("--config names a preset for --random-weights",
+                        hint="add --random-weights, or load a checkpoint with --model DIR")
+    source = args.model or (args.config if args.random_weights else None)
+    if source is None:
+        raise KilnError("name a checkpoint with --model DIR, or use --random-weights "
+                        "--config NAME", hint="presets: tiny, llama3-8b, llama2-70b, ...")
+    if not args.prompt:
+        raise KilnError("give a prompt with --prompt TEXT (repeat it for a batch)")
+    t0 = time.perf_counter()
+    llm = load(source, dtype=args.dtype, target=args.target, max_seq_len=args.max_seq_len,
+               max_batch_size=len(args.prompt), paged=args.cache == "paged",
+               block_size=args.block_size, random_weights=args.random_weights,
+               seed=args.seed)
+    print(f"loaded {source} and compiled for {llm.target} in "
+          f"{time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    stop = list(args.stop) + list(args.stop_id)
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=stop,
+                    ignore_eos=args.ignore_eos)
+    prompts = args.prompt
+    if len(prompts) == 1:
+        sys.stdout.write(prompts[0])
+        results = [llm.generate(prompts[0], on_text=_stream, **sampling)]
+        print()
+    else:
+        results = llm.generate(prompts, **sampling)
+        for p, r in zip(prompts, results):
+            print(f"--- {p!r}\n{p}{r.text}")
+    for r in results:
+        print(r.summary(), file=sys.stderr)
+    return 0
+
+
+def _stream(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
 # ---- kiln explain -------------------------------------------------------------------
 
 
@@ -389,6 +435,39 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--steps", type=int, default=8, help="built-in LLMs: tokens to generate")
     _add_tune(r)
     r.set_defaults(fn=cmd_run)
+
+    g = sub.add_parser(
+        "generate", help="generate text from a Hugging Face checkpoint",
+        description="Load a Hugging Face checkpoint directory (Llama 2/3/3.1, Mistral, "
+        "Qwen2: config.json, *.safetensors, tokenizer.json), or a preset with random "
+        "weights, compile it with kiln and generate: text streams to stdout, a summary "
+        "(time to first token, tokens/s) goes to stderr. Several --prompt run as a batch.")
+    g.add_argument("--model", help="checkpoint directory (config.json, *.safetensors, "
+                   "tokenizer.json)")
+    g.add_argument("--random-weights", action="store_true",
+                   help="random weights: with --config NAME (a preset) or --model DIR's config")
+    g.add_argument("--config", help="preset for --random-weights: tiny, llama3-8b, "
+                   "llama3.1-8b, llama2-7b, llama2-70b")
+    g.add_argument("--prompt", action="append", default=[],
+                   help="prompt text (repeat for a batch)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-id", action="append", type=int, default=[],
+                   help="stop token id (repeatable), besides the checkpoint's eos")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at eos")
+    g.add_argument("--target", default="cpu", help="cpu, cuda, cuda:sm_90, ...")
+    g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                   help="default: the checkpoint's")
+    g.add_argument("--max-seq-len", type=int, default=None,
+                   help="context length (default: the model's, at most 4096)")
+    g.add_argument("--cache", choices=["contiguous", "paged"], default="contiguous")
+    g.add_argument("--block-size", type=int, default=16, help="paged cache block size")
+    g.add_argument("-v", "--verbose", action="store_true", help="log every stage")
+    g.set_defaults(fn=cmd_generate)
 
     e = sub.add_parser(
         "explain", epilog=EPILOG, help="print the plan: regions, shapes, bounds, costs, memory",
