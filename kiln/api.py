@@ -16,7 +16,8 @@ import torch.utils._pytree as pytree
 from kiln.codegen.select_kernels import select_kernels
 from kiln.dispatch.form_regions import form_regions
 from kiln.dispatch.reinplace import reinplace
-from kiln.errors import ArgumentError
+from kiln.errors import ArgumentError, TargetError
+from kiln.explain import dim_names, explain
 from kiln.frontend.export import import_model
 from kiln.graph import GRAPH_PASSES
 from kiln.ir.graph import KilnGraph
@@ -90,7 +91,13 @@ def compile(  # noqa: A001 - mirrors torch.compile
     result = build_pipeline(dump_ir).run(src, ctx, compile_to=compile_to)
     if not isinstance(result, Program):
         return result
-    return CompiledModule(result, _state_for(result, ctx.options["state"], tgt))
+    names = dim_names(model, args, kwargs, dynamic_shapes, result.plan)
+    return CompiledModule(result, _state_for(result, ctx.options["state"], tgt),
+                          example_sizes=ctx.options.get("example_env"), dim_names=names)
+
+
+def _device_present(tgt: Target) -> bool:
+    return tgt.torch_device != "cuda" or torch.cuda.is_available()
 
 
 def _state_for(program: Program, named: dict[str, torch.Tensor], tgt: Target):
@@ -100,7 +107,8 @@ def _state_for(program: Program, named: dict[str, torch.Tensor], tgt: Target):
     an 8B model must not need two copies, and buffer updates (the KV cache) are the
     model's own.
     """
-    device = torch.device(tgt.torch_device)
+    # Compiling for a GPU on a machine without one (compile-only): weights stay put.
+    device = torch.device(tgt.torch_device if _device_present(tgt) else "cpu")
     state = {}
     for v in program.plan.values.values():
         if v.target is None:
@@ -121,11 +129,15 @@ def _child(spec: pytree.TreeSpec, i: int) -> pytree.TreeSpec:
 class CompiledModule:
     """What kiln.compile returns: call it like the model; save it; explain it."""
 
-    def __init__(self, program: Program, state: dict[str, torch.Tensor]):
+    def __init__(self, program: Program, state: dict[str, torch.Tensor],
+                 example_sizes: dict[str, int] | None = None,
+                 dim_names: dict[str, str] | None = None):
         self.program = program
         self.plan = program.plan
         self.state = state
         self.target = program.kplan.target
+        self.example_sizes = dict(example_sizes or {})  # symbol -> size in the example args
+        self.dim_names = dict(dim_names or {})  # torch.export.Dim name -> symbol
         self._in_spec = pytree.treespec_loads(self.plan.in_spec)
         self._out_spec = pytree.treespec_loads(self.plan.out_spec)
         self._graphs = None
@@ -187,6 +199,12 @@ class CompiledModule:
         raise ArgumentError("the keyword arguments' structure differs from the compiled one")
 
     def __call__(self, *args, **kwargs):
+        if not _device_present(self.target):
+            raise TargetError(
+                f"this module was compiled for {self.target}, but torch sees no GPU here",
+                hint="compiling for a GPU without one is compile-only: save the module and "
+                "load it (kiln.load / kiln run DIR) on a machine with that GPU",
+            )
         flat = self._flatten(args, kwargs)
         env = self.program.bind(flat, self.plan.user_inputs)
         with torch.no_grad():
@@ -204,6 +222,10 @@ class CompiledModule:
     def describe(self) -> str:
         return self.program.describe()
 
+    def explain(self, kernels: bool = False) -> str:
+        """The `kiln explain` report: regions, shapes, bounds, bytes, flops, memory."""
+        return explain(self.program, self.example_sizes, self.dim_names, kernels=kernels)
+
     def __repr__(self) -> str:
         return (f"CompiledModule(target={self.target}, regions={len(self.plan.regions)}, "
                 f"inputs={self.plan.user_inputs})")
@@ -213,4 +235,5 @@ def load(path, target: str | Target | None = None) -> CompiledModule:
     """Load a module saved with CompiledModule.save, without recompiling."""
     from kiln.artifact.load import load as _load
 
-    return _load(path, target)
+    art = _load(path, target)
+    return CompiledModule(art.program, art.state, art.example_sizes, art.dim_names)
