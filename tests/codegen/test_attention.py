@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 import kiln
 from kiln.ir.plan import RegionKind
-from kiln.models.llama import Attention, LlamaConfig, rope_tables
+from kiln.models.kv_cache import ContiguousKVCache
+from kiln.models.llama import Attention, LlamaConfig, attention_mask, rope_tables
 from tests.helpers import rel_err
 
 
@@ -88,65 +89,69 @@ def test_three_dimensional_operands():
     assert rel_err(exe(q, k, v), model(q, k, v)) <= 1e-5
 
 
-def _llama_block(dtype, kv_cache=False):
-    cfg = LlamaConfig(dim=64, n_heads=4, n_kv_heads=2, max_seq_len=48)
-    attn = Attention(cfg).eval().to(dtype)
-    if kv_cache:
-        from kiln.models.llama import KVCache
+class AttentionBlock(torch.nn.Module):
+    """kiln.models.llama.Attention (RoPE, GQA, optional KV cache) on plain tensor inputs."""
 
-        attn.kv_cache = KVCache(cfg, dtype)
+    def __init__(self, cfg: LlamaConfig, cache=None):
+        super().__init__()
+        self.attn = Attention(cfg, None)
+        self.attn.kv_cache = cache
+
+    def forward(self, x, cos, sin, mask, input_pos):
+        return self.attn(x, cos, sin, {None: mask}, input_pos, None)
+
+
+def block_inputs(cfg: LlamaConfig, t: int, start: int = 0, dtype=torch.float32,
+                 cached: bool = False, device=None):
+    """x, cos, sin, mask, input_pos for `t` tokens at positions start.., as Llama builds them."""
     cos, sin = rope_tables(cfg)
+    pos = torch.arange(start, start + t)[None]
+    kv_pos = torch.arange(cfg.max_seq_len)[None] if cached else pos
+    args = (torch.randn(1, t, cfg.dim, dtype=dtype), cos[pos][:, :, None].to(dtype),
+            sin[pos][:, :, None].to(dtype), attention_mask(pos, kv_pos, None), pos)
+    return tuple(a.to(device) for a in args) if device is not None else args
 
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attn = attn
 
-        def forward(self, x, cos, sin, mask, input_pos):
-            return self.attn(x, cos, sin, mask, input_pos)
+def block_dynamic_shapes(cfg: LlamaConfig, cached: bool = False):
+    T = torch.export.Dim("T", min=1, max=cfg.max_seq_len)
+    mask = {2: T} if cached else {2: T, 3: T}
+    return ({1: T}, {1: T}, {1: T}, mask, {1: T})
 
-    def args(t, start=0):
-        pos = torch.arange(start, start + t)
-        span = torch.arange(cfg.max_seq_len) if kv_cache else pos
-        return (torch.randn(1, t, cfg.dim, dtype=dtype), cos[pos].to(dtype), sin[pos].to(dtype),
-                span[None, :] <= pos[:, None], pos)
 
-    return Block(), args, cfg
+SMALL = LlamaConfig(dim=64, n_heads=4, n_kv_heads=2, max_seq_len=48)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)])
 def test_llama_attention_block_with_rope_fused_into_q_and_k(dtype, tol):
-    block, args, cfg = _llama_block(dtype)
-    T = torch.export.Dim("T", min=1, max=cfg.max_seq_len)
-    ds = ({1: T}, {0: T}, {0: T}, {0: T, 1: T}, {0: T})
-    exe = kiln.compile(block, args(8), dynamic_shapes=ds, target="interpret")
+    block = AttentionBlock(SMALL).eval().to(dtype)
+    exe = kiln.compile(block, block_inputs(SMALL, 8, dtype=dtype),
+                       dynamic_shapes=block_dynamic_shapes(SMALL), target="interpret")
     region, kernel = _attention_kernel(exe)
     assert kernel.kind == "triton"
-    assert {"cos", "sin"} <= set(region.inputs)  # RoPE is computed as Q and K load
-    assert kernel.spec.meta["prologue_tiles"] > 0
+    assert kernel.spec.meta["prologue_tiles"] > 0  # RoPE is computed as Q and K load
     assert all(exe.program.kplan.kernels[r.name].kind == "triton" for r in exe.plan.regions
                if r.kind in (RegionKind.MATMUL, RegionKind.ATTENTION))
     with torch.no_grad():
         for t in (8, 1, 21):
-            a = args(t)
+            a = block_inputs(SMALL, t, dtype=dtype)
             assert rel_err(exe(*a), block(*a)) <= tol, t
 
 
 def test_decode_against_a_kv_cache():
-    """Prefill writes the cache; decode steps (Tq = 1) read [B, Hkv, S, D] through it."""
+    """Prefill writes the cache; decode steps (Tq = 1) read [B, S, Hkv, D] through it."""
     import copy
 
-    block, args, cfg = _llama_block(torch.float32, kv_cache=True)
+    block = AttentionBlock(SMALL, ContiguousKVCache(SMALL, 1, torch.float32)).eval()
     eager = copy.deepcopy(block)
-    T = torch.export.Dim("T", min=1, max=cfg.max_seq_len)
-    ds = ({1: T}, {0: T}, {0: T}, {0: T}, {0: T})
-    exe = kiln.compile(block, args(6), dynamic_shapes=ds, target="interpret")
+    exe = kiln.compile(block, block_inputs(SMALL, 6, cached=True),
+                       dynamic_shapes=block_dynamic_shapes(SMALL, cached=True),
+                       target="interpret")
     _, kernel = _attention_kernel(exe)
     assert kernel.kind == "triton"
     pos = 0
     with torch.no_grad():
         for t in (6, 1, 1, 3, 1):
-            a = args(t, pos)
+            a = block_inputs(SMALL, t, pos, cached=True)
             assert rel_err(exe(*a), eager(*a)) <= 1e-5, (pos, t)
             pos += t
 

@@ -9,45 +9,43 @@ import torch
 
 import kiln
 from kiln.ir.plan import RegionKind
-from kiln.models.llama import PRESETS, DecoderLayer, KVCache, LlamaConfig, rope_tables
+from kiln.models.kv_cache import ContiguousKVCache
+from kiln.models.llama import PRESETS, DecoderLayer, LlamaConfig
+from tests.codegen.test_attention import block_dynamic_shapes, block_inputs
 from tests.helpers import rel_err
 
 
 class Layer(torch.nn.Module):
+    """kiln.models.llama.DecoderLayer with a contiguous KV cache, on plain tensor inputs."""
+
     def __init__(self, cfg: LlamaConfig, dtype: torch.dtype):
         super().__init__()
-        self.layer = DecoderLayer(cfg)
+        self.layer = DecoderLayer(cfg, 0)
         for p in self.layer.parameters():
             torch.nn.init.normal_(p, std=0.02)
         self.layer.input_layernorm.weight.data.fill_(1.0)
         self.layer.post_attention_layernorm.weight.data.fill_(1.0)
         self.layer.to(dtype)
-        self.layer.self_attn.kv_cache = KVCache(cfg, dtype)
+        self.layer.self_attn.kv_cache = ContiguousKVCache(cfg, 1, dtype)
 
     def forward(self, x, cos, sin, mask, input_pos):
-        return self.layer(x, cos, sin, mask, input_pos)
+        return self.layer(x, cos, sin, {None: mask}, input_pos, None)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,tune", [(torch.float16, "fast"), (torch.bfloat16, "none")])
 def test_llama3_8b_layer_prefill_and_decode_match_eager(dtype, tune):
-    cfg = LlamaConfig(**{**PRESETS["llama3-8b"].__dict__, "n_layers": 1, "max_seq_len": 1024})
+    cfg = PRESETS["llama3-8b"].with_(n_layers=1, max_seq_len=1024)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Layer(cfg, dtype).eval()
-        cos, sin = rope_tables(cfg)
     eager = copy.deepcopy(model)
-    span = torch.arange(cfg.max_seq_len, device="cuda")
 
     def args(t, start):
-        pos = torch.arange(start, start + t, device="cuda")
-        x = torch.randn(1, t, cfg.dim, device="cuda", dtype=dtype)
-        return x, cos[pos].to(dtype), sin[pos].to(dtype), span[None, :] <= pos[:, None], pos
+        return block_inputs(cfg, t, start, dtype=dtype, cached=True, device="cuda")
 
-    T = torch.export.Dim("T", min=1, max=cfg.max_seq_len)
-    ds = ({1: T}, {0: T}, {0: T}, {0: T}, {0: T})
-    exe = kiln.compile(model, args(16, 0), dynamic_shapes=ds, target="cuda",
-                       options={"tune": tune})
+    exe = kiln.compile(model, args(16, 0), dynamic_shapes=block_dynamic_shapes(cfg, True),
+                       target="cuda", options={"tune": tune})
     kernels = exe.program.kplan.kernels
     for r in exe.plan.regions:
         if r.kind in (RegionKind.MATMUL, RegionKind.ATTENTION):
@@ -68,7 +66,7 @@ def test_llama3_8b_layer_prefill_and_decode_match_eager(dtype, tune):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_decode_projections_use_the_gemv_form(dtype):
     """A decode-only compile (one token) gives every projection the GEMV form."""
-    cfg = LlamaConfig(**{**PRESETS["llama3-8b"].__dict__, "n_layers": 1})
+    cfg = PRESETS["llama3-8b"]
     with torch.device("cuda"):
         mlp = torch.nn.Sequential(torch.nn.Linear(cfg.dim, cfg.intermediate_size, bias=False),
                                   torch.nn.SiLU(),

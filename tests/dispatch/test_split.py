@@ -10,32 +10,27 @@ from kiln.dispatch import split
 from kiln.ir.plan import RegionKind, Role
 from kiln.ir.printer import print_plan
 from kiln.ir.verify import verify_plan
-from kiln.models.llama import Attention, LlamaConfig, rope_tables
+from kiln.models.llama import LlamaConfig
 from kiln.pipeline import Context
 from kiln.runtime.schedule import schedule
 from kiln.target import get_target
+from tests.codegen.test_attention import AttentionBlock, block_dynamic_shapes, block_inputs
 from tests.helpers import rel_err
 
+CFG = LlamaConfig(dim=64, n_heads=4, n_kv_heads=2, max_seq_len=32)
 
-class Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.attn = Attention(LlamaConfig(dim=64, n_heads=4, n_kv_heads=2, max_seq_len=32))
 
-    def forward(self, x, cos, sin, mask, input_pos):
-        return self.attn(x, cos, sin, mask, input_pos)
+def Block():  # noqa: N802 - reads like the module it builds
+    return AttentionBlock(CFG)
 
 
 def _args(t):
-    cos, sin = rope_tables(LlamaConfig(dim=64, n_heads=4, max_seq_len=32))
-    pos = torch.arange(t)
-    return torch.randn(1, t, 64), cos[pos], sin[pos], pos[None, :] <= pos[:, None], pos
+    return block_inputs(CFG, t)
 
 
 def _plan(model):
-    T = torch.export.Dim("T", min=1, max=32)
-    ds = ({1: T}, {0: T}, {0: T}, {0: T, 1: T}, {0: T})
-    return kiln.compile(model, _args(8), dynamic_shapes=ds, compile_to="dispatch")
+    return kiln.compile(model, _args(8), dynamic_shapes=block_dynamic_shapes(CFG),
+                        compile_to="dispatch")
 
 
 def _run(plan, model, target):

@@ -11,6 +11,7 @@ are swapped for interpreted twins (`_interpreted_stdlib`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -80,10 +81,33 @@ class _Interpreted:
 _twins: dict[int, object] = {}
 
 
+@functools.cache
+def _twin_class():
+    """InterpretedFunction whose device-function call undoes its patches of triton.language.
+
+    Triton's interpreter patches triton.language for a device function call and never
+    restores it (harmless when the whole process is interpreted). Here the process also
+    compiles for GPUs, so the patches of a call are rolled back when it returns (the
+    kernel's own patches stay until the kernel's launch ends).
+    """
+    from triton.runtime.interpreter import InterpretedFunction, InterpreterError, _patch_lang
+
+    class Twin(InterpretedFunction):
+        def __call__(self, *args, **kwargs):
+            scope = _patch_lang(self.fn)
+            try:
+                return self.rewrite()(*args, **kwargs)
+            except Exception as e:
+                raise InterpreterError(repr(e)) from e
+            finally:
+                scope.restore()
+
+    return Twin
+
+
 @contextmanager
 def _interpreted_stdlib():
     import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     with suppress(ImportError):  # imported lazily by the launcher: let it see the originals
@@ -97,7 +121,7 @@ def _interpreted_stdlib():
                     if isinstance(val, JITFunction):
                         twin = _twins.get(id(val))
                         if twin is None:
-                            twin = _twins[id(val)] = InterpretedFunction(val.fn)
+                            twin = _twins[id(val)] = _twin_class()(val.fn)
                         saved.append((mod, attr, val))
                         setattr(mod, attr, twin)
             yield
