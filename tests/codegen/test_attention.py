@@ -218,3 +218,31 @@ def test_a_shifted_mask_is_not_mistaken_for_causal():
     _, kernel = _attention_kernel(exe)
     assert not kernel.spec.meta["causal"] and kernel.spec.meta["mask"] == "bool"
     assert rel_err(exe(q, k, v), Shifted()(q, k, v)) <= 1e-5
+
+
+def test_head_dim_that_is_not_a_power_of_two():
+    model = Sdpa(causal=True)
+    q, k, v = _qkv(1, 2, 1, 7, 7, d=24)  # tiles of 32, the last 8 lanes masked
+    exe = kiln.compile(model, (q, k, v), target="interpret")
+    assert _attention_kernel(exe)[1].spec.meta["head_dim_pad"] == 32
+    assert rel_err(exe(q, k, v), model(q, k, v)) <= 1e-5
+
+
+@pytest.mark.parametrize("head_dim,dtype,target", [
+    (64, torch.float16, "cuda:sm_90"), (128, torch.bfloat16, "cuda:sm_80"),
+    (256, torch.float16, "rocm:gfx942"), (256, torch.bfloat16, "cuda:sm_90")])
+def test_llm_head_dims_compile_within_the_target(head_dim, dtype, target):
+    """Head dims 64..256 build for real GPUs (compile-only) at a config that fits."""
+    from kiln.codegen.fit import fitted_spec
+    from kiln.codegen.triton import attention
+    from kiln.codegen.triton.compiler import compile_binary
+    from kiln.target import get_target
+
+    S = torch.export.Dim("S_len", min=1, max=8192)
+    args = _qkv(1, 32, 8, 16, 16, d=head_dim, dtype=dtype)
+    plan = kiln.compile(Sdpa(causal=True), args, dynamic_shapes=({2: S}, {2: S}, {2: S}),
+                        compile_to="dispatch")
+    tgt = get_target(target)
+    spec = fitted_spec(plan.regions[0], plan, tgt, attention.generate)
+    res = compile_binary(spec, spec.default, tgt).resources
+    assert res.shared <= tgt.shared_mem_per_block and res.spills == 0, (spec.default, res)

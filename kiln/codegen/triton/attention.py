@@ -148,10 +148,12 @@ def config_space(shape: AttentionShape, rows_hi: int | None) -> list[Config]:
     return configs
 
 
-def heuristic(shape: AttentionShape, rows_hi: int | None) -> Config:
+def heuristic(shape: AttentionShape, rows_hi: int | None, target: Target) -> Config:
     d = _pow2(max(shape.head_dim, shape.value_dim))
     if rows_hi is not None and rows_hi <= 16:
         return Config.make(4, 2, BLOCK_M=16, BLOCK_N=64 if d <= 128 else 32)
+    if target.backend == "hip":  # MFMA: one stage; 128-row tiles spill at head dim 128
+        return Config.make(4, 1, BLOCK_M=64, BLOCK_N=64 if d <= 128 else 32)
     if d <= 64:
         return Config.make(4, 2, BLOCK_M=128, BLOCK_N=64)
     if d <= 128:
@@ -228,7 +230,7 @@ class _AttentionSource:
         source = module_source(self.name, params, body, self.em.helpers, self.em.target,
                                p.describe())
         rows_hi = bounds_of(rows, self.plan.symbols).hi
-        default = heuristic(s, rows_hi)
+        default = heuristic(s, rows_hi, self.em.target)
         configs = config_space(s, rows_hi)
         if default not in configs:
             configs.insert(0, default)

@@ -149,9 +149,12 @@ class Fit:
 
 
 def fitting_configs(spec: KernelSpec, target: Target) -> Fit:
-    """Split `spec.configs` by the model: those estimated to fit, in preference order."""
+    """Split `spec.configs` by the model: those estimated to fit, in the spec's order."""
     ests = {c: estimate(spec, c, target) for c in _unique([spec.default, *spec.configs])}
-    ok = [c for c, r in ests.items() if fits(r, target)]
+    # Before compiling only shared memory and threads decide (as in the autotuner):
+    # too many registers spill rather than fail, and the binary's figures say so.
+    ok = [c for c, r in ests.items()
+          if fits(Resources(r.shared, None, None, r.threads), target)]
     smallest = min(ests, key=lambda c: (ests[c].shared, ests[c].registers or 0))
     return Fit(ok, smallest, ests[smallest])
 
