@@ -328,6 +328,8 @@ class Emitter:
             return gather.emit_concat(self, op, index, mask)
         if cat == OpCategory.POINTWISE:
             return elementwise.emit(self, op, index, mask)
+        if op.target in ("aten.slice_scatter.default", "aten.select_scatter.default"):
+            return gather.emit_scatter_select(self, op, index, mask)
         raise CodegenUnsupported(f"{op.target} (%{op.name}) cannot be computed per element here")
 
     def _create(self, op: Op, index: Index) -> Val:

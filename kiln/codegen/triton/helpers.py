@@ -111,6 +111,21 @@ def _max_nan(a, b):
 def _min_nan(a, b):
     return tl.where((a < b) | (a != a), a, b)
 """,
+    "_sum": """
+@triton.jit
+def _sum(a, b):
+    return a + b
+""",
+    "_max": """
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+""",
+    "_min": """
+@triton.jit
+def _min(a, b):
+    return tl.minimum(a, b)
+""",
     "_prod": """
 @triton.jit
 def _prod(a, b):

@@ -40,7 +40,9 @@ def generate_pointwise(region: Region, plan: DispatchPlan, target: Target) -> Ke
         return None
 
 
-def pointwise_spec(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
+def pointwise_spec(region: Region, plan: DispatchPlan, target: Target,
+                   kind: str = "pointwise") -> KernelSpec:
+    """One flat kernel over the region's output (`kind` names it: pointwise or copy)."""
     shapes = [plan.values[o].shape for o in region.outputs]
     shape = shapes[0]
     if any(len(s) != len(shape) or not all(same(a, b) for a, b in zip(s, shape))
@@ -61,7 +63,7 @@ def pointwise_spec(region: Region, plan: DispatchPlan, target: Target) -> Kernel
     body = [f"xoffset = {pid} * XBLOCK",
             "xindex = xoffset + tl.arange(0, XBLOCK)",
             f"xmask = xindex < {n_code}"] + em.lines
-    name = kernel_name("pointwise", region)
+    name = kernel_name(kind, region)
     source = module_source(name, args.params() + ["XBLOCK: tl.constexpr"], body, em.helpers,
                            target, args.describe())
     configs, default = pointwise_configs(upper_bound(n, plan.symbols))
