@@ -218,6 +218,14 @@ class Emitter:
             return literal(v.const, dtype)
         if dtype == torch.bool:
             return self.let(f"{v.code} != 0", dtype, v.vars)
+        if dtype == torch.bfloat16 and v.dtype in (torch.float32, torch.float64):
+            # GPUs round to nearest even, as torch does; Triton's interpreter truncates, so
+            # the interpret target rounds in a helper
+            src = v if v.dtype == torch.float32 else self.cast(v, torch.float32)
+            if self.target.backend == "interpret":
+                self.need("_to_bf16")
+                return self.let(f"_to_bf16({self.tensor(src).code})", dtype, v.vars)
+            return self.let(f"{src.code}.to(tl.bfloat16)", dtype, v.vars)
         return self.let(f"{v.code}.to({TL[dtype]})", dtype, v.vars)
 
     def tensor(self, v: Val) -> Val:

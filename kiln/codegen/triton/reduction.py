@@ -337,25 +337,42 @@ class RowKernel:
                            torch.int64, TILE)
 
     def _final(self, acc: Acc, tile: Val, idx: Val | None) -> None:
-        em, dt = self.em, acc.dtype
-        k = acc.kind
-        # tl.reduce with kiln's own combine functions rather than tl.sum / tl.max: those
-        # are jit functions of triton.language, which Triton's interpreter cannot call
-        combine = {"sum": "_sum", "prod": "_prod", "any": "_max", "all": "_min"}.get(k)
-        if k in ("max", "min"):
-            combine = f"_{k}_nan" if dt.is_floating_point else f"_{k}"
-        if combine is not None:
-            em.need(combine)
-            code = f"tl.reduce({tile}, 1, {combine})[:, None]"
+        """Reduce a [XBLOCK, RBLOCK] tile of partial results to the row value.
+
+        tl.reduce with triton.language's own combine functions (what tl.sum / tl.max
+        call): the interpreter cannot call tl.sum itself, but it recognises these and
+        reduces with numpy. Only prod needs a combine function of kiln's.
+        """
+        em, dt, k = self.em, acc.dtype, acc.kind
+        if k in ("sum", "any", "all"):
+            combine = {"sum": "_sum_combine", "any": "_elementwise_max",
+                       "all": "_elementwise_min"}[k]
+            acc.result = em.let(f"tl.reduce({tile}, 1, tl.standard.{combine})[:, None]", dt, ROW)
+            if k != "sum":
+                acc.result = em.let(f"{acc.result} != 0", torch.bool, ROW)
+        elif k == "prod":
+            em.need("_prod")
+            acc.result = em.let(f"tl.reduce({tile}, 1, _prod)[:, None]", dt, ROW)
         else:
-            em.need(f"_{k}")
-            pair = em.let(f"tl.reduce(({tile}, {idx}), 1, _{k})", dt, ROW)
-            acc.result = em.let(f"{pair}[0][:, None]", dt, ROW)
-            acc.index = em.let(f"{pair}[1][:, None]", torch.int64, ROW)
-            return
-        acc.result = em.let(code, dt, ROW)
-        if k in ("any", "all"):
-            acc.result = em.let(f"{acc.result} != 0", torch.bool, ROW)
+            acc.result = self._extreme(tile, "max" if k in ("max", "argmax") else "min", dt)
+            if idx is not None:  # the first position holding it (the first NaN, if any)
+                m = acc.result
+                cand = f"({tile} == {m})"
+                if dt.is_floating_point:
+                    cand += f" | (({tile} != {tile}) & ({m} != {m}))"
+                acc.index = em.let(f"tl.reduce(tl.where({cand}, {idx}, {2**62}), 1, "
+                                   "tl.standard._elementwise_min)[:, None]", torch.int64, ROW)
+
+    def _extreme(self, tile: Val, kind: str, dt) -> Val:
+        """Row max / min. Floating max/min ignore NaN in the interpreter and in PTX's
+        max.f32, so a NaN count restores torch's NaN propagation."""
+        em = self.em
+        r = em.let(f"tl.reduce({tile}, 1, tl.standard._elementwise_{kind})[:, None]", dt, ROW)
+        if not dt.is_floating_point:
+            return r
+        nans = em.let(f"tl.reduce(({tile} != {tile}).to(tl.int32), 1, "
+                      "tl.standard._sum_combine)[:, None]", torch.int32, ROW)
+        return em.let(f'tl.where({nans} > 0, float("nan"), {r})', dt, ROW)
 
     def _init_acc(self, acc: Acc) -> None:
         em = self.em
