@@ -136,9 +136,17 @@ class KernelArgs:
         return self.tensors[value][0]
 
     def dim(self, d: Dim) -> str:
-        """A size in code: an int literal, or the size parameter carrying it."""
+        """A size in code: an int literal, or the size parameter carrying it.
+
+        A constant factor stays in the code (`4096 * ks0`, not a parameter equal to
+        4096*s0): Triton then knows the size's divisibility and can vectorise masked
+        accesses whose bound it is.
+        """
         if isinstance(d, int):
             return str(d) if d >= 0 else f"({d})"
+        coeff, rest = d.as_coeff_Mul()
+        if coeff.is_Integer and coeff not in (1, -1) and not rest.is_Number:
+            return f"({int(coeff)} * {self.dim(rest)})"
         key = to_str(d)
         if key not in self.sizes:
             self.sizes[key] = (f"ks{len(self.sizes)}", d)

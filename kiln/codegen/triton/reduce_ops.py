@@ -27,13 +27,14 @@ ElemFn = Callable[[tuple, frozenset], Val]
 class Acc:
     """One accumulator: reduce `value` (per element) with `kind` in `dtype`."""
 
-    kind: str  # sum | prod | max | min | any | all | argmax | argmin
+    kind: str  # sum | prod | max | min | any | all | argmax | argmin | lse
     dtype: torch.dtype
     value: ElemFn
-    result: Val | None = None  # the row value, once reduced
+    result: Val | None = None  # the row value, once reduced (lse: the max M)
     index: Val | None = None  # argmax / argmin: the position
+    total: Val | None = None  # lse: sum(exp(x - M))
     var: str = ""  # looped kernels: the [XBLOCK, RBLOCK] accumulator's name
-    index_var: str = ""  # ... and, for argmax / argmin, its positions'
+    index_var: str = ""  # ... argmax / argmin: positions; lse: the rescaled sums
 
 
 @dataclass
@@ -64,10 +65,11 @@ def _outputs(op: Op, getitems: dict[str, list[tuple[int, str]]]) -> dict[int, st
     return {k: name for k, name in getitems.get(op.name, [])}
 
 
-def plan_op(op: Op, em: Emitter, n_code: str, getitems) -> OpPlan:
+def plan_op(op: Op, em: Emitter, n_code: str, getitems, online: bool = False) -> OpPlan:
     """The accumulators and the yielded values of reduction op `op`.
 
-    `n_code` is the reduced element count in code (a literal or a size parameter).
+    `n_code` is the reduced element count in code (a literal or a size parameter);
+    `online`: the kernel sweeps the row in chunks (softmax then fuses max and sum).
     """
     t = op.target.removeprefix("aten.")
     src = op.args[0]
@@ -116,7 +118,7 @@ def plan_op(op: Op, em: Emitter, n_code: str, getitems) -> OpPlan:
     if name in ("var", "var_mean"):
         return _variance(op, em, n_code, outs, x, t)
     if name in ("_softmax", "_log_softmax", "logsumexp"):
-        return _softmax(op, em, outs, x, name)
+        return _softmax(op, em, outs, x, name, online)
     if name == "native_layer_norm":
         return _layer_norm(op, em, n_code, outs, x)
     raise CodegenUnsupported(f"reduction {op.target} is not generated")
@@ -164,35 +166,59 @@ def _variance(op: Op, em: Emitter, n_code: str, outs, x, t: str) -> OpPlan:
     return OpPlan(op, [first, Stage([ssd])], rows)
 
 
-def _softmax(op: Op, em: Emitter, outs, x, name: str) -> OpPlan:
+def _softmax(op: Op, em: Emitter, outs, x, name: str, online: bool) -> OpPlan:
+    """softmax, log_softmax and logsumexp from the row max M and S = sum(exp(x - M)).
+
+    Whole rows reduce M, then S (two exact steps over registers). Looped rows reduce
+    both in one sweep (`lse`: a running max with the sum rescaled when it grows), so
+    softmax reads its input twice, not three times.
+    """
     dt = opmath(op.dtype)
-    m = Acc("max", dt, x(dt))
-    safe: list[Val] = []
+    row: dict[str, Val] = {}
 
-    def shift() -> Val:
-        return safe[0]
-
-    def derive_shift():  # logsumexp's max with infinities replaced by 0, as torch does
-        safe.append(em.let(f'tl.where(tl.abs({m.result}) == float("inf"), 0.0, {m.result})',
-                           dt, m.result.vars) if name == "logsumexp" else m.result)
+    def shift_of(m: Val) -> Val:  # logsumexp's max with infinities replaced by 0, as torch
+        if name != "logsumexp":
+            return m
+        return em.let(f'tl.where(tl.abs({m}) == float("inf"), 0.0, {m})', dt, m.vars)
 
     def exp_shifted(idx, mask):
         v = x(dt)(idx, mask)
-        return em.let(f"tl.exp({v} - {shift()})", dt, v.vars | m.result.vars)
+        return em.let(f"tl.exp({v} - {row['shift']})", dt, v.vars | row["shift"].vars)
 
-    total = Acc("sum", dt, exp_shifted)
-    plan = OpPlan(op, [Stage([m], derive_shift), Stage([total])])
+    if online:
+        stats = Acc("lse", dt, x(dt))
+
+        def derive():
+            row["max"], row["sum"] = stats.result, stats.total
+            row["shift"] = row["max"]
+
+        stages = [Stage([stats], derive)]
+    else:
+        m = Acc("max", dt, x(dt))
+        total = Acc("sum", dt, exp_shifted)
+
+        def derive_shift():
+            row["max"] = m.result
+            row["shift"] = shift_of(m.result)
+
+        stages = [Stage([m], derive_shift), Stage([total], lambda: row.update(sum=total.result))]
+    plan = OpPlan(op, stages)
     if name == "logsumexp":
-        plan.rows[outs[0]] = lambda: em.cast(em.let(
-            f"tl.log({total.result}) + {shift()}", dt, total.result.vars), op.dtype)
+        def lse() -> Val:
+            r = em.let(f"tl.log({row['sum']}) + {row['shift']}", dt, row["sum"].vars)
+            if online:  # a +inf max makes S NaN; torch's answer is +inf
+                r = em.let(f'tl.where({row["max"]} == float("inf"), {row["max"]}, {r})', dt,
+                           r.vars)
+            return em.cast(r, op.dtype)
+        plan.rows[outs[0]] = lse
     elif name == "_softmax":
         plan.elems[outs[0]] = lambda idx, mask: em.cast(em.let(
-            f"{exp_shifted(idx, mask)} / {total.result}", dt, total.result.vars), op.dtype)
+            f"{exp_shifted(idx, mask)} / {row['sum']}", dt, row["sum"].vars), op.dtype)
     else:
         def log_softmax(idx, mask):
             v = x(dt)(idx, mask)
-            return em.cast(em.let(f"{v} - {m.result} - tl.log({total.result})", dt,
-                                  v.vars | total.result.vars), op.dtype)
+            return em.cast(em.let(f"{v} - {row['max']} - tl.log({row['sum']})", dt,
+                                  v.vars | row["sum"].vars), op.dtype)
         plan.elems[outs[0]] = log_softmax
     return plan
 

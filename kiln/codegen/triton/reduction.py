@@ -182,7 +182,8 @@ class RowKernel:
         em = self.em
         n_code = em.dim(self.rnumel)
         getitems = self._getitems()
-        plans = {op.name: plan_op(op, em, n_code, getitems) for op in self.reds}
+        plans = {op.name: plan_op(op, em, n_code, getitems, online=not self.persistent)
+                 for op in self.reds}
         self._row_values: list = []
         for p in plans.values():
             self._register(p)
@@ -313,7 +314,7 @@ class RowKernel:
             return literal(0, dt)
         if acc.kind in ("prod", "all"):
             return literal(1, dt)
-        low = acc.kind in ("max", "argmax")
+        low = acc.kind in ("max", "argmax", "lse")
         if dt.is_floating_point:
             return literal(float("-inf") if low else float("inf"), dt)
         info = torch.iinfo(dt)
@@ -381,6 +382,9 @@ class RowKernel:
         if acc.kind.startswith("arg"):
             acc.index_var = em.let("tl.full([XBLOCK, RBLOCK], 0, tl.int64)", torch.int64,
                                    TILE).code
+        if acc.kind == "lse":
+            acc.index_var = em.let(f"tl.full([XBLOCK, RBLOCK], 0.0, {TL[acc.dtype]})",
+                                   acc.dtype, TILE).code
 
     def _update_acc(self, acc: Acc, mask) -> None:
         em = self.em
@@ -399,6 +403,12 @@ class RowKernel:
             em.lines.append(f"{a} = tl.maximum({a}, {v})")
         elif k == "all":
             em.lines.append(f"{a} = tl.minimum({a}, {v})")
+        elif k == "lse":  # running max; the sum rescaled to it (0 while all seen are -inf)
+            s = acc.index_var
+            m = em.let(f"tl.where(({v} > {a}) | ({v} != {v}), {v}, {a})", acc.dtype, TILE)
+            em.lines.append(f'{s} = tl.where({m} == -float("inf"), 0.0, '
+                            f"{s} * tl.exp({a} - {m}) + tl.exp({v} - {m}))")
+            em.lines.append(f"{a} = {m}")
         else:
             cmp = ">" if k == "argmax" else "<"
             # strictly better keeps each lane's first position; the first NaN wins
@@ -408,6 +418,14 @@ class RowKernel:
             em.lines.append(f"{acc.index_var} = tl.where({take}, {ridx}, {acc.index_var})")
 
     def _finish_acc(self, acc: Acc) -> None:
+        if acc.kind == "lse":
+            em, dt = self.em, acc.dtype
+            m = self._extreme(Val(acc.var, dt, TILE), "max", dt)
+            acc.result = m
+            acc.total = em.let(
+                f'tl.reduce(tl.where({acc.var} == -float("inf"), 0.0, {acc.index_var} * '
+                f"tl.exp({acc.var} - {m})), 1, tl.standard._sum_combine)[:, None]", dt, ROW)
+            return
         idx = Val(acc.index_var, torch.int64, TILE) if acc.kind.startswith("arg") else None
         self._final(acc, Val(acc.var, acc.dtype, TILE), idx)
 
