@@ -47,6 +47,9 @@ from kiln.target import Target
 
 PERSISTENT_MAX = 16384  # a row up to this many elements (static size) stays in registers
 PERSISTENT_MAX_DYNAMIC = 1024  # ... when its size is dynamic (a padded tile costs work)
+# A strided row (the last dim is not reduced) is read coalesced across XBLOCK rows, so
+# the whole row fits a tile only when it is short.
+PERSISTENT_MAX_STRIDED = 64
 TILE = frozenset({"xindex", "rindex"})  # what a [XBLOCK, RBLOCK] value varies with
 ROW = frozenset({"xindex"})
 
@@ -87,7 +90,10 @@ class RowKernel:
         self.rnumel = numel([S[d] for d in self.dims])
         self.rbound = upper_bound(self.rnumel, plan.symbols)
         static = isinstance(self.rnumel, int)
+        self.innermost = bool(S) and max(self.dims) == len(S) - 1
         limit = PERSISTENT_MAX if static else PERSISTENT_MAX_DYNAMIC
+        if not self.innermost:
+            limit = min(limit, PERSISTENT_MAX_STRIDED)
         self.persistent = self.rbound is not None and self.rbound <= limit
         self.wide = needs_int64(region, plan)
         self.x = Var("xindex", self.outer)
@@ -447,9 +453,7 @@ class RowKernel:
 
     def configs(self) -> tuple[list[Config], Config]:
         return reduction_configs(self.persistent, self.rbound,
-                                 upper_bound(self.outer, self.plan.symbols),
-                                 innermost=max(self.dims) == len(self.src_shape) - 1
-                                 and len(self.src_shape) > 0)
+                                 upper_bound(self.outer, self.plan.symbols), self.innermost)
 
 
 def _same_shape(a, b) -> bool:
