@@ -170,7 +170,7 @@ class Creates(torch.nn.Module):
         causal = pos[None, :] <= pos[:, None]
         return (x + torch.arange(L, dtype=torch.float32)[:, None] * 0.5,
                 torch.where(causal, 0.0, float("-inf")), x * torch.full_like(x, 3.0),
-                torch.arange(2, 2 + 3 * L, 3) * 2)
+                torch.arange(2, 2 + 3 * L, 3) * 2, x * L + torch.full((L, L), L))
 
 
 def test_created_tensors_are_computed_inline():

@@ -358,16 +358,24 @@ class Emitter:
                 start = a[0]
                 step = a[2] if len(a) > 2 else op.kwargs.get("step", 1)
             return self._ramp(op, index[0], start, step)
+        if t == "aten.iota.default":
+            return self._ramp(op, index[0], op.kwargs.get("start", 0), op.kwargs.get("step", 1))
         if t in ("aten.full.default", "aten.full_like.default"):
-            return literal(a[1], op.dtype)
+            return self._scalar(a[1], op.dtype)
         if t == "aten.scalar_tensor.default":
-            return literal(a[0], op.dtype)
+            return self._scalar(a[0], op.dtype)
         if t in ("aten.zeros.default", "aten.zeros_like.default", "aten.empty.memory_format",
                  "aten.empty_like.default"):
             return literal(0, op.dtype)
         if t in ("aten.ones.default", "aten.ones_like.default"):
             return literal(1, op.dtype)
         raise CodegenUnsupported(f"{t} is not generated inline")
+
+    def _scalar(self, x, dtype: torch.dtype) -> Val:
+        """A fill value: a number, or a size (Sym) read from its kernel argument."""
+        if isinstance(x, Sym):
+            return self.cast(self.let(f"{self.dim(x.expr)}.to(tl.int64)", torch.int64), dtype)
+        return literal(x, dtype)
 
     def _ramp(self, op: Op, i: Lin, start, step) -> Val:
         """start + i * step in op.dtype (an arange)."""
