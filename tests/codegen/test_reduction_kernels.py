@@ -103,7 +103,8 @@ def test_looped_normalizations_across_chunks():
         def forward(self, x):
             h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
             return (h, torch.softmax(x, -1), torch.log_softmax(x, -1), torch.logsumexp(x, -1),
-                    F.layer_norm(x, (x.shape[-1],)), x.argmax(-1))
+                    F.layer_norm(x, (x.shape[-1],)), x.argmax(-1),
+                    (torch.softmax(x, -1) * x).sum(-1))  # a reduction of a softmax
 
     x = torch.randn(3, 20)
     exe = compile_interpret(M(), (x,), ({1: LARGE},))

@@ -19,25 +19,23 @@ unsupported rather than wrong.
 
 from __future__ import annotations
 
-import torch
 import triton
 
 from kiln.codegen.select_kernels import register
+from kiln.codegen.triton.accumulate import Accumulators
 from kiln.codegen.triton.emit import (
-    TL,
     Cond,
     Emitter,
     KernelArgs,
     Val,
     indent,
     kernel_name,
-    literal,
     mask_of,
     module_source,
     needs_int64,
 )
 from kiln.codegen.triton.indexing import Lin, Var, delinearize, linearize, same
-from kiln.codegen.triton.reduce_ops import Acc, OpPlan, plan_op
+from kiln.codegen.triton.reduce_ops import OpPlan, plan_op
 from kiln.codegen.triton.spec import Config, KernelSpec
 from kiln.codegen.triton.views import CodegenUnsupported
 from kiln.ir.ops import OpCategory, category, reduction_dims
@@ -50,8 +48,6 @@ PERSISTENT_MAX_DYNAMIC = 1024  # ... when its size is dynamic (a padded tile cos
 # A strided row (the last dim is not reduced) is read coalesced across XBLOCK rows, so
 # the whole row fits a tile only when it is short.
 PERSISTENT_MAX_STRIDED = 64
-TILE = frozenset({"xindex", "rindex"})  # what a [XBLOCK, RBLOCK] value varies with
-ROW = frozenset({"xindex"})
 
 
 @register(RegionKind.REDUCTION)
@@ -103,6 +99,7 @@ class RowKernel:
         self.outer_index = delinearize(self.x, [S[d] for d in self.outer_dims])
         self.red_index = delinearize(self.r, [S[d] for d in self.dims])
         self.current_mask: frozenset = frozenset()
+        self.acc = Accumulators(self.em, self.full_index)
 
     def _shape(self, ref) -> tuple:
         if not isinstance(ref, Ref):
@@ -218,28 +215,28 @@ class RowKernel:
             for level in sorted(by_stage):
                 for stage in by_stage[level]:
                     for acc in stage.accs:
-                        self._reduce_tile(acc, self.current_mask)
+                        self.acc.reduce_tile(acc, self.current_mask)
                 self._finish_stages(level, by_stage, plans, last_stage, done_after)
             self._store_elems(elem_outs)
         else:
+            self.current_mask = mask_of(self.xmask, self.rmask)
             for level in sorted(by_stage):
                 accs = [a for stage in by_stage[level] for a in stage.accs]
                 for acc in accs:
-                    self._init_acc(acc)
+                    self.acc.init(acc)
                 with em.block() as body:
                     self._loop_head(body)
                     for acc in accs:
-                        self._update_acc(acc, mask_of(self.xmask, self.rmask))
+                        self.acc.update(acc, self.current_mask)
                 em.lines.append(f"for roffset in range(0, {r_code}, RBLOCK):")
                 em.lines.extend(indent(body))
                 for acc in accs:
-                    self._finish_acc(acc)
+                    self.acc.finish(acc)
                 self._finish_stages(level, by_stage, plans, last_stage, done_after)
             if elem_outs:
                 self._preemit_row_ops()
                 with em.block() as body:
                     self._loop_head(body)
-                    self.current_mask = mask_of(self.xmask, self.rmask)
                     self._store_elems(elem_outs)
                 em.lines.append(f"for roffset in range(0, {r_code}, RBLOCK):")
                 em.lines.extend(indent(body))
@@ -312,128 +309,6 @@ class RowKernel:
             seen.add(n)
             stack.extend(ops[n].refs())
         return False
-
-    # accumulators ------------------------------------------------------------------
-    def _ident(self, acc: Acc) -> Val:
-        dt = acc.dtype
-        if acc.kind in ("sum", "any"):
-            return literal(0, dt)
-        if acc.kind in ("prod", "all"):
-            return literal(1, dt)
-        low = acc.kind in ("max", "argmax", "lse")
-        if dt.is_floating_point:
-            return literal(float("-inf") if low else float("inf"), dt)
-        info = torch.iinfo(dt)
-        return literal(info.min if low else info.max, dt)
-
-    def _elem(self, acc: Acc, mask) -> tuple[Val, str]:
-        """The accumulator's input at this tile, masked lanes set to the identity."""
-        em = self.em
-        v = em.tensor(em.cast(acc.value(self.full_index(), mask), acc.dtype))
-        tile = f"tl.broadcast_to({v}, [XBLOCK, RBLOCK])"
-        m = " & ".join(sorted(c.code for c in mask))
-        code = f"tl.where({m}, {tile}, {self._ident(acc)})" if m else tile
-        return em.let(code, acc.dtype, TILE), m
-
-    def _reduce_tile(self, acc: Acc, mask) -> None:
-        v, _ = self._elem(acc, mask)
-        self._final(acc, v, self._rindex_tile() if acc.kind.startswith("arg") else None)
-
-    def _rindex_tile(self) -> Val:
-        return self.em.let("tl.broadcast_to(rindex, [XBLOCK, RBLOCK]).to(tl.int64)",
-                           torch.int64, TILE)
-
-    def _final(self, acc: Acc, tile: Val, idx: Val | None) -> None:
-        """Reduce a [XBLOCK, RBLOCK] tile of partial results to the row value.
-
-        tl.reduce with triton.language's own combine functions (what tl.sum / tl.max
-        call): the interpreter cannot call tl.sum itself, but it recognises these and
-        reduces with numpy. Only prod needs a combine function of kiln's.
-        """
-        em, dt, k = self.em, acc.dtype, acc.kind
-        if k in ("sum", "any", "all"):
-            combine = {"sum": "_sum_combine", "any": "_elementwise_max",
-                       "all": "_elementwise_min"}[k]
-            acc.result = em.let(f"tl.reduce({tile}, 1, tl.standard.{combine})[:, None]", dt, ROW)
-            if k != "sum":
-                acc.result = em.let(f"{acc.result} != 0", torch.bool, ROW)
-        elif k == "prod":
-            em.need("_prod")
-            acc.result = em.let(f"tl.reduce({tile}, 1, _prod)[:, None]", dt, ROW)
-        else:
-            acc.result = self._extreme(tile, "max" if k in ("max", "argmax") else "min", dt)
-            if idx is not None:  # the first position holding it (the first NaN, if any)
-                m = acc.result
-                cand = f"({tile} == {m})"
-                if dt.is_floating_point:
-                    cand += f" | (({tile} != {tile}) & ({m} != {m}))"
-                acc.index = em.let(f"tl.reduce(tl.where({cand}, {idx}, {2**62}), 1, "
-                                   "tl.standard._elementwise_min)[:, None]", torch.int64, ROW)
-
-    def _extreme(self, tile: Val, kind: str, dt) -> Val:
-        """Row max / min. Floating max/min ignore NaN in the interpreter and in PTX's
-        max.f32, so a NaN count restores torch's NaN propagation."""
-        em = self.em
-        r = em.let(f"tl.reduce({tile}, 1, tl.standard._elementwise_{kind})[:, None]", dt, ROW)
-        if not dt.is_floating_point:
-            return r
-        nans = em.let(f"tl.reduce(({tile} != {tile}).to(tl.int32), 1, "
-                      "tl.standard._sum_combine)[:, None]", torch.int32, ROW)
-        return em.let(f'tl.where({nans} > 0, float("nan"), {r})', dt, ROW)
-
-    def _init_acc(self, acc: Acc) -> None:
-        em = self.em
-        acc.var = em.let(f"tl.full([XBLOCK, RBLOCK], {self._ident(acc)}, {TL[acc.dtype]})",
-                         acc.dtype, TILE).code
-        if acc.kind.startswith("arg"):
-            acc.index_var = em.let("tl.full([XBLOCK, RBLOCK], 0, tl.int64)", torch.int64,
-                                   TILE).code
-        if acc.kind == "lse":
-            acc.index_var = em.let(f"tl.full([XBLOCK, RBLOCK], 0.0, {TL[acc.dtype]})",
-                                   acc.dtype, TILE).code
-
-    def _update_acc(self, acc: Acc, mask) -> None:
-        em = self.em
-        v, _ = self._elem(acc, mask)
-        a = acc.var
-        k = acc.kind
-        if k == "sum":
-            em.lines.append(f"{a} = {a} + {v}")
-        elif k == "prod":
-            em.lines.append(f"{a} = {a} * {v}")
-        elif k in ("max", "min"):
-            cmp = ">" if k == "max" else "<"
-            nan = f" | ({v} != {v})" if acc.dtype.is_floating_point else ""
-            em.lines.append(f"{a} = tl.where(({v} {cmp} {a}){nan}, {v}, {a})")
-        elif k == "any":
-            em.lines.append(f"{a} = tl.maximum({a}, {v})")
-        elif k == "all":
-            em.lines.append(f"{a} = tl.minimum({a}, {v})")
-        elif k == "lse":  # running max; the sum rescaled to it (0 while all seen are -inf)
-            s = acc.index_var
-            m = em.let(f"tl.where(({v} > {a}) | ({v} != {v}), {v}, {a})", acc.dtype, TILE)
-            em.lines.append(f'{s} = tl.where({m} == -float("inf"), 0.0, '
-                            f"{s} * tl.exp({a} - {m}) + tl.exp({v} - {m}))")
-            em.lines.append(f"{a} = {m}")
-        else:
-            cmp = ">" if k == "argmax" else "<"
-            # strictly better keeps each lane's first position; the first NaN wins
-            take = em.let(f"({v} {cmp} {a}) | (({v} != {v}) & ({a} == {a}))", torch.bool, TILE)
-            ridx = self._rindex_tile()
-            em.lines.append(f"{a} = tl.where({take}, {v}, {a})")
-            em.lines.append(f"{acc.index_var} = tl.where({take}, {ridx}, {acc.index_var})")
-
-    def _finish_acc(self, acc: Acc) -> None:
-        if acc.kind == "lse":
-            em, dt = self.em, acc.dtype
-            m = self._extreme(Val(acc.var, dt, TILE), "max", dt)
-            acc.result = m
-            acc.total = em.let(
-                f'tl.reduce(tl.where({acc.var} == -float("inf"), 0.0, {acc.index_var} * '
-                f"tl.exp({acc.var} - {m})), 1, tl.standard._sum_combine)[:, None]", dt, ROW)
-            return
-        idx = Val(acc.index_var, torch.int64, TILE) if acc.kind.startswith("arg") else None
-        self._final(acc, Val(acc.var, acc.dtype, TILE), idx)
 
     # the spec -----------------------------------------------------------------------
     def _assemble(self) -> KernelSpec:
