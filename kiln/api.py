@@ -16,7 +16,8 @@ import torch.utils._pytree as pytree
 from kiln.codegen.select_kernels import select_kernels
 from kiln.dispatch.form_regions import form_regions
 from kiln.dispatch.reinplace import reinplace
-from kiln.errors import ArgumentError
+from kiln.errors import ArgumentError, TargetError
+from kiln.explain import dim_names, explain
 from kiln.frontend.export import import_model
 from kiln.graph import GRAPH_PASSES
 from kiln.ir.graph import KilnGraph
@@ -90,7 +91,13 @@ def compile(  # noqa: A001 - mirrors torch.compile
     result = build_pipeline(dump_ir).run(src, ctx, compile_to=compile_to)
     if not isinstance(result, Program):
         return result
-    return CompiledModule(result, _state_for(result, ctx.options["state"], tgt))
+    names = dim_names(model, args, kwargs, dynamic_shapes, result.plan)
+    return CompiledModule(result, _state_for(result, ctx.options["state"], tgt),
+                          example_sizes=ctx.options.get("example_env"), dim_names=names)
+
+
+def _device_present(tgt: Target) -> bool:
+    return tgt.torch_device != "cuda" or torch.cuda.is_available()
 
 
 def _state_for(program: Program, named: dict[str, torch.Tensor], tgt: Target):
@@ -100,7 +107,8 @@ def _state_for(program: Program, named: dict[str, torch.Tensor], tgt: Target):
     an 8B model must not need two copies, and buffer updates (the KV cache) are the
     model's own.
     """
-    device = torch.device(tgt.torch_device)
+    # Compiling for a GPU on a machine without one (compile-only): weights stay put.
+    device = torch.device(tgt.torch_device if _device_present(tgt) else "cpu")
     state = {}
     for v in program.plan.values.values():
         if v.target is None:
@@ -121,13 +129,31 @@ def _child(spec: pytree.TreeSpec, i: int) -> pytree.TreeSpec:
 class CompiledModule:
     """What kiln.compile returns: call it like the model; save it; explain it."""
 
-    def __init__(self, program: Program, state: dict[str, torch.Tensor]):
+    def __init__(self, program: Program, state: dict[str, torch.Tensor],
+                 example_sizes: dict[str, int] | None = None,
+                 dim_names: dict[str, str] | None = None):
         self.program = program
         self.plan = program.plan
         self.state = state
         self.target = program.kplan.target
+        self.example_sizes = dict(example_sizes or {})  # symbol -> size in the example args
+        self.dim_names = dict(dim_names or {})  # torch.export.Dim name -> symbol
         self._in_spec = pytree.treespec_loads(self.plan.in_spec)
         self._out_spec = pytree.treespec_loads(self.plan.out_spec)
+        self._graphs = None
+        self._graph_when = None
+
+    def cuda_graphs(self, when=None, max_graphs: int = 16) -> CompiledModule:
+        """Replay calls as captured CUDA graphs, one per set of sizes.
+
+        `when(*tensor_args) -> bool` picks the calls that use them (e.g. decode steps:
+        `lambda tokens, pos: tokens.shape[-1] == 1`); other calls run normally.
+        """
+        from kiln.runtime.cuda_graphs import GraphRunner
+
+        self._graphs = GraphRunner(self.program, max_graphs=max_graphs)
+        self._graph_when = when
+        return self
 
     def _flatten(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         kw_spec = _child(self._in_spec, 1) if self._in_spec.num_children == 2 else None
@@ -173,10 +199,19 @@ class CompiledModule:
         raise ArgumentError("the keyword arguments' structure differs from the compiled one")
 
     def __call__(self, *args, **kwargs):
+        if not _device_present(self.target):
+            raise TargetError(
+                f"this module was compiled for {self.target}, but torch sees no GPU here",
+                hint="compiling for a GPU without one is compile-only: save the module and "
+                "load it (kiln.load / kiln run DIR) on a machine with that GPU",
+            )
         flat = self._flatten(args, kwargs)
         env = self.program.bind(flat, self.plan.user_inputs)
         with torch.no_grad():
-            outs = self.program.run(flat, self.state, env)
+            if self._graphs is not None and (self._graph_when is None or self._graph_when(*flat)):
+                outs = self._graphs.run(flat, self.state, env)
+            else:
+                outs = self.program.run(flat, self.state, env)
         return pytree.tree_unflatten(outs, self._out_spec)
 
     def save(self, path) -> None:
@@ -187,6 +222,10 @@ class CompiledModule:
     def describe(self) -> str:
         return self.program.describe()
 
+    def explain(self, kernels: bool = False) -> str:
+        """The `kiln explain` report: regions, shapes, bounds, bytes, flops, memory."""
+        return explain(self.program, self.example_sizes, self.dim_names, kernels=kernels)
+
     def __repr__(self) -> str:
         return (f"CompiledModule(target={self.target}, regions={len(self.plan.regions)}, "
                 f"inputs={self.plan.user_inputs})")
@@ -196,4 +235,5 @@ def load(path, target: str | Target | None = None) -> CompiledModule:
     """Load a module saved with CompiledModule.save, without recompiling."""
     from kiln.artifact.load import load as _load
 
-    return _load(path, target)
+    art = _load(path, target)
+    return CompiledModule(art.program, art.state, art.example_sizes, art.dim_names)

@@ -6,10 +6,11 @@ every stage converts what it detects into one of these classes.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
 import re
 
-# Frames from these packages are never "the user's line".
-_INTERNAL = re.compile(r"[/\\](torch|kiln|triton|transformers|contextlib|importlib)[/\\]")
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)')
 
 
@@ -87,7 +88,7 @@ def user_frame(stack_trace: str | None) -> str | None:
     best = None
     for i, line in enumerate(lines):
         m = _FRAME.search(line)
-        if not m or _INTERNAL.search(m.group("file")):
+        if not m or _is_internal(m.group("file")):
             continue
         nxt = lines[i + 1] if i + 1 < len(lines) else ""
         code = nxt.strip() if not _FRAME.search(nxt) else ""
@@ -95,3 +96,42 @@ def user_frame(stack_trace: str | None) -> str | None:
         if code:
             best += f": {code}"
     return best
+
+
+@functools.cache
+def _internal_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(directories whose frames are library code, kiln directories that are user code).
+
+    Found from where the packages really live, not from path names, so a user's
+    checkout in a folder called `kiln` or `torch` still counts as the user's code.
+    kiln/models is kiln's own *user* of the API: its lines are what a user of the
+    built-in models recognises.
+    """
+    kiln_dir = os.path.dirname(os.path.abspath(__file__))
+    roots = [kiln_dir]
+    for pkg in ("torch", "triton", "transformers"):
+        spec = importlib.util.find_spec(pkg)
+        if spec is not None and spec.submodule_search_locations:
+            roots.extend(os.path.abspath(p) for p in spec.submodule_search_locations)
+    return tuple(roots), (os.path.join(kiln_dir, "models"),)
+
+
+@functools.cache
+def _stdlib() -> str:
+    return os.path.dirname(os.path.abspath(functools.__file__))
+
+
+def _is_internal(file: str) -> bool:
+    if file.startswith("<"):  # <frozen importlib._bootstrap>, <string>, ...
+        return True
+    path = os.path.abspath(file)
+    roots, user = _internal_roots()
+    if any(_under(path, u) for u in user):
+        return False
+    if any(_under(path, r) for r in roots):
+        return True
+    return _under(path, _stdlib()) and "-packages" + os.sep not in path
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)

@@ -48,7 +48,7 @@ def kernel_for(region: Region, plan: DispatchPlan, target: Target, ctx):
         region.notes.append(f"extern: no Triton generator handles this {region.kind.value} "
                             "region")
         return TorchKernel(region, target.torch_device)
-    return choose(region, spec, target, ctx)
+    return choose(region, spec, target, ctx, plan)
 
 
 @as_pass

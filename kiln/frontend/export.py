@@ -7,13 +7,18 @@ region. Parameters and buffers stay named placeholders (never inlined).
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import io
 import logging
+import sys
+import traceback
 import warnings
 
 import torch
 import torch.fx as fx
 
-from kiln.errors import ExportError, KilnError, ShapeError, UnsupportedOpError
+from kiln.errors import ExportError, KilnError, ShapeError, UnsupportedOpError, user_frame
 from kiln.ir.graph import GraphInput, GraphOutput, KilnGraph, where
 from kiln.ir.ops import ASSERT_OPS, category, op_name
 from kiln.ir.symbolic import Bounds
@@ -26,8 +31,9 @@ KEEP_WHOLE = [torch.ops.aten.scaled_dot_product_attention.default]
 
 def export_model(model: torch.nn.Module, args: tuple, kwargs=None, dynamic_shapes=None):
     """torch.export with kiln's error messages."""
+    _check_dim_axes(model, args, kwargs or {}, dynamic_shapes)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _quiet_failure():
             warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecations
             return torch.export.export(
                 model, tuple(args), kwargs=kwargs or {}, dynamic_shapes=dynamic_shapes,
@@ -36,21 +42,91 @@ def export_model(model: torch.nn.Module, args: tuple, kwargs=None, dynamic_shape
     except KilnError:
         raise
     except Exception as e:  # torch raises many types; all mean "could not capture"
-        text = str(e).strip()
-        name = type(e).__name__
-        if "Constraints violated" in text or "specializ" in text or name == "UserError":
-            raise ShapeError(
-                "the dynamic dims declared in dynamic_shapes do not hold for this model",
-                where=_first_line(text),
-                hint="torch.export's suggestion follows; adjust Dim(min=, max=) or mark the "
-                "dim static:\n" + _tail(text),
-            ) from None
-        raise ExportError(
-            f"torch.export could not capture the model ({name})",
+        raise _export_error(e) from None
+
+
+@contextlib.contextmanager
+def _quiet_failure():
+    """On a failed export torch logs a warning and prints the partial graph to stderr;
+    kiln's error (with torch's explanation) says it better, so on failure that output is
+    dropped. On success whatever torch printed is passed through."""
+    lg = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    old_level, real_stderr, captured = lg.level, sys.stderr, io.StringIO()
+    lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(captured):
+            yield
+    finally:
+        lg.setLevel(old_level)
+    real_stderr.write(captured.getvalue())
+
+
+def _export_error(e: Exception) -> KilnError:
+    """The kiln error for a torch.export failure: what kind of problem, the user's line."""
+    text = str(e).strip()
+    name = type(e).__name__
+    said = " torch said:\n" + _tail(text)
+    if "data-dependent" in text or name.startswith("GuardOnDataDependent"):
+        # torch's message quotes the user's frame when it can; the traceback always has it.
+        where = user_frame(text) or user_frame("".join(traceback.format_tb(e.__traceback__)))
+        return ExportError(
+            "the model branches on, or sizes a tensor by, the value of a tensor "
+            "(data-dependent), which torch.export cannot capture",
+            where=where or _first_line(text),
+            hint="compute with tensors instead of Python decisions on them (torch.where or "
+            "masks; torch.cond for real branches) and avoid .item()/.tolist()/int(tensor) in "
+            "forward." + said,
+        )
+    if "structure of `inputs` and `dynamic_shapes`" in text:
+        return ShapeError(
+            "dynamic_shapes does not match the model's arguments", where=_first_line(text),
+            hint="give one entry per argument (a tuple in argument order or a dict by argument "
+            "name), None for an argument with no dynamic dims." + said,
+        )
+    if name == "ConstraintViolationError" and "not in range" in text:
+        return ShapeError(
+            "an example argument's size is outside the bounds declared in dynamic_shapes: "
+            + _first_line(text),
+            hint="make every example size lie inside its Dim(min=, max=)",
+        )
+    if "Constraints violated" in text or "specializ" in text or name == "UserError":
+        return ShapeError(
+            "the dynamic dims declared in dynamic_shapes do not hold for this model",
             where=_first_line(text),
-            hint="kiln compiles what torch.export can capture: avoid data-dependent Python "
-            "control flow and unsupported Python constructs. torch said:\n" + _tail(text),
-        ) from None
+            hint="torch.export's suggestion follows; adjust Dim(min=, max=) or mark the "
+            "dim static:\n" + _tail(text),
+        )
+    return ExportError(
+        f"torch.export could not capture the model ({name})",
+        where=user_frame("".join(traceback.format_tb(e.__traceback__))) or _first_line(text),
+        hint="kiln compiles what torch.export can capture: avoid data-dependent Python "
+        "control flow and unsupported Python constructs." + said,
+    )
+
+
+def _check_dim_axes(model, args: tuple, kwargs: dict, dynamic_shapes) -> None:
+    """A Dim on an axis the tensor lacks (torch only says 'list index out of range')."""
+    if isinstance(dynamic_shapes, dict):
+        try:
+            bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+        except (TypeError, ValueError):
+            return  # torch reports a mismatched signature itself
+        pairs = [(k, v, dynamic_shapes.get(k)) for k, v in bound.items()]
+    elif isinstance(dynamic_shapes, (list, tuple)):
+        values = [*args, *kwargs.values()]
+        pairs = [(f"argument {i}", v, s) for i, (v, s) in enumerate(zip(values, dynamic_shapes))]
+    else:
+        return
+    for who, value, spec in pairs:
+        if not isinstance(value, torch.Tensor) or not isinstance(spec, dict):
+            continue
+        for axis in spec:
+            if isinstance(axis, int) and not -value.dim() <= axis < value.dim():
+                raise ShapeError(
+                    f"dynamic_shapes marks dim {axis} of {who}, which has {value.dim()} dims "
+                    f"{list(value.shape)}",
+                    hint=f"dims are numbered 0..{value.dim() - 1}",
+                )
 
 
 def _first_line(text: str) -> str:

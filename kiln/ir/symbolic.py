@@ -95,6 +95,13 @@ def evaluate(expr: Dim, env: Mapping[str, int]) -> int:
 class _Printer(StrPrinter):
     """Prints torch's integer functions by name so `parse` reads them back exactly."""
 
+    def _print(self, expr, **kwargs):
+        # FloorDiv prints itself as `a//b` (its own _sympystr wins over _print_FloorDiv),
+        # which sympify reads back as floor(a/b): a different expression.
+        if isinstance(expr, tfn.FloorDiv):
+            return self._print_FloorDiv(expr)
+        return super()._print(expr, **kwargs)
+
     def _print_FloorDiv(self, e):
         return f"FloorDiv({self._print(e.args[0])}, {self._print(e.args[1])})"
 

@@ -1,5 +1,7 @@
 """LLM families written once, readable top to bottom, compiled by kiln.
 
+`load(dir_or_preset, ...)` gives an LLM ready to generate: a Hugging Face checkpoint
+directory (Llama 2/3/3.1, Mistral, Qwen2), or a preset with random weights.
 `builtin(name)` gives the models the CLI can name without a file: a model, example
 args and dynamic shapes.
 """
@@ -7,6 +9,9 @@ args and dynamic shapes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
+
+import torch
 
 BUILTINS: dict[str, Callable] = {}
 
@@ -25,3 +30,60 @@ BUILTINS["tiny-llama"] = _tiny_llama
 def builtin(name: str):
     """(model, args, dynamic_shapes) for a built-in model name, or KeyError."""
     return BUILTINS[name]()
+
+
+def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="cpu",
+         max_seq_len: int | None = None, max_batch_size: int = 1, paged: bool = False,
+         block_size: int = 16, num_blocks: int | None = None,
+         random_weights: bool = False, seed: int = 0):
+    """An LLM (kiln.models.generate.LLM), compiled for `target`, from `source`:
+
+    - a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json);
+      with random_weights=True only its config.json is read;
+    - a preset name (kiln.models.llama.PRESETS: tiny, llama3-8b, llama2-70b, ...):
+      random weights and a byte tokenizer.
+
+    dtype defaults to the checkpoint's (float32 for presets on the CPU, bfloat16 on a
+    GPU). max_seq_len bounds the context (prompt and generated tokens); paged=True uses
+    a paged KV cache of `block_size`-token blocks instead of a contiguous one.
+    """
+    from kiln.errors import CheckpointError, KilnError
+    from kiln.models import hf
+    from kiln.models.generate import LLM
+    from kiln.models.llama import PRESETS
+    from kiln.models.tokenizer import ByteTokenizer, load_tokenizer
+    from kiln.target import get_target
+
+    tgt = get_target(target)
+    device = tgt.torch_device
+    if isinstance(dtype, str):
+        if dtype not in hf.DTYPES:
+            raise KilnError(f"unknown dtype {dtype!r}", hint=f"one of {', '.join(hf.DTYPES)}")
+        dtype = hf.DTYPES[dtype]
+    path = Path(source)
+    if path.is_dir():
+        if random_weights:
+            config = hf.read_json(path / "config.json")
+            cfg = hf.config_from_hf(config, str(path / "config.json"), max_seq_len)
+            model = hf.random_model(cfg, dtype or hf.checkpoint_dtype(config) or torch.float32,
+                                    device, seed)
+        else:
+            model, config = hf.load_checkpoint(path, dtype, device, max_seq_len)
+        tokenizer = load_tokenizer(path)
+        stop_ids = hf.stop_token_ids(path, config)
+    elif str(source) in PRESETS:
+        cfg = PRESETS[str(source)]
+        if max_seq_len is not None:
+            cfg = cfg.with_(max_seq_len=max_seq_len)
+        default = torch.float32 if tgt.name == "cpu" else torch.bfloat16
+        model = hf.random_model(cfg, dtype or default, device, seed)
+        tokenizer, stop_ids = ByteTokenizer(), ()
+    elif path.exists() or len(path.parts) > 1:
+        raise CheckpointError(f"checkpoint directory {source} does not exist",
+                              where=str(source), hint="name a directory holding config.json "
+                              f"and *.safetensors, or a preset ({', '.join(PRESETS)})")
+    else:
+        raise CheckpointError(f"{source} is neither a checkpoint directory nor a preset",
+                              hint=f"presets: {', '.join(PRESETS)}")
+    return LLM(model, tokenizer, stop_ids, target=tgt, max_batch_size=max_batch_size,
+               paged=paged, block_size=block_size, num_blocks=num_blocks, name=str(source))

@@ -30,12 +30,13 @@ class Program:
         return bind_symbols(self.plan, args, self.device.type, names)
 
     def run(self, args: list[torch.Tensor], state: dict[str, torch.Tensor],
-            env: dict[str, int] | None = None) -> list[torch.Tensor]:
+            env: dict[str, int] | None = None, arena: Arena | None = None) -> list[torch.Tensor]:
+        """Run every region; `arena` overrides the program's own (CUDA graphs own theirs)."""
         if env is None:
             env = self.bind(args)
         values: dict[str, torch.Tensor] = {n: state[t] for n, t in self._weights.items()}
         values.update(zip(self.plan.user_inputs, args))
-        planned = self.arena.views(env)
+        planned = (arena or self.arena).views(env)
         for region, kernel in self._steps:
             outs = {}
             for o in region.outputs:

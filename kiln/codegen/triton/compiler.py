@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import triton
 
@@ -43,10 +44,14 @@ class Binary:
     binary_ext: str
     _kernel: object = field(default=None, repr=False)
 
-    def kernel(self):
-        """A launchable triton CompiledKernel (loads the module on first launch)."""
+    def kernel(self, spec: KernelSpec, config: Config):
+        """A launchable triton CompiledKernel (loads the module on first launch).
+
+        Triton's launcher reads the signature and constants from the kernel's source
+        object, so a binary loaded from disk gets an equivalent one built from the spec.
+        """
         if self._kernel is None:
-            self._kernel = _compiled_kernel(self)
+            self._kernel = _compiled_kernel(self, _LaunchSource(spec, config))
         return self._kernel
 
     def save(self, directory: Path, stem: str) -> dict:
@@ -73,7 +78,16 @@ class Binary:
         return Binary(entry["name"], meta, {ext: code}, res, ext)
 
 
-def _compiled_kernel(b: Binary):
+class _LaunchSource:
+    """What Triton's launcher reads from an ASTSource: signature, constants, arg names."""
+
+    def __init__(self, spec: KernelSpec, config: Config):
+        self.signature = spec.signature()
+        self.constants = spec.constexprs(config)
+        self.fn = SimpleNamespace(arg_names=list(self.signature))
+
+
+def _compiled_kernel(b: Binary, src: _LaunchSource):
     from triton.compiler import CompiledKernel
 
     tmp = Path(tempfile.mkdtemp(prefix="kiln-bin-"))
@@ -82,7 +96,7 @@ def _compiled_kernel(b: Binary):
     group[f"{b.name}.json"] = str(tmp / f"{b.name}.json")
     (tmp / f"{b.name}.{b.binary_ext}").write_bytes(b.asm[b.binary_ext])
     group[f"{b.name}.{b.binary_ext}"] = str(tmp / f"{b.name}.{b.binary_ext}")
-    return CompiledKernel(None, group, b.metadata.get("hash", b.name))
+    return CompiledKernel(src, group, b.metadata.get("hash", b.name))
 
 
 def _attrs(spec: KernelSpec) -> dict:

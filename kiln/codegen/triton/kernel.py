@@ -57,7 +57,7 @@ class TritonKernel:
             self._fn[grid](*args, num_warps=self.config.num_warps,
                            num_stages=self.config.num_stages)
         else:
-            self.binary.kernel()[grid](*args)
+            self.binary.kernel(self.spec, self.config)[grid](*args)
 
     def describe(self) -> str:
         res = self.binary.resources if self.binary else None

@@ -125,8 +125,10 @@ class KernelSpec:
     def pointer_indices(self) -> list[int]:
         return [i for i, a in enumerate(self.args) if a.kind == "tensor"]
 
-    def grid_for(self, sizes: dict[str, int], config: Config) -> tuple[int, ...]:
-        return _grid_fn(self.grid)({**sizes, **config.as_dict()})
+    def grid_for(self, sizes: dict[str, int], config: Config) -> tuple[int, int, int]:
+        """The launch grid, always three dims (Triton's launcher reads all three)."""
+        g = _grid_fn(self.grid)({**sizes, **config.as_dict()})
+        return tuple(g) + (1,) * (3 - len(g))
 
     def to_json(self) -> dict:
         return {

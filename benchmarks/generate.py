@@ -1,0 +1,77 @@
+"""Generation speed through kiln.models: time to first token and decode tokens/s, per batch
+size, for the contiguous and the paged KV cache.
+
+A preset (default llama3-8b) with random weights, optionally with fewer layers. Each
+row: B prompts of --prompt-len tokens, --new-tokens greedy tokens each (eos ignored).
+
+    python benchmarks/generate.py --preset llama3-8b --layers 32 --batch 1 4 8 --out gen.txt
+    python benchmarks/generate.py --preset tiny --target cpu      # a smoke run anywhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def main() -> None:
+    from kiln.models.generate import LLM
+    from kiln.models.hf import DTYPES, random_model
+    from kiln.models.llama import PRESETS
+    from kiln.models.tokenizer import ByteTokenizer
+    from kiln.target import get_target
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="llama3-8b", choices=list(PRESETS))
+    p.add_argument("--layers", type=int, default=None, help="default: the preset's")
+    p.add_argument("--target", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    p.add_argument("--max-seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--cache", nargs="+", default=["contiguous", "paged"],
+                   choices=["contiguous", "paged"])
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    target = get_target(args.target)
+    changes = {"max_seq_len": args.max_seq}
+    if args.layers is not None:
+        changes["n_layers"] = args.layers
+    cfg = PRESETS[args.preset].with_(**changes)
+    model = random_model(cfg, DTYPES[args.dtype], target.torch_device)
+    lines = [f"# {args.preset} layers={cfg.n_layers} {args.dtype} target={target.name} "
+             f"prompt={args.prompt_len} new={args.new_tokens}",
+             "cache       batch  compile_s  ttft_ms  decode_tok_s_per_seq  decode_tok_s_total"]
+    print("\n".join(lines), flush=True)
+    for cache in args.cache:
+        llm = LLM(model, ByteTokenizer(), target=target, max_batch_size=max(args.batch),
+                  paged=cache == "paged")
+        gen = torch.Generator().manual_seed(0)
+        for b in args.batch:
+            prompts = torch.randint(0, cfg.vocab_size, (b, args.prompt_len),
+                                    generator=gen).tolist()
+            llm.generate(prompts, max_new_tokens=4, ignore_eos=True)  # warm-up
+            if target.torch_device != "cpu":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, max_new_tokens=args.new_tokens, ignore_eos=True)
+            wall = time.perf_counter() - t0
+            ttft = outs[0].time_to_first_token_s * 1e3
+            per_seq = outs[0].tokens_per_s
+            total = sum(len(o.ids) for o in outs) / wall
+            line = (f"{cache:<10} {b:>6} {llm.compile_s:>10.1f} {ttft:>8.1f} "
+                    f"{per_seq:>21.1f} {total:>19.1f}")
+            lines.append(line)
+            print(line, flush=True)
+        del llm
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""End-to-end Llama prefill and decode: kiln beside eager PyTorch, torch.compile and the
+memory-bandwidth floor, on one GPU, in one run.
+
+A Llama-3-8B-shaped model (dim 4096, 32 heads, 8 KV heads, MLP 14336, vocab 128256)
+with fewer layers (default 4) and random fp16 weights. Decode reads every weight once
+per token, so its floor is weight bytes / measured copy bandwidth. Ratios are what to
+read: kiln / eager, kiln / torch.compile, floor / kiln.
+
+    python benchmarks/llama_e2e.py --layers 4 --out results.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    import triton
+
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
+    return 2 * n / (ms * 1e-3)
+
+
+def bench(fn, warmup=5, iters=30) -> float:
+    """Median milliseconds of fn() with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main() -> None:
+    import kiln
+    from kiln.models.llama import PRESETS, Llama, LlamaConfig
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--prefill", type=int, default=512)
+    p.add_argument("--max-seq", type=int, default=2048)
+    p.add_argument("--dtype", default="float16")
+    p.add_argument("--no-torch-compile", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
+    cfg = LlamaConfig(**{**PRESETS["llama3-8b"].__dict__, "n_layers": args.layers,
+                         "max_seq_len": args.max_seq})
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Llama(cfg).to(dtype).eval()
+    for prm in model.parameters():
+        torch.nn.init.normal_(prm, std=0.02)
+    model.setup_cache(dtype)
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    bw = copy_bandwidth()
+    rows = []
+
+    T = torch.export.Dim("seq", min=1, max=cfg.max_seq_len)
+    ex = (torch.randint(0, cfg.vocab_size, (1, 16), device="cuda"),
+          torch.arange(16, device="cuda"))
+    t0 = time.perf_counter()
+    exe = kiln.compile(model, ex, dynamic_shapes=({1: T}, {0: T}), target="cuda")
+    compile_s = time.perf_counter() - t0
+    kinds: dict[str, int] = {}
+    for k in exe.program.kplan.kernels.values():
+        kinds[k.kind] = kinds.get(k.kind, 0) + 1
+    eager = copy.deepcopy(model)
+    compiled = None if args.no_torch_compile else torch.compile(copy.deepcopy(model))
+
+    prompt = torch.randint(0, cfg.vocab_size, (1, args.prefill), device="cuda")
+    ppos = torch.arange(args.prefill, device="cuda")
+    tok = torch.randint(0, cfg.vocab_size, (1, 1), device="cuda")
+    dpos = torch.tensor([args.prefill], device="cuda")
+    with torch.no_grad():
+        err = (exe(prompt, ppos).float() - eager(prompt, ppos).float()).norm() / \
+            eager(prompt, ppos).float().norm()
+        rows.append(("prefill", "eager", bench(lambda: eager(prompt, ppos))))
+        if compiled is not None:
+            rows.append(("prefill", "torch.compile", bench(lambda: compiled(prompt, ppos))))
+        rows.append(("prefill", "kiln", bench(lambda: exe(prompt, ppos))))
+        rows.append(("decode", "eager", bench(lambda: eager(tok, dpos))))
+        if compiled is not None:
+            rows.append(("decode", "torch.compile", bench(lambda: compiled(tok, dpos))))
+        rows.append(("decode", "kiln", bench(lambda: exe(tok, dpos))))
+        exe.cuda_graphs(when=lambda t, p: t.shape[-1] == 1)
+        rows.append(("decode", "kiln+cudagraphs", bench(lambda: exe(tok, dpos))))
+    floor_ms = weight_bytes / bw * 1e3
+    lines = [
+        f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  "
+        f"layers {args.layers}  dtype {args.dtype}",
+        f"copy bandwidth {bw / 1e9:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB; "
+        f"decode floor {floor_ms:.3f} ms",
+        f"kiln compile {compile_s:.1f} s; kernels {kinds}; prefill rel err vs eager {err:.2e}",
+        f"{'phase':8} {'runner':16} {'ms':>9} {'vs eager':>9} {'floor/it':>9}",
+    ]
+    base = {ph: ms for ph, r, ms in rows if r == "eager"}
+    for ph, r, ms in rows:
+        floor = f"{floor_ms / ms:9.2f}" if ph == "decode" else f"{'':9}"
+        lines.append(f"{ph:8} {r:16} {ms:9.3f} {base[ph] / ms:9.2f} {floor}")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Load an artifact: rebuild the Program from its manifest, with no export and no passes.
+
+Every problem with the directory (missing, unreadable or foreign manifest, another
+format version, a plan that does not verify, missing or mismatched weights, kernel
+binaries from another Triton) is an ArtifactError naming the file and what to do.
+All of it is checked and built in local variables and handed back only at the end,
+so a failed load leaves nothing half-loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.artifact.manifest import (
+    FORMAT_VERSION,
+    ManifestFormatError,
+    decode_dtype,
+    plan_from_json,
+)
+from kiln.artifact.save import FORMAT_NAME, KERNELS_DIR, MANIFEST_FILE, versions
+from kiln.artifact.weights import load_weights
+from kiln.codegen.kernel_plan import KernelPlan
+from kiln.codegen.torch_kernel import TorchKernel
+from kiln.errors import ArtifactError
+from kiln.ir.plan import DispatchPlan
+from kiln.ir.printer import dtype_str
+from kiln.ir.symbolic import numel
+from kiln.ir.verify import verify_plan
+from kiln.runtime.memory_plan import MemoryPlan, Slot, lifetimes
+from kiln.runtime.program import Program
+from kiln.target import Target, get_target
+
+log = logging.getLogger("kiln.artifact")
+
+_RECOMPILE = "recompile the model with `kiln compile MODEL -o DIR` to write a fresh artifact"
+
+
+@dataclass
+class Artifact:
+    """What load gives kiln.load to wrap in a CompiledModule."""
+
+    program: Program
+    state: dict[str, torch.Tensor]
+    example_sizes: dict[str, int]
+    dim_names: dict[str, str]
+    versions: dict[str, str]
+
+
+def read_manifest(directory: Path) -> dict:
+    if not directory.exists():
+        raise ArtifactError(f"no kiln artifact at {directory}: it does not exist",
+                            hint="pass the directory written by `kiln compile -o DIR` or "
+                            "CompiledModule.save(DIR)")
+    if not directory.is_dir():
+        raise ArtifactError(f"{directory} is a file, not a kiln artifact directory",
+                            hint="a kiln artifact is the directory written by `kiln compile`")
+    path = directory / MANIFEST_FILE
+    if not path.is_file():
+        raise ArtifactError(f"{directory} is not a kiln artifact: it has no {MANIFEST_FILE}",
+                            hint=_RECOMPILE)
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArtifactError(f"cannot read {path}: {e}", hint="the manifest is corrupt; "
+                            + _RECOMPILE) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise ArtifactError(f"{path} is not a kiln artifact manifest", hint=_RECOMPILE)
+    found = manifest.get("format_version")
+    if found != FORMAT_VERSION:
+        written_by = manifest.get("versions", {}).get("kiln", "another version")
+        raise ArtifactError(
+            f"{path} has artifact format version {found} (written by kiln {written_by}); "
+            f"this kiln reads version {FORMAT_VERSION}",
+            hint=_RECOMPILE + " with this kiln",
+        )
+    return manifest
+
+
+def _target(saved: dict, requested) -> Target:
+    compiled_for = Target(**saved)
+    if requested is None:
+        return compiled_for
+    tgt = get_target(requested)
+    if tgt.name != compiled_for.name:
+        raise ArtifactError(
+            f"the artifact was compiled for {compiled_for.name}, not {tgt.name}",
+            hint=f"load it with target={compiled_for.name!r} (or none), or recompile "
+            f"with --target {tgt.name}",
+        )
+    return tgt
+
+
+def _kernel(entry: dict, region, target: Target, directory: Path):
+    kind = entry.get("kind")
+    if kind == "torch":
+        return TorchKernel(region, target.torch_device)
+    if kind == "triton":
+        from kiln.codegen.triton.compiler import Binary
+        from kiln.codegen.triton.kernel import TritonKernel
+        from kiln.codegen.triton.spec import Config, KernelSpec
+
+        spec, config = KernelSpec.from_json(entry["spec"]), Config.from_json(entry["config"])
+        if target.backend == "interpret":
+            return TritonKernel(region, spec, config, interpret=True)
+        if "binary" not in entry:
+            raise ManifestFormatError(f"region {region.name}'s kernel has no compiled binary")
+        try:
+            binary = Binary.load(directory / KERNELS_DIR, entry["binary"])
+        except OSError as e:
+            raise ArtifactError(f"cannot read the kernel binary of region {region.name}: {e}",
+                                where=str(directory / KERNELS_DIR), hint=_RECOMPILE) from None
+        return TritonKernel(region, spec, config, binary)
+    raise ManifestFormatError(f"region {region.name} has a kernel of unknown kind {kind!r}")
+
+
+def _memory_plan(plan: DispatchPlan, slots: list[list[str]]) -> MemoryPlan:
+    live = lifetimes(plan)
+    assigned = [v for s in slots for v in s]
+    if sorted(assigned) != sorted(live):
+        raise ManifestFormatError("the memory plan's slots do not cover the plan's "
+                                  "intermediates exactly once")
+    for s in slots:
+        spans = sorted(live[v] for v in s)
+        if any(a[1] >= b[0] for a, b in zip(spans, spans[1:])):
+            raise ManifestFormatError(f"memory slot {s} holds values alive at the same time")
+    nbytes = {v: numel(plan.values[v].shape) * plan.values[v].itemsize for v in live}
+    return MemoryPlan([Slot(list(s), [live[v] for v in s]) for s in slots],
+                      {v: i for i, s in enumerate(slots) for v in s}, nbytes)
+
+
+def _check_state(plan: DispatchPlan, tensors: dict[str, dict], directory: Path) -> None:
+    """Every weight the plan reads is listed in the manifest with the plan's shape and dtype."""
+    for v in plan.values.values():
+        if v.target is None:
+            continue
+        t = tensors.get(v.target)
+        if t is None:
+            raise ArtifactError(f"the plan reads {v.target}, which the weights file lacks",
+                                where=str(directory / MANIFEST_FILE), hint=_RECOMPILE)
+        shape, dtype = list(t["shape"]), decode_dtype(t["dtype"])
+        if shape != list(v.shape) or dtype != v.dtype:
+            raise ArtifactError(
+                f"weight {v.target!r} is listed as {t['dtype']}{shape}, the plan reads "
+                f"{dtype_str(v.dtype)}{list(v.shape)}",
+                where=str(directory / MANIFEST_FILE), hint=_RECOMPILE,
+            )
+
+
+def _check_versions(manifest: dict, kernels: dict) -> None:
+    saved, here = manifest.get("versions", {}), versions()
+    has_binaries = any("binary" in k for k in kernels.values())
+    if has_binaries and _minor(saved.get("triton")) != _minor(here["triton"]):
+        raise ArtifactError(
+            f"the artifact's GPU kernels were compiled by Triton {saved.get('triton')}; "
+            f"this machine has Triton {here['triton']}",
+            hint=_RECOMPILE + " on this machine",
+        )
+    for lib in ("kiln", "torch"):
+        if saved.get(lib) != here[lib]:
+            log.info("artifact written with %s %s, loading with %s", lib, saved.get(lib),
+                     here[lib])
+
+
+def _minor(version: str | None) -> str | None:
+    return None if version is None else ".".join(version.split(".")[:2])
+
+
+def _weights_device(target: Target) -> str:
+    """Where to put the weights: the target's device, or the CPU when it is absent here
+    (a GPU artifact opened on a CPU machine can still be explained, not run)."""
+    if target.torch_device == "cuda" and not torch.cuda.is_available():
+        return "cpu"
+    return target.torch_device
+
+
+def load(path, target=None) -> Artifact:
+    directory = Path(path)
+    manifest = read_manifest(directory)
+    where = str(directory / MANIFEST_FILE)
+    try:
+        tgt = _target(manifest["target"], target)
+        plan = plan_from_json(manifest["plan"])
+        problems = verify_plan(plan)
+        if problems:
+            raise ManifestFormatError("the plan does not verify: " + problems[0])
+        entries = manifest["kernels"]
+        missing = [r.name for r in plan.regions if r.name not in entries]
+        if missing:
+            raise ManifestFormatError(f"regions {missing} have no kernel")
+        _check_versions(manifest, entries)
+        kernels = {r.name: _kernel(entries[r.name], r, tgt, directory) for r in plan.regions}
+        mem = _memory_plan(plan, manifest["memory"]["slots"])
+        weights_entry = manifest["weights"]
+        _check_state(plan, weights_entry["tensors"], directory)
+        example_sizes = {k: int(v) for k, v in manifest.get("example_sizes", {}).items()}
+        dim_names = dict(manifest.get("dim_names", {}))
+    except (ManifestFormatError, KeyError, TypeError, ValueError, AttributeError) as e:
+        detail = f"missing entry {e}" if isinstance(e, KeyError) else str(e)
+        raise ArtifactError(f"{where} is not a valid kiln manifest: {detail}",
+                            hint=_RECOMPILE) from None
+    state = load_weights(directory, weights_entry, _weights_device(tgt))
+    program = Program(KernelPlan(plan, tgt, kernels), mem)
+    log.info("loaded %s: %d regions for %s", directory, len(plan.regions), tgt)
+    return Artifact(program, state, example_sizes, dim_names, manifest.get("versions", {}))

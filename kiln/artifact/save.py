@@ -1,0 +1,110 @@
+"""Save a compiled module as an artifact directory that loads without recompiling.
+
+    model.kiln/
+      manifest.json        format version, versions, target, the whole DispatchPlan,
+                           the memory plan's slots, each region's kernel
+      weights.safetensors  every state tensor the plan reads (see weights.py)
+      kernels/             compiled GPU binaries (GPU targets only; Binary.save)
+
+The directory is written next to its final place and moved there at the end, so a
+failed save never leaves a half-written artifact where a good one was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from kiln.artifact.manifest import FORMAT_VERSION, plan_to_json
+from kiln.artifact.weights import save_weights
+from kiln.errors import ArtifactError
+
+MANIFEST_FILE = "manifest.json"
+KERNELS_DIR = "kernels"
+FORMAT_NAME = "kiln-artifact"
+
+
+def versions() -> dict[str, str]:
+    import triton
+
+    import kiln
+
+    return {"kiln": kiln.__version__, "torch": torch.__version__, "triton": triton.__version__}
+
+
+def _kernel_entry(name: str, kernel, kernels_dir: Path) -> dict:
+    entry = kernel.to_json()
+    binary = getattr(kernel, "binary", None)
+    if binary is not None:
+        entry["binary"] = binary.save(kernels_dir, name)
+    return entry
+
+
+def build_manifest(module, directory: Path) -> dict:
+    """The manifest of `module` (a CompiledModule); writes kernel binaries as it goes."""
+    program = module.program
+    kplan = program.kplan
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "versions": versions(),
+        "target": dataclasses.asdict(kplan.target),
+        "example_sizes": dict(getattr(module, "example_sizes", None) or {}),
+        "dim_names": dict(getattr(module, "dim_names", None) or {}),
+        "plan": plan_to_json(program.plan),
+        "memory": program.mem.to_json(),
+        "kernels": {r.name: _kernel_entry(r.name, kplan.kernels[r.name],
+                                          directory / KERNELS_DIR)
+                    for r in program.plan.regions},
+    }
+
+
+def save(module, path) -> Path:
+    """Write `module` to the directory `path` (replacing an artifact already there)."""
+    final = Path(path)
+    if final.exists() and not (final / MANIFEST_FILE).is_file():
+        what = "a file" if not final.is_dir() else "a directory that is not a kiln artifact"
+        if final.is_file() or any(final.iterdir()):
+            raise ArtifactError(f"cannot save to {final}: it is {what}",
+                                hint="choose a new path (e.g. model.kiln) or remove it first")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        manifest = build_manifest(module, tmp)
+        manifest["weights"] = save_weights(module.state, tmp)
+        (tmp / MANIFEST_FILE).write_text(dumps(manifest) + "\n")
+        _replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def dumps(obj, indent: str = "") -> str:
+    """Indented JSON that keeps short lists and objects (shapes, args, bounds) on one line."""
+    flat = json.dumps(obj)
+    if len(flat) + len(indent) <= 96 or not isinstance(obj, (dict, list)) or not obj:
+        return flat
+    inner = indent + "  "
+    if isinstance(obj, dict):
+        items = [f"{inner}{json.dumps(str(k))}: {dumps(v, inner)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + indent + "}"
+    items = [inner + dumps(v, inner) for v in obj]
+    return "[\n" + ",\n".join(items) + "\n" + indent + "]"
+
+
+def _replace(new: Path, final: Path) -> None:
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{os.getpid()}"
+        final.rename(old)
+    new.rename(final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,79 @@
+"""The choice cache: each tuned kernel's winner and its binary, in KILN_CACHE_DIR.
+
+Why: tuning costs compiles (seconds each) and timings; a second compile of the same
+model must tune nothing. A choice is keyed by what decides it: the kernel's source
+hash, the candidate configs, the target, the Triton version, the tune mode, how the
+choice was made ("untimed", or the example's sizes rounded up to powers of two when
+timed on a GPU) and the compile function. The entry holds the winning config and its
+binary (or "extern" when torch won or nothing compiled), so a hit needs no worker.
+
+Each entry is a directory written under a temporary name and renamed into place, so
+a reader never sees half an entry and concurrent compiles cannot corrupt one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import triton
+
+from kiln.codegen.autotune.quarantine import target_id
+from kiln.codegen.triton.compiler import Binary
+from kiln.codegen.triton.source import cache_dir
+from kiln.codegen.triton.spec import Config, KernelSpec
+from kiln.target import Target
+
+
+@dataclass
+class Choice:
+    kind: str  # "triton" or "extern"
+    config: Config | None = None
+    binary: Binary | None = None
+    ms: float | None = None  # the winner's median time when timed
+    note: str = ""  # how it was chosen, for the region's notes
+
+
+def choice_key(spec: KernelSpec, configs: list[Config], target: Target, mode: str,
+               sizes: str, compile_fn: str) -> str:
+    parts = [spec.source_hash, [str(c) for c in configs], target_id(target),
+             triton.__version__, mode, sizes, compile_fn]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
+
+
+class ChoiceCache:
+    def __init__(self, root: Path | None = None):
+        self.root = root or cache_dir() / "autotune" / "choices"
+
+    def get(self, key: str) -> Choice | None:
+        entry = self.root / key
+        try:
+            d = json.loads((entry / "choice.json").read_text())
+            binary = Binary.load(entry, d["binary"]) if d.get("binary") else None
+        except (OSError, ValueError, KeyError):
+            return None
+        config = Config.from_json(d["config"]) if d.get("config") else None
+        return Choice(d["kind"], config, binary, d.get("ms"), d.get("note", ""))
+
+    def put(self, key: str, choice: Choice) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=self.root))
+        try:
+            d = {"kind": choice.kind, "ms": choice.ms, "note": choice.note,
+                 "config": choice.config.to_json() if choice.config else None,
+                 "binary": choice.binary.save(tmp, "kernel") if choice.binary else None}
+            (tmp / "choice.json").write_text(json.dumps(d, indent=1))
+            final = self.root / key
+            if final.exists():  # a newer decision replaces the old one
+                shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        except OSError:  # another compile stored the same key first: theirs stands
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def clear(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)

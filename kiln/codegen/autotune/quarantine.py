@@ -1,0 +1,121 @@
+"""The quarantine: configs that failed, kept on disk so a known-bad config is not retried.
+
+Why (DESIGN.md failure 5): a config that crashes Triton's compiler will crash it again,
+and a config that hangs will hang again; each try costs a worker (seconds to restart)
+or a whole timeout. Triton's own autotuner keeps no record, so every run pays again.
+kiln records every failure of a (kernel source hash, config, Triton version, target)
+and, for the kinds that are facts about that key, never compiles it again:
+
+    crash       the compiler process died (C++ assertion, segfault)   never retried
+    hang        the compile passed its deadline and was killed        never retried
+    over_limit  needs more than the target has (real figures, or
+                Triton's OutOfResources)                              never retried
+    error       the compiler raised (CompilationError, PTXASError...)  recorded, retried
+
+Ordinary compile errors are retried on the next tuning because they may come from
+the environment (a missing ptxas, a full disk) rather than the config, and retrying
+one is cheap (the worker survives). A new Triton version or a changed kernel source
+makes a new key, so nothing stays quarantined past the cause. To forget everything,
+delete KILN_CACHE_DIR/autotune/failures (or call Quarantine().clear()).
+
+One JSON file per key, written atomically: concurrent compiles share the records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import triton
+
+from kiln.codegen.triton.source import cache_dir
+from kiln.codegen.triton.spec import Config, KernelSpec
+from kiln.target import Target
+
+CRASH, HANG, OVER_LIMIT, ERROR = "crash", "hang", "over_limit", "error"
+NEVER_RETRIED = frozenset({CRASH, HANG, OVER_LIMIT})
+
+
+def target_id(target: Target) -> str:
+    """The target's name plus a digest of its limits (changed limits: a new key)."""
+    return f"{target.name}-{hashlib.sha256(repr(target).encode()).hexdigest()[:8]}"
+
+
+@dataclass(frozen=True)
+class FailureKey:
+    source_hash: str
+    config: str
+    triton_version: str
+    target: str
+
+    @staticmethod
+    def of(spec: KernelSpec, config: Config, target: Target) -> FailureKey:
+        return FailureKey(spec.source_hash, str(config), triton.__version__, target_id(target))
+
+    def digest(self) -> str:
+        return hashlib.sha256(repr(self).encode()).hexdigest()[:32]
+
+
+@dataclass
+class Failure:
+    key: FailureKey
+    kind: str  # CRASH, HANG, OVER_LIMIT or ERROR
+    reason: str
+    kernel: str  # the kernel's name, for people reading the records
+    compile_fn: str
+    when: float
+
+    @property
+    def never_retried(self) -> bool:
+        return self.kind in NEVER_RETRIED
+
+
+class Quarantine:
+    def __init__(self, root: Path | None = None):
+        self.root = root or cache_dir() / "autotune" / "failures"
+
+    def _path(self, key: FailureKey) -> Path:
+        return self.root / f"{key.digest()}.json"
+
+    def get(self, key: FailureKey) -> Failure | None:
+        try:
+            d = json.loads(self._path(key).read_text())
+        except (OSError, ValueError):
+            return None
+        d["key"] = FailureKey(**d["key"])
+        return Failure(**d)
+
+    def blocked(self, key: FailureKey) -> Failure | None:
+        """The recorded failure that forbids compiling `key` again, if there is one."""
+        f = self.get(key)
+        return f if f is not None and f.never_retried else None
+
+    def record(self, key: FailureKey, kind: str, reason: str, kernel: str,
+               compile_fn: str) -> Failure:
+        f = Failure(key, kind, reason, kernel, compile_fn, time.time())
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self._path(key)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(f), indent=1))
+        tmp.replace(path)
+        return f
+
+    def forget(self, key: FailureKey) -> None:
+        """Drop a record (an error that a retry cured)."""
+        self._path(key).unlink(missing_ok=True)
+
+    def all(self) -> list[Failure]:
+        out = []
+        for p in sorted(self.root.glob("*.json")) if self.root.exists() else []:
+            d = json.loads(p.read_text())
+            d["key"] = FailureKey(**d["key"])
+            out.append(Failure(**d))
+        return out
+
+    def clear(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)

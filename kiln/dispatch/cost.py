@@ -1,0 +1,183 @@
+"""A region's cost as symbolic expressions: bytes it moves and flops it computes.
+
+An analysis for reports (`kiln explain`), not a pass. Costs are roofline-style
+first-order estimates, kept symbolic in the plan's size symbols so they can be
+evaluated at any size (the example's, the upper bounds):
+
+- bytes read: each region input once at its own size (a broadcast input is read at
+  its stored size, weights fully) -- except a table read only through gathers
+  (embedding rows, `cos[input_pos]`), which reads just the gathered elements, and
+  the destination of an in-place write, which is not read at all;
+- bytes written: each output, except that an in-place scatter (a KV-cache update)
+  writes only the elements it scatters;
+- flops: matmul 2·M·N·K (per batch), attention 2·B·H·Tq·Tk·(D + Dv) ≈ 4·B·H·Tq·Tk·D,
+  pointwise ops one per output element, reductions a few per input element; casts,
+  copies, views, gathers and scatters move data and compute nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from kiln.ir.ops import IDENTITY_OPS, OpCategory, category
+from kiln.ir.plan import DispatchPlan, Op, Ref, Region
+from kiln.ir.symbolic import Dim, numel
+
+# Ops of category POINTWISE that only move or convert data.
+_DATA_ONLY = IDENTITY_OPS | {"aten._to_copy.default", "aten.copy.default"}
+
+# Flops per reduced input element (a max, a subtract, an exp, a sum, a divide, ...).
+_REDUCTION_FLOPS = {
+    "aten.var.correction": 3, "aten.var.dim": 3, "aten.var_mean.correction": 3,
+    "aten._softmax.default": 5, "aten._log_softmax.default": 5,
+    "aten.native_layer_norm.default": 8, "aten.logsumexp.default": 4,
+}
+
+_GATHER_TABLE_ARG = 0  # embedding(weight, idx), index(self, idx), gather(self, dim, idx)
+
+
+@dataclass(frozen=True)
+class Cost:
+    read: Dim  # bytes
+    written: Dim  # bytes
+    flops: Dim
+
+    @property
+    def bytes(self) -> Dim:
+        return self.read + self.written
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(self.read + other.read, self.written + other.written,
+                    self.flops + other.flops)
+
+
+ZERO = Cost(0, 0, 0)
+
+
+class _Shapes:
+    """Shapes and element sizes of everything a region's ops refer to."""
+
+    def __init__(self, region: Region, plan: DispatchPlan):
+        self.shape = {n: plan.values[n].shape for n in region.inputs}
+        self.itemsize = {n: plan.values[n].itemsize for n in region.inputs}
+        for op in region.ops:
+            if op.shape is not None:
+                self.shape[op.name] = op.shape
+
+    def of(self, a) -> tuple[Dim, ...] | None:
+        return self.shape.get(a.name) if isinstance(a, Ref) else None
+
+    def numel(self, a) -> Dim:
+        shape = self.of(a)
+        return 0 if shape is None else numel(shape)
+
+
+def _uses(region: Region) -> dict[str, list[tuple[Op, int]]]:
+    """For each name, the (op, argument position) pairs that read it directly."""
+    uses: dict[str, list[tuple[Op, int]]] = {}
+    for op in region.ops:
+        for pos, a in enumerate(op.args):
+            for ref in _refs(a):
+                uses.setdefault(ref, []).append((op, pos))
+        for v in op.kwargs.values():
+            for ref in _refs(v):
+                uses.setdefault(ref, []).append((op, -1))
+    return uses
+
+
+def _refs(a) -> list[str]:
+    if isinstance(a, Ref):
+        return [a.name]
+    if isinstance(a, (list, tuple)):
+        return [r for x in a for r in _refs(x)]
+    return []
+
+
+def _bytes_read(region: Region, plan: DispatchPlan, shapes: _Shapes) -> Dim:
+    uses = _uses(region)
+    inplace_ops = {region.op(o).name for o in region.inplace}
+    total: Dim = 0
+    for name in region.inputs:
+        v = plan.values[name]
+        used = uses.get(name, [])
+        if used and all(op.name in inplace_ops and pos == 0 for op, pos in used):
+            continue  # only written in place: the destination is not read
+        if used and all(category(op.target) == OpCategory.GATHER and pos == _GATHER_TABLE_ARG
+                        for op, pos in used):
+            total += sum(numel(op.shape) for op, _ in used) * v.itemsize
+            continue
+        total += v.numel * v.itemsize
+    return total
+
+
+def _scattered(op: Op, shapes: _Shapes) -> Dim:
+    """Elements an in-place scatter writes (not the whole destination)."""
+    args = op.args
+    if op.target in ("aten.index_copy.default", "aten.index_add.default") and len(args) > 3:
+        return shapes.numel(args[3])  # the source rows
+    if op.target.startswith(("aten.scatter.", "aten.scatter_add.")) and len(args) > 2:
+        return shapes.numel(args[2])  # one write per index element
+    if op.target == "aten.index_put.default" and len(args) > 2:
+        index = [shapes.numel(i) for i in args[1] if isinstance(i, Ref)]
+        return _max([shapes.numel(args[2]), *index])
+    return numel(op.shape)  # copy_ and anything else: the whole destination
+
+
+def _max(xs: list[Dim]) -> Dim:
+    if all(isinstance(x, int) for x in xs):
+        return max(xs)
+    return sympy.Max(*xs)
+
+
+def _bytes_written(region: Region, plan: DispatchPlan, shapes: _Shapes) -> Dim:
+    total: Dim = 0
+    for o in region.outputs:
+        v = plan.values[o]
+        if o in region.inplace:
+            total += _scattered(region.op(o), shapes) * v.itemsize
+        else:
+            total += v.numel * v.itemsize
+    return total
+
+
+def op_flops(op: Op, shapes: _Shapes) -> Dim:
+    cat = category(op.target)
+    if cat == OpCategory.MATMUL:
+        return _matmul_flops(op, shapes)
+    if cat == OpCategory.ATTENTION:
+        q, k, v = (shapes.of(a) for a in op.args[:3])
+        if q is None or k is None or v is None:
+            return 0
+        return 2 * numel(q[:-2]) * q[-2] * k[-2] * (q[-1] + v[-1])
+    if cat == OpCategory.POINTWISE:
+        return 0 if op.target in _DATA_ONLY or op.shape is None else numel(op.shape)
+    if cat == OpCategory.REDUCTION:
+        return _REDUCTION_FLOPS.get(op.target, 1) * shapes.numel(op.args[0])
+    return 0
+
+
+def _matmul_flops(op: Op, shapes: _Shapes) -> Dim:
+    if op.target == "aten.addmm.default":
+        a, b = shapes.of(op.args[1]), shapes.of(op.args[2])
+        extra = numel(op.shape)  # the bias add
+    else:
+        a, b = shapes.of(op.args[0]), shapes.of(op.args[1])
+        extra = 0
+    if a is None or b is None:
+        return 0
+    # [..., M, K] @ [..., K, N]: 2·M·N·K multiply-adds per batch element.
+    return 2 * numel(op.shape) * a[-1] + extra
+
+
+def region_cost(region: Region, plan: DispatchPlan) -> Cost:
+    shapes = _Shapes(region, plan)
+    flops: Dim = 0
+    for op in region.ops:
+        flops += op_flops(op, shapes)
+    return Cost(_bytes_read(region, plan, shapes), _bytes_written(region, plan, shapes), flops)
+
+
+def plan_costs(plan: DispatchPlan) -> dict[str, Cost]:
+    return {r.name: region_cost(r, plan) for r in plan.regions}

@@ -1,0 +1,282 @@
+"""Text generation with a kiln-compiled Llama: a prefill, then batched decode steps.
+
+`LLM` compiles the model twice with kiln; both modules share its weights and KV cache:
+
+    prefill(tokens [B, T], input_pos [B, T] (, block_table [B, W]))  B <= max_batch, T dynamic
+    decode (tokens [B, 1], input_pos [B, 1] (, block_table [B, W]))  B <= max_batch
+
+(block_table only with the paged cache; W, its width, is dynamic too.) A batch of
+prompts of different lengths is prefilled right-padded: a pad sits after its row's
+last real token, so no real token attends to it, and decode overwrites it later
+(with the paged cache pads past the row's blocks land in block 0). Each row then
+decodes at its own position. With the contiguous cache a row keeps its cache row, so
+finished rows ride along (their output is ignored); the paged cache drops them.
+Choosing tokens (decoding.py) happens outside the compiled model.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.export import Dim
+
+import kiln
+from kiln.errors import ArgumentError, CheckpointError, ShapeError
+from kiln.models.decoding import TextStream, sample
+from kiln.models.kv_cache import BlockAllocator
+from kiln.models.llama import Llama
+from kiln.target import get_target
+
+
+@dataclass
+class Generation:
+    """One sequence's result: generated ids (a stop token included) and text."""
+
+    prompt_ids: list[int]
+    ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" (a stop token or string), "length" or "context"
+    time_to_first_token_s: float
+    decode_s: float  # from the first token to the last
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (len(self.ids) - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    def summary(self) -> str:
+        return (f"prompt {len(self.prompt_ids)} tokens, generated {len(self.ids)} "
+                f"({self.finish_reason}); time to first token "
+                f"{self.time_to_first_token_s * 1e3:.1f} ms; decode "
+                f"{self.tokens_per_s:.1f} tokens/s")
+
+
+@dataclass
+class _Seq:
+    row: int
+    prompt: list[int]
+    text: TextStream | None
+    ids: list[int] = field(default_factory=list)
+    finish: str | None = None
+    t_first: float = 0.0
+    t_last: float = 0.0
+
+    @property
+    def pos(self) -> int:
+        """Where the last token is fed to produce the next."""
+        return len(self.prompt) + len(self.ids) - 1
+
+
+class LLM:
+    """A model compiled for generation. Build it with kiln.models.load."""
+
+    def __init__(self, model: Llama, tokenizer=None, stop_ids=(), *, target="cpu",
+                 max_batch_size: int = 1, paged: bool = False, block_size: int = 16,
+                 num_blocks: int | None = None, name: str = ""):
+        self.model, self.cfg, self.name = model, model.cfg, name
+        self.tokenizer, self.stop_ids = tokenizer, set(stop_ids)
+        self.target = get_target(target)
+        self.device = torch.device(self.target.torch_device)
+        self.max_batch_size, self.paged = max_batch_size, paged
+        model.setup_cache(max_batch_size=max_batch_size, paged=paged,
+                          block_size=block_size, num_blocks=num_blocks)
+        t0 = time.perf_counter()
+        self.prefill_module = self._compile(seq_len=None)
+        self.decode_module = self._compile(seq_len=1)
+        self.compile_s = time.perf_counter() - t0
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.cfg.max_seq_len
+
+    def _compile(self, seq_len: int | None):
+        """Compile for T = seq_len, or for a dynamic T in [1, max_seq_len] (prefill)."""
+        b = min(2, self.max_batch_size)  # an example of 1 would pin the batch dim to 1
+        t = seq_len or min(8, self.max_seq_len)
+        batch = Dim("batch", min=1, max=self.max_batch_size) if b > 1 else None
+        seq = Dim("seq", min=1, max=self.max_seq_len) if seq_len is None and t > 1 else None
+        dims = {k: d for k, d in ((0, batch), (1, seq)) if d is not None}
+        args = [torch.zeros(b, t, dtype=torch.long, device=self.device),
+                torch.arange(t, device=self.device).expand(b, t).contiguous()]
+        shapes = [dims, dims]
+        if self.paged:
+            cache = self.model.cache
+            w = min(max(2, math.ceil(t / cache.block_size)), cache.blocks_per_seq)
+            width = Dim("blocks", min=1, max=cache.blocks_per_seq) if w > 1 else None
+            args.append(torch.zeros(b, w, dtype=torch.long, device=self.device))
+            shapes.append({k: d for k, d in ((0, batch), (1, width)) if d is not None})
+        return kiln.compile(self.model, tuple(args), dynamic_shapes=tuple(shapes),
+                            target=self.target)
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor,
+                block_table: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] from the compiled prefill (T > 1) or decode (T = 1) module.
+
+        input_pos may be [T] (shared by the rows); inputs move to the model's device.
+        """
+        if self.paged != (block_table is not None):
+            raise ArgumentError("a block_table is needed with the paged cache, and only then")
+        args = [tokens, input_pos.expand(tokens.shape)]
+        if self.paged:
+            args.append(block_table)
+        args = [a.to(self.device).contiguous() for a in args]
+        module = self.decode_module if tokens.shape[1] == 1 else self.prefill_module
+        return module(*args)
+
+    # ---- generate --------------------------------------------------------------------
+
+    def generate(self, prompt, max_new_tokens: int = 128, *, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None, stop=(), ignore_eos: bool = False,
+                 on_text=None):
+        """Generate from a prompt (text or token ids) or a list of prompts (a batch).
+
+        Greedy by default; temperature > 0 samples (with top_k / top_p, reproducible
+        with seed). Stops at an eos token of the checkpoint (unless ignore_eos), at a
+        `stop` entry (a string or a token id), after max_new_tokens, or when the
+        context is full. on_text(str) receives text as it is produced (one prompt only).
+        Returns a Generation, or a list of them for a list of prompts.
+        """
+        single = isinstance(prompt, str) or (
+            isinstance(prompt, (list, tuple)) and (not prompt or isinstance(prompt[0], int))
+        ) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1)
+        prompts = [prompt] if single else list(prompt)
+        if on_text is not None and len(prompts) != 1:
+            raise ArgumentError("on_text streams one prompt; got a batch of "
+                                f"{len(prompts)}")
+        _check_sampling(max_new_tokens, temperature, top_k, top_p)
+        stop_ids = set() if ignore_eos else set(self.stop_ids)
+        stop_ids |= {s for s in stop if isinstance(s, int)}
+        stops = [s for s in stop if isinstance(s, str)]
+        seqs = []
+        for i, p in enumerate(prompts):
+            ids = self._encode(p)
+            seqs.append(_Seq(i, ids, self._text(stops, ids)))
+        self._check_fits(seqs)
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+
+        def pick(logits):
+            return sample(logits, temperature, top_k, top_p, gen)
+
+        def add(seq: _Seq, token: int, now: float):
+            seq.ids.append(token)
+            seq.t_last = now
+            if seq.text is not None:
+                new = seq.text.update(seq.ids if token not in stop_ids else seq.ids[:-1])
+                if new and on_text is not None:
+                    on_text(new)
+            if token in stop_ids or (seq.text is not None and seq.text.stopped):
+                seq.finish = "stop"
+            elif len(seq.ids) >= max_new_tokens:
+                seq.finish = "length"
+            elif seq.pos >= self.max_seq_len:
+                seq.finish = "context"
+
+        alloc = BlockAllocator(self.model.cache) if self.paged else None
+        try:
+            t0 = time.perf_counter()
+            first = pick(self._prefill(seqs, alloc))
+            now = time.perf_counter()
+            for s, tok in zip(seqs, first):
+                s.t_first = now
+                add(s, tok, now)
+            while any(s.finish is None for s in seqs):
+                batch = [s for s in seqs if s.finish is None] if self.paged else seqs
+                logits = self._decode(batch, alloc)
+                now = time.perf_counter()
+                for s, tok in zip(batch, pick(logits)):
+                    if s.finish is None:
+                        add(s, tok, now)
+        finally:
+            for s in seqs:
+                if alloc is not None:
+                    alloc.release(s.row)
+        rest = seqs[0].text.flush() if seqs[0].text is not None else ""
+        if rest and on_text is not None:  # text held back for a stop string that never came
+            on_text(rest)
+        results = [self._result(s, t0) for s in seqs]
+        return results[0] if single else results
+
+    def _prefill(self, seqs: list[_Seq], alloc: BlockAllocator | None) -> torch.Tensor:
+        """Prefill every prompt in one right-padded batch; logits at each last token."""
+        lens = [len(s.prompt) for s in seqs]
+        T = max(lens)
+        tokens = torch.zeros(len(seqs), T, dtype=torch.long)
+        for s in seqs:
+            tokens[s.row, :len(s.prompt)] = torch.tensor(s.prompt)
+        table = None
+        if alloc is not None:
+            for s in seqs:
+                alloc.reserve(s.row, len(s.prompt))
+            width = math.ceil(T / alloc.block_size)
+            table = alloc.block_table([s.row for s in seqs], width, self.device)
+        logits = self.forward(tokens.to(self.device), torch.arange(T, device=self.device),
+                              table)
+        last = torch.tensor(lens, device=logits.device) - 1
+        return logits[torch.arange(len(seqs), device=logits.device), last]
+
+    def _decode(self, batch: list[_Seq], alloc: BlockAllocator | None) -> torch.Tensor:
+        """One decode step; a finished row (contiguous cache only) repeats its last step."""
+        tokens = torch.tensor([[s.ids[-1]] for s in batch], device=self.device)
+        pos = torch.tensor([[min(s.pos, self.max_seq_len - 1)] for s in batch],
+                           device=self.device)
+        table = None
+        if alloc is not None:
+            for s in batch:
+                alloc.reserve(s.row, s.pos + 1)
+            table = alloc.block_table([s.row for s in batch], device=self.device)
+        return self.forward(tokens, pos, table)[:, -1]
+
+    # ---- helpers ---------------------------------------------------------------------
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise CheckpointError(
+                    f"{self.name or 'this model'} has no tokenizer.json: a text prompt "
+                    "cannot be encoded", hint="pass the prompt as token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(i) for i in (prompt.tolist() if isinstance(prompt, torch.Tensor)
+                                    else prompt)]
+        if not ids:
+            raise ArgumentError("the prompt is empty (no tokens)")
+        bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
+        if bad:
+            raise ArgumentError(f"prompt token id {bad[0]} is outside the vocabulary "
+                                f"[0, {self.cfg.vocab_size})")
+        return ids
+
+    def _text(self, stops: list[str], prompt: list[int]) -> TextStream | None:
+        return TextStream(self.tokenizer, stops, prompt) if self.tokenizer is not None else None
+
+    def _check_fits(self, seqs: list[_Seq]) -> None:
+        if len(seqs) > self.max_batch_size:
+            raise ShapeError(f"{len(seqs)} prompts exceed the maximum batch of "
+                             f"{self.max_batch_size}",
+                             hint="load the model with a larger max_batch_size")
+        for s in seqs:
+            if len(s.prompt) > self.max_seq_len:
+                raise ShapeError(
+                    f"prompt {s.row} has {len(s.prompt)} tokens, more than the maximum "
+                    f"context of {self.max_seq_len} tokens (max_seq_len)",
+                    hint="shorten the prompt, or load with a larger max_seq_len (up to "
+                    "the model's max_position_embeddings)")
+
+    def _result(self, s: _Seq, t0: float) -> Generation:
+        text = s.text.text if s.text is not None else None
+        return Generation(s.prompt, s.ids, text, s.finish or "length", s.t_first - t0,
+                          s.t_last - s.t_first)
+
+
+def _check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
+    if max_new_tokens < 1:
+        raise ArgumentError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ArgumentError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ArgumentError(f"top_k must be at least 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ArgumentError(f"top_p must be in (0, 1], got {top_p}")

@@ -1,0 +1,284 @@
+"""Hugging Face checkpoints: config.json -> LlamaConfig, *.safetensors -> a loaded Llama.
+
+The model is built on the meta device (no memory) and every tensor is read from its
+safetensors file, converted to the requested dtype and device, and assigned into the
+module, one tensor at a time and shard by shard: an 8B model never needs two copies.
+Every header is checked before any tensor is read (names, shapes, truncation), so a
+bad checkpoint fails fast; if reading still fails, the partial module is freed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+
+from kiln.errors import CheckpointError, KilnError, ShapeError
+from kiln.models.llama import ROPE_TYPES, Llama, LlamaConfig
+from kiln.progress import progress
+
+log = logging.getLogger("kiln.models")
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                 "Qwen2ForCausalLM": "qwen2"}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_MAX_SEQ_LEN = 4096  # the KV cache's length unless the caller asks for more
+INDEX = "model.safetensors.index.json"
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # old Llama checkpoints store RoPE tables
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path.name} is missing from {path.parent}",
+                              where=str(path),
+                              hint="point --model at a Hugging Face checkpoint directory "
+                              "(config.json and *.safetensors)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path.name} is not valid JSON: {e}", where=str(path)) from None
+
+
+def family(hf: dict, where: str) -> str:
+    """'llama' | 'mistral' | 'qwen2' from config.json's architectures (or model_type)."""
+    archs = hf.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch in ARCHITECTURES:
+        return ARCHITECTURES[arch]
+    if arch is None and hf.get("model_type") in ARCHITECTURES.values():
+        return hf["model_type"]
+    raise CheckpointError(
+        f"architecture {arch or hf.get('model_type')!r} is not supported",
+        where=where,
+        hint=f"kiln loads {', '.join(ARCHITECTURES)} checkpoints")
+
+
+def config_from_hf(hf: dict, where: str = "config.json",
+                   max_seq_len: int | None = None) -> LlamaConfig:
+    """Map a Hugging Face config.json (dict) onto LlamaConfig; reject what kiln cannot run."""
+    fam = family(hf, where)
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"hidden_act {act!r} is not supported", where=where,
+                              hint="kiln's Llama family uses SwiGLU (silu)")
+    # transformers >= 5 writes rope_parameters; older configs rope_theta + rope_scaling.
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise CheckpointError(f"RoPE type {kind!r} is not supported", where=where,
+                              hint=f"supported: {', '.join(ROPE_TYPES)}")
+    if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise CheckpointError("partial rotary embeddings are not supported", where=where)
+    if kind == "llama3" and "original_max_position_embeddings" not in rope:
+        rope["original_max_position_embeddings"] = hf.get("max_position_embeddings", 8192)
+    max_pos = hf.get("max_position_embeddings", DEFAULT_MAX_SEQ_LEN)
+    if max_seq_len is None:
+        max_seq_len = min(max_pos, DEFAULT_MAX_SEQ_LEN)
+    elif max_seq_len > max_pos:
+        raise ShapeError(f"max_seq_len {max_seq_len} exceeds the model's "
+                         f"max_position_embeddings {max_pos}", where=where)
+    attention_bias = bool(hf.get("attention_bias", False))
+    window, sliding_layers = None, None
+    if fam == "mistral":
+        window = hf.get("sliding_window")
+    elif fam == "qwen2" and hf.get("use_sliding_window"):
+        window = hf.get("sliding_window")
+        types = hf.get("layer_types")
+        n = hf["num_hidden_layers"]
+        if types:
+            sliding_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        else:
+            sliding_layers = tuple(range(hf.get("max_window_layers", n), n))
+    try:
+        return LlamaConfig(
+            vocab_size=hf["vocab_size"],
+            dim=hf["hidden_size"],
+            n_layers=hf["num_hidden_layers"],
+            n_heads=hf["num_attention_heads"],
+            n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            intermediate_size=hf["intermediate_size"],
+            head_dim=hf.get("head_dim"),
+            rope_theta=float(theta),
+            rope_scaling=rope if kind != "default" else None,
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            max_seq_len=max_seq_len,
+            qkv_bias=fam == "qwen2" or attention_bias,
+            o_bias=fam == "llama" and attention_bias,
+            mlp_bias=fam == "llama" and bool(hf.get("mlp_bias", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            sliding_window=window,
+            sliding_layers=sliding_layers,
+        )
+    except KeyError as e:
+        raise CheckpointError(f"config.json lacks {e.args[0]!r}", where=where) from None
+
+
+def checkpoint_dtype(hf: dict) -> torch.dtype | None:
+    return DTYPES.get(hf.get("dtype") or hf.get("torch_dtype") or "")
+
+
+def stop_token_ids(path: Path, hf: dict) -> set[int]:
+    """eos_token_id from config.json and generation_config.json (an int or a list)."""
+    ids: set[int] = set()
+    sources = [hf]
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        sources.append(read_json(gen))
+    for src in sources:
+        eos = src.get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return ids
+
+
+# ---- weights --------------------------------------------------------------------------
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those the index names, or every *.safetensors."""
+    index = path / INDEX
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{INDEX} has no weight_map", where=str(index))
+        files = [path / f for f in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"shard {f.name} named in {INDEX} is missing",
+                                      where=str(f), hint="download the checkpoint again")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {path}", where=str(path),
+                              hint="kiln reads safetensors checkpoints (not .bin / .pth)")
+    return files
+
+
+def _headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Every tensor's file and shape, from the headers alone (no tensor data is read)."""
+    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118 - safe_open is not iterable
+                    found[name] = (f, tuple(st.get_slice(name).get_shape()))
+        except Exception as e:  # safetensors raises its own error types
+            raise CheckpointError(f"cannot read {f.name}: {e}", where=str(f),
+                                  hint="the file is truncated or corrupt: download it "
+                                  "again") from None
+    return found
+
+
+def check_tensors(model: Llama, found: dict) -> list[str]:
+    """The names to load; raises for a missing tensor or a wrong shape."""
+    want = {n: tuple(p.shape) for n, p in model.named_parameters()}  # tied ones once
+    missing = [n for n in want if n not in found]
+    if missing:
+        raise CheckpointError(
+            f"{len(missing)} tensor(s) missing from the checkpoint: {', '.join(missing[:4])}"
+            + (" ..." if len(missing) > 4 else ""),
+            hint="the checkpoint does not match its config.json (layers, tied embeddings)")
+    for name, shape in want.items():
+        f, got = found[name]
+        if got != shape:
+            raise ShapeError(f"tensor {name} in {f.name} has shape {list(got)}, config.json "
+                             f"implies {list(shape)}", where=str(f))
+    extra = [n for n in found if n not in want and not n.endswith(IGNORED_SUFFIXES)
+             and not (n == "lm_head.weight" and model.cfg.tie_word_embeddings)]
+    if extra:
+        raise CheckpointError(
+            f"the checkpoint has {len(extra)} tensor(s) the model lacks: "
+            f"{', '.join(extra[:4])}" + (" ..." if len(extra) > 4 else ""),
+            hint="config.json does not describe this checkpoint (layer count, biases?)")
+    return list(want)
+
+
+def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    owner, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(owner), attr, nn.Parameter(tensor, requires_grad=False))
+
+
+def load_weights(model: Llama, files: list[Path], dtype: torch.dtype, device) -> None:
+    """Read every tensor of the checkpoint into `model` (built on the meta device)."""
+    found = _headers(files)
+    names = check_tensors(model, found)
+    by_file: dict[Path, list[str]] = {}
+    for n in names:
+        by_file.setdefault(found[n][0], []).append(n)
+    total = sum(f.stat().st_size for f in by_file)
+    with progress(total=total, desc="loading weights", unit="B", unit_scale=True) as bar:
+        for f, file_names in by_file.items():
+            try:
+                with safe_open(str(f), framework="pt") as st:
+                    for n in file_names:
+                        t = st.get_tensor(n)
+                        bar.update(t.nbytes)
+                        _assign(model, n, t.to(device=device, dtype=dtype))
+                        del t
+            except KilnError:
+                raise
+            except Exception as e:
+                raise CheckpointError(f"cannot read tensor data from {f.name}: {e}",
+                                      where=str(f), hint="the file may be truncated or "
+                                      "corrupt: download it again") from None
+    model.tie_weights()
+
+
+def _free_partial(model: nn.Module, exc: BaseException) -> None:
+    """Drop what a failed load put into `model`, even while the exception is alive.
+
+    The traceback keeps every frame's locals (the module, the tensor being read);
+    clearing those frames and moving the module to meta releases the memory.
+    """
+    model.to("meta")
+    while exc is not None:
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
+def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
+                    max_seq_len: int | None = None) -> tuple[Llama, dict]:
+    """(model, config.json) for a Hugging Face checkpoint directory; weights loaded lazily."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist", where=str(path))
+    hf = read_json(path / "config.json")
+    cfg = config_from_hf(hf, str(path / "config.json"), max_seq_len)
+    files = weight_files(path)
+    dtype = dtype or checkpoint_dtype(hf) or torch.float32
+    with torch.device("meta"):
+        model = Llama(cfg)
+    try:
+        load_weights(model, files, dtype, device)
+    except BaseException as e:
+        _free_partial(model, e)
+        del model
+        raise
+    model.init_rope(device)
+    log.info("loaded %s (%d shard(s)) as %s on %s", path, len(files), dtype, device)
+    return model.eval(), hf
+
+
+def random_model(cfg: LlamaConfig, dtype: torch.dtype = torch.float32, device="cpu",
+                 seed: int = 0, std: float = 0.02) -> Llama:
+    """A model with random weights (normal(0, std); norms 1, biases 0), made in place."""
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    model.tie_weights()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, std, generator=gen)
+            elif name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.zero_()
+    model.init_rope(device)
+    return model.eval()

@@ -1,0 +1,117 @@
+"""KV caches: module state written in place by the compiled model, and the block allocator.
+
+Both caches keep keys and values as [..., n_kv_heads, head_dim] rows, and both give
+attention the sequence's whole cache as [B, S, n_kv_heads, head_dim] plus the
+position of each of the S entries; attention masks what lies after the query.
+
+- ContiguousKVCache (gpt-fast's): [max_batch, max_seq_len, KV, D]; row b of a call's
+  batch is cache row b, so a batch's sequences keep their rows for the whole batch.
+- PagedKVCache: a pool of fixed-size blocks shared by all sequences,
+  [num_blocks * block_size, KV, D]. Position p of the sequence in batch row b lives in
+  slot block_table[b, p // block_size] * block_size + p % block_size. The table's
+  width (blocks per row) is the caller's choice: attention reads width * block_size
+  entries, so a batch of short sequences reads little. Block 0 is never handed out:
+  unused table entries (and padding rows) point at it, and what they write there is
+  never read unmasked.
+- BlockAllocator: the host side of the paged cache, a free list of blocks and each
+  sequence's blocks in order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from kiln.errors import ResourceError, ShapeError
+
+
+class ContiguousKVCache(nn.Module):
+    def __init__(self, cfg, max_batch_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.max_batch_size, self.max_seq_len = max_batch_size, cfg.max_seq_len
+        shape = (max_batch_size, cfg.max_seq_len, cfg.n_kv_heads, cfg.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def positions(self, block_table, device) -> torch.Tensor:
+        return torch.arange(self.max_seq_len, device=device)[None]
+
+    def update(self, input_pos, k, v, block_table=None):
+        """Write k, v [B, T, KV, D] at input_pos [B, T]; return rows 0..B-1 of the cache."""
+        B = k.shape[0]
+        rows = torch.arange(B, device=k.device)[:, None]
+        self.k_cache[rows, input_pos] = k
+        self.v_cache[rows, input_pos] = v
+        return self.k_cache[:B], self.v_cache[:B]
+
+
+class PagedKVCache(nn.Module):
+    def __init__(self, cfg, max_batch_size: int, block_size: int, num_blocks: int | None,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.block_size = block_size
+        self.blocks_per_seq = math.ceil(cfg.max_seq_len / block_size)
+        self.num_blocks = num_blocks or max_batch_size * self.blocks_per_seq + 1
+        shape = (self.num_blocks * block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def positions(self, block_table, device) -> torch.Tensor:
+        return torch.arange(block_table.shape[1] * self.block_size, device=device)[None]
+
+    def update(self, input_pos, k, v, block_table):
+        """Write k, v [B, T, KV, D] at input_pos [B, T] through block_table [B, W];
+        return each row's W blocks as [B, W * block_size, KV, D]."""
+        bs = self.block_size
+        slots = block_table.gather(1, input_pos // bs) * bs + input_pos % bs
+        self.k_cache[slots] = k
+        self.v_cache[slots] = v
+        blocks = (self.num_blocks, bs, *k.shape[2:])
+        k_all = self.k_cache.view(blocks)[block_table].flatten(1, 2)
+        v_all = self.v_cache.view(blocks)[block_table].flatten(1, 2)
+        return k_all, v_all
+
+
+class BlockAllocator:
+    """Which blocks of a PagedKVCache each sequence owns; the rest are on the free list."""
+
+    def __init__(self, cache: PagedKVCache):
+        self.block_size = cache.block_size
+        self.blocks_per_seq = cache.blocks_per_seq
+        self.num_blocks = cache.num_blocks
+        self.free = list(range(cache.num_blocks - 1, 0, -1))  # pop() hands out 1, 2, ...
+        self.owned: dict[int, list[int]] = {}
+
+    def reserve(self, seq: int, n_positions: int) -> None:
+        """Make sure sequence `seq` owns blocks for positions 0..n_positions-1."""
+        need = math.ceil(n_positions / self.block_size)
+        if need > self.blocks_per_seq:
+            raise ShapeError(
+                f"sequence {seq} needs {n_positions} positions, more than the maximum context "
+                f"of {self.blocks_per_seq * self.block_size}",
+                hint="shorten the prompt or max_new_tokens, or load with a larger max_seq_len")
+        blocks = self.owned.setdefault(seq, [])
+        if need - len(blocks) > len(self.free):
+            raise ResourceError(
+                f"the paged KV cache is full: sequence {seq} needs {need - len(blocks)} more "
+                f"blocks of {self.block_size} tokens, {len(self.free)} of "
+                f"{self.num_blocks - 1} are free",
+                hint="generate fewer sequences at once, or give the cache more blocks "
+                "(num_blocks)")
+        while len(blocks) < need:
+            blocks.append(self.free.pop())
+
+    def release(self, seq: int) -> None:
+        self.free.extend(reversed(self.owned.pop(seq, [])))
+
+    def block_table(self, seqs: list[int], width: int | None = None,
+                    device=None) -> torch.Tensor:
+        """[len(seqs), width] int64: each sequence's blocks, padded with block 0."""
+        width = width or max((len(self.owned.get(s, [])) for s in seqs), default=1) or 1
+        table = torch.zeros(len(seqs), width, dtype=torch.long)
+        for row, s in enumerate(seqs):
+            blocks = self.owned.get(s, [])[:width]
+            table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        return table.to(device) if device is not None else table

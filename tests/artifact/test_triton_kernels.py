@@ -1,0 +1,114 @@
+"""Artifacts with Triton kernels: source + config for the interpreter, binaries for GPUs.
+
+A test generator turns `x * 2 + 1` regions into a hand-written Triton kernel, so
+these tests do not depend on which real generators exist.
+"""
+
+import json
+
+import pytest
+import sympy
+import torch
+
+import kiln
+import kiln.codegen.triton.generators  # noqa: F401 - real generators register first
+from kiln.codegen.select_kernels import GENERATORS
+from kiln.codegen.triton.kernel import TritonKernel
+from kiln.codegen.triton.spec import Config, KernelArg, KernelSpec
+from kiln.errors import ArtifactError, TargetError
+from kiln.ir.plan import RegionKind
+from kiln.ir.symbolic import numel
+
+SOURCE = '''import triton
+import triton.language as tl
+
+
+@triton.jit
+def affine(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    tl.store(out_ptr + offs, x * 2.0 + 1.0, mask=mask)
+'''
+
+
+def affine_generator(region, plan, target):
+    if [o.target for o in region.ops] != ["aten.mul.Tensor", "aten.add.Tensor"]:
+        return None
+    (src,), (out,) = region.inputs, region.outputs
+    n = numel(plan.values[src].shape)
+    config = Config.make(BLOCK=64)
+    return KernelSpec(
+        "affine", SOURCE,
+        [KernelArg("x_ptr", "tensor", src, dtype=torch.float32),
+         KernelArg("out_ptr", "tensor", out, dtype=torch.float32),
+         KernelArg("n", "size", expr=n)],
+        ["BLOCK"], ("cdiv(n, BLOCK)",), [config], config, "pointwise")
+
+
+class Affine(torch.nn.Module):
+    def forward(self, x):
+        return x * 2.0 + 1.0
+
+
+@pytest.fixture
+def affine_gen(monkeypatch):
+    monkeypatch.setitem(GENERATORS, RegionKind.POINTWISE, affine_generator)
+
+
+def _compile(target):
+    T = kiln.Dim("T", min=1, max=4096)
+    return kiln.compile(Affine(), (torch.randn(5, 3),), dynamic_shapes=({0: T},),
+                        target=target, options={"tune": "none"})
+
+
+def test_interpret_artifact_keeps_source_and_config(affine_gen, tmp_path):
+    exe = _compile("interpret")
+    assert isinstance(exe.program.kplan.kernels["r0"], TritonKernel)
+    exe.save(tmp_path / "a.kiln")
+    entry = json.loads((tmp_path / "a.kiln" / "manifest.json").read_text())["kernels"]["r0"]
+    assert entry["kind"] == "triton" and "tl.store" in entry["spec"]["source"]
+    assert entry["config"] == {"params": {"BLOCK": 64}, "num_warps": 4, "num_stages": 1}
+    assert not (tmp_path / "a.kiln" / "kernels").exists()  # the interpreter needs no binary
+    loaded = kiln.load(tmp_path / "a.kiln")
+    kernel = loaded.program.kplan.kernels["r0"]
+    assert isinstance(kernel, TritonKernel) and kernel.interpret
+    assert isinstance(kernel.spec.args[2].expr, sympy.Expr)
+    x = torch.randn(77, 3)
+    assert torch.equal(loaded(x), exe(x))
+    assert torch.equal(loaded(x), x * 2.0 + 1.0)
+
+
+def test_gpu_artifact_compiled_without_a_gpu(affine_gen, tmp_path):
+    exe = _compile("cuda:sm_90")
+    binary = exe.program.kplan.kernels["r0"].binary
+    exe.save(tmp_path / "g.kiln")
+    assert (tmp_path / "g.kiln" / "kernels" / "r0.cubin").read_bytes() == binary.asm["cubin"]
+    loaded = kiln.load(tmp_path / "g.kiln")
+    got = loaded.program.kplan.kernels["r0"].binary
+    assert got.asm["cubin"] == binary.asm["cubin"] and got.resources == binary.resources
+    assert got.metadata == binary.metadata
+    assert "tl.store" in loaded.explain(kernels=True)
+    if not torch.cuda.is_available():
+        with pytest.raises(TargetError, match="compiled for cuda:sm_90.*no GPU"):
+            loaded(torch.randn(4, 3))
+
+
+def test_gpu_binaries_from_another_triton_are_refused(affine_gen, tmp_path):
+    _compile("cuda:sm_90").save(tmp_path / "g.kiln")
+    path = tmp_path / "g.kiln" / "manifest.json"
+    m = json.loads(path.read_text())
+    m["versions"]["triton"] = "2.0.0"
+    path.write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match="compiled by Triton 2.0.0"):
+        kiln.load(tmp_path / "g.kiln")
+
+
+@pytest.mark.gpu
+def test_gpu_artifact_round_trip_on_the_gpu(affine_gen, tmp_path):
+    exe = _compile("cuda")
+    exe.save(tmp_path / "c.kiln")
+    loaded = kiln.load(tmp_path / "c.kiln")
+    x = torch.randn(1000, 3, device="cuda")
+    assert torch.equal(loaded(x), exe(x))
+    assert torch.equal(loaded(x), x * 2.0 + 1.0)

@@ -1,0 +1,356 @@
+"""The autotuner survives backend crashes (DESIGN.md failure 5), remembers what failed,
+caches what it chose, and never picks a config over the target's limits.
+
+The compile functions in tests/codegen/crashy.py plant aborts, hangs and errors into
+chosen configs; they run inside the tuner's workers, as Triton's compiler does. The
+worker pool is the process's own, shared by every test (starting one costs seconds).
+"""
+
+import math
+import types
+import warnings
+
+import pytest
+import torch
+
+from kiln.codegen.autotune.cache import ChoiceCache
+from kiln.codegen.autotune.candidates import candidates
+from kiln.codegen.autotune.quarantine import FailureKey, Quarantine
+from kiln.codegen.autotune.workers import get_pool
+from kiln.codegen.torch_kernel import TorchKernel
+from kiln.codegen.triton.kernel import TritonKernel
+from kiln.codegen.triton.spec import Config, KernelArg, KernelSpec
+from kiln.codegen.tune import Tuner, TuningWarning, choose
+from kiln.errors import KilnError
+from kiln.ir.plan import DispatchPlan, Op, Ref, Region, RegionKind, Role, TensorValue
+from kiln.ir.symbolic import Bounds, numel, symbol
+from kiln.pipeline import Context
+from kiln.target import get_target
+
+CRASHY = "tests.codegen.crashy:"
+
+ADD_SOURCE = '''import triton
+import triton.language as tl
+
+
+@triton.jit
+def add(x_ptr, y_ptr, out_ptr, n, XBLOCK: tl.constexpr):
+    offs = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) + tl.load(y_ptr + offs, mask=mask),
+             mask=mask)
+'''
+
+TRANSPOSE_SOURCE = '''import triton
+import triton.language as tl
+
+
+@triton.jit
+def transpose(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    tile = tl.program_id(0) * BLOCK * BLOCK
+    mask = tile + r[:, None] * BLOCK + r[None, :] < n
+    x = tl.load(x_ptr + tile + r[:, None] * BLOCK + r[None, :], mask=mask)
+    tl.store(out_ptr + tile + r[None, :] * BLOCK + r[:, None], x, mask=mask)
+'''
+
+
+def add_plan() -> tuple[Region, DispatchPlan]:
+    """out = x + y over (s0, 3) fp32 tensors: one pointwise region."""
+    shape = (symbol("s0"), 3)
+    values = {n: TensorValue(n, shape, torch.float32, role)
+              for n, role in (("x", Role.INPUT), ("y", Role.INPUT), ("out", Role.OUTPUT))}
+    op = Op("out", "aten.add.Tensor", (Ref("x"), Ref("y")), {}, shape, torch.float32)
+    region = Region("r0", RegionKind.POINTWISE, [op], ["x", "y"], ["out"])
+    return region, DispatchPlan({"s0": Bounds(1, 4096)}, values, [region], ["x", "y"], ["out"])
+
+
+def add_spec(default: Config, configs: list[Config], names=("x", "y", "out"),
+             n=None) -> KernelSpec:
+    """out = x + y over n elements (default: the (s0, 3) tensors of add_plan)."""
+    x, y, out = names
+    return KernelSpec(
+        name="add", source=ADD_SOURCE,
+        args=[KernelArg("x_ptr", "tensor", x, dtype=torch.float32),
+              KernelArg("y_ptr", "tensor", y, dtype=torch.float32),
+              KernelArg("out_ptr", "tensor", out, dtype=torch.float32),
+              KernelArg("n", "size", expr=symbol("s0") * 3 if n is None else n)],
+        tunables=["XBLOCK"], grid=("cdiv(n, XBLOCK)",), configs=configs, default=default,
+        template="pointwise")
+
+
+def transpose_spec(default: Config, configs: list[Config]) -> KernelSpec:
+    """Transposes BLOCK x BLOCK tiles: needs BLOCK * BLOCK * 4 bytes of shared memory."""
+    return KernelSpec(
+        name="transpose", source=TRANSPOSE_SOURCE,
+        args=[KernelArg("x_ptr", "tensor", "x", dtype=torch.float32),
+              KernelArg("out_ptr", "tensor", "out", dtype=torch.float32),
+              KernelArg("n", "size", expr=symbol("s0") * 3)],
+        tunables=["BLOCK"], grid=("cdiv(n, BLOCK * BLOCK)",), configs=configs,
+        default=default, template="pointwise")
+
+
+def tune(spec, target="cuda:sm_90", compiler="compile_counting", **options):
+    region, plan = add_plan()
+    ctx = Context(get_target(target), {"tune_compiler": CRASHY + compiler, **options})
+    return choose(region, spec, ctx.target, ctx, plan), region
+
+
+@pytest.fixture
+def compiles(tmp_path, monkeypatch):
+    """The configs the planted compile functions were called with, in order."""
+    log = tmp_path / "compiles.log"
+    monkeypatch.setenv("KILN_TEST_COMPILE_LOG", str(log))
+    return lambda: log.read_text().splitlines() if log.exists() else []
+
+
+def forget_choices():
+    """Make the next tuning tune again (the quarantine stays)."""
+    ChoiceCache().clear()
+
+
+W8 = Config.make(8, 1, XBLOCK=64)
+W4 = Config.make(4, 1, XBLOCK=1024)
+W8_BIG = Config.make(8, 1, XBLOCK=2048)
+
+
+def test_abort_is_quarantined_and_never_retried(compiles):
+    spec = add_spec(W8, [W4, W8_BIG])
+    kernel, region = tune(spec, compiler="compile_abort_on_8_warps", tune="full")
+    assert isinstance(kernel, TritonKernel) and kernel.config == W4
+    assert kernel.binary.asm["cubin"] and kernel.binary.resources.shared == 0
+    assert compiles() == [f"add {W8}", f"add {W4}"]
+    crash = Quarantine().get(FailureKey.of(spec, W8, get_target("cuda:sm_90")))
+    assert crash.kind == "crash" and "SIGABRT" in crash.reason
+
+    forget_choices()  # tune again: the aborting default is skipped, W4 compiles again
+    kernel, region = tune(spec, compiler="compile_abort_on_8_warps", tune="full")
+    assert kernel.config == W4 and compiles()[2:] == [f"add {W4}"]
+    assert "quarantined" in region.notes[-1]
+
+    # Only quarantined candidates left: not even a worker is asked.
+    pool = get_pool()
+    sent, started = pool.jobs_sent, pool.workers_started
+    with pytest.warns(TuningWarning, match="crash"):
+        kernel, _ = tune(spec, compiler="compile_abort_on_8_warps", tune="none")
+    assert isinstance(kernel, TorchKernel)
+    assert (pool.jobs_sent, pool.workers_started) == (sent, started) and len(compiles()) == 3
+
+
+def test_hang_times_out_and_is_quarantined(compiles):
+    spec = add_spec(W8, [W4])
+    with pytest.warns(TuningWarning, match="hang"):  # tune=none: the hanging default only
+        kernel, _ = tune(spec, compiler="compile_hang_on_8_warps", tune="none",
+                         tune_timeout=3)
+    assert isinstance(kernel, TorchKernel)
+    hang = Quarantine().get(FailureKey.of(spec, W8, get_target("cuda:sm_90")))
+    assert hang.kind == "hang" and "3 s" in hang.reason
+
+    kernel, region = tune(spec, compiler="compile_hang_on_8_warps", tune="full")
+    assert kernel.config == W4 and compiles() == [f"add {W8}", f"add {W4}"]
+    assert "quarantined" in region.notes[-1]
+
+
+def test_every_config_fails_falls_back_to_extern_with_a_warning(compiles):
+    abort, error = Config.make(8, 1, BLOCK=32), Config.make(2, 1, BLOCK=32)
+    too_big = Config.make(4, 1, BLOCK=256)  # 256 KiB of shared memory; gfx942 has 64
+    spec = transpose_spec(abort, [error, too_big])
+    with pytest.warns(TuningWarning) as caught:
+        kernel, region = tune(spec, "rocm:gfx942", "compile_abort_8_error_2", tune="full")
+    assert isinstance(kernel, TorchKernel)
+    message = str(caught[0].message)
+    assert f"[{abort}] crash" in message and "SIGABRT" in message
+    assert f"[{error}] error" in message and "planted compiler error" in message
+    assert f"[{too_big}] over_limit" in message and "262144 B" in message
+    assert region.notes[-1].startswith("extern")
+
+    # Crash and over-limit are facts; the ordinary error is retried (and fails again).
+    with pytest.warns(TuningWarning, match="planted compiler error"):
+        tune(spec, "rocm:gfx942", "compile_abort_8_error_2", tune="full")
+    assert compiles()[3:] == [f"transpose {error}"]
+
+
+def test_no_worker_can_start_fails_the_kernel_not_its_configs(compiles, monkeypatch):
+    from kiln.codegen.autotune import workers
+
+    pool = workers.WorkerPool(2)
+    monkeypatch.setattr(workers, "_pool", pool)
+    monkeypatch.setattr(workers.sys, "executable", "/bin/false")  # every start fails
+    spec = add_spec(W4, [W8_BIG])
+    with pytest.warns(TuningWarning, match="no_worker: worker exited with status 1"):
+        kernel, _ = tune(spec, tune="full")
+    assert isinstance(kernel, TorchKernel) and pool.start_error
+    assert Quarantine().all() == [] and compiles() == []
+    assert pool.workers_started == 2 and pool.jobs_sent == 0  # gave up, no start loop
+    assert pool.workers == []
+
+
+def test_cache_makes_a_second_tuning_do_nothing(compiles):
+    spec = add_spec(Config.make(4, 1, XBLOCK=256), [W4, Config.make(4, 1, XBLOCK=128)])
+    first, _ = tune(spec, tune="fast")
+    pool = get_pool()
+    sent, attempts = pool.jobs_sent, len(compiles())
+    assert attempts >= 1
+    again, region = tune(spec, tune="fast")
+    assert (pool.jobs_sent, len(compiles())) == (sent, attempts)
+    assert again.config == first.config
+    assert again.binary.asm["cubin"] == first.binary.asm["cubin"]
+    assert "(cached)" in region.notes[-1]
+
+
+def test_second_compile_of_a_model_tunes_nothing(compiles, monkeypatch):
+    import kiln.codegen.triton.generators  # noqa: F401 - registers the real generators first
+    from kiln.codegen import select_kernels
+
+    def generate_add(region, plan, target):  # a 1-op generator for same-shape adds
+        op = region.ops[0]
+        shapes = {plan.values[v].shape for v in region.inputs}
+        if len(region.ops) != 1 or op.target != "aten.add.Tensor" or len(shapes) != 1:
+            return None
+        out = plan.values[region.outputs[0]]
+        return add_spec(Config.make(4, 1, XBLOCK=128), [W4],
+                        (*region.inputs, region.outputs[0]), numel(out.shape))
+
+    monkeypatch.setitem(select_kernels.GENERATORS, RegionKind.POINTWISE, generate_add)
+
+    class Add(torch.nn.Module):
+        def forward(self, x, y):
+            return x + y
+
+    n = torch.export.Dim("n", min=2, max=64)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+
+    def compile_add():
+        return kiln.compile(Add(), (x, y), dynamic_shapes=({0: n}, {0: n}),
+                            target="cuda:sm_90",
+                            options={"tune_compiler": CRASHY + "compile_counting"})
+
+    assert "r0: triton" in compile_add().describe()
+    attempts, sent = len(compiles()), get_pool().jobs_sent
+    assert attempts >= 1
+    assert "r0: triton" in compile_add().describe()
+    assert (len(compiles()), get_pool().jobs_sent) == (attempts, sent)
+
+
+def test_tune_none_compiles_only_the_default_in_a_worker(compiles):
+    default = Config.make(4, 1, XBLOCK=256)
+    spec = add_spec(default, [W4, W8_BIG])
+    sent = get_pool().jobs_sent
+    kernel, _ = tune(spec, tune="none")
+    assert kernel.config == default and compiles() == [f"add {default}"]
+    assert get_pool().jobs_sent == sent + 1
+
+
+def test_config_over_shared_memory_limit_is_never_chosen(compiles):
+    too_big, fits = Config.make(4, 1, BLOCK=256), Config.make(4, 1, BLOCK=64)
+    spec = transpose_spec(too_big, [too_big, fits])
+    target = get_target("rocm:gfx942")
+    kernel, _ = tune(spec, target.name, tune="full")
+    assert kernel.config == fits
+    assert kernel.binary.resources.shared <= target.shared_mem_per_block
+    record = Quarantine().get(FailureKey.of(spec, too_big, target))
+    assert record.kind == "over_limit" and "262144 B" in record.reason
+
+
+def test_estimated_over_limit_is_not_even_compiled(compiles):
+    too_big, fits = Config.make(4, 1, BLOCK=256), Config.make(4, 1, BLOCK=64)
+    spec = transpose_spec(too_big, [fits])
+    target = get_target("rocm:gfx942")
+    region, plan = add_plan()
+
+    def estimate(spec, config, target):
+        return types.SimpleNamespace(shared=config["BLOCK"] ** 2 * 4)
+
+    tuner = Tuner(target, "full", CRASHY + "compile_counting", estimator=estimate)
+    kernel = tuner.choose(region, spec, plan)
+    assert kernel.config == fits and compiles() == [f"transpose {fits}"]
+    assert "estimated: needs 262144 B" in region.notes[-1]
+
+
+def test_interpret_target_runs_the_default_without_tuning():
+    spec = add_spec(Config.make(4, 1, XBLOCK=16), [W4])
+    sent = get_pool().jobs_sent
+    kernel, _ = tune(spec, "interpret")
+    assert kernel.interpret and kernel.config == spec.default and get_pool().jobs_sent == sent
+    x, y, out = torch.randn(5, 3), torch.randn(5, 3), torch.empty(5, 3)
+    kernel.run({"x": x, "y": y}, {"out": out}, {"s0": 5})
+    torch.testing.assert_close(out, x + y)
+
+
+def test_fast_mode_tries_the_default_and_its_neighbours():
+    default = Config.make(4, 2, XBLOCK=256)
+    near = [Config.make(8, 2, XBLOCK=256), Config.make(4, 2, XBLOCK=512),
+            Config.make(4, 3, XBLOCK=256)]
+    far = [Config.make(8, 3, XBLOCK=1024), Config.make(2, 1, XBLOCK=64)]
+    spec = add_spec(default, [far[0], *near, far[1], default])
+    assert candidates(spec, "fast") == [default, *near]
+    assert candidates(spec, "full") == [default, far[0], *near, far[1]]
+    assert candidates(spec, "none") == [default]
+    lonely = add_spec(default, far)  # no neighbours: topped up from the spec's order
+    assert candidates(lonely, "fast") == [default, *far]
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Pretend the target's GPU is here; `times[config]` (None: extern) is what bench says."""
+    from kiln.codegen import tune as tune_module
+
+    times, benched = {}, []
+
+    def bench(kernel, inputs, outs, env):
+        config = getattr(kernel, "config", None)
+        benched.append(config)
+        return times[config]
+
+    monkeypatch.setattr(tune_module, "gpu_for", lambda target: True)
+    monkeypatch.setattr(tune_module, "example_buffers", lambda *a: ({}, {}))
+    monkeypatch.setattr(tune_module, "bench", bench)
+    return times, benched
+
+
+def test_timed_tuning_picks_the_fastest_per_size_bucket(fake_gpu, compiles):
+    times, benched = fake_gpu
+    default, other = Config.make(4, 1, XBLOCK=256), Config.make(4, 1, XBLOCK=512)
+    spec = add_spec(default, [other, W8])
+    times.update({default: 2.0, other: 1.0, W8: math.inf, None: 3.0})  # W8 fails to run
+    kernel, region = tune(spec, tune="full", example_env={"s0": 100})
+    assert kernel.config == other and "timed" in region.notes[-1]
+    assert sorted(map(str, benched)) == sorted(map(str, [default, other, W8, None]))
+
+    benched.clear()
+    times[None] = 0.5  # a new size bucket (s0=100 and 120 share one: 128) is tuned anew
+    assert tune(spec, tune="full", example_env={"s0": 120})[0].config == other
+    assert benched == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # extern winning a fair race is no failure
+        kernel, region = tune(spec, tune="full", example_env={"s0": 1000})
+    assert isinstance(kernel, TorchKernel) and "extern is fastest" in region.notes[-1]
+
+
+@pytest.mark.parametrize("options,named", [
+    ({"tune": "fastest"}, "fastest"),
+    ({"tune_compiler": "compile_binary"}, "compile_binary"),
+    ({"tune_timeout": -1}, "-1"),
+    ({"tune_compiler": "tests.codegen.crashy:no_such_function"}, "no_such_function"),
+    ({"tune_compiler": "no_such_module:compile"}, "no_such_module"),
+])
+def test_bad_tune_options_are_named(options, named):
+    spec = add_spec(W4, [])
+    region, plan = add_plan()
+    ctx = Context(get_target("cuda:sm_90"), options)
+    with pytest.raises(KilnError, match=named):
+        choose(region, spec, ctx.target, ctx, plan)
+
+
+@pytest.mark.gpu
+def test_gpu_tuning_times_candidates_and_extern():
+    region, plan = add_plan()
+    spec = add_spec(Config.make(4, 1, XBLOCK=256), [W4, Config.make(8, 1, XBLOCK=2048)])
+    target = get_target("cuda")
+    ctx = Context(target, {"tune": "full", "example_env": {"s0": 4096}})
+    kernel = choose(region, spec, target, ctx, plan)
+    assert "timed" in region.notes[-1] and "extern" in region.notes[-1]
+    x, y = torch.randn(1000, 3, device="cuda"), torch.randn(1000, 3, device="cuda")
+    out = torch.empty_like(x)
+    kernel.run({"x": x, "y": y}, {"out": out}, {"s0": 1000})
+    torch.testing.assert_close(out, x + y)

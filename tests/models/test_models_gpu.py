@@ -1,0 +1,75 @@
+"""The checkpoint comparisons on a CUDA GPU, in fp16 and bf16, against transformers in fp32."""
+
+import pytest
+import torch
+
+import kiln.models
+from kiln.cli import main
+from tests.helpers import rel_err
+from tests.models.support import FAMILIES, run_alone, run_batched
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def gpu_llms(checkpoints):
+    """(family, dtype, paged) -> a kiln LLM compiled for the local GPU."""
+    cache = {}
+
+    def get(family, dtype, paged=False):
+        key = (family, dtype, paged)
+        if key not in cache:
+            cache[key] = kiln.models.load(checkpoints[family][0], dtype=dtype, target="cuda",
+                                          max_batch_size=3, paged=paged, block_size=4)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_match_transformers_on_cuda(family, dtype, checkpoints, gpu_llms):
+    _, hf_model = checkpoints[family]
+    llm = gpu_llms(family, dtype)
+    assert llm.model.lm_head.weight.is_cuda and llm.model.lm_head.weight.dtype == dtype
+    tokens = torch.randint(3, llm.cfg.vocab_size, (1, 20))
+    with torch.no_grad():
+        ref = hf_model(tokens).logits  # fp32 on the CPU: the reference
+    out = [llm.forward(tokens[:, :13], torch.arange(13))]
+    for p in range(13, 20):
+        out.append(llm.forward(tokens[:, p:p + 1], torch.tensor([p])))
+    out = torch.cat(out, dim=1).float().cpu()
+    for p in range(20):
+        assert rel_err(out[:, p], ref[:, p]) <= 1e-2, (family, dtype, p)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_cache_and_batched_decode_on_cuda(dtype, gpu_llms):
+    contiguous, paged = gpu_llms("llama3.1", dtype), gpu_llms("llama3.1", dtype, paged=True)
+    gen = torch.Generator().manual_seed(1)
+    vocab = contiguous.cfg.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=gen) for n in (3, 9, 14)]
+    steps = torch.randint(3, vocab, (3, 5), generator=gen)
+    alone = [run_alone(contiguous, p, s).float() for p, s in zip(prompts, steps)]
+    assert rel_err(run_alone(paged, prompts[2], steps[2]).float(), alone[2]) <= 1e-2
+    for llm in (contiguous, paged):
+        for got, want in zip(run_batched(llm, prompts, steps), alone):
+            assert rel_err(got.float(), want) <= 1e-2
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_generation_on_cuda(paged, gpu_llms):
+    llm = gpu_llms("qwen2", torch.bfloat16, paged)
+    outs = llm.generate(["the quick brown", "hello"], max_new_tokens=24, ignore_eos=True)
+    assert [len(o.ids) for o in outs] == [24, 24]
+    assert all(isinstance(o.text, str) and o.tokens_per_s > 0 for o in outs)
+
+
+def test_cli_generate_on_cuda(checkpoints, capsys):
+    path, _ = checkpoints["llama3.1"]
+    rc = main(["generate", "--model", str(path), "--prompt", "the lazy dog", "--target",
+               "cuda", "--dtype", "bfloat16", "--max-new-tokens", "16", "--ignore-eos"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.startswith("the lazy dog") and "generated 16" in err

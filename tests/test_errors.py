@@ -1,0 +1,167 @@
+"""Compile-time errors: each a KilnError subclass saying what, where (the user's line), how.
+
+Call-time checks (sizes outside bounds, dtypes, argument counts) are in
+tests/runtime/test_guards.py; unreadable artifacts in tests/artifact/test_bad_artifacts.py.
+"""
+
+import inspect
+
+import pytest
+import torch
+
+import kiln
+from kiln.errors import (
+    ArtifactError,
+    ExportError,
+    KilnError,
+    ShapeError,
+    TargetError,
+    UnsupportedOpError,
+    user_frame,
+)
+
+HERE = __file__.rsplit("/", 1)[-1]
+
+
+def _line_of(fn, text: str) -> int:
+    lines, start = inspect.getsourcelines(fn)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+def _where(e: KilnError) -> str:
+    assert e.where, f"no source line in: {e}"
+    return e.where
+
+
+class NonZero(torch.nn.Module):
+    def forward(self, x):
+        idx = torch.nonzero(x > 0)
+        return idx * 2
+
+
+class BoolMask(torch.nn.Module):
+    def forward(self, x):
+        return x[x > 0] + 1
+
+
+class Erfinv(torch.nn.Module):
+    def forward(self, x):
+        y = x * 0.5
+        return torch.special.erfinv(y) + 1
+
+
+@pytest.mark.parametrize("model,op,line", [
+    (NonZero, "aten.nonzero.default", "torch.nonzero(x > 0)"),
+    (BoolMask, "aten.index.Tensor", "x[x > 0]"),
+])
+def test_data_dependent_size_names_the_op_and_line(model, op, line):
+    with pytest.raises(UnsupportedOpError) as e:
+        kiln.compile(model(), (torch.randn(4, 3),))
+    assert op in e.value.what and "depends on its data" in e.value.what
+    assert f"{HERE}:{_line_of(model.forward, line)}" in _where(e.value)
+    assert line in e.value.where
+    assert "torch.where" in e.value.hint
+
+
+def test_op_kiln_does_not_know_names_the_op_and_line():
+    with pytest.raises(UnsupportedOpError) as e:
+        kiln.compile(Erfinv(), (torch.rand(4),))
+    assert "aten.erfinv.default" in e.value.what
+    assert f"{HERE}:{_line_of(Erfinv.forward, 'erfinv(y)')}" in _where(e.value)
+    assert e.value.hint
+
+
+class Branchy(torch.nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return x * 2
+        return x - 1
+
+
+class ItemSized(torch.nn.Module):
+    def forward(self, x):
+        return torch.zeros(int(x.max().item()))
+
+
+@pytest.mark.parametrize("model,line", [(Branchy, "if x.sum() > 0"),
+                                        (ItemSized, "x.max().item()")])
+def test_export_failure_carries_torchs_explanation(model, line, capfd):
+    with pytest.raises(ExportError) as e:
+        kiln.compile(model(), (torch.randn(3),))
+    assert "data-dependent" in e.value.what
+    assert f"{HERE}:{_line_of(model.forward, line)}" in _where(e.value)
+    assert "torch said:" in e.value.hint and "data-dependent expression" in e.value.hint
+    assert "def forward" not in capfd.readouterr().err  # torch's partial graph is not dumped
+
+
+class Reshaper(torch.nn.Module):
+    def forward(self, x):
+        return x.view(4, 2) * 2
+
+
+class Add(torch.nn.Module):
+    def forward(self, x, y):
+        return x + y
+
+
+def test_dynamic_dim_the_model_specialises():
+    with pytest.raises(ShapeError) as e:
+        kiln.compile(Reshaper(), (torch.randn(4, 2),),
+                     dynamic_shapes=({0: kiln.Dim("B", min=2, max=8)},))
+    assert "do not hold" in e.value.what
+    assert "B = 4" in e.value.hint  # torch's suggested fix
+
+
+def test_dynamic_shapes_of_the_wrong_structure():
+    x = torch.randn(4, 2)
+    with pytest.raises(ShapeError, match="does not match the model's arguments") as e:
+        kiln.compile(Add(), (x, x), dynamic_shapes=({0: kiln.Dim("B")},))
+    assert "2 elements" in e.value.where and "one entry per argument" in e.value.hint
+
+
+@pytest.mark.parametrize("spec", [({5: kiln.Dim("B")}, None), {"x": {2: kiln.Dim("B")}}])
+def test_dynamic_dim_on_an_axis_the_tensor_lacks(spec):
+    x = torch.randn(4, 2)
+    with pytest.raises(ShapeError, match=r"marks dim (5|2) of (argument 0|x), which has 2 dims"):
+        kiln.compile(Add(), (x, x), dynamic_shapes=spec)
+
+
+def test_example_size_outside_declared_bounds():
+    x = torch.randn(4, 2)
+    B = kiln.Dim("B", min=5, max=8)
+    with pytest.raises(ShapeError, match=r"outside the bounds.*4 not in range \[5, 8\]"):
+        kiln.compile(Add(), (x, x), dynamic_shapes=({0: B}, {0: B}))
+
+
+def test_not_a_module():
+    with pytest.raises(ExportError, match="takes a torch.nn.Module, got function"):
+        kiln.compile(lambda x: x, (torch.randn(2),))
+
+
+def test_unknown_target_and_stage():
+    with pytest.raises(TargetError, match="unknown target 'tpu'") as e:
+        kiln.compile(Add(), (torch.randn(2), torch.randn(2)), target="tpu")
+    assert "cuda:sm_90" in e.value.hint
+    with pytest.raises(KilnError, match="unknown stage 'lower'"):
+        kiln.compile(Add(), (torch.randn(2), torch.randn(2)), compile_to="lower")
+
+
+def test_unreadable_artifact_is_a_kiln_error(tmp_path):
+    (tmp_path / "m.kiln").mkdir()
+    with pytest.raises(ArtifactError) as e:
+        kiln.load(tmp_path / "m.kiln")
+    assert isinstance(e.value, KilnError)
+    assert "m.kiln" in e.value.what and "kiln compile" in e.value.hint
+
+
+def test_user_frame_ignores_library_frames_not_folder_names():
+    trace = (
+        'File "/home/u/kiln/models/mine.py", line 12, in forward\n'
+        "    y = self.proj(x)\n"
+        f'  File "{torch.__file__}", line 3, in inner\n'
+        "    return thing\n"
+        f'  File "{kiln.__file__}", line 9, in helper\n'
+        "    pass\n"
+    )
+    assert user_frame(trace) == "/home/u/kiln/models/mine.py:12 in forward: y = self.proj(x)"
+    assert user_frame(None) is None
