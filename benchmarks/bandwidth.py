@@ -8,8 +8,9 @@ of a 1 GiB buffer (bytes read + written). Goal: >= 80% of copy bandwidth.
 
     PYTHONPATH=. python benchmarks/bandwidth.py --out bandwidth.json [--sweep]
 
---sweep also times the kernel's other candidate configs (compiled here) and reports the
-best one next to the heuristic default. Runs on torch 2.11 / triton 3.6 and later.
+Kernels run at the config kiln's autotuner picks (--tune fast, the default; --tune none
+for the heuristic default). --sweep also times up to --max-configs candidate configs
+(compiled here) and reports the best. Runs on torch 2.11 / triton 3.6 and later.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def launcher(kernel: TritonKernel, inputs, outs, env, config=None, binary=None):
     # the launcher takes every parameter, constexpr tunables included (as TritonKernel.run)
     args = args[: len(kernel.spec.args)] + [config[t] for t in kernel.spec.tunables]
     grid = kernel.spec.grid_for(sizes, config)
-    fn = (binary or kernel.binary).kernel()
+    fn = (binary or kernel.binary).kernel(kernel.spec, config)
     return lambda: fn[grid](*args)
 
 
@@ -157,7 +158,7 @@ def run_case(name, fn, shapes, dtype, weights, copy_gbs, target, args):
     params = {k: torch.randn(s, device="cuda").to(dtype) for k, s in weights.items()}
     module = Fn(fn, params).cuda()
     xs = [torch.randn(s, device="cuda").to(dtype) for s in shapes]
-    exe = kiln.compile(module, tuple(xs), target=target)
+    exe = kiln.compile(module, tuple(xs), target=target, options={"tune": args.tune})
     env = exe.program.bind(xs, exe.plan.user_inputs)
     rows = []
     for region in exe.plan.regions:
@@ -187,6 +188,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="where to write the results (JSON)")
     ap.add_argument("--dtypes", default="f32,f16,bf16", help="comma list of f32,f16,bf16")
+    ap.add_argument("--tune", default="fast", choices=["none", "fast", "full"],
+                    help="kiln's autotuning mode for the compiled kernels (none: heuristic)")
     ap.add_argument("--sweep", action="store_true", help="also time candidate configs")
     ap.add_argument("--max-configs", type=int, default=24, help="configs per sweep")
     ap.add_argument("--only", default=None, help="run cases whose name contains this")
