@@ -6,7 +6,9 @@ on large inputs. Bandwidth counts every byte the kernel must move: each input te
 read once, each output written once. The reference is torch's device-to-device copy_
 of a 1 GiB buffer (bytes read + written). Goal: >= 80% of copy bandwidth.
 
-    PYTHONPATH=. python benchmarks/bandwidth.py --out bandwidth.json [--sweep]
+    PYTHONPATH=. python benchmarks/bandwidth.py --out bandwidth.txt [--sweep]
+
+(--out: a .json path gets JSON only; any other path, the table followed by the JSON.)
 
 Kernels run at the config kiln's autotuner picks (--tune fast, the default; --tune none
 for the heuristic default). --sweep also times up to --max-configs candidate configs
@@ -204,7 +206,7 @@ def main(argv=None) -> None:
           f"triton {triton.__version__}\ncopy_ bandwidth: {copy_gbs:.0f} GB/s (read + write)\n")
     head = f"{'case':28} {'dtype':5} {'kernel config':32} {'us':>9} {'GB/s':>7} {'%copy':>6}"
     print(head + ("   best config / %copy" if args.sweep else ""))
-    rows = []
+    rows, table = [], [head]
     for name, fn, shapes, dtype, weights in cases(dtypes):
         if args.only and args.only not in name:
             continue
@@ -215,14 +217,19 @@ def main(argv=None) -> None:
             if "best_config" in row:
                 line += f"   {row['best_config']} / {row['best_pct_copy']:.1f}%"
             print(line, flush=True)
+            table.append(line)
     result = {"device": torch.cuda.get_device_name(), "target": str(target),
               "torch": torch.__version__, "triton": triton.__version__,
               "host": platform.node(), "copy_GB/s": copy_gbs, "cases": rows}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
     below = [r for r in rows if r["pct_copy"] < 80]
-    print(f"\n{len(rows) - len(below)}/{len(rows)} kernels at >= 80% of copy bandwidth; "
-          f"results in {args.out}")
+    summary = f"{len(rows) - len(below)}/{len(rows)} kernels at >= 80% of copy bandwidth"
+    with open(args.out, "w") as f:
+        if args.out.endswith(".json"):
+            json.dump(result, f, indent=2)
+        else:  # a readable table, then the same results as JSON
+            f.write(f"{result['device']}  copy_ {copy_gbs:.0f} GB/s\n" + "\n".join(table))
+            f.write(f"\n{summary}\n\n" + json.dumps(result, indent=2) + "\n")
+    print(f"\n{summary}; results in {args.out}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,13 @@ def _models():
         (Normalizations(), (torch.randn(2, 4, 12),), ({0: LARGE},)),  # online softmax
         (Cache(), (torch.randn(1, 3, 8), torch.arange(3), torch.randn(3, 4)),
          ({1: T}, {0: T}, {0: T})),  # in-place scatters, atomics
+        (Unbounded(), (torch.randn(4, 8),), ({0: torch.export.Dim("N", min=2)},)),  # 64-bit
     ]
+
+
+class Unbounded(torch.nn.Module):
+    def forward(self, x):
+        return x * 2, torch.softmax(x, -1)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +59,8 @@ def test_every_family_compiles_for_gpu_targets(plans, target):
             if spec.source_hash in seen:
                 continue
             seen.add(spec.source_hash)
+            if model == "Unbounded":
+                assert spec.index_bits == 64
             res = compile_binary(spec, spec.default, tgt).resources
             assert res.shared <= tgt.shared_mem_per_block
             assert res.spills in (None, 0), (spec.name, res)

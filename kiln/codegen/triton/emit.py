@@ -42,7 +42,9 @@ from kiln.ir.plan import DispatchPlan, Op, Ref, Region, Sym
 from kiln.ir.symbolic import Dim, shape_str, to_str
 from kiln.target import Target
 
-__all__ = ["CodegenUnsupported", "Cond", "Emitter", "KernelArgs", "Mask", "Val", "TL"]
+__all__ = ["TL", "CodegenUnsupported", "Cond", "Emitter", "KernelArgs", "Mask", "Opaque", "Val",
+           "Var", "indent", "kernel_name", "literal", "mask_code", "mask_of", "module_source",
+           "needs_int64", "opmath"]
 
 TL = {
     torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16",
@@ -423,10 +425,6 @@ def module_source(name: str, params: list[str], body: list[str], helpers: set[st
     parts += indent(doc) + indent(body)
     return "\n".join(parts) + "\n"
 
-
-__all__ += ["Opaque", "Var", "indent", "kernel_name", "literal", "mask_code", "mask_of",
-            "module_source", "needs_int64",
-            "opmath"]
 
 
 def kernel_name(kind: str, region: Region) -> str:
