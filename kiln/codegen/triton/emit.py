@@ -426,7 +426,6 @@ def module_source(name: str, params: list[str], body: list[str], helpers: set[st
     return "\n".join(parts) + "\n"
 
 
-
 def kernel_name(kind: str, region: Region) -> str:
     """A readable kernel name from the kind and the region's main ops: the same for every
     layer's copy of a region, so identical layers share one kernel source."""
