@@ -125,7 +125,9 @@ class _Lowering:
             outs = _outputs_of(g)
             members = set(g.members) | set(outs)
             ops, inputs = self.region_ops(outs, members)
-            regions.append(Region(f"r{len(regions)}", g.kind, ops, inputs, [o.name for o in outs]))
+            label = (g.anchor or g.root).meta.get("kiln.pattern")
+            regions.append(Region(f"r{len(regions)}", g.kind, ops, inputs, [o.name for o in outs],
+                                  label=label))
             for o in outs:
                 values[o.name] = TensorValue(
                     o.name, tuple(as_dim(d) for d in o.meta["val"].shape), o.meta["val"].dtype,

@@ -100,6 +100,7 @@ class Region:
     inplace: dict[str, str] = field(default_factory=dict)  # output -> state value it writes
     notes: list[str] = field(default_factory=list)  # why it was split, fused, ...
     device: int = 0
+    label: str | None = None  # the LLM pattern of its anchor ("rmsnorm", "attention", ...)
 
     def op(self, name: str) -> Op:
         for o in self.ops:

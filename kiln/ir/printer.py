@@ -114,6 +114,8 @@ def print_region(r: Region, indent: str = "  ") -> str:
             f"({', '.join('%' + i for i in r.inputs)}) -> {', '.join('%' + o for o in r.outputs)}")
     if r.inplace:
         head += "  in-place: " + ", ".join(f"%{o} into %{s}" for o, s in r.inplace.items())
+    if r.label:
+        head += f"  pattern: {r.label}"
     lines = [head]
     lines += [f"{indent}  {print_op(op)}" for op in r.ops]
     lines += [f"{indent}  # {n}" for n in r.notes]

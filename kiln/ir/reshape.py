@@ -1,18 +1,26 @@
 """What a reshape does to the dims: collapse (merge), expand (split), both, or nothing.
 
 Shared by the collapse-dimensions pass and the verifier that forbids the
-collapse -> expand -> collapse round trip behind DESIGN.md's failure 1.
+collapse -> expand -> collapse round trip behind DESIGN.md's failure 1. A reshape
+here is any op that changes only the shape of row-major data: view, _unsafe_view,
+reshape, and unsqueeze / squeeze (which add or drop unit dims).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import sympy
 import torch.fx as fx
 
 from kiln.ir.graph import shape_of
 from kiln.ir.ops import op_name
+from kiln.ir.symbolic import Bounds, as_dim, bounds_of
 
-RESHAPES = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"}
+RESHAPES = {
+    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
+    "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default",
+}
 
 
 def is_reshape(node) -> bool:
@@ -21,70 +29,80 @@ def is_reshape(node) -> bool:
 
 
 def _eq(a, b) -> bool:
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    return sympy.simplify(sympy.sympify(a) - sympy.sympify(b)) == 0
+    a, b = as_dim(a), as_dim(b)  # constants become ints
+    if a == b:
+        return True
+    if isinstance(a, int) or isinstance(b, int):
+        return False  # a constant never equals an expression over free symbols
+    return sympy.expand(sympy.sympify(a) - sympy.sympify(b)) == 0
 
 
-def groups(src, dst) -> list[tuple[list[int], list[int]]] | None:
-    """Pair up runs of src dims and dst dims with equal products (None if not matchable).
+def _is_unit(d) -> bool:
+    return d == 1
 
-    [2, 3, 4] -> [6, 4] gives [([0, 1], [0]), ([2], [1])]. Unit dims join a neighbour.
+
+def groups(src, dst, symbols: Mapping[str, Bounds] | None = None
+           ) -> list[tuple[list[int], list[int]]] | None:
+    """Pair up runs of non-unit src and dst dims with equal products (None if unmatchable).
+
+    [2, 3, 4] -> [6, 4] gives [([0, 1], [0]), ([2], [1])]. Unit dims move no data and
+    appear in no group. Deciding which run to grow may need to compare symbolic sizes:
+    that uses their ratio, then `symbols`' bounds; when neither decides, None.
     """
-    src = [d for d in src]
-    dst = [d for d in dst]
+    si = [i for i, d in enumerate(src) if not _is_unit(d)]
+    dj = [j for j, d in enumerate(dst) if not _is_unit(d)]
     out: list[tuple[list[int], list[int]]] = []
-    i = j = 0
-    while i < len(src) or j < len(dst):
-        gi, gj = [], []
-        pi, pj = 1, 1
-        if i < len(src):
-            gi.append(i)
-            pi = src[i]
-            i += 1
-        if j < len(dst):
-            gj.append(j)
-            pj = dst[j]
-            j += 1
-        guard = 0
+    a = b = 0
+    while a < len(si) or b < len(dj):
+        if a >= len(si) or b >= len(dj):
+            return None
+        gi, gj = [si[a]], [dj[b]]
+        pi, pj = src[si[a]], dst[dj[b]]
+        a, b = a + 1, b + 1
         while not _eq(pi, pj):
-            guard += 1
-            if guard > 64:
+            smaller = _smaller(pi, pj, symbols or {})
+            if smaller is None:
                 return None
-            grow_src = _smaller(pi, pj)
-            if grow_src and i < len(src):
-                gi.append(i)
-                pi = pi * src[i]
-                i += 1
-            elif j < len(dst):
-                gj.append(j)
-                pj = pj * dst[j]
-                j += 1
-            elif i < len(src):
-                gi.append(i)
-                pi = pi * src[i]
-                i += 1
+            if smaller and a < len(si):
+                gi.append(si[a])
+                pi = pi * src[si[a]]
+                a += 1
+            elif not smaller and b < len(dj):
+                gj.append(dj[b])
+                pj = pj * dst[dj[b]]
+                b += 1
             else:
                 return None
         out.append((gi, gj))
     return out
 
 
-def _smaller(a, b) -> bool:
-    """Is a < b, deciding symbolic cases by the ratio (a divides b)?"""
+def _smaller(a, b, symbols: Mapping[str, Bounds]) -> bool | None:
+    """Should a's run grow to meet b (is a < b, or does a divide b)? Decided by their
+    ratio, else by bounds; None when neither can tell."""
     if isinstance(a, int) and isinstance(b, int):
         return a < b
     ratio = sympy.simplify(sympy.sympify(b) / sympy.sympify(a))
-    if ratio.is_Integer:
-        return ratio > 1
     if ratio.is_Rational:
-        return ratio > 1
-    return len(str(a)) < len(str(b))
+        return bool(ratio > 1)
+    if ratio.is_integer and ratio.is_positive:  # a divides b: grow a's run to reach b
+        return True
+    if (1 / ratio).is_integer and (1 / ratio).is_positive:
+        return False
+    ba, bb = bounds_of(a, symbols), bounds_of(b, symbols)
+    if ba.hi is not None and ba.hi < bb.lo:
+        return True
+    if bb.hi is not None and bb.hi < ba.lo:
+        return False
+    return None
 
 
-def kind(src, dst) -> str:
-    """'identity', 'collapse' (only merges), 'expand' (only splits), or 'mixed'."""
-    g = groups(src, dst)
+def kind(src, dst, symbols: Mapping[str, Bounds] | None = None) -> str:
+    """'identity' (same shape), 'unit' (only unit dims added or dropped), 'collapse'
+    (only merges), 'expand' (only splits), or 'mixed' (both, or undecidable)."""
+    if len(src) == len(dst) and all(_eq(x, y) for x, y in zip(src, dst)):
+        return "identity"
+    g = groups(src, dst, symbols)
     if g is None:
         return "mixed"
     merges = any(len(a) > 1 and len(b) == 1 for a, b in g)
@@ -96,26 +114,44 @@ def kind(src, dst) -> str:
         return "collapse"
     if splits:
         return "expand"
-    return "identity"
+    return "unit"
 
 
-def node_kind(node: fx.Node) -> str:
-    return kind(shape_of(node.args[0]), shape_of(node))
+def node_kind(node: fx.Node, symbols: Mapping[str, Bounds] | None = None) -> str:
+    return kind(shape_of(node.args[0]), shape_of(node), symbols)
 
 
-def round_trips(graph: fx.Graph) -> list[str]:
-    """Every collapse -> expand -> collapse chain of reshapes, described for an error."""
+def _collapses(k: str) -> bool:
+    return k in ("collapse", "mixed")
+
+
+def _expands(k: str) -> bool:
+    return k in ("expand", "mixed")
+
+
+def round_trips(graph: fx.Graph, symbols: Mapping[str, Bounds] | None = None) -> list[str]:
+    """Every collapse -> expand -> collapse along a chain of reshapes, described for an
+    error. Reshapes that only add or drop unit dims (or change nothing) are looked
+    through: they move no data, so a round trip through them is still one."""
     found = []
     for n in graph.nodes:
-        if not (is_reshape(n) and is_reshape(n.args[0]) and is_reshape(n.args[0].args[0])):
+        if not is_reshape(n) or not _collapses(node_kind(n, symbols)):
             continue
-        mid, first = n.args[0], n.args[0].args[0]
-        ks = (node_kind(first), node_kind(mid), node_kind(n))
-        if ks[0] in ("collapse", "mixed") and ks[1] in ("expand", "mixed") and ks[2] in (
-            "collapse", "mixed"
-        ):
-            found.append(
-                f"collapse -> expand -> collapse round trip %{first.name} -> %{mid.name} -> "
-                f"%{n.name}"
-            )
+        chain = [n]
+        src = n.args[0]
+        while is_reshape(src):
+            chain.append(src)
+            src = src.args[0]
+        kinds = [node_kind(c, symbols) for c in chain]
+        # chain runs backwards from n: find an expand, then a collapse before it.
+        for i in range(1, len(chain)):
+            if not _expands(kinds[i]):
+                continue
+            first = next((j for j in range(i + 1, len(chain)) if _collapses(kinds[j])), None)
+            if first is not None:
+                found.append(
+                    f"collapse -> expand -> collapse round trip %{chain[first].name} -> "
+                    f"%{chain[i].name} -> %{n.name}"
+                )
+                break
     return found
