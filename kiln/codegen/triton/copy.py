@@ -9,7 +9,7 @@ scatter / scatter_add, slice_scatter and select_scatter. A functional slice/sele
 scatter is per-element selection (the pointwise kernel); a functional index scatter
 would have to copy the whole destination first, so it runs extern.
 Regions without a scatter (embedding lookups, rope-table gathers, cat, returned views)
-are pointwise kernels over their output.
+are pointwise kernels over their output (row kernels if they recompute a reduction).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from kiln.codegen.triton.emit import (
 from kiln.codegen.triton.gather import _index_value, advanced_index, indexed_shape
 from kiln.codegen.triton.indexing import Lin, Var, broadcast_index, delinearize, norm
 from kiln.codegen.triton.pointwise import pointwise_configs, pointwise_spec
+from kiln.codegen.triton.reduction import RowKernel
 from kiln.codegen.triton.spec import KernelSpec
 from kiln.codegen.triton.views import CodegenUnsupported, _slice_bounds, dim_value
 from kiln.ir.ops import OpCategory, category
@@ -45,6 +46,9 @@ def generate_copy(region: Region, plan: DispatchPlan, target: Target) -> KernelS
     try:
         scatters = [op for op in region.ops if category(op.target) == OpCategory.SCATTER]
         if not scatters:
+            if any(category(op.target) == OpCategory.REDUCTION for op in region.ops):
+                # a returned duplicate of a reduction's value is recomputed in a copy region
+                return RowKernel(region, plan, target).spec()
             return pointwise_spec(region, plan, target, kind="copy")
         if len(scatters) > 1 or region.outputs != [scatters[0].name]:
             raise CodegenUnsupported("a copy region with several scatters")
