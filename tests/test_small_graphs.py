@@ -166,3 +166,15 @@ def test_unbounded_dim_through_the_graph_stage():
     w = torch.randn(8, 1, dtype=torch.float64)
     compile_and_compare(Unbounded(), (torch.randn(5, 8), w), dynamic_shapes=({0: T}, None),
                         calls=[(torch.randn(1, 8), w), (torch.randn(300, 8), w)])
+
+
+class _Norms(torch.nn.Module):
+    def forward(self, x):
+        return x.norm(dim=-1, keepdim=True), x.norm(), torch.linalg.vector_norm(x, 3, dim=(0, 2))
+
+
+def test_vector_norms_match_eager():
+    from tests.helpers import compile_and_compare
+
+    x = torch.randn(3, 5, 7)
+    compile_and_compare(_Norms(), (x,), calls=((torch.randn(3, 5, 7),),))

@@ -97,7 +97,7 @@ _register(
         "argmax.default", "argmin.default", "prod.dim_int", "prod.default",
         "var.correction", "var.dim", "var_mean.correction", "any.dim", "any.dims",
         "any.default", "all.dim", "all.default", "_softmax.default", "_log_softmax.default",
-        "native_layer_norm.default", "logsumexp.default",
+        "native_layer_norm.default", "logsumexp.default", "linalg_vector_norm.default",
     ),
 )
 _register(OpCategory.MATMUL, _names("mm.default", "bmm.default", "addmm.default"))
@@ -181,6 +181,9 @@ def reduction_dims(name: str, args: tuple, kwargs: dict, rank: int) -> tuple[int
         dims = [args[1]]
     elif name == "aten.native_layer_norm.default":
         dims = list(range(rank - len(args[1]), rank))
+    elif name == "aten.linalg_vector_norm.default":  # (x, ord, dim, keepdim)
+        dims = kwargs.get("dim", args[2] if len(args) > 2 else None)
+        dims = list(range(rank)) if not dims else ([dims] if isinstance(dims, int) else dims)
     elif name.endswith(".default") and len(args) < 2 and "dim" not in kwargs:
         dims = list(range(rank))  # full reduction: sum.default, amax.default with dim=[]
     else:
