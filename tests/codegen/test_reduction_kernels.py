@@ -28,7 +28,8 @@ class Reductions(torch.nn.Module):
                 (x > -2).all(single, keepdim=k), (x * 0.5 + 1).prod(single, keepdim=k),
                 x.argmax(single, keepdim=k), x.argmin(single, keepdim=k)]
         values, idx = x.max(single, keepdim=k)
-        return (*outs, values, idx, torch.logsumexp(x, single, keepdim=k))
+        norms = [torch.linalg.vector_norm(x, o, d, keepdim=k) for o in (2, 1, 3, float("inf"))]
+        return (*outs, values, idx, torch.logsumexp(x, single, keepdim=k), *norms)
 
 
 LAYOUTS = [((2,), False), ((2,), True), ((0,), False), ((1,), True), ((0, 2), False),

@@ -121,6 +121,8 @@ def plan_op(op: Op, em: Emitter, n_code: str, getitems, online: bool = False) ->
         return _softmax(op, em, outs, x, name, online)
     if name == "native_layer_norm":
         return _layer_norm(op, em, n_code, outs, x)
+    if name == "linalg_vector_norm":
+        return _vector_norm(op, em, outs, x)
     raise CodegenUnsupported(f"reduction {op.target} is not generated")
 
 
@@ -258,3 +260,39 @@ def _layer_norm(op: Op, em: Emitter, n_code: str, outs, x) -> OpPlan:
     if 2 in outs:
         plan.rows[outs[2]] = lambda: em.cast(rstd(), em.dtype(outs[2]))
     return plan
+
+
+def _vector_norm(op: Op, em: Emitter, outs, x) -> OpPlan:
+    """torch.linalg.vector_norm: max|x| (ord inf), min|x| (-inf), count of nonzeros (0),
+    sum|x| (1), sqrt(sum x**2) (2), else (sum |x|**p) ** (1/p)."""
+    ord_ = op.args[1] if len(op.args) > 1 else op.kwargs.get("ord", 2)
+    ord_ = float(ord_)
+    dt = opmath(op.dtype)
+
+    def term(fmt: str) -> ElemFn:
+        def f(idx, mask):
+            v = x(dt)(idx, mask)
+            return em.let(fmt.format(v=v), dt, v.vars)
+        return f
+
+    if ord_ in (float("inf"), float("-inf")):
+        a = Acc("max" if ord_ > 0 else "min", dt, term("tl.abs({v})"))
+        return OpPlan(op, [Stage([a])], {outs[0]: lambda: em.cast(a.result, op.dtype)})
+    if ord_ == 0:
+        a = Acc("sum", dt, term("({v} != 0).to(tl.float32)"))
+        return OpPlan(op, [Stage([a])], {outs[0]: lambda: em.cast(a.result, op.dtype)})
+    if ord_ == 1:
+        a = Acc("sum", dt, term("tl.abs({v})"))
+        return OpPlan(op, [Stage([a])], {outs[0]: lambda: em.cast(a.result, op.dtype)})
+    if ord_ == 2:
+        a = Acc("sum", dt, term("{v} * {v}"))
+        sqrt = "tl.sqrt_rn" if dt == torch.float32 else "tl.sqrt"
+        return OpPlan(op, [Stage([a])], {outs[0]: lambda: em.cast(
+            em.let(f"{sqrt}({a.result})", dt, a.result.vars), op.dtype)})
+    em.need("_pow")
+    p = literal(ord_, dt)
+    a = Acc("sum", dt, term(f"_pow(tl.abs({{v}}), tl.full({{v}}.shape, {p}, {TL[dt]}))"))
+    inv = literal(1.0 / ord_, dt)
+    return OpPlan(op, [Stage([a])], {outs[0]: lambda: em.cast(em.let(
+        f"_pow({a.result}, tl.full({a.result}.shape, {inv}, {TL[dt]}))", dt, a.result.vars),
+        op.dtype)})
