@@ -1,1 +1,3 @@
 """Imports every region generator so each registers itself with select_kernels."""
+
+from kiln.codegen.triton import copy, pointwise, reduction  # noqa: F401
