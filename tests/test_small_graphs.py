@@ -178,3 +178,22 @@ def test_vector_norms_match_eager():
 
     x = torch.randn(3, 5, 7)
     compile_and_compare(_Norms(), (x,), calls=((torch.randn(3, 5, 7),),))
+
+
+class _ReturnsTwice(torch.nn.Module):
+    def forward(self, x):
+        y = torch.softmax(x, -1)
+        return y, torch.softmax(x.float(), -1).to(x.dtype), x, x
+
+
+def test_value_returned_twice_is_computed_once():
+    import kiln
+    from kiln.ir.plan import RegionKind
+
+    x = torch.randn(4, 9)
+    exe = kiln.compile(_ReturnsTwice(), (x,))
+    assert sum(r.kind == RegionKind.REDUCTION for r in exe.plan.regions) == 1
+    out = exe(x)
+    torch.testing.assert_close(out[0], torch.softmax(x, -1))
+    torch.testing.assert_close(out[1], out[0])
+    assert torch.equal(out[2], x) and torch.equal(out[3], x)

@@ -147,6 +147,7 @@ class _Lowering:
         return plan
 
     def _outputs(self, plan: DispatchPlan) -> None:
+        returned: dict[fx.Node, str] = {}
         for spec, node in zip(self.kg.outputs, self.kg.output_values()):
             if not isinstance(node, fx.Node) or not isinstance(node.meta.get("val"), torch.Tensor):
                 raise UnsupportedOpError(
@@ -154,8 +155,11 @@ class _Lowering:
                     hint="return tensors (or tuples/dicts of tensors) from forward",
                 )
             name = node.name
-            if name not in plan.values or plan.values[name].role != Role.TEMP:
+            if node in returned:  # the same tensor returned twice: one value, as in eager
+                name = returned[node]
+            elif name not in plan.values or plan.values[name].role != Role.TEMP:
                 name = self._absorb_reshape(plan, node) or self._copy_region(plan, node)
+            returned[node] = name
             if spec.kind == "user":
                 plan.values[name].role = Role.OUTPUT
                 plan.outputs.append(name)

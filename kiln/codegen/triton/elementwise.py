@@ -241,8 +241,9 @@ def _pow(c: _Ctx) -> Val:
     if t == "aten.pow.Scalar":
         if not cdt.is_floating_point:
             raise CodegenUnsupported("pow.Scalar with an integer result")
-        base = c.let(f"tl.full([], {literal(c.raw('self'), cdt)}, {_tl(cdt)})", cdt)
         e = c.em.tensor(c.get("exponent", cdt))
+        base = c.let(f"tl.full({e}.shape, {literal(c.raw('self'), cdt)}, {_tl(cdt)})", cdt,
+                     e)
         c.em.need("_pow")
         return c.done(f"_pow({base}, {e})", cdt, e)
     x = c.get("self", cdt)
@@ -266,7 +267,7 @@ def _pow(c: _Ctx) -> Val:
         return c.done(special[e].format(x=x, sqrt=sqrt), cdt, x)
     c.em.need("_pow")
     x = c.em.tensor(x)
-    ev = c.let(f"tl.full([], {literal(e, cdt)}, {_tl(cdt)})", cdt)
+    ev = c.let(f"tl.full({x}.shape, {literal(e, cdt)}, {_tl(cdt)})", cdt, x)
     return c.done(f"_pow({x}, {ev})", cdt, x)
 
 

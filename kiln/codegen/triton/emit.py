@@ -42,7 +42,9 @@ from kiln.ir.plan import DispatchPlan, Op, Ref, Region, Sym
 from kiln.ir.symbolic import Dim, shape_str, to_str
 from kiln.target import Target
 
-__all__ = ["CodegenUnsupported", "Cond", "Emitter", "KernelArgs", "Mask", "Val", "TL"]
+__all__ = ["TL", "CodegenUnsupported", "Cond", "Emitter", "KernelArgs", "Mask", "Opaque", "Val",
+           "Var", "indent", "kernel_name", "literal", "mask_code", "mask_of", "module_source",
+           "needs_int64", "opmath"]
 
 TL = {
     torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16",
@@ -136,9 +138,17 @@ class KernelArgs:
         return self.tensors[value][0]
 
     def dim(self, d: Dim) -> str:
-        """A size in code: an int literal, or the size parameter carrying it."""
+        """A size in code: an int literal, or the size parameter carrying it.
+
+        A constant factor stays in the code (`4096 * ks0`, not a parameter equal to
+        4096*s0): Triton then knows the size's divisibility and can vectorise masked
+        accesses whose bound it is.
+        """
         if isinstance(d, int):
             return str(d) if d >= 0 else f"({d})"
+        coeff, rest = d.as_coeff_Mul()
+        if coeff.is_Integer and coeff not in (1, -1) and not rest.is_Number:
+            return f"({int(coeff)} * {self.dim(rest)})"
         key = to_str(d)
         if key not in self.sizes:
             self.sizes[key] = (f"ks{len(self.sizes)}", d)
@@ -218,6 +228,14 @@ class Emitter:
             return literal(v.const, dtype)
         if dtype == torch.bool:
             return self.let(f"{v.code} != 0", dtype, v.vars)
+        if dtype == torch.bfloat16 and v.dtype in (torch.float32, torch.float64):
+            # GPUs round to nearest even, as torch does; Triton's interpreter truncates, so
+            # the interpret target rounds in a helper
+            src = v if v.dtype == torch.float32 else self.cast(v, torch.float32)
+            if self.target.backend == "interpret":
+                self.need("_to_bf16")
+                return self.let(f"_to_bf16({self.tensor(src).code})", dtype, v.vars)
+            return self.let(f"{src.code}.to(tl.bfloat16)", dtype, v.vars)
         return self.let(f"{v.code}.to({TL[dtype]})", dtype, v.vars)
 
     def tensor(self, v: Val) -> Val:
@@ -328,6 +346,8 @@ class Emitter:
             return gather.emit_concat(self, op, index, mask)
         if cat == OpCategory.POINTWISE:
             return elementwise.emit(self, op, index, mask)
+        if op.target in ("aten.slice_scatter.default", "aten.select_scatter.default"):
+            return gather.emit_scatter_select(self, op, index, mask)
         raise CodegenUnsupported(f"{op.target} (%{op.name}) cannot be computed per element here")
 
     def _create(self, op: Op, index: Index) -> Val:
@@ -340,16 +360,24 @@ class Emitter:
                 start = a[0]
                 step = a[2] if len(a) > 2 else op.kwargs.get("step", 1)
             return self._ramp(op, index[0], start, step)
+        if t == "aten.iota.default":
+            return self._ramp(op, index[0], op.kwargs.get("start", 0), op.kwargs.get("step", 1))
         if t in ("aten.full.default", "aten.full_like.default"):
-            return literal(a[1], op.dtype)
+            return self._scalar(a[1], op.dtype)
         if t == "aten.scalar_tensor.default":
-            return literal(a[0], op.dtype)
+            return self._scalar(a[0], op.dtype)
         if t in ("aten.zeros.default", "aten.zeros_like.default", "aten.empty.memory_format",
                  "aten.empty_like.default"):
             return literal(0, op.dtype)
         if t in ("aten.ones.default", "aten.ones_like.default"):
             return literal(1, op.dtype)
         raise CodegenUnsupported(f"{t} is not generated inline")
+
+    def _scalar(self, x, dtype: torch.dtype) -> Val:
+        """A fill value: a number, or a size (Sym) read from its kernel argument."""
+        if isinstance(x, Sym):
+            return self.cast(self.let(f"{self.dim(x.expr)}.to(tl.int64)", torch.int64), dtype)
+        return literal(x, dtype)
 
     def _ramp(self, op: Op, i: Lin, start, step) -> Val:
         """start + i * step in op.dtype (an arange)."""
@@ -396,11 +424,6 @@ def module_source(name: str, params: list[str], body: list[str], helpers: set[st
     parts += ["", "", "@triton.jit", f"def {name}({', '.join(params)}):"]
     parts += indent(doc) + indent(body)
     return "\n".join(parts) + "\n"
-
-
-__all__ += ["Opaque", "Var", "indent", "kernel_name", "literal", "mask_code", "mask_of",
-            "module_source", "needs_int64",
-            "opmath"]
 
 
 def kernel_name(kind: str, region: Region) -> str:

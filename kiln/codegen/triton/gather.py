@@ -51,26 +51,23 @@ def emit_gather(em: Emitter, op: Op, index: Index, mask) -> Val:
         i = _index_value(em, a[2], index, mask, sshape[d], wrap=True)
         return em.value(src, index[:d] + (i,) + index[d + 1:], mask)
     if t == "aten.index.Tensor":
-        return em.value(src, _advanced_index(em, op, index, mask), mask)
+        return em.value(src, advanced_index(em, sshape, op.args[1], op.shape, index, mask), mask)
     raise CodegenUnsupported(f"{t} is not generated")
 
 
-def _advanced_index(em: Emitter, op: Op, index: Index, mask) -> Index:
-    """Source index of output element `index` of x[indices] (numpy advanced indexing)."""
-    src = op.args[0].name
-    sshape = em.shape(src)
-    indices = list(op.args[1]) + [None] * (len(sshape) - len(op.args[1]))
+def advanced_index(em: Emitter, src_shape, indices, out_shape, index: Index, mask) -> Index:
+    """Index into x of element `index` of x[indices] (numpy advanced indexing): the
+    tensor indices broadcast together; their dims replace the indexed dims in place when
+    those are adjacent, else they come first."""
+    indices = list(indices) + [None] * (len(src_shape) - len(indices))
     where = [k for k, t in enumerate(indices) if t is not None]
     if not where:
         return index
-    shapes = [em.shape(indices[k].name) for k in where]
-    rank_b = max(len(s) for s in shapes)
-    adjacent = where == list(range(where[0], where[-1] + 1))
-    if adjacent:
-        b_start = where[0]
-    else:
-        b_start = 0
-    b_shape = tuple(op.shape[b_start:b_start + rank_b])
+    if any(not isinstance(indices[k], Ref) for k in where):
+        raise CodegenUnsupported("advanced indexing with a non-tensor index")
+    rank_b = max(len(em.shape(indices[k].name)) for k in where)
+    b_start = where[0] if where == list(range(where[0], where[-1] + 1)) else 0
+    b_shape = tuple(out_shape[b_start:b_start + rank_b])
     b_index = index[b_start:b_start + rank_b]
     rest = list(index[:b_start]) + list(index[b_start + rank_b:])
     out: list[Lin] = []
@@ -79,7 +76,27 @@ def _advanced_index(em: Emitter, op: Op, index: Index, mask) -> Index:
             out.append(rest.pop(0))
             continue
         sub = broadcast_index(b_index, b_shape, em.shape(t.name))
-        out.append(_index_value(em, t, sub, mask, sshape[k], wrap=True))
+        out.append(_index_value(em, t, sub, mask, src_shape[k], wrap=True))
+    return tuple(out)
+
+
+def indexed_shape(em: Emitter, src_shape, indices) -> tuple:
+    """The shape of x[indices] (numpy advanced indexing rules)."""
+    indices = list(indices) + [None] * (len(src_shape) - len(indices))
+    where = [k for k, t in enumerate(indices) if t is not None]
+    b = _broadcast([em.shape(indices[k].name) for k in where]) if where else ()
+    if where and where == list(range(where[0], where[-1] + 1)):
+        return tuple(src_shape[:where[0]]) + b + tuple(src_shape[where[-1] + 1:])
+    return b + tuple(src_shape[k] for k, t in enumerate(indices) if t is None)
+
+
+def _broadcast(shapes) -> tuple:
+    rank = max(len(s) for s in shapes)
+    out = []
+    for k in range(rank):
+        dims = [s[len(s) - rank + k] for s in shapes if len(s) - rank + k >= 0]
+        non_unit = [d for d in dims if not same(d, 1)]
+        out.append(non_unit[0] if non_unit else 1)
     return tuple(out)
 
 
@@ -154,3 +171,38 @@ def _pad(em: Emitter, op: Op, index: Index, mask) -> Val:
     v = em.cast(em.value(src, tuple(sidx), frozenset(mask or ()) | frozenset(conds)), op.dtype)
     fill = literal(value if value is not None else 0, op.dtype)
     return _select(em, op.dtype, [(conds, v)], fill)
+
+
+def emit_scatter_select(em: Emitter, op: Op, index: Index, mask) -> Val:
+    """A functional slice_scatter / select_scatter, per element of the result: the
+    source where the element lies in the written slice, the destination elsewhere."""
+    from kiln.codegen.triton.indexing import floordiv
+    from kiln.codegen.triton.views import _slice_bounds
+
+    dest, src = op.args[0].name, op.args[1].name
+    shape = em.shape(dest)
+    if op.target == "aten.select_scatter.default":
+        d = _axis(op.args[2], len(shape))
+        k = dim_value(op.args[3])
+        if isinstance(k, int) and k < 0:
+            k = norm(k + shape[d])
+        conds = [Cond(f"{em.code(index[d])} == {em.dim(k)}", index[d].var_names())]
+        sub = index[:d] + index[d + 1:]
+    elif op.target == "aten.slice_scatter.default":
+        args = list(op.args) + [None] * (6 - len(op.args))
+        dim = op.kwargs.get("dim", args[2] if args[2] is not None else 0)
+        d = _axis(dim, len(shape))
+        start, end, step = _slice_bounds(shape[d], op.kwargs.get("start", args[3]),
+                                         op.kwargs.get("end", args[4]),
+                                         op.kwargs.get("step", args[5] or 1))
+        rel = index[d] - start
+        conds = _between(em, index[d], start, end)
+        if not (isinstance(step, int) and step == 1):
+            conds.append(Cond(f"({em.code(rel)}) % {em.dim(step)} == 0", rel.var_names()))
+        sub = index[:d] + (floordiv(rel, step),) + index[d + 1:]
+    else:
+        raise CodegenUnsupported(f"{op.target} is not generated per element")
+    base = frozenset(mask or ())
+    v = em.cast(em.value(src, sub, base | frozenset(conds)), op.dtype)
+    old = em.cast(em.value(dest, index, base), op.dtype)
+    return _select(em, op.dtype, [(conds, v)], old)

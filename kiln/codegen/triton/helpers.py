@@ -1,5 +1,5 @@
-"""Small @triton.jit helpers generated kernels call: math Triton's core lacks, and the
-combine functions of reductions.
+"""Small @triton.jit helpers generated kernels call: math Triton's core lacks, exact
+rounding, and the product's combine function.
 
 On a GPU the transcendental helpers call libdevice (CUDA or ROCm). Triton's interpreter
 cannot run libdevice, so the `interpret` target gets forms built from core ops,
@@ -82,6 +82,14 @@ def _round(x):
     up = (d > 0.5) | ((d == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0))
     return tl.where(up, r + 1.0, r)
 """,
+    # fp32 -> bf16 rounding to nearest even on the bits (for the interpreter only)
+    "_to_bf16": """
+@triton.jit
+def _to_bf16(x):
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, u.to(tl.float32, bitcast=True)).to(tl.bfloat16)
+""",
     "_trunc": """
 @triton.jit
 def _trunc(x):
@@ -100,39 +108,11 @@ def _div_floor(a, b):
     res = tl.where(div != 0, fl, tl.where(q < 0, -0.0, 0.0))
     return tl.where(b == 0, q, res)
 """,
-    # reduction combine functions: NaN wins, as torch.amax / amin propagate it
-    "_max_nan": """
-@triton.jit
-def _max_nan(a, b):
-    return tl.where((a > b) | (a != a), a, b)
-""",
-    "_min_nan": """
-@triton.jit
-def _min_nan(a, b):
-    return tl.where((a < b) | (a != a), a, b)
-""",
+    # the product's combine function (sum, max and min use triton.language's own)
     "_prod": """
 @triton.jit
 def _prod(a, b):
     return a * b
-""",
-    # (value, index) pairs: the larger value wins, NaN beats everything, ties and NaN
-    # against NaN go to the smaller index (torch.argmax returns the first occurrence)
-    "_argmax": """
-@triton.jit
-def _argmax(v1, i1, v2, i2):
-    n1 = v1 != v1
-    n2 = v2 != v2
-    take1 = (v1 > v2) | (n1 & ~n2) | (((v1 == v2) | (n1 & n2)) & (i1 < i2))
-    return tl.where(take1, v1, v2), tl.where(take1, i1, i2)
-""",
-    "_argmin": """
-@triton.jit
-def _argmin(v1, i1, v2, i2):
-    n1 = v1 != v1
-    n2 = v2 != v2
-    take1 = (v1 < v2) | (n1 & ~n2) | (((v1 == v2) | (n1 & n2)) & (i1 < i2))
-    return tl.where(take1, v1, v2), tl.where(take1, i1, i2)
 """,
 }
 

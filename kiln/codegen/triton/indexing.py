@@ -36,6 +36,9 @@ import sympy
 from kiln.ir.symbolic import Bounds, Dim, as_dim, upper_bound
 
 INT32_MAX = 2**31 - 1
+# A block's lanes run up to one block past the last element before the mask cuts them;
+# sizes within this margin of INT32_MAX index in 64 bits so those lanes cannot wrap.
+BLOCK_MARGIN = 2**16
 
 
 # ---------------------------------------------------------------- dim arithmetic
@@ -523,6 +526,6 @@ def may_exceed_int32(sizes: Sequence[Dim], symbols: dict[str, Bounds]) -> bool:
     key = tuple(sorted(symbols.items()))
     for n in sizes:
         hi = n if isinstance(n, int) else _hi(n, key)
-        if hi is None or hi > INT32_MAX:
+        if hi is None or hi > INT32_MAX - BLOCK_MARGIN:
             return True
     return False

@@ -122,22 +122,29 @@ def _unsqueeze_back(op: Op, index: Index, shape: tuple) -> Index:
     return tuple(res)
 
 
+def _slice_bounds(size: Dim, start, end, step) -> tuple[Dim, Dim, Dim]:
+    """A slice's (start, end, step) normalised like Python's: None and negative ends."""
+    out = []
+    for v, default in ((start, 0), (end, size)):
+        v = default if v is None else dim_value(v)
+        if isinstance(v, int):
+            if v < 0:
+                v = v + size if isinstance(size, int) else norm(v + size)
+            if isinstance(v, int) and isinstance(size, int):
+                v = min(max(v, 0), size)
+            elif isinstance(v, int) and v >= 2**62:  # "to the end" sentinel
+                v = size
+        out.append(v)
+    return out[0], out[1], dim_value(step)
+
+
 def _slice(op: Op, index: Index, shape: tuple) -> Index:
     args = list(op.args) + [None] * (5 - len(op.args))
     dim = op.kwargs.get("dim", args[1] if args[1] is not None else 0)
-    start = op.kwargs.get("start", args[2])
-    step = op.kwargs.get("step", args[4] if args[4] is not None else 1)
     d = _axis(dim, len(shape))
-    size = shape[d]
-    if start is None:
-        start = 0
-    start = dim_value(start)
-    if isinstance(start, int):
-        if start < 0:
-            start = start + size if isinstance(size, int) else norm(start + size)
-        if isinstance(start, int) and isinstance(size, int):
-            start = min(max(start, 0), size)
-    step = dim_value(step)
+    start, _, step = _slice_bounds(shape[d], op.kwargs.get("start", args[2]),
+                                   op.kwargs.get("end", args[3]),
+                                   op.kwargs.get("step", args[4] or 1))
     res = list(index)
     res[d] = Lin.of(start) + index[d] * step
     return tuple(res)

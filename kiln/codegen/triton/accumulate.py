@@ -1,0 +1,147 @@
+"""Accumulators of a row kernel, as Triton code.
+
+A persistent kernel reduces its [XBLOCK, RBLOCK] tile straight to row values
+(`reduce_tile`). A looped kernel keeps a [XBLOCK, RBLOCK] accumulator per reduction
+(`init`), folds each chunk of the row into it (`update`: masked lanes contribute the
+identity), and reduces it after the loop (`finish`). Argmax keeps each lane's first
+best position; `lse` keeps a running max with a sum rescaled to it (online softmax).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kiln.codegen.triton.emit import TL, Emitter, Val, literal
+from kiln.codegen.triton.reduce_ops import Acc
+
+TILE = frozenset({"xindex", "rindex"})  # what a [XBLOCK, RBLOCK] value varies with
+ROW = frozenset({"xindex"})  # ... and a [XBLOCK, 1] row value
+
+
+class Accumulators:
+    def __init__(self, em: Emitter, full_index: Callable[[], tuple]):
+        self.em = em
+        self.full_index = full_index
+
+    def ident(self, acc: Acc) -> Val:
+        dt = acc.dtype
+        if acc.kind in ("sum", "any"):
+            return literal(0, dt)
+        if acc.kind in ("prod", "all"):
+            return literal(1, dt)
+        low = acc.kind in ("max", "argmax", "lse")
+        if dt.is_floating_point:
+            return literal(float("-inf") if low else float("inf"), dt)
+        info = torch.iinfo(dt)
+        return literal(info.min if low else info.max, dt)
+
+    def tile_input(self, acc: Acc, mask) -> tuple[Val, str]:
+        """The accumulator's input at this tile, masked lanes set to the identity."""
+        em = self.em
+        v = em.tensor(em.cast(acc.value(self.full_index(), mask), acc.dtype))
+        tile = f"tl.broadcast_to({v}, [XBLOCK, RBLOCK])"
+        m = " & ".join(sorted(c.code for c in mask))
+        code = f"tl.where({m}, {tile}, {self.ident(acc)})" if m else tile
+        return em.let(code, acc.dtype, TILE), m
+
+    def reduce_tile(self, acc: Acc, mask) -> None:
+        v, _ = self.tile_input(acc, mask)
+        self.final(acc, v, self.rindex_tile() if acc.kind.startswith("arg") else None)
+
+    def rindex_tile(self) -> Val:
+        return self.em.let("tl.broadcast_to(rindex, [XBLOCK, RBLOCK]).to(tl.int64)",
+                           torch.int64, TILE)
+
+    def final(self, acc: Acc, tile: Val, idx: Val | None) -> None:
+        """Reduce a [XBLOCK, RBLOCK] tile of partial results to the row value.
+
+        tl.reduce with triton.language's own combine functions (what tl.sum / tl.max
+        call): the interpreter cannot call tl.sum itself, but it recognises these and
+        reduces with numpy. Only prod needs a combine function of kiln's.
+        """
+        em, dt, k = self.em, acc.dtype, acc.kind
+        if k in ("sum", "any", "all"):
+            combine = {"sum": "_sum_combine", "any": "_elementwise_max",
+                       "all": "_elementwise_min"}[k]
+            acc.result = em.let(f"tl.reduce({tile}, 1, tl.standard.{combine})[:, None]", dt, ROW)
+            if k != "sum":
+                acc.result = em.let(f"{acc.result} != 0", torch.bool, ROW)
+        elif k == "prod":
+            em.need("_prod")
+            acc.result = em.let(f"tl.reduce({tile}, 1, _prod)[:, None]", dt, ROW)
+        else:
+            acc.result = self.extreme(tile, "max" if k in ("max", "argmax") else "min", dt)
+            if idx is not None:  # the first position holding it (the first NaN, if any)
+                m = acc.result
+                cand = f"({tile} == {m})"
+                if dt.is_floating_point:
+                    cand += f" | (({tile} != {tile}) & ({m} != {m}))"
+                acc.index = em.let(f"tl.reduce(tl.where({cand}, {idx}, {2**62}), 1, "
+                                   "tl.standard._elementwise_min)[:, None]", torch.int64, ROW)
+
+    def extreme(self, tile: Val, kind: str, dt) -> Val:
+        """Row max / min. Floating max/min ignore NaN in the interpreter and in PTX's
+        max.f32, so a NaN count restores torch's NaN propagation."""
+        em = self.em
+        r = em.let(f"tl.reduce({tile}, 1, tl.standard._elementwise_{kind})[:, None]", dt, ROW)
+        if not dt.is_floating_point:
+            return r
+        nans = em.let(f"tl.reduce(({tile} != {tile}).to(tl.int32), 1, "
+                      "tl.standard._sum_combine)[:, None]", torch.int32, ROW)
+        return em.let(f'tl.where({nans} > 0, float("nan"), {r})', dt, ROW)
+
+    def init(self, acc: Acc) -> None:
+        em = self.em
+        acc.var = em.let(f"tl.full([XBLOCK, RBLOCK], {self.ident(acc)}, {TL[acc.dtype]})",
+                         acc.dtype, TILE).code
+        if acc.kind.startswith("arg"):
+            acc.index_var = em.let("tl.full([XBLOCK, RBLOCK], 0, tl.int64)", torch.int64,
+                                   TILE).code
+        if acc.kind == "lse":
+            acc.index_var = em.let(f"tl.full([XBLOCK, RBLOCK], 0.0, {TL[acc.dtype]})",
+                                   acc.dtype, TILE).code
+
+    def update(self, acc: Acc, mask) -> None:
+        em = self.em
+        v, _ = self.tile_input(acc, mask)
+        a = acc.var
+        k = acc.kind
+        if k == "sum":
+            em.lines.append(f"{a} = {a} + {v}")
+        elif k == "prod":
+            em.lines.append(f"{a} = {a} * {v}")
+        elif k in ("max", "min"):
+            cmp = ">" if k == "max" else "<"
+            nan = f" | ({v} != {v})" if acc.dtype.is_floating_point else ""
+            em.lines.append(f"{a} = tl.where(({v} {cmp} {a}){nan}, {v}, {a})")
+        elif k == "any":
+            em.lines.append(f"{a} = tl.maximum({a}, {v})")
+        elif k == "all":
+            em.lines.append(f"{a} = tl.minimum({a}, {v})")
+        elif k == "lse":  # running max; the sum rescaled to it (0 while all seen are -inf)
+            s = acc.index_var
+            m = em.let(f"tl.where(({v} > {a}) | ({v} != {v}), {v}, {a})", acc.dtype, TILE)
+            em.lines.append(f'{s} = tl.where({m} == -float("inf"), 0.0, '
+                            f"{s} * tl.exp({a} - {m}) + tl.exp({v} - {m}))")
+            em.lines.append(f"{a} = {m}")
+        else:
+            cmp = ">" if k == "argmax" else "<"
+            # strictly better keeps each lane's first position; the first NaN wins
+            take = em.let(f"({v} {cmp} {a}) | (({v} != {v}) & ({a} == {a}))", torch.bool, TILE)
+            ridx = self.rindex_tile()
+            em.lines.append(f"{a} = tl.where({take}, {v}, {a})")
+            em.lines.append(f"{acc.index_var} = tl.where({take}, {ridx}, {acc.index_var})")
+
+    def finish(self, acc: Acc) -> None:
+        if acc.kind == "lse":
+            em, dt = self.em, acc.dtype
+            m = self.extreme(Val(acc.var, dt, TILE), "max", dt)
+            acc.result = m
+            acc.total = em.let(
+                f'tl.reduce(tl.where({acc.var} == -float("inf"), 0.0, {acc.index_var} * '
+                f"tl.exp({acc.var} - {m})), 1, tl.standard._sum_combine)[:, None]", dt, ROW)
+            return
+        idx = Val(acc.index_var, torch.int64, TILE) if acc.kind.startswith("arg") else None
+        self.final(acc, Val(acc.var, acc.dtype, TILE), idx)
