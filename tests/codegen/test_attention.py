@@ -121,7 +121,8 @@ def block_dynamic_shapes(cfg: LlamaConfig, cached: bool = False):
 SMALL = LlamaConfig(dim=64, n_heads=4, n_kv_heads=2, max_seq_len=48)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 1e-2),
+                                       (torch.bfloat16, 1e-2)])
 def test_llama_attention_block_with_rope_fused_into_q_and_k(dtype, tol):
     block = AttentionBlock(SMALL).eval().to(dtype)
     exe = kiln.compile(block, block_inputs(SMALL, 8, dtype=dtype),

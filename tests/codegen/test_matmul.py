@@ -34,7 +34,8 @@ class LinearEpilogue(torch.nn.Module):
         return a, b
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 1e-2),
+                                       (torch.bfloat16, 1e-2)])
 def test_linear_with_fused_epilogue_matches_eager(dtype, tol):
     model = LinearEpilogue().to(dtype)
     x, r = torch.randn(2, 7, 40, dtype=dtype), torch.randn(2, 7, 24, dtype=dtype)

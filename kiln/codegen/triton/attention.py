@@ -28,7 +28,7 @@ import torch
 
 from kiln.codegen.select_kernels import register
 from kiln.codegen.triton.causal import is_causal_mask
-from kiln.codegen.triton.emit import Cond, Emitter, mask_of, module_source
+from kiln.codegen.triton.emit import Cond, Emitter, Val, mask_of, module_source
 from kiln.codegen.triton.indexing import Lin, Var, floordiv, modidx, same
 from kiln.codegen.triton.matmul import dot_operand
 from kiln.codegen.triton.params import Params
@@ -210,6 +210,12 @@ class _AttentionSource:
     def _query_pos(self) -> Lin:
         return modidx(Lin.of(Var("rows2", self.s.group * self.s.tq)), 1, self.s.tq)
 
+    def _cast(self, name: str, vars_: set) -> tuple[list[str], str]:
+        """fp32 `name` in the operands' dtype, rounded as the GPU rounds (emitter's cast)."""
+        with self.em.block() as lines:
+            v = self.em.cast(Val(name, torch.float32, frozenset(vars_)), self.s.dtype)
+        return lines, v.code
+
     def _op(self, code: str) -> str:
         return dot_operand(code, self.s.dtype, self.em.target)
 
@@ -285,11 +291,12 @@ class _AttentionSource:
             L.append(f"hi = {slen}")
         L.append("for start_n in range(0, hi, BLOCK_N):")
         L += ["    " + x for x in self._key_step(head, qpos, dp, dvp, ieee, wide)]
+        out_lines, out_code = self._cast("acc", {"rows2", "dv2"})
         L += [
             "acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]",  # fully masked rows: 0
+            *out_lines,
             f"ooff = ((b * {s.heads} + head[:, None]) * {tq} + qi[:, None]) * {dv} + dv2",
-            f"tl.store({o} + ooff, acc.to({o}.dtype.element_ty), "
-            f"mask=row_ok2 & (dv2 < {dv}))",
+            f"tl.store({o} + ooff, {out_code}, mask=row_ok2 & (dv2 < {dv}))",
         ]
         return L
 
@@ -307,6 +314,7 @@ class _AttentionSource:
         k_lines, kt = self._load(s.k, k_idx, mask_of(nk_c, dk_c))
         v_lines, vt = self._load(s.v, v_idx, mask_of(nv_c, dv_c))
         self.loop_loads = sum("tl.load(" in x for x in k_lines + v_lines)
+        p_lines, p_code = self._cast("pr", {"rows2", "nk"})
         L = [
             f"n = start_n + tl.arange(0, BLOCK_N){wide}",
             "nk = n[None, :]",
@@ -339,7 +347,8 @@ class _AttentionSource:
             "l_i = l_i * alpha + tl.sum(pr, 1)",
             *v_lines,
             f"vt = {vt}",
-            f"acc = tl.dot({self._op('pr.to(vt.dtype)')}, {self._op('vt')}, "
+            *p_lines,
+            f"acc = tl.dot({self._op(p_code)}, {self._op('vt')}, "
             f"acc * alpha[:, None]{ieee}, out_dtype=tl.float32)",
             "m_i = m_new",
         ]

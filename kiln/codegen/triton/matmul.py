@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.codegen.select_kernels import register
-from kiln.codegen.triton.emit import TL, Cond, Emitter, Val, mask_of, module_source
+from kiln.codegen.triton.emit import Cond, Emitter, Val, mask_of, module_source
 from kiln.codegen.triton.indexing import Lin, Var, broadcast_index, reshape_index
 from kiln.codegen.triton.params import Params
 from kiln.codegen.triton.spec import Config, KernelSpec
@@ -162,7 +162,7 @@ class _MatmulSource:
 
     def _acc_at(self, index):
         if all(a.equals(b) for a, b in zip(index, self.tile)):
-            return Val("acc", self.s.dtype, frozenset({"rm2", "rn2"}))
+            return self.product
         return None  # the epilogue reads the product elsewhere: not this template's
 
     def _batch(self) -> tuple:
@@ -295,7 +295,8 @@ class _MatmulSource:
             bias = em.value(s.bias.name, bidx, mask)
             scale = f" * {s.beta!r}" if s.beta != 1.0 else ""
             em.lines.append(f"acc = acc + {bias}.to(tl.float32){scale}")
-        em.lines.append(f"acc = acc.to({TL[s.dtype]})")
+        # the product in its own dtype, rounded as eager rounds it (the emitter's cast)
+        self.product = em.cast(Val("acc", torch.float32, frozenset({"rm2", "rn2"})), s.dtype)
         out = self.region.outputs[0]
         idx = reshape_index(self.tile, self.anchor.shape, self.plan.values[out].shape)
         em.store(out, idx, em.value(out, idx, mask), mask)
