@@ -40,13 +40,16 @@ def _load_generators() -> None:
 
 
 def kernel_for(region: Region, plan: DispatchPlan, target: Target, ctx):
+    from kiln.codegen.fit import fitted_spec
     from kiln.codegen.tune import choose
 
     gen = GENERATORS.get(region.kind)
-    spec = gen(region, plan, target) if gen else None
+    # Only configs that can fit the target; may split the region (new regions in plan).
+    spec = fitted_spec(region, plan, target, gen) if gen else None
     if spec is None:
-        region.notes.append(f"extern: no Triton generator handles this {region.kind.value} "
-                            "region")
+        if not any(n.startswith("extern") for n in region.notes):
+            region.notes.append(f"extern: no Triton generator handles this "
+                                f"{region.kind.value} region")
         return TorchKernel(region, target.torch_device)
     return choose(region, spec, target, ctx, plan)
 
@@ -57,9 +60,13 @@ def select_kernels(plan: DispatchPlan, ctx) -> KernelPlan:
     kp = KernelPlan(plan, target)
     if target.uses_triton:
         _load_generators()
-    for region in plan.regions:
+    pending = list(plan.regions)
+    while pending:
+        region = pending.pop(0)
         if target.uses_triton:
             kp.kernels[region.name] = kernel_for(region, plan, target, ctx)
         else:
             kp.kernels[region.name] = TorchKernel(region, target.torch_device)
+        # A split inserts regions before the one it split: they need kernels too.
+        pending += [r for r in plan.regions if r.name not in kp.kernels and r not in pending]
     return kp

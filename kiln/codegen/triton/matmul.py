@@ -1,0 +1,304 @@
+"""The matmul template: a region's mm / bmm / addmm as a tiled Triton kernel.
+
+Operands are read through their views by the emitter's index maps, so a linear
+layer's weight, which arrives as permute(W) of an [N, K] parameter, is read in place
+(`B[k, n]` at `W + n * K + k`, never copied), and attention's [B, H, T, D] output
+viewed as o_proj's [B*T, H*D] input is read where it lies. Tiles accumulate in fp32;
+fp16/bf16 inputs use the tensor cores, fp32 inputs exact ("ieee") products so results
+match eager to 1e-5. addmm's bias and scalars are applied in the kernel; the product
+is rounded to its dtype, as eager does, and the region's epilogue (the ops after the
+product: bias, activation, residual, cast, SwiGLU's silu * mul) is computed by the
+emitter at the tile before the single store.
+
+When the M dimension's upper bound is small (decode: M = batch) the region gets a
+GEMV form instead: each program owns BLOCK_N output columns for every row and
+streams the weight once, since a [16, K] x [K, N] tensor-core tile would mostly
+multiply padding. An unbounded M gets the tiled form with masked tails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kiln.codegen.select_kernels import register
+from kiln.codegen.triton.emit import Cond, Emitter, Val, mask_of, module_source
+from kiln.codegen.triton.indexing import Lin, Var, broadcast_index, reshape_index
+from kiln.codegen.triton.params import Params
+from kiln.codegen.triton.spec import Config, KernelSpec
+from kiln.codegen.triton.views import CodegenUnsupported
+from kiln.ir.plan import DispatchPlan, Ref, Region, RegionKind
+from kiln.ir.symbolic import Dim, bounds_of
+from kiln.target import Target
+
+MATMULS = {"aten.mm.default", "aten.bmm.default", "aten.addmm.default"}
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+GEMV_MAX_M = 8  # rows up to which the GEMV form beats a padded tensor-core tile
+
+# Curated tiled configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), largest first.
+_TILED = [
+    (128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (128, 64, 32, 4, 4),
+    (64, 128, 32, 4, 4), (64, 128, 64, 4, 3), (64, 64, 64, 4, 3), (128, 32, 32, 4, 4),
+    (64, 32, 32, 2, 5), (32, 64, 32, 2, 5), (32, 128, 64, 4, 3), (32, 32, 64, 2, 3),
+    (16, 64, 128, 4, 3), (16, 128, 64, 4, 3), (16, 32, 64, 2, 2), (16, 16, 32, 1, 1),
+]
+_GEMV = [  # (BLOCK_N, BLOCK_K, warps, stages)
+    (64, 128, 4, 3), (32, 256, 4, 3), (128, 64, 4, 3), (64, 64, 2, 3), (32, 128, 2, 2),
+    (128, 128, 8, 3), (16, 64, 1, 1),
+]
+
+
+def dot_operand(code: str, dtype: torch.dtype, target: Target) -> str:
+    """A tl.dot operand; Triton's interpreter multiplies bf16's raw bits, so there it is
+    widened to fp32 first (exact: the products of bf16 values fit fp32)."""
+    if dtype == torch.bfloat16 and target.backend == "interpret":
+        return f"{code}.to(tl.float32)"
+    return code
+
+
+@dataclass
+class MatmulShape:
+    a: str  # the product's operands: names of region values / ops
+    b: str
+    bias: Ref | None  # addmm's input (broadcast to [M, N])
+    alpha: float
+    beta: float
+    batched: bool  # bmm: operands [batch, M, K] x [batch, K, N]
+    batch: Dim
+    m: Dim
+    n: Dim
+    k: Dim
+    dtype: torch.dtype  # of the operands and the product
+
+
+def analyse(region: Region, plan: DispatchPlan) -> MatmulShape | None:
+    anchor = region.anchor()
+    if anchor.target not in MATMULS or anchor.dtype not in _FLOATS:
+        return None
+    addmm = anchor.target == "aten.addmm.default"
+    a_ref, b_ref = anchor.args[1:3] if addmm else anchor.args[:2]
+    if not (isinstance(a_ref, Ref) and isinstance(b_ref, Ref)):
+        return None
+    batched = anchor.target == "aten.bmm.default"
+    *lead, m, n = anchor.shape
+    k = _shape(region, plan, a_ref.name)[-1]
+    bias, alpha, beta = None, 1.0, 1.0
+    if addmm:
+        bias = anchor.args[0] if isinstance(anchor.args[0], Ref) else None
+        if bias is None:
+            return None
+        alpha = float(anchor.kwargs.get("alpha", 1))
+        beta = float(anchor.kwargs.get("beta", 1))
+    return MatmulShape(a_ref.name, b_ref.name, bias, alpha, beta, batched,
+                       lead[0] if batched else 1, m, n, k, anchor.dtype)
+
+
+def _shape(region: Region, plan: DispatchPlan, name: str) -> tuple:
+    if name in region.inputs:
+        return tuple(plan.values[name].shape)
+    return tuple(region.op(name).shape)
+
+
+def _pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def tiled_configs(shape: MatmulShape, m_hi: int | None) -> list[Config]:
+    out = []
+    for bm, bn, bk, warps, stages in _TILED:
+        if m_hi is not None and bm > max(16, _pow2(m_hi)):
+            continue
+        if isinstance(shape.n, int) and bn > max(16, _pow2(shape.n)):
+            continue
+        if isinstance(shape.k, int) and bk > max(16, _pow2(shape.k)):
+            continue
+        out.append(Config.make(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8))
+    return out or [Config.make(1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=8)]
+
+
+def gemv_configs(shape: MatmulShape) -> list[Config]:
+    out = []
+    for bn, bk, warps, stages in _GEMV:
+        if isinstance(shape.n, int) and bn > max(16, _pow2(shape.n)):
+            continue
+        if isinstance(shape.k, int) and bk > max(16, _pow2(shape.k)):
+            continue
+        out.append(Config.make(warps, stages, BLOCK_N=bn, BLOCK_K=bk))
+    return out or [Config.make(1, 1, BLOCK_N=16, BLOCK_K=16)]
+
+
+@register(RegionKind.MATMUL)
+def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec | None:
+    shape = analyse(region, plan)
+    if shape is None:
+        return None
+    m_hi = bounds_of(shape.m, plan.symbols).hi
+    gemv = m_hi is not None and m_hi <= GEMV_MAX_M
+    try:
+        return _MatmulSource(region, plan, target, shape, m_hi, gemv).spec()
+    except CodegenUnsupported:
+        return None
+
+
+class _MatmulSource:
+    def __init__(self, region, plan, target, shape: MatmulShape, m_hi, gemv: bool):
+        self.region, self.plan, self.s = region, plan, shape
+        self.m_hi, self.gemv = m_hi, gemv
+        self.p = Params(plan.symbols)
+        self.anchor = region.anchor()
+        self.tile = self._tile()
+        self.em = Emitter(region, plan, self.p, target,
+                          overrides={self.anchor.name: self._acc_at})
+        self.name = f"{'gemv' if gemv else 'matmul'}_{region.name}"
+
+    def _tile(self):
+        """The product's index as the kernel's variables: (batch,) rows, cols."""
+        rows = Lin.of(Var("rm2", self.s.m))
+        cols = Lin.of(Var("rn2", self.s.n))
+        if self.s.batched:
+            return (Lin.of(Var("pid_b", self.s.batch, block=False)), rows, cols)
+        return (rows, cols)
+
+    def _acc_at(self, index):
+        if all(a.equals(b) for a, b in zip(index, self.tile)):
+            return self.product
+        return None  # the epilogue reads the product elsewhere: not this template's
+
+    def _batch(self) -> tuple:
+        return (Lin.of(Var("pid_b", self.s.batch, block=False)),) if self.s.batched else ()
+
+    def spec(self) -> KernelSpec:
+        s, p = self.s, self.p
+        for v in list(self.region.inputs) + list(self.region.outputs):
+            p.check_extent(self.plan.values[v].numel)
+        p.check_extent(s.batch * s.m * s.n)
+        if self.gemv:
+            tunables = ["BLOCK_N", "BLOCK_K"]
+            grid = (f"cdiv({p.grid(s.n)}, BLOCK_N)", p.grid(s.batch))
+            body = self._gemv_body()
+            configs = gemv_configs(s)
+        else:
+            tunables = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"]
+            grid = (f"cdiv({p.grid(s.m)}, BLOCK_M) * cdiv({p.grid(s.n)}, BLOCK_N)",
+                    p.grid(s.batch))
+            body = self._tiled_body()
+            configs = tiled_configs(s, self.m_hi)
+        params = p.params() + [f"{t}: tl.constexpr" for t in tunables]
+        source = module_source(self.name, params, body, self.em.helpers, self.em.target,
+                               p.describe())
+        out = self.region.outputs[0]
+        meta = {"form": "gemv" if self.gemv else "tiled",
+                "dtype": str(s.dtype).replace("torch.", ""),
+                "out_dtype": str(self.plan.values[out].dtype).replace("torch.", ""),
+                "m_pad": _pow2(self.m_hi) if self.gemv else None,
+                "epilogue_loads": self._epilogue_loads}
+        return KernelSpec(self.name, source, p.args(), tunables, grid, configs, configs[0],
+                          "matmul", meta, 64 if p.needs_int64 else 32)
+
+    def _dot(self, x: str, w: str) -> str:
+        x, w = dot_operand(x, self.s.dtype, self.em.target), dot_operand(w, self.s.dtype,
+                                                                           self.em.target)
+        ieee = ', input_precision="ieee"' if self.s.dtype == torch.float32 else ""
+        return f"tl.dot({x}, {w}, acc{ieee}, out_dtype=tl.float32)"
+
+    def _load(self, name: str, index, mask) -> tuple[list[str], str]:
+        """Lines loading operand `name` at `index` (through its views), and the value."""
+        with self.em.block() as lines:
+            v = self.em.value(name, index, mask)
+        return lines, v.code
+
+    def _wide(self) -> str:
+        return ".to(tl.int64)" if self.p.needs_int64 else ""
+
+    def _tiled_body(self) -> list[str]:
+        s, p = self.s, self.p
+        m, n, k, wide = p.dim(s.m), p.dim(s.n), p.dim(s.k), self._wide()
+        head = [
+            f"pid_b = tl.program_id(1){wide}",
+            "pid = tl.program_id(0)",
+            f"grid_m = tl.cdiv({m}, BLOCK_M)",
+            f"grid_n = tl.cdiv({n}, BLOCK_N)",
+            "width = GROUP_M * grid_n",  # GROUP_M row tiles share B tiles in L2
+            "first_m = (pid // width) * GROUP_M",
+            "group_rows = tl.minimum(grid_m - first_m, GROUP_M)",
+            "pid_m = first_m + (pid % width) % group_rows",
+            "pid_n = (pid % width) // group_rows",
+            f"rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M){wide}",
+            f"rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N){wide}",
+            # Wrapped rows / columns read valid memory; only the store is masked.
+            f"ra2 = (rm % {m})[:, None]",
+            f"rb2 = (rn % {n})[None, :]",
+            "rk = tl.arange(0, BLOCK_K)",
+            "acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)",
+            f"for k0 in range(0, {k}, BLOCK_K):",
+        ]
+        kk_a, kk_b = Var("ka2", s.k), Var("kb2", s.k)
+        a_idx = self._batch() + (Lin.of(Var("ra2", s.m)), Lin.of(kk_a))
+        b_idx = self._batch() + (Lin.of(kk_b), Lin.of(Var("rb2", s.n)))
+        a_lines, a = self._load(s.a, a_idx, mask_of(Cond("ka_ok", frozenset({"ka2"}))))
+        b_lines, b = self._load(s.b, b_idx, mask_of(Cond("kb_ok", frozenset({"kb2"}))))
+        loop = [
+            "kk = k0 + rk",
+            "ka2 = kk[None, :]",
+            "kb2 = kk[:, None]",
+            f"ka_ok = ka2 < {k}",
+            f"kb_ok = kb2 < {k}",
+            *a_lines, *b_lines,
+            f"acc = {self._dot(a, b)}",
+        ]
+        tail = ["rm2 = rm[:, None]", "rn2 = rn[None, :]", f"m_ok = rm2 < {m}",
+                f"n_ok = rn2 < {n}"]
+        return head + ["    " + x for x in loop] + tail + self._finish()
+
+    def _gemv_body(self) -> list[str]:
+        s, p = self.s, self.p
+        m, n, k, wide = p.dim(s.m), p.dim(s.n), p.dim(s.k), self._wide()
+        mp = _pow2(self.m_hi)
+        head = [
+            f"pid_b = tl.program_id(1){wide}",
+            f"rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N){wide}",
+            f"rm = tl.arange(0, {mp})",
+            f"rb2 = (rn % {n})[None, :]",
+            f"acc = tl.zeros([{mp}, BLOCK_N], dtype=tl.float32)",
+            f"for k0 in range(0, {k}, BLOCK_K):",
+        ]
+        kk_b, kk_a = Var("kb2", s.k), Var("kk", s.k)
+        b_idx = self._batch() + (Lin.of(kk_b), Lin.of(Var("rb2", s.n)))
+        b_lines, w = self._load(s.b, b_idx, mask_of(Cond("kb_ok", frozenset({"kb2"}))))
+        loop = [f"kk = k0 + tl.arange(0, BLOCK_K){wide}", "kb2 = kk[:, None]",
+                f"k_ok = kk < {k}", f"kb_ok = kb2 < {k}", *b_lines,
+                f"w = {w}.to(tl.float32)"]
+        for mi in range(mp):  # rows unrolled: the weight tile is loaded once for all
+            # (the row condition is a tensor: the interpreter rejects scalar-bool masks)
+            row_ok = Cond(f"row_ok{mi}", frozenset({"kk"}))
+            a_idx = self._batch() + (Lin.of(mi), Lin.of(kk_a))
+            a_lines, x = self._load(s.a, a_idx, mask_of(Cond("k_ok", frozenset({"kk"})),
+                                                         row_ok))
+            loop += [f"row_ok{mi} = (kk * 0 + {mi}) < {m}", *a_lines,
+                     f"part = tl.sum({x}.to(tl.float32)[:, None] * w, 0)",
+                     f"acc += tl.where(rm[:, None] == {mi}, part[None, :], 0.0)"]
+        tail = ["rm2 = rm[:, None]", "rn2 = rn[None, :]", f"m_ok = rm2 < {m}",
+                f"n_ok = rn2 < {n}"]
+        return head + ["    " + x for x in loop] + tail + self._finish()
+
+    def _finish(self) -> list[str]:
+        """addmm's alpha, beta and bias; rounding to the product's dtype; the epilogue."""
+        s, em = self.s, self.em
+        mask = mask_of(Cond("m_ok", frozenset({"rm2"})), Cond("n_ok", frozenset({"rn2"})))
+        em.lines = []
+        if s.alpha != 1.0:
+            em.lines.append(f"acc = acc * {s.alpha!r}")
+        if s.bias is not None:
+            bshape = _shape(self.region, self.plan, s.bias.name)
+            bidx = broadcast_index(self.tile, self.anchor.shape, bshape)
+            bias = em.value(s.bias.name, bidx, mask)
+            scale = f" * {s.beta!r}" if s.beta != 1.0 else ""
+            em.lines.append(f"acc = acc + {bias}.to(tl.float32){scale}")
+        # the product in its own dtype, rounded as eager rounds it (the emitter's cast)
+        self.product = em.cast(Val("acc", torch.float32, frozenset({"rm2", "rn2"})), s.dtype)
+        out = self.region.outputs[0]
+        idx = reshape_index(self.tile, self.anchor.shape, self.plan.values[out].shape)
+        em.store(out, idx, em.value(out, idx, mask), mask)
+        self._epilogue_loads = sum("tl.load(" in x for x in em.lines)
+        return list(em.lines)

@@ -1,0 +1,136 @@
+"""Split a fused region whose kernel cannot fit the target (DESIGN.md, failure 1).
+
+Fusion is a choice, not a requirement: RoPE fused into attention saves a round trip
+through memory, but if every config of the fused kernel needs more shared memory
+than the target has, the fused region must come apart rather than fail. This file
+does the plan surgery; codegen decides when (it knows the resource figures).
+
+`split_prologue(plan, region, operand, why)` takes the ops that compute one operand
+of the region's anchor (the RoPE of the query, a mask built from arange) and moves
+them into a new pointwise region placed just before it. The operand becomes a plan
+value (contiguous, memory-planned); the anchor region keeps only the views between
+that value and the anchor, so its template reads it like any input. Both regions
+get a note saying what was split and why.
+
+Assumes a verified plan (every region's ops in dependency order, refs defined);
+establishes the same, with the new region's output produced before it is read.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+from kiln.ir.ops import OpCategory, category, resolve
+from kiln.ir.plan import DispatchPlan, Op, Ref, Region, RegionKind, Role, TensorValue
+
+log = logging.getLogger("kiln.dispatch")
+
+_NO_COMPUTE = {OpCategory.VIEW, OpCategory.CREATE, OpCategory.TUPLE}
+
+
+def _is_compute(op: Op) -> bool:
+    c = category(op.target)
+    if c == OpCategory.TUPLE or op.target == "getitem":
+        return False
+    return c not in _NO_COMPUTE
+
+
+def _closure(region: Region, roots: list[str], stop: set[str]) -> list[Op]:
+    """The ops of `region` needed for `roots`, not looking past `stop` or region inputs."""
+    by_name = {o.name: o for o in region.ops}
+    needed: set[str] = set()
+    stack = list(roots)
+    while stack:
+        name = stack.pop()
+        if name in needed or name in stop or name not in by_name:
+            continue
+        needed.add(name)
+        stack.extend(by_name[name].refs())
+    return [o for o in region.ops if o.name in needed]
+
+
+def materialisation_point(region: Region, operand: Ref) -> Op | None:
+    """The last compute op on the way to `operand` (what a split would materialise).
+
+    Walks back through views from the anchor's argument; None when the operand is
+    only a view of region inputs (nothing to split off).
+    """
+    if not isinstance(operand, Ref) or operand.name in region.inputs:
+        return None
+    op = region.op(operand.name)
+    while not _is_compute(op):
+        through = category(op.target) == OpCategory.VIEW or op.target == "getitem"
+        srcs = [r for r in op.refs() if r not in region.inputs]
+        if not through or not srcs:
+            return None
+        op = region.op(srcs[0])
+    return op
+
+
+def splittable_operands(region: Region) -> list[str]:
+    """Names of the anchor's tensor arguments that carry prologue compute."""
+    anchor = region.anchor()
+    out = []
+    for a in list(anchor.args) + list(anchor.kwargs.values()):
+        if isinstance(a, Ref) and materialisation_point(region, a) is not None \
+                and a.name not in out:
+            out.append(a.name)
+    return out
+
+
+def split_prologue(plan: DispatchPlan, region: Region, operand: str, why: str) -> Region | None:
+    """Move the compute behind the anchor argument `operand` into a new region before
+    `region`; returns the new region (None if that argument has no prologue)."""
+    point = materialisation_point(region, Ref(operand))
+    if point is None or point.shape is None:
+        return None
+    moved = [copy.deepcopy(o) for o in _closure(region, [point.name], set())]
+    inputs = _inputs_of(moved, region.inputs)
+    kind = (RegionKind.POINTWISE if any(category(o.target) == OpCategory.POINTWISE
+                                        for o in moved) else RegionKind.COPY)
+    role = operand_role(region.anchor(), operand)
+    new = Region(_fresh_name(plan, f"{region.name}_{role}"), kind, moved, inputs,
+                 [point.name], device=region.device)
+    plan.values[point.name] = TensorValue(point.name, tuple(point.shape), point.dtype,
+                                          Role.TEMP)
+    kept = _closure(region, list(region.outputs), {point.name})
+    region.ops = kept
+    region.inputs = _inputs_of(kept, region.inputs + [point.name])
+    n_compute = sum(_is_compute(o) for o in moved)
+    region.notes.append(f"split: the {role}'s prologue ({n_compute} ops computing "
+                        f"%{point.name}) moved to region {new.name}: {why}")
+    new.notes.append(f"split from region {region.name} (the {role}'s prologue): {why}")
+    plan.regions.insert(plan.regions.index(region), new)
+    log.info("split region %s: %%%s now comes from %s (%s)", region.name, point.name,
+             new.name, why)
+    return new
+
+
+def operand_role(anchor: Op, operand: str) -> str:
+    """The schema name of the anchor argument `operand` ('query', 'key', 'attn_mask')."""
+    for k, v in anchor.kwargs.items():
+        if v == Ref(operand):
+            return k
+    try:
+        schema = resolve(anchor.target)._schema.arguments
+    except (AttributeError, ValueError):
+        schema = []
+    for i, a in enumerate(anchor.args):
+        if a == Ref(operand):
+            return schema[i].name if i < len(schema) else f"arg{i}"
+    return operand
+
+
+def _inputs_of(ops: list[Op], candidates: list[str]) -> list[str]:
+    used = {r for o in ops for r in o.refs()}
+    return [v for v in dict.fromkeys(candidates) if v in used]
+
+
+def _fresh_name(plan: DispatchPlan, base: str) -> str:
+    names = {r.name for r in plan.regions}
+    name, i = base, 1
+    while name in names:
+        i += 1
+        name = f"{base}{i}"
+    return name

@@ -1,0 +1,249 @@
+"""The attention template under Triton's interpreter: GQA, causal, boolean and additive
+masks, masks and RoPE computed in the prologue, dynamic lengths with tails, decode
+against a KV cache; compared with eager PyTorch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kiln
+from kiln.ir.plan import RegionKind
+from kiln.models.kv_cache import ContiguousKVCache
+from kiln.models.llama import Attention, LlamaConfig, attention_mask, rope_tables
+from tests.helpers import rel_err
+
+
+def _attention_kernel(exe):
+    (region,) = [r for r in exe.plan.regions if r.kind == RegionKind.ATTENTION]
+    return region, exe.program.kplan.kernels[region.name]
+
+
+class Sdpa(torch.nn.Module):
+    def __init__(self, causal=False, gqa=True, scale=None):
+        super().__init__()
+        self.causal, self.gqa, self.scale = causal, gqa, scale
+
+    def forward(self, q, k, v, mask=None):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal,
+                                              scale=self.scale, enable_gqa=self.gqa)
+
+
+def _qkv(b, h, hkv, t, s, d=16, dtype=torch.float32):
+    return (torch.randn(b, h, t, d, dtype=dtype), torch.randn(b, hkv, s, d, dtype=dtype),
+            torch.randn(b, hkv, s, d, dtype=dtype))
+
+
+L = torch.export.Dim("L", min=1, max=64)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)])
+def test_gqa_with_dynamic_length_matches_eager(causal, dtype, tol):
+    model = Sdpa(causal=causal, scale=0.3 if causal else None)
+    args = _qkv(2, 4, 2, 9, 9, dtype=dtype)
+    ds = ({2: L}, {2: L}, {2: L})
+    exe = kiln.compile(model, args, dynamic_shapes=ds, target="interpret")
+    region, kernel = _attention_kernel(exe)
+    assert kernel.kind == "triton" and kernel.spec.meta["group"] == 2
+    for t in (9, 1, 37):  # tails of BLOCK_M and BLOCK_N; a single query
+        args = _qkv(2, 4, 2, t, t, dtype=dtype)
+        assert rel_err(exe(*args), model(*args)) <= tol, t
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_mask_input_broadcast_over_batch_and_heads(kind):
+    model = Sdpa()
+    q, k, v = _qkv(2, 4, 4, 11, 13)
+    mask = torch.rand(11, 13) > 0.3 if kind == "bool" else torch.randn(1, 4, 11, 13)
+    exe = kiln.compile(model, (q, k, v, mask), target="interpret")
+    assert _attention_kernel(exe)[1].kind == "triton"
+    mask = torch.rand(11, 13) > 0.3 if kind == "bool" else torch.randn(1, 4, 11, 13)
+    assert rel_err(exe(q, k, v, mask), model(q, k, v, mask)) <= 1e-5
+
+
+class PositionMasked(torch.nn.Module):
+    """The mask is built inside the region from arange and input positions (a prologue)."""
+
+    def forward(self, q, k, v, input_pos):
+        span = torch.arange(k.shape[2])
+        mask = span[None, :] <= input_pos[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def test_mask_computed_in_the_prologue_from_input_positions():
+    q, k, v = _qkv(1, 4, 1, 5, 24)  # MQA: one kv head
+    pos = torch.arange(7, 12)
+    exe = kiln.compile(PositionMasked(), (q, k, v, pos), target="interpret")
+    region, kernel = _attention_kernel(exe)
+    assert any(o.target == "aten.le.Tensor" for o in region.ops)  # fused, not a region
+    assert kernel.kind == "triton"
+    pos = torch.tensor([3, 9, 23, 0, 15])
+    assert rel_err(exe(q, k, v, pos), PositionMasked()(q, k, v, pos)) <= 1e-5
+
+
+def test_three_dimensional_operands():
+    model = Sdpa(causal=True, gqa=False)
+    q, k, v = torch.randn(3, 10, 16), torch.randn(3, 10, 16), torch.randn(3, 10, 16)
+    exe = kiln.compile(model, (q, k, v), target="interpret")
+    assert _attention_kernel(exe)[1].kind == "triton"
+    assert rel_err(exe(q, k, v), model(q, k, v)) <= 1e-5
+
+
+class AttentionBlock(torch.nn.Module):
+    """kiln.models.llama.Attention (RoPE, GQA, optional KV cache) on plain tensor inputs."""
+
+    def __init__(self, cfg: LlamaConfig, cache=None):
+        super().__init__()
+        self.attn = Attention(cfg, None)
+        self.attn.kv_cache = cache
+
+    def forward(self, x, cos, sin, mask, input_pos):
+        return self.attn(x, cos, sin, {None: mask}, input_pos, None)
+
+
+def block_inputs(cfg: LlamaConfig, t: int, start: int = 0, dtype=torch.float32,
+                 cached: bool = False, device=None):
+    """x, cos, sin, mask, input_pos for `t` tokens at positions start.., as Llama builds them."""
+    cos, sin = rope_tables(cfg)
+    pos = torch.arange(start, start + t)[None]
+    kv_pos = torch.arange(cfg.max_seq_len)[None] if cached else pos
+    args = (torch.randn(1, t, cfg.dim, dtype=dtype), cos[pos][:, :, None].to(dtype),
+            sin[pos][:, :, None].to(dtype), attention_mask(pos, kv_pos, None), pos)
+    return tuple(a.to(device) for a in args) if device is not None else args
+
+
+def block_dynamic_shapes(cfg: LlamaConfig, cached: bool = False):
+    T = torch.export.Dim("T", min=1, max=cfg.max_seq_len)
+    mask = {2: T} if cached else {2: T, 3: T}
+    return ({1: T}, {1: T}, {1: T}, mask, {1: T})
+
+
+SMALL = LlamaConfig(dim=64, n_heads=4, n_kv_heads=2, max_seq_len=48)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 1e-2),
+                                       (torch.bfloat16, 1e-2)])
+def test_llama_attention_block_with_rope_fused_into_q_and_k(dtype, tol):
+    block = AttentionBlock(SMALL).eval().to(dtype)
+    exe = kiln.compile(block, block_inputs(SMALL, 8, dtype=dtype),
+                       dynamic_shapes=block_dynamic_shapes(SMALL), target="interpret")
+    region, kernel = _attention_kernel(exe)
+    assert kernel.kind == "triton"
+    assert kernel.spec.meta["prologue_tiles"] > 0  # RoPE is computed as Q and K load
+    assert all(exe.program.kplan.kernels[r.name].kind == "triton" for r in exe.plan.regions
+               if r.kind in (RegionKind.MATMUL, RegionKind.ATTENTION))
+    with torch.no_grad():
+        for t in (8, 1, 21):
+            a = block_inputs(SMALL, t, dtype=dtype)
+            assert rel_err(exe(*a), block(*a)) <= tol, t
+
+
+def test_decode_against_a_kv_cache():
+    """Prefill writes the cache; decode steps (Tq = 1) read [B, S, Hkv, D] through it."""
+    import copy
+
+    block = AttentionBlock(SMALL, ContiguousKVCache(SMALL, 1, torch.float32)).eval()
+    eager = copy.deepcopy(block)
+    exe = kiln.compile(block, block_inputs(SMALL, 6, cached=True),
+                       dynamic_shapes=block_dynamic_shapes(SMALL, cached=True),
+                       target="interpret")
+    _, kernel = _attention_kernel(exe)
+    assert kernel.kind == "triton"
+    pos = 0
+    with torch.no_grad():
+        for t in (6, 1, 1, 3, 1):
+            a = block_inputs(SMALL, t, pos, cached=True)
+            assert rel_err(exe(*a), eager(*a)) <= 1e-5, (pos, t)
+            pos += t
+
+
+def test_decode_form_packs_the_query_group_into_one_tile():
+    """Tq bounded by 1: the default tile is 16 rows (the group's heads), not 128."""
+    model = Sdpa()
+    q, k, v = _qkv(1, 8, 2, 1, 30)
+    S = torch.export.Dim("S_len", min=1, max=64)
+    exe = kiln.compile(model, (q, k, v), dynamic_shapes=(None, {2: S}, {2: S}),
+                       target="interpret")
+    _, kernel = _attention_kernel(exe)
+    assert kernel.config["BLOCK_M"] == 16
+    for s in (30, 1, 17):
+        q, k, v = _qkv(1, 8, 2, 1, s)
+        assert rel_err(exe(q, k, v), model(q, k, v)) <= 1e-5
+
+
+def test_dropout_is_left_to_the_extern_form():
+    class Dropout(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+
+    from kiln.codegen.triton import attention
+
+    plan = kiln.compile(Dropout(), _qkv(1, 2, 2, 4, 4), compile_to="dispatch")
+    assert attention.analyse(plan.regions[0], plan) is None
+
+
+class ArangeCausal(torch.nn.Module):
+    """Two ways models build the causal mask: compare aranges, or torch's own tril."""
+
+    def __init__(self, tril: bool):
+        super().__init__()
+        self.tril = tril
+
+    def forward(self, q, k, v):
+        t, s = q.shape[2], k.shape[2]
+        if self.tril:
+            mask = torch.ones(t, s, dtype=torch.bool).tril()
+        else:
+            mask = torch.arange(s)[None, :] <= torch.arange(t)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize("tril", [False, True])
+def test_mask_built_from_aranges_is_recognised_as_causal(tril):
+    model = ArangeCausal(tril)
+    q, k, v = _qkv(1, 4, 2, 12, 12)
+    exe = kiln.compile(model, (q, k, v), target="interpret")
+    _, kernel = _attention_kernel(exe)
+    assert kernel.spec.meta["causal"] and kernel.spec.meta["mask"] is None
+    assert rel_err(exe(q, k, v), model(q, k, v)) <= 1e-5
+
+
+def test_a_shifted_mask_is_not_mistaken_for_causal():
+    class Shifted(torch.nn.Module):
+        def forward(self, q, k, v):
+            mask = torch.arange(k.shape[2])[None, :] <= torch.arange(q.shape[2])[:, None] + 2
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q, k, v = _qkv(1, 2, 2, 6, 9)
+    exe = kiln.compile(Shifted(), (q, k, v), target="interpret")
+    _, kernel = _attention_kernel(exe)
+    assert not kernel.spec.meta["causal"] and kernel.spec.meta["mask"] == "bool"
+    assert rel_err(exe(q, k, v), Shifted()(q, k, v)) <= 1e-5
+
+
+def test_head_dim_that_is_not_a_power_of_two():
+    model = Sdpa(causal=True)
+    q, k, v = _qkv(1, 2, 1, 7, 7, d=24)  # tiles of 32, the last 8 lanes masked
+    exe = kiln.compile(model, (q, k, v), target="interpret")
+    assert _attention_kernel(exe)[1].spec.meta["head_dim_pad"] == 32
+    assert rel_err(exe(q, k, v), model(q, k, v)) <= 1e-5
+
+
+@pytest.mark.parametrize("head_dim,dtype,target", [
+    (64, torch.float16, "cuda:sm_90"), (128, torch.bfloat16, "cuda:sm_80"),
+    (256, torch.float16, "rocm:gfx942"), (256, torch.bfloat16, "cuda:sm_90")])
+def test_llm_head_dims_compile_within_the_target(head_dim, dtype, target):
+    """Head dims 64..256 build for real GPUs (compile-only) at a config that fits."""
+    from kiln.codegen.fit import fitted_spec
+    from kiln.codegen.triton import attention
+    from kiln.codegen.triton.compiler import compile_binary
+    from kiln.target import get_target
+
+    S = torch.export.Dim("S_len", min=1, max=8192)
+    args = _qkv(1, 32, 8, 16, 16, d=head_dim, dtype=dtype)
+    plan = kiln.compile(Sdpa(causal=True), args, dynamic_shapes=({2: S}, {2: S}, {2: S}),
+                        compile_to="dispatch")
+    tgt = get_target(target)
+    spec = fitted_spec(plan.regions[0], plan, tgt, attention.generate)
+    res = compile_binary(spec, spec.default, tgt).resources
+    assert res.shared <= tgt.shared_mem_per_block and res.spills == 0, (spec.default, res)

@@ -1,0 +1,157 @@
+"""The matmul template under Triton's interpreter: mm / addmm / bmm with fused epilogues,
+the GEMV form, weights read in place, dynamic rows with tails; compared with eager."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kiln
+from kiln.codegen.triton import matmul
+from kiln.ir.plan import RegionKind
+from kiln.target import get_target
+from tests.helpers import rel_err
+
+T = torch.export.Dim("T", min=1, max=64)
+
+
+def _kernels(exe, kind=RegionKind.MATMUL):
+    kp = exe.program.kplan
+    return [kp.kernels[r.name] for r in exe.plan.regions if r.kind == kind]
+
+
+class LinearEpilogue(torch.nn.Module):
+    """addmm + relu + per-column scale + residual, and a cast to fp16 after a bias-free one."""
+
+    def __init__(self, k=40, n=24):
+        super().__init__()
+        self.lin = torch.nn.Linear(k, n)
+        self.lin2 = torch.nn.Linear(k, n, bias=False)
+        self.scale = torch.nn.Parameter(torch.randn(n))
+
+    def forward(self, x, r):
+        a = torch.relu(self.lin(x)) * self.scale + r
+        b = F.silu(self.lin2(x)).to(torch.float16)
+        return a, b
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 1e-2),
+                                       (torch.bfloat16, 1e-2)])
+def test_linear_with_fused_epilogue_matches_eager(dtype, tol):
+    model = LinearEpilogue().to(dtype)
+    x, r = torch.randn(2, 7, 40, dtype=dtype), torch.randn(2, 7, 24, dtype=dtype)
+    exe = kiln.compile(model, (x, r), dynamic_shapes=({1: T}, {1: T}), target="interpret")
+    kernels = _kernels(exe)
+    assert len(kernels) == 2 and all(k.kind == "triton" for k in kernels)
+    assert len(exe.plan.regions) == 2  # relu, scale, residual and cast fused: no more regions
+    for t in (7, 29, 1):  # tails of every tile size; one row
+        x, r = torch.randn(2, t, 40, dtype=dtype), torch.randn(2, t, 24, dtype=dtype)
+        with torch.no_grad():
+            for o, e in zip(exe(x, r), model(x, r)):
+                assert o.dtype == e.dtype and rel_err(o, e) <= tol, (t, rel_err(o, e))
+
+
+def test_weight_is_read_in_place_through_its_permute():
+    """permute(W) of an [N, K] weight is B with swapped strides: the kernel reads W."""
+    model = LinearEpilogue()
+    x, r = torch.randn(2, 7, 40), torch.randn(2, 7, 24)
+    exe = kiln.compile(model, (x, r), target="interpret")
+    region = next(rg for rg in exe.plan.regions if "p_lin2_weight" in rg.inputs)
+    spec = exe.program.kplan.kernels[region.name].spec
+    weight_arg = next(a for a in spec.args if a.value == "p_lin2_weight")
+    assert weight_arg.kind == "tensor"
+    assert any(r.role.value == "weight" for r in [exe.plan.values["p_lin2_weight"]])
+    # B[k, n] = W[n, k]: the load walks W's rows by K = 40, k contiguous
+    (load,) = [ln for ln in spec.source.splitlines() if f"tl.load({weight_arg.name} " in ln]
+    assert "40 * rb2" in load and "kb2" in load
+
+
+class SwiGLU(torch.nn.Module):
+    def __init__(self, d=32, h=48):
+        super().__init__()
+        self.gate = torch.nn.Linear(d, h, bias=False)
+        self.up = torch.nn.Linear(d, h, bias=False)
+        self.down = torch.nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def test_swiglu_silu_mul_fuses_into_a_matmul_epilogue():
+    model = SwiGLU()
+    x = torch.randn(1, 9, 32)
+    exe = kiln.compile(model, (x,), dynamic_shapes=({1: T},), target="interpret")
+    assert len(exe.plan.regions) == 3  # gate, up (+ silu * mul), down
+    fused = [r for r in exe.plan.regions if any(o.target == "aten.mul.Tensor" for o in r.ops)]
+    assert len(fused) == 1 and fused[0].kind == RegionKind.MATMUL
+    assert all(k.kind == "triton" for k in _kernels(exe))
+    for t in (9, 33):
+        x = torch.randn(1, t, 32)
+        with torch.no_grad():
+            assert rel_err(exe(x), model(x)) <= 1e-5
+
+
+class Bmm(torch.nn.Module):
+    def forward(self, a, b):
+        return torch.bmm(a, b.transpose(1, 2)) * 0.5
+
+
+def test_bmm_with_transposed_operand_and_dynamic_rows():
+    rows, cols = torch.export.Dim("rows", min=2, max=40), torch.export.Dim("cols", min=2, max=40)
+    a, b = torch.randn(3, 5, 24), torch.randn(3, 6, 24)
+    exe = kiln.compile(Bmm(), (a, b), dynamic_shapes=({1: rows}, {1: cols}), target="interpret")
+    assert all(k.kind == "triton" for k in _kernels(exe))
+    for s in (5, 19):
+        a, b = torch.randn(3, s, 24), torch.randn(3, s + 1, 24)
+        assert rel_err(exe(a, b), Bmm()(a, b)) <= 1e-5
+
+
+class Proj(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(48, 40)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("bound,form", [(4, "gemv"), (None, "tiled")])
+def test_decode_rows_get_the_gemv_form_and_unbounded_rows_the_tiled_one(bound, form):
+    """M = batch * T: bounded small (decode) gives GEMV; no upper bound still works."""
+    dim = torch.export.Dim("T", min=1, max=bound) if bound else torch.export.Dim("T", min=1)
+    model = Proj()
+    exe = kiln.compile(model, (torch.randn(2, 3, 48),), dynamic_shapes=({1: dim},),
+                       target="interpret")
+    (kernel,) = _kernels(exe)
+    assert kernel.spec.meta["form"] == form
+    if bound is None:
+        assert kernel.spec.index_bits == 64  # an unbounded M may pass int32 offsets
+    for t in (1, 3) if bound else (1, 3, 37):
+        x = torch.randn(2, t, 48)
+        with torch.no_grad():
+            assert rel_err(exe(x), model(x)) <= 1e-5
+
+
+def test_gemv_rounds_like_eager_in_half_precision():
+    model = Proj().half()
+    dim = torch.export.Dim("T", min=1, max=2)
+    exe = kiln.compile(model, (torch.randn(1, 2, 48).half(),), dynamic_shapes=({1: dim},),
+                       target="interpret")
+    assert _kernels(exe)[0].spec.meta["form"] == "gemv"
+    x = torch.randn(1, 1, 48).half()
+    with torch.no_grad():
+        assert rel_err(exe(x), model(x)) <= 1e-2
+
+
+def test_region_the_template_cannot_run_falls_back_to_torch():
+    """An integer matmul has no tensor-core template: it runs extern, with a note."""
+
+    class IntMM(torch.nn.Module):
+        def forward(self, a, b):
+            return torch.mm(a, b)
+
+    a, b = torch.randint(0, 5, (4, 6)), torch.randint(0, 5, (6, 3))
+    plan = kiln.compile(IntMM(), (a, b), compile_to="dispatch")
+    assert matmul.generate(plan.regions[0], plan, get_target("interpret")) is None
+    exe = kiln.compile(IntMM(), (a, b), target="interpret")
+    assert torch.equal(exe(a, b), a @ b)
+    assert any(n.startswith("extern") for n in exe.plan.regions[0].notes)
