@@ -20,6 +20,14 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(scope="session")
+def _gpu_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("kiln-gpu-cache")
+
+
 @pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "kiln-cache"))
+def _isolated_cache(request, tmp_path, monkeypatch, _gpu_cache):
+    # CPU tests each get a fresh cache (quarantine and tuning results never leak between
+    # them); GPU tests share one, so a kernel met in many tests is tuned once.
+    gpu = request.node.get_closest_marker("gpu") is not None
+    monkeypatch.setenv("KILN_CACHE_DIR", str(_gpu_cache if gpu else tmp_path / "kiln-cache"))
