@@ -23,7 +23,7 @@ did) or hangs takes the whole compile with it. Here:
    same model starts no worker and times nothing.
 
 The `interpret` target runs the spec's default config in Triton's interpreter (no
-compile, nothing to tune). Other options: "tune_timeout" (seconds per compile,
+compile, nothing to tune). KILN_TUNE sets the default mode. Other options: "tune_timeout" (seconds per compile,
 default 120) and "tune_workers" (pool size).
 """
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import warnings
 
 from kiln.codegen.autotune import quarantine as q
@@ -99,7 +100,7 @@ class Tuner:
 
     @classmethod
     def from_options(cls, target: Target, options: dict) -> Tuner:
-        return cls(target, options.get("tune") or "fast",
+        return cls(target, options.get("tune") or os.environ.get("KILN_TUNE") or "fast",
                    options.get("tune_compiler") or DEFAULT_COMPILER,
                    options.get("tune_timeout") or DEFAULT_TIMEOUT,
                    options.get("tune_workers"), options.get("example_env"))

@@ -17,6 +17,8 @@ def test_tiny_llama_cuda_prefill_decode(dtype, tol):
     model = tiny_llama(dtype=dtype).cuda()
     model.setup_cache(dtype)
     eager = copy.deepcopy(model)
+    ref32 = copy.deepcopy(model).float()  # what both low-precision runs approximate
+    ref32.setup_cache(torch.float32)
     args, dynamic = example_inputs(model.cfg, seq_len=8)
     args = tuple(a.cuda() for a in args)
     exe = kiln.compile(model, args, dynamic_shapes=dynamic, target="cuda")
@@ -24,8 +26,10 @@ def test_tiny_llama_cuda_prefill_decode(dtype, tol):
     for n in (13, 1, 1, 1):
         tokens = torch.randint(0, model.cfg.vocab_size, (1, n), device="cuda")
         input_pos = torch.arange(pos, pos + n, device="cuda")
-        out, ref = exe(tokens, input_pos), eager(tokens, input_pos)
-        assert rel_err(out, ref) <= tol, (n, rel_err(out, ref))
+        out, ref, exact = exe(tokens, input_pos), eager(tokens, input_pos), ref32(tokens, input_pos)
+        # kiln's rounding error is on the order of eager's own (both vs an fp32 run).
+        err, eager_err = rel_err(out, exact), rel_err(ref, exact)
+        assert err <= max(tol, 1.5 * eager_err), (n, err, eager_err)
         pos += n
 
 
