@@ -23,8 +23,8 @@ did) or hangs takes the whole compile with it. Here:
    same model starts no worker and times nothing.
 
 The `interpret` target runs the spec's default config in Triton's interpreter (no
-compile, nothing to tune). KILN_TUNE sets the default mode. Other options: "tune_timeout" (seconds per compile,
-default 120) and "tune_workers" (pool size).
+compile, nothing to tune). KILN_TUNE sets the default mode. Other options:
+"tune_timeout" (seconds per compile, default 120) and "tune_workers" (pool size).
 """
 
 from __future__ import annotations
