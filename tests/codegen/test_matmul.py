@@ -155,3 +155,19 @@ def test_region_the_template_cannot_run_falls_back_to_torch():
     exe = kiln.compile(IntMM(), (a, b), target="interpret")
     assert torch.equal(exe(a, b), a @ b)
     assert any(n.startswith("extern") for n in exe.plan.regions[0].notes)
+
+
+def test_static_single_row_epilogue_uses_the_gemv_template():
+    """M == 1 (a decode-only compile): the epilogue reads the product at row 0 by
+    broadcasting, which is the tile's own row; the region must still be generated."""
+    import kiln
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False), torch.nn.SiLU(),
+                              torch.nn.Linear(96, 64, bias=False))
+    x = torch.randn(1, 1, 64)
+    exe = kiln.compile(mlp, (x,), target="interpret")
+    kernels = [exe.program.kplan.kernels[r.name] for r in exe.plan.regions]
+    assert [k.kind for k in kernels] == ["triton", "triton"]
+    assert [k.spec.meta["form"] for k in kernels] == ["gemv", "gemv"]
+    x = torch.randn(1, 1, 64)
+    torch.testing.assert_close(exe(x), mlp(x), rtol=1e-5, atol=1e-5)

@@ -49,7 +49,9 @@ def test_llama3_8b_layer_prefill_and_decode_match_eager(dtype, tune):
     kernels = exe.program.kplan.kernels
     for r in exe.plan.regions:
         if r.kind in (RegionKind.MATMUL, RegionKind.ATTENTION):
-            assert kernels[r.name].kind == "triton", (r.name, r.notes)
+            # Timed tuning may rightly pick cuBLAS/SDPA when it is faster; never by failure.
+            timed_extern = any("extern is fastest" in n for n in r.notes)
+            assert kernels[r.name].kind == "triton" or timed_extern, (r.name, r.notes)
     pos = 0
     with torch.no_grad():
         for t in (512, 1, 1, 1):  # prefill, then decode steps against the cache
@@ -76,8 +78,10 @@ def test_decode_projections_use_the_gemv_form(dtype):
     mlp = mlp.to(dtype)
     x = torch.randn(1, 1, cfg.dim, device="cuda", dtype=dtype)
     exe = kiln.compile(mlp, (x,), target="cuda", options={"tune": "none"})
-    forms = [exe.program.kplan.kernels[r.name].spec.meta["form"] for r in exe.plan.regions
-             if r.kind == RegionKind.MATMUL]
+    mms = [r for r in exe.plan.regions if r.kind == RegionKind.MATMUL]
+    kernels = exe.program.kplan.kernels
+    assert all(kernels[r.name].kind == "triton" for r in mms), [r.notes for r in mms]
+    forms = [kernels[r.name].spec.meta["form"] for r in mms]
     assert forms == ["gemv", "gemv"]
     with torch.no_grad():
         assert rel_err(exe(x), mlp(x)) <= 1e-2

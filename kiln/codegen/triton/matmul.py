@@ -161,7 +161,8 @@ class _MatmulSource:
         return (rows, cols)
 
     def _acc_at(self, index):
-        if all(a.equals(b) for a, b in zip(index, self.tile)):
+        # A size-1 dim is read at index 0 by broadcasting ops: the same element as the tile's.
+        if all(d == 1 or a.equals(b) for a, b, d in zip(index, self.tile, self.anchor.shape)):
             return self.product
         return None  # the epilogue reads the product elsewhere: not this template's
 
