@@ -38,8 +38,10 @@ def test_logits_match_transformers_on_cuda(family, dtype, checkpoints, gpu_llms)
     tokens = torch.randint(3, llm.cfg.vocab_size, (1, 20))
     with torch.no_grad():
         ref = hf_model(tokens).logits  # fp32 on the CPU: the reference
-        hf_low = copy.deepcopy(hf_model).to(dtype)  # transformers' own rounding, for scale
-        ref_low = hf_low(tokens).logits.float()
+        # transformers' own fp16/bf16 run on the same GPU: the peer, and the scale of the
+        # rounding error a low-precision run has (logit tolerance 1e-2, or no worse than it)
+        hf_low = copy.deepcopy(hf_model).to("cuda", dtype)
+        ref_low = hf_low(tokens.cuda()).logits.float().cpu()
     out = [llm.forward(tokens[:, :13], torch.arange(13))]
     for p in range(13, 20):
         out.append(llm.forward(tokens[:, p:p + 1], torch.tensor([p])))

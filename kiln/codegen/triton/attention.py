@@ -28,7 +28,7 @@ import torch
 
 from kiln.codegen.select_kernels import register
 from kiln.codegen.triton.causal import is_causal_mask
-from kiln.codegen.triton.emit import Cond, Emitter, Val, mask_of, module_source
+from kiln.codegen.triton.emit import Cond, Emitter, Val, kernel_name, mask_of, module_source
 from kiln.codegen.triton.indexing import Lin, Var, floordiv, modidx, same
 from kiln.codegen.triton.matmul import dot_operand
 from kiln.codegen.triton.params import Params
@@ -178,7 +178,7 @@ class _AttentionSource:
         self.region, self.plan, self.s = region, plan, shape
         self.p = Params(plan.symbols)
         self.em = Emitter(region, plan, self.p, target)
-        self.name = f"attention_{region.name}"
+        self.name = kernel_name("attention", region)
         self.loop_loads = 0
         self.mask_loads = 0
         self.three_d = len(_shape(region, plan, shape.q)) == 3

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.codegen.select_kernels import register
-from kiln.codegen.triton.emit import Cond, Emitter, Val, mask_of, module_source
+from kiln.codegen.triton.emit import Cond, Emitter, Val, kernel_name, mask_of, module_source
 from kiln.codegen.triton.indexing import Lin, Var, broadcast_index, reshape_index
 from kiln.codegen.triton.params import Params
 from kiln.codegen.triton.spec import Config, KernelSpec
@@ -150,7 +150,7 @@ class _MatmulSource:
         self.tile = self._tile()
         self.em = Emitter(region, plan, self.p, target,
                           overrides={self.anchor.name: self._acc_at})
-        self.name = f"{'gemv' if gemv else 'matmul'}_{region.name}"
+        self.name = kernel_name("gemv" if gemv else "matmul", region)
 
     def _tile(self):
         """The product's index as the kernel's variables: (batch,) rows, cols."""
