@@ -330,7 +330,7 @@ def cmd_generate(args) -> int:
     llm = load(source, dtype=args.dtype, target=args.target, max_seq_len=args.max_seq_len,
                max_batch_size=len(args.prompt), paged=args.cache == "paged",
                block_size=args.block_size, random_weights=args.random_weights,
-               seed=args.seed)
+               seed=args.seed, cuda_graphs=False if args.no_cuda_graphs else None)
     print(f"loaded {source} and compiled for {llm.target} in "
           f"{time.perf_counter() - t0:.2f} s", file=sys.stderr)
     stop = list(args.stop) + list(args.stop_id)
@@ -466,6 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context length (default: the model's, at most 4096)")
     g.add_argument("--cache", choices=["contiguous", "paged"], default="contiguous")
     g.add_argument("--block-size", type=int, default=16, help="paged cache block size")
+    g.add_argument("--no-cuda-graphs", action="store_true",
+                   help="GPU: run decode steps without CUDA graphs (default: graphs on)")
     g.add_argument("-v", "--verbose", action="store_true", help="log every stage")
     g.set_defaults(fn=cmd_generate)
 

@@ -35,7 +35,7 @@ def builtin(name: str):
 def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="cpu",
          max_seq_len: int | None = None, max_batch_size: int = 1, paged: bool = False,
          block_size: int = 16, num_blocks: int | None = None,
-         random_weights: bool = False, seed: int = 0):
+         random_weights: bool = False, seed: int = 0, cuda_graphs: bool | None = None):
     """An LLM (kiln.models.generate.LLM), compiled for `target`, from `source`:
 
     - a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json);
@@ -46,6 +46,7 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
     dtype defaults to the checkpoint's (float32 for presets on the CPU, bfloat16 on a
     GPU). max_seq_len bounds the context (prompt and generated tokens); paged=True uses
     a paged KV cache of `block_size`-token blocks instead of a contiguous one.
+    cuda_graphs (default: on for GPU targets) replays decode steps as CUDA graphs.
     """
     from kiln.errors import CheckpointError, KilnError
     from kiln.models import hf
@@ -86,4 +87,5 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
         raise CheckpointError(f"{source} is neither a checkpoint directory nor a preset",
                               hint=f"presets: {', '.join(PRESETS)}")
     return LLM(model, tokenizer, stop_ids, target=tgt, max_batch_size=max_batch_size,
-               paged=paged, block_size=block_size, num_blocks=num_blocks, name=str(source))
+               paged=paged, block_size=block_size, num_blocks=num_blocks, name=str(source),
+               cuda_graphs=cuda_graphs)

@@ -12,6 +12,12 @@ last real token, so no real token attends to it, and decode overwrites it later
 decodes at its own position. With the contiguous cache a row keeps its cache row, so
 finished rows ride along (their output is ignored); the paged cache drops them.
 Choosing tokens (decoding.py) happens outside the compiled model.
+
+On a GPU, decode steps replay captured CUDA graphs, one per batch-size bucket (1, 2,
+4, ... max_batch): a batch is padded up to its bucket with rows that write position 0
+of an unused cache row (contiguous) or the reserved block 0 (paged), and the paged
+block table always has its full width, so every step of a bucket is the same graph.
+Prefill, whose length varies, runs without graphs.
 """
 
 from __future__ import annotations
@@ -74,7 +80,8 @@ class LLM:
 
     def __init__(self, model: Llama, tokenizer=None, stop_ids=(), *, target="cpu",
                  max_batch_size: int = 1, paged: bool = False, block_size: int = 16,
-                 num_blocks: int | None = None, name: str = ""):
+                 num_blocks: int | None = None, name: str = "",
+                 cuda_graphs: bool | None = None):
         self.model, self.cfg, self.name = model, model.cfg, name
         self.tokenizer, self.stop_ids = tokenizer, set(stop_ids)
         self.target = get_target(target)
@@ -86,6 +93,13 @@ class LLM:
         self.prefill_module = self._compile(seq_len=None)
         self.decode_module = self._compile(seq_len=1)
         self.compile_s = time.perf_counter() - t0
+        self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch_size]
+        self.buckets.append(max_batch_size)
+        self.cuda_graphs = self.target.is_gpu if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs:
+            if not self.target.is_gpu:
+                raise ArgumentError("CUDA graphs need a GPU target", hint="target='cuda'")
+            self.decode_module.cuda_graphs(max_graphs=len(self.buckets))
 
     @property
     def max_seq_len(self) -> int:
@@ -219,15 +233,23 @@ class LLM:
 
     def _decode(self, batch: list[_Seq], alloc: BlockAllocator | None) -> torch.Tensor:
         """One decode step; a finished row (contiguous cache only) repeats its last step."""
-        tokens = torch.tensor([[s.ids[-1]] for s in batch], device=self.device)
-        pos = torch.tensor([[min(s.pos, self.max_seq_len - 1)] for s in batch],
-                           device=self.device)
+        n = len(batch)
+        rows = n if not self.cuda_graphs else next(b for b in self.buckets if b >= n)
+        tokens = torch.zeros(rows, 1, dtype=torch.long)
+        pos = torch.zeros(rows, 1, dtype=torch.long)  # pad rows: position 0 of a spare row
+        tokens[:n, 0] = torch.tensor([s.ids[-1] for s in batch])
+        pos[:n, 0] = torch.tensor([min(s.pos, self.max_seq_len - 1) for s in batch])
         table = None
         if alloc is not None:
             for s in batch:
                 alloc.reserve(s.row, s.pos + 1)
-            table = alloc.block_table([s.row for s in batch], device=self.device)
-        return self.forward(tokens, pos, table)[:, -1]
+            width = self.model.cache.blocks_per_seq if self.cuda_graphs else None
+            table = alloc.block_table([s.row for s in batch], width)
+            if rows > n:  # pad rows own only block 0, which is never handed out
+                table = torch.cat([table, table.new_zeros(rows - n, table.shape[1])])
+            table = table.to(self.device)
+        logits = self.forward(tokens.to(self.device), pos.to(self.device), table)
+        return logits[:n, -1]
 
     # ---- helpers ---------------------------------------------------------------------
 

@@ -79,3 +79,22 @@ def test_cli_generate_on_cuda(checkpoints, capsys):
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert out.startswith("the lazy dog") and "generated 16" in err
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_cuda_graph_decode_gives_graph_free_tokens(paged, checkpoints):
+    """Decode through CUDA graphs (batch of 3 padded to the bucket of 4) gives exactly
+    the tokens graph-free decode gives, for both caches."""
+    path = checkpoints["llama3.1"][0]
+    prompts = [[5, 9, 13], list(range(3, 12)), list(range(20, 34))]
+    runs = []
+    for graphs in (False, True):
+        llm = kiln.models.load(path, dtype=torch.float16, target="cuda", max_batch_size=4,
+                               paged=paged, block_size=4, cuda_graphs=graphs)
+        assert llm.cuda_graphs == graphs
+        out = llm.generate(prompts, max_new_tokens=24, ignore_eos=True)
+        runs.append([g.ids for g in out])
+        if graphs:
+            assert set(llm.decode_module._graphs.graphs) and len(
+                llm.decode_module._graphs.graphs) <= len(llm.buckets)
+    assert runs[0] == runs[1]
