@@ -43,9 +43,12 @@ class Sdpa(torch.nn.Module):
 
 T = torch.export.Dim("T", min=1, max=4096)
 CASES = [  # (target, template, config): wgmma / mma.sync / MFMA, several stage counts
-    ("cuda:sm_90", "matmul", Config.make(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)),
-    ("cuda:sm_80", "matmul", Config.make(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=8)),
-    ("rocm:gfx942", "matmul", Config.make(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8)),
+    ("cuda:sm_90", "matmul", Config.make(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8,
+                                           SPLIT_K=1)),
+    ("cuda:sm_80", "matmul", Config.make(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=8,
+                                           SPLIT_K=1)),
+    ("rocm:gfx942", "matmul", Config.make(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8,
+                                           SPLIT_K=1)),
     ("cuda:sm_90", "attention", Config.make(8, 2, BLOCK_M=128, BLOCK_N=64)),
     ("cuda:sm_80", "attention", Config.make(4, 2, BLOCK_M=16, BLOCK_N=64)),
     ("rocm:gfx942", "attention", Config.make(4, 2, BLOCK_M=64, BLOCK_N=32)),
