@@ -32,6 +32,7 @@ from kiln.codegen.triton.causal import is_causal_mask
 from kiln.codegen.triton.emit import Cond, Emitter, Val, kernel_name, mask_of, module_source
 from kiln.codegen.triton.indexing import Lin, Var, floordiv, modidx, same
 from kiln.codegen.triton.matmul import dot_operand
+from kiln.codegen.triton.matmul_configs import can_split
 from kiln.codegen.triton.params import Params
 from kiln.codegen.triton.spec import Config, KernelSpec
 from kiln.codegen.triton.views import CodegenUnsupported
@@ -148,7 +149,7 @@ def config_space(shape: AttentionShape, rows_hi: int | None) -> list[Config]:
             for warps in ((8, 4) if bm * bn >= 128 * 64 else (4, 8)):
                 if warps == 8 and bm * bn < 64 * 64:
                     continue
-                for cap in (SPLIT_CAP, 1):
+                for cap in (SPLIT_CAP, 1) if can_split(bm * d, warps) else (1,):
                     configs.append(Config.make(warps, stages, BLOCK_M=bm, BLOCK_N=bn,
                                                KV_SPLIT=cap))
     return configs
@@ -157,16 +158,17 @@ def config_space(shape: AttentionShape, rows_hi: int | None) -> list[Config]:
 def heuristic(shape: AttentionShape, rows_hi: int | None, target: Target) -> Config:
     d = _pow2(max(shape.head_dim, shape.value_dim))
     if rows_hi is not None and rows_hi <= 16:
-        return Config.make(4, 2, BLOCK_M=16, BLOCK_N=64 if d <= 128 else 32,
-                           KV_SPLIT=SPLIT_CAP)
-    if target.backend == "hip":  # MFMA: one stage; 128-row tiles spill at head dim 128
-        return Config.make(4, 1, BLOCK_M=64, BLOCK_N=64 if d <= 128 else 32,
-                           KV_SPLIT=SPLIT_CAP)
-    if d <= 64:
-        return Config.make(4, 2, BLOCK_M=128, BLOCK_N=64, KV_SPLIT=SPLIT_CAP)
-    if d <= 128:
-        return Config.make(8, 2, BLOCK_M=128, BLOCK_N=64, KV_SPLIT=SPLIT_CAP)
-    return Config.make(8, 1, BLOCK_M=64, BLOCK_N=32, KV_SPLIT=SPLIT_CAP)
+        warps, stages, bm, bn = 4, 2, 16, 64 if d <= 128 else 32
+    elif target.backend == "hip":  # MFMA: one stage; 128-row tiles spill at head dim 128
+        warps, stages, bm, bn = 4, 1, 64, 64 if d <= 128 else 32
+    elif d <= 64:
+        warps, stages, bm, bn = 4, 2, 128, 64
+    elif d <= 128:
+        warps, stages, bm, bn = 8, 2, 128, 64
+    else:
+        warps, stages, bm, bn = 8, 1, 64, 32
+    cap = SPLIT_CAP if can_split(bm * d, warps) else 1
+    return Config.make(warps, stages, BLOCK_M=bm, BLOCK_N=bn, KV_SPLIT=cap)
 
 
 @register(RegionKind.ATTENTION)

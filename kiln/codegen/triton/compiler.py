@@ -140,15 +140,29 @@ def read_resources(ck, target: Target) -> Resources:
     return Resources(shared, regs, spills)
 
 
-def _cuda_registers(cubin: bytes) -> tuple[int | None, int | None]:
+def _cuobjdump(cubin: bytes, flag: str) -> str | None:
+    """cuobjdump's output for a cubin (the tool ships with Triton), None without it."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
-        return None, None
+        return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([str(tool), "--dump-resource-usage", f.name],
-                             capture_output=True, text=True, timeout=60).stdout
+        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True,
+                              timeout=60).stdout
+
+
+def disassemble(binary: Binary) -> str | None:
+    """A CUDA binary's SASS (is it on the fast path: HGMMA, LDGSTS, 16-byte loads?),
+    None for other backends or without cuobjdump."""
+    cubin = binary.asm.get("cubin")
+    return _cuobjdump(cubin, "--dump-sass") if isinstance(cubin, bytes) else None
+
+
+def _cuda_registers(cubin: bytes) -> tuple[int | None, int | None]:
+    out = _cuobjdump(cubin, "--dump-resource-usage")
+    if out is None:
+        return None, None
     m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", out)
     if not m:
         return None, None

@@ -5,8 +5,9 @@ wgmma fed from a 3-4 stage cp.async pipeline (Triton's own Hopper choices):
 128x256x64 with 8 warps (two warpgroups, each 64x256), 128x128x64 with 4 or 8 warps,
 and narrower tiles for small or skinny products. Elsewhere (mma.sync on sm_80/89,
 MFMA on gfx942, fp32's exact FMA path) the Ampere-era list. Every tile comes with a
-split-K cap of 1 and of `SPLIT_CAP` (kiln.codegen.triton.split): split-K pays when a
-product has fewer tiles than SMs (kv_proj: 512x1024 is 32 tiles of 128x128).
+split-K cap of 1 and, when its accumulator leaves registers to spare, of `SPLIT_CAP`
+(kiln.codegen.triton.split): split-K pays when a product has fewer tiles than SMs
+(kv_proj: 512x1024 is 32 tiles of 128x128).
 
 The default is the config with the least time under a wave model: the programs
 launched (tiles x splits) run in waves of one per SM, each as long as its tile's
@@ -60,6 +61,12 @@ def pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def can_split(acc_elems: int, warps: int) -> bool:
+    """Whether a tile may split: combining parts holds the accumulator and a part in
+    registers at once, so the accumulator must take at most 64 of a thread's 255."""
+    return acc_elems <= 64 * 32 * warps
+
+
 def rows_hint(m, m_hi: int | None) -> int:
     """The row count the default is chosen for."""
     if isinstance(m, int):
@@ -108,7 +115,7 @@ def tiled_configs(m, m_hi, n, k, batch, dtype: str, target: Target) -> list[Conf
             continue
         if isinstance(k, int) and bk > max(16, pow2(k)):
             continue
-        for cap in (1, SPLIT_CAP):
+        for cap in (1, SPLIT_CAP) if can_split(bm * bn, warps) else (1,):
             out.append(Config.make(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                                    GROUP_M=8, SPLIT_K=cap))
     if not out:
