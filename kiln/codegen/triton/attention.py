@@ -17,6 +17,13 @@ added to the scaled scores; `is_causal` is top-left aligned, as in torch (key j 
 query i), and a mask the prologue builds from aranges is recognised as causal
 (kiln.codegen.triton.causal). Sizes may be symbolic: the key loop and every tile are
 masked, never padded.
+
+The key loop runs in two parts: blocks wholly inside the keys and (causal) at or
+before every row's query need no key, row or causal mask; only the rest are masked.
+Causal row blocks run longest first. When the tiles are too few to fill the GPU
+(decode: one tile per KV head), the keys are split across programs
+(kiln.codegen.triton.split): each keeps its unnormalised output with its running max
+and sum, and the last program of a tile merges them by their maxima.
 """
 
 from __future__ import annotations
@@ -337,22 +344,23 @@ class _AttentionSource:
         numel = f"BLOCK_M * {dvp + 2}"
         acc_at = "ar[:, None] * " + str(dvp) + " + tl.arange(0, " + str(dvp) + ")[None, :]"
         m_at, l_at = f"BLOCK_M * {dvp} + ar", f"BLOCK_M * {dvp + 1} + ar"
-        store = ["ar = tl.arange(0, BLOCK_M)",
-                 f"tl.store({split.part(numel)} + {acc_at}, acc)",
-                 f"tl.store({split.part(numel)} + {m_at}, m_i)",
-                 f"tl.store({split.part(numel)} + {l_at}, l_i)"]
+        store = ["ar = tl.arange(0, BLOCK_M)",  # rows past the group's are never used
+                 f"tl.store({split.part(numel)} + {acc_at}, acc, mask=row_ok2)",
+                 f"tl.store({split.part(numel)} + {m_at}, m_i, mask=row_ok)",
+                 f"tl.store({split.part(numel)} + {l_at}, l_i, mask=row_ok)"]
         part = split.part(numel, "s")
+        m_part = split.load_part(f"{part} + {m_at}", "row_ok", 'float("-inf")')
         combine = [
             'm_i = tl.full([BLOCK_M], float("-inf"), tl.float32)',
             "for s in range(0, n_split):",
-            f"    m_i = tl.maximum(m_i, {split.load_part(f'{part} + {m_at}')})",
+            f"    m_i = tl.maximum(m_i, {m_part})",
             'm_use = tl.where(m_i == float("-inf"), 0.0, m_i)',
             "l_i = tl.zeros([BLOCK_M], tl.float32)",
             f"acc = tl.zeros([BLOCK_M, {dvp}], tl.float32)",
             "for s in range(0, n_split):",
-            f"    scale = tl.exp2({split.load_part(f'{part} + {m_at}')} - m_use)",
-            f"    l_i += {split.load_part(f'{part} + {l_at}')} * scale",
-            f"    acc += {split.load_part(f'{part} + {acc_at}')} * scale[:, None]",
+            f"    scale = tl.exp2({m_part} - m_use)",
+            f"    l_i += {split.load_part(f'{part} + {l_at}', 'row_ok')} * scale",
+            f"    acc += {split.load_part(f'{part} + {acc_at}', 'row_ok2')} * scale[:, None]",
         ]
         gate = [f"row_ok2 = rows2 < tl.where(last, {rows}, 0)"]  # only the last stores
         return split.arrive("KV_SPLIT", "pid_z * tl.num_programs(0) + pid_m", store, combine,

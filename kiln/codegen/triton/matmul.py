@@ -14,6 +14,12 @@ When the M dimension's upper bound is small (decode: M = batch) the region gets 
 GEMV form instead: each program owns BLOCK_N output columns for every row and
 streams the weight once, since a [16, K] x [K, N] tensor-core tile would mostly
 multiply padding. An unbounded M gets the tiled form with masked tails.
+
+Both forms may split K across programs when the output has too few tiles to fill the
+GPU (kiln.codegen.triton.split; the count is chosen at launch, up to the config's
+SPLIT_K): the last program of a tile sums the parts and alone runs the epilogue.
+K is loaded unmasked when every config's BLOCK_K divides it. Configs and the default
+choice: kiln.codegen.triton.matmul_configs.
 """
 
 from __future__ import annotations
@@ -239,10 +245,11 @@ class _MatmulSource:
 
     def _combine(self, tile: str, shape: str, numel: str, offs: str, n: str) -> list[str]:
         """With K split: store this part; the last program sums all parts and stores."""
-        store = [f"part_offs = {offs}", f"tl.store({split.part(numel)} + part_offs, acc)"]
+        store = [f"part_offs = {offs}",
+                 f"tl.store({split.part(numel)} + part_offs, acc, mask=m_ok & n_ok)"]
+        load = split.load_part(split.part(numel, "s") + " + part_offs", "m_ok & n_ok")
         combine = [f"acc = tl.zeros({shape}, dtype=tl.float32)",
-                   "for s in range(0, n_split):",
-                   f"    acc += {split.load_part(split.part(numel, 's') + ' + part_offs')}"]
+                   "for s in range(0, n_split):", f"    acc += {load}"]
         gate = [f"n_ok = rn2 < tl.where(last, {n}, 0)"]  # only the last program stores
         return split.arrive("SPLIT_K", tile, store, combine, gate)
 

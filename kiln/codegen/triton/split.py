@@ -74,6 +74,7 @@ def arrive(cap: str, tile: str, store: list[str], combine: list[str],
             *["    " + x for x in gate]]
 
 
-def load_part(address: str) -> str:
+def load_part(address: str, mask: str, other: str = "0.0") -> str:
+    """A part's elements under `mask` (padding rows and columns are never read)."""
     # .cg reads L2, where the other programs' stores are, never a stale L1 line
-    return f'tl.load({address}, cache_modifier=".cg")'
+    return f'tl.load({address}, mask={mask}, other={other}, cache_modifier=".cg")'
