@@ -57,7 +57,8 @@ def _kernel(model, args, **params):
     gen = matmul.generate if region.kind == RegionKind.MATMUL else attention.generate
     spec = gen(region, plan, get_target("interpret"))
     d = spec.default
-    config = Config.make(d.num_warps, d.num_stages, **{**d.as_dict(), **params})
+    warps, stages = params.pop("warps", d.num_warps), params.pop("stages", d.num_stages)
+    config = Config.make(warps, stages, **{**d.as_dict(), **params})
     inputs = {}
     for v in region.inputs:
         tv = plan.values[v]
@@ -176,3 +177,45 @@ def test_scratch_sizes_follow_the_launch_and_survive_json():
     assert spec.signature()[split.COUNTS] == "*i32"
     n = len(spec.args)  # the scratch pointers follow the arguments (16-byte aligned)
     assert spec.pointer_indices()[-2:] == [n, n + 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_split_forms_on_the_gpu_match_torch_at_every_launch(dtype):
+    """The interpreter runs programs one by one; on the GPU the parts race to the counter.
+    Fresh inputs and a poisoned output every launch: a missing barrier or fence shows as
+    an error that moves from launch to launch."""
+    from kiln.codegen.triton.compiler import compile_binary
+    from kiln.target import detect_cuda
+
+    h = dtype
+    cases = [  # (model, args, forced config): each splits into several parts
+        (Linear(4096, 1024).to(h), (torch.randn(1, 2, 4096, dtype=h),),
+         dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=16, warps=4, stages=1)),
+        (Linear(4096, 1024).to(h), (torch.randn(1, 256, 4096, dtype=h),),
+         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPLIT_K=8, warps=8, stages=3)),
+        (Sdpa(), (torch.randn(1, 32, 1, 128, dtype=h), torch.randn(1, 8, 2048, 128, dtype=h),
+                  torch.randn(1, 8, 2048, 128, dtype=h), torch.rand(1, 2048) > 0.2),
+         dict(BLOCK_M=16, BLOCK_N=64, KV_SPLIT=32, warps=4, stages=2)),
+    ]
+    target = detect_cuda()
+    for model, args, params in cases:
+        region, plan, interpreted, _ = _kernel(model, args, **params)
+        spec = (matmul.generate if region.kind == RegionKind.MATMUL else attention.generate)(
+            region, plan, target)
+        kernel = TritonKernel(region, spec, interpreted.config,
+                              compile_binary(spec, interpreted.config, target))
+        shapes = {v: (tuple(int(x) for x in plan.values[v].shape), plan.values[v].dtype)
+                  for v in [*region.inputs, *region.outputs]}
+        assert spec.grid_for({}, kernel.config)[2] > 1  # static sizes: no size arguments
+        for _ in range(20):
+            inputs = {v: (torch.rand(s, device="cuda") > 0.2 if d == torch.bool
+                          else torch.randn(s, dtype=d, device="cuda") * 0.05)
+                      for v, (s, d) in shapes.items() if v in region.inputs}
+            outs = {o: torch.full(shapes[o][0], float("nan"), dtype=shapes[o][1],
+                                  device="cuda") for o in region.outputs}
+            ref = {o: torch.empty_like(t) for o, t in outs.items()}
+            kernel.run(inputs, outs, {})
+            TorchKernel(region, "cuda").run(inputs, ref, {})
+            for o in region.outputs:
+                assert rel_err(outs[o].float(), ref[o].float()) <= 1e-2, spec.name
