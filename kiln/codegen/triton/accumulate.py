@@ -41,24 +41,30 @@ class Accumulators:
         return literal(info.min if low else info.max, dt)
 
     def tile_input(self, acc: Acc, mask) -> tuple[Val, str]:
-        """The accumulator's input at this tile, masked lanes set to the identity."""
+        """The accumulator's input at this tile, masked lanes set to the identity; and
+        code that is true where a live lane holds NaN."""
         em = self.em
         v = em.tensor(em.cast(acc.value(self.full_index(), mask), acc.dtype))
         tile = f"tl.broadcast_to({v}, [XBLOCK, RBLOCK])"
         m = " & ".join(sorted(c.code for c in mask))
         code = f"tl.where({m}, {tile}, {self.ident(acc)})" if m else tile
-        return em.let(code, acc.dtype, TILE), m
+        nan = f"(({tile} != {tile}) & {m})" if m else f"({tile} != {tile})"
+        return em.let(code, acc.dtype, TILE), nan
 
     def reduce_tile(self, acc: Acc, mask) -> None:
-        v, _ = self.tile_input(acc, mask)
-        self.final(acc, v, self.rindex_tile() if acc.kind.startswith("arg") else None)
+        # The NaN probe reads the value itself, not the masked tile: with one reduction
+        # reading the tile, the compiler folds the select into it instead of keeping a
+        # second copy of the row live (which spilled rows of 32K values).
+        v, nan = self.tile_input(acc, mask)
+        self.final(acc, v, self.rindex_tile() if acc.kind.startswith("arg") else None, nan)
 
     def rindex_tile(self) -> Val:
         dt = self.index_dtype
         return self.em.let(f"tl.broadcast_to(rindex, [XBLOCK, RBLOCK]).to({TL[dt]})", dt, TILE)
 
-    def final(self, acc: Acc, tile: Val, idx: Val | None) -> None:
-        """Reduce a [XBLOCK, RBLOCK] tile of partial results to the row value.
+    def final(self, acc: Acc, tile: Val, idx: Val | None, nan: str | None = None) -> None:
+        """Reduce a [XBLOCK, RBLOCK] tile of partial results to the row value (`nan`:
+        where a lane holds NaN, for max / min; by default the tile's own NaNs).
 
         tl.reduce with triton.language's own combine functions (what tl.sum / tl.max
         call): the interpreter cannot call tl.sum itself, but it recognises these and
@@ -75,7 +81,7 @@ class Accumulators:
             em.need("_prod")
             acc.result = em.let(f"tl.reduce({tile}, 1, _prod)[:, None]", dt, ROW)
         else:
-            acc.result = self.extreme(tile, "max" if k in ("max", "argmax") else "min", dt)
+            acc.result = self.extreme(tile, "max" if k in ("max", "argmax") else "min", dt, nan)
             if idx is not None:  # the first position holding it (the first NaN, if any)
                 m = acc.result
                 cand = f"({tile} == {m})"
@@ -85,14 +91,15 @@ class Accumulators:
                 acc.index = em.let(f"tl.reduce(tl.where({cand}, {idx}, {never}), 1, "
                                    "tl.standard._elementwise_min)[:, None]", idx.dtype, ROW)
 
-    def extreme(self, tile: Val, kind: str, dt) -> Val:
+    def extreme(self, tile: Val, kind: str, dt, nan: str | None = None) -> Val:
         """Row max / min. Floating max/min ignore NaN in the interpreter and in PTX's
         max.f32, so a NaN count restores torch's NaN propagation."""
         em = self.em
         r = em.let(f"tl.reduce({tile}, 1, tl.standard._elementwise_{kind})[:, None]", dt, ROW)
         if not dt.is_floating_point:
             return r
-        nans = em.let(f"tl.reduce(({tile} != {tile}).to(tl.int32), 1, "
+        nan = nan or f"({tile} != {tile})"
+        nans = em.let(f"tl.reduce({nan}.to(tl.int32), 1, "
                       "tl.standard._sum_combine)[:, None]", torch.int32, ROW)
         return em.let(f'tl.where({nans} > 0, float("nan"), {r})', dt, ROW)
 
