@@ -201,3 +201,37 @@ def _sass(cubin: bytes) -> str:
         f.flush()
         return subprocess.run([str(tool), "--dump-sass", f.name], capture_output=True,
                               text=True, timeout=60).stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forms_on_gpu(dtype):
+    """Each form at its default config on the GPU: a 32000-wide row held whole (1024
+    threads), a 128256-wide one looped, and split sums whose atomics really race."""
+    import kiln
+
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    dims = [torch.export.Dim(n, min=2, max=1 << 20) for n in ("R", "S", "C")]
+
+    def check(model, args, dyn=None):
+        exe = kiln.compile(model, args, dynamic_shapes=dyn, target="cuda",
+                           options={"tune": "none"})
+        assert all(isinstance(k, TritonKernel) for k in exe.program.kplan.kernels.values())
+        return exe
+
+    x = (torch.randn(64, 32000) * 3).to(dtype).cuda()
+    exe = check(Wide(), (x,))
+    assert "persistent" in _forms(exe)
+    assert_matches(exe(x), Wide()(x), tol)
+    x = (torch.randn(5, 128256) * 3).to(dtype).cuda()
+    exe = check(Softmaxes(), (x,))
+    assert_matches(exe(x), Softmaxes()(x), tol)
+    def sums_args(n):  # positive: sums of 10^5 terms that do not cancel, so fp32 orders
+        return (torch.rand(n, 700).cuda(), torch.rand(4, n, 96).cuda(),  # agree to 1e-5
+                torch.rand(6, n * 10).to(dtype).cuda())
+
+    exe = check(Sums(), sums_args(3000), ({0: dims[0]}, {1: dims[1]}, {1: dims[2]}))
+    assert set(_forms(exe)) == {"split"}
+    for n in (4099, 777):  # the second call must not add into the first one's results
+        args = sums_args(n)
+        assert_matches(exe(*args), Sums()(*args), 1e-5)
