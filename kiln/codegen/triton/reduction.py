@@ -287,14 +287,16 @@ class RowKernel:
         backwards = self._sweeps % 2 == 1
         self._sweeps += 1
         head = []
+        stages = "num_stages=RSTAGES"  # loads run RSTAGES - 1 chunks ahead (cp.async)
         if self.split:  # one sweep only: the split form has no later stage
-            em.lines.append("for roffset in range(rstart, rstop, RBLOCK):")
+            em.lines.append(f"for roffset in tl.range(rstart, rstop, RBLOCK, {stages}):")
         elif backwards:
-            em.lines.append(f"for rstep in range(0, ({r_code} + RBLOCK - 1) // RBLOCK):")
+            em.lines.append(f"for rstep in tl.range(0, ({r_code} + RBLOCK - 1) // RBLOCK, "
+                            f"{stages}):")
             head.append(f"roffset = ({r_code} + RBLOCK - 1) // RBLOCK * RBLOCK - RBLOCK"
                         " - rstep * RBLOCK")
         else:
-            em.lines.append(f"for roffset in range(0, {r_code}, RBLOCK):")
+            em.lines.append(f"for roffset in tl.range(0, {r_code}, RBLOCK, {stages}):")
         head += ["rindex = roffset + tl.arange(0, RBLOCK)[None, :]", f"rmask = rindex < {r_code}"]
         em.lines.extend(indent(head + body))
 
@@ -364,7 +366,8 @@ class RowKernel:
         em, args = self.em, self.args
         kind = "reduction"
         name = kernel_name(kind, self.region)
-        params = args.params() + ["XBLOCK: tl.constexpr", "RBLOCK: tl.constexpr"]
+        tunables = ["XBLOCK", "RBLOCK"] + ([] if self.persistent else ["RSTAGES"])
+        params = args.params() + [f"{t}: tl.constexpr" for t in tunables]
         source = module_source(name, params, em.lines, em.helpers, self.target, args.describe())
         configs, default = self.configs()
         outer_code = args.dim(self.outer)
@@ -372,7 +375,7 @@ class RowKernel:
         if self.split:
             grid += (split_grid(outer_code, args.dim(self.rnumel)),)
         return KernelSpec(
-            name, source, args.kernel_args(), ["XBLOCK", "RBLOCK"], grid, configs, default,
+            name, source, args.kernel_args(), tunables, grid, configs, default,
             kind, {"persistent": self.persistent, "form": self.form, "rnumel": str(self.rnumel),
                    "outer": str(self.outer), "dims": list(self.dims)},
             index_bits=64 if self.wide else 32,
@@ -383,9 +386,10 @@ class RowKernel:
         return "persistent" if self.persistent else "split" if self.split else "looped"
 
     def configs(self) -> tuple[list[Config], Config]:
+        loads = sum(self.em.dtype(v).itemsize for v in self.region.inputs)
         return reduction_configs(self.form, self.rbound,
                                  upper_bound(self.outer, self.plan.symbols), self.innermost,
-                                 self.static, self.target)
+                                 self.static, self.target, loads)
 
 
 def _same_shape(a, b) -> bool:

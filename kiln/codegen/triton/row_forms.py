@@ -31,6 +31,9 @@ PERSISTENT_MAX_DYNAMIC = 1024  # ... when the size is dynamic (a padded tile cos
 # when it is short.
 PERSISTENT_MAX_STRIDED = 64
 HELD_BYTES_PER_THREAD = 128  # of a row held in registers, at the largest block
+# Shared memory a default config may stage for pipelined loads: fits every target
+# (gfx942 has 64 KiB), so the heuristic config never needs a fallback.
+DEFAULT_STAGED = 48 * 1024
 
 # The split form: aim for about this many programs (a few per SM on today's GPUs: 132 on
 # H100/H200, 108 on A100, 304 on MI300X), each reducing at least SPLIT_MIN_CHUNKS chunks
@@ -60,25 +63,44 @@ def split_grid(outer_code: str, rnumel_code: str) -> str:
 
 
 def reduction_configs(form: str, rbound: int | None, outer_bound: int | None,
-                      innermost: bool, static: bool, target: Target
+                      innermost: bool, static: bool, target: Target, load_bytes: int = 4
                       ) -> tuple[list[Config], Config]:
-    """Candidates (XBLOCK, RBLOCK, num_warps) and the heuristic default, best guesses
-    first: the tuner's fast mode tries the default and the first of its neighbours.
+    """Candidates (XBLOCK, RBLOCK, num_warps; RSTAGES for loops) and the heuristic
+    default, best guesses first: the tuner's fast mode tries the default and the first
+    of its one-knob neighbours.
 
-    form: "persistent" | "looped" | "split".
+    form: "persistent" | "looped" | "split". RSTAGES pipelines a loop's loads
+    (tl.range(num_stages=...): RSTAGES - 1 chunks in flight ahead, through shared
+    memory); `load_bytes`, the bytes one chunk element loads over all inputs, bounds it.
     """
     max_warps = max(1, target.max_threads_per_block // target.warp_size)
     xcap = triton.next_power_of_2(outer_bound) if outer_bound else 1024
     if form == "persistent":
         configs, default = _persistent(rbound, xcap, innermost, max_warps, target.warp_size)
+        return [default] + [c for c in dict.fromkeys(configs) if c != default], default
+    rcap = triton.next_power_of_2(rbound) if rbound else 1 << 30
+    # A loop over few programs needs loads in flight; the split form has many programs.
+    # Strided chunks stage one ahead (three stages of a column gather spilled on sm_90).
+    want = 1 if form == "split" else 3 if innermost else 2
+
+    def staged(x, r, s):  # shared memory holding the loads in flight
+        return (s - 1) * x * r * load_bytes if s > 1 else 0
+
+    if innermost:
+        near, rest, (xb, rb, w) = _looped_rows(rcap, static, max_warps)
     else:
-        rcap = triton.next_power_of_2(rbound) if rbound else 1 << 30
-        if innermost:
-            configs, default = _looped_rows(rcap, xcap, static, max_warps)
-        else:
-            configs, default = _looped_strided(rcap, xcap, max_warps)
-    configs = [default] + [c for c in dict.fromkeys(configs) if c != default]
-    return configs, default
+        near, rest, (xb, rb, w) = _looped_strided(rcap, xcap, max_warps)
+    st = next(s for s in (want, 2, 1) if s <= want and staged(xb, rb, s) <= DEFAULT_STAGED)
+    default = Config.make(w, 1, XBLOCK=xb, RBLOCK=rb, RSTAGES=st)
+    near = [(x, r, ws, st) for x, r, ws in near] + [(xb, rb, w, s) for s in (st + 1, st - 1)]
+    rest = [(x, r, ws, s) for x, r, ws in rest for s in (1, 2, 3)]
+    configs = []
+    for x, r, ws, s in near + rest:
+        if (1 <= x <= xcap and 1 <= r <= rcap and 1 <= ws <= max_warps and 1 <= s <= 4
+                and ws * target.warp_size <= max(x * r, 32) * (1 if innermost else 2)
+                and staged(x, r, s) <= target.shared_mem_per_block // 2):
+            configs.append(Config.make(ws, 1, XBLOCK=x, RBLOCK=r, RSTAGES=s))
+    return [default] + [c for c in dict.fromkeys(configs) if c != default], default
 
 
 def _persistent(rbound, xcap, innermost, max_warps, warp_size):
@@ -108,26 +130,20 @@ def _persistent(rbound, xcap, innermost, max_warps, warp_size):
     return configs, default
 
 
-def _looped_rows(rcap, xcap, static, max_warps):
-    """Innermost rows swept in chunks, one row per program. Long static rows (a 128K
-    vocabulary) take 4K chunks over 16 warps: fewer, larger programs keep fewer rows in
-    flight, so a later sweep finds more of its row still in L2."""
+def _looped_rows(rcap, static, max_warps):
+    """Innermost rows swept in chunks, one row per program: (neighbours, others, the
+    default's (XBLOCK, RBLOCK, warps)). Long static rows (a 128K vocabulary) take 4K
+    chunks over 16 warps: fewer, larger programs keep fewer rows in flight, so a later
+    sweep finds more of its row still in L2."""
     long_rows = static and rcap >= 65536
     rb = min(4096 if long_rows else 2048, rcap)
     w = min(16 if long_rows else 8, max_warps, max(1, rb // 128))
-    default = Config.make(w, 1, XBLOCK=1, RBLOCK=rb)
-
-    def ok(x, r, warps):
-        return x <= xcap and r <= rcap and warps <= max_warps and warps * 32 <= x * r
-
-    near = [(1, rb * 2, w), (1, rb // 2, w), (1, rb, w * 2), (1, rb, w // 2),
-            (2, rb // 2, w), (1, rb * 4, w)]
-    rest = [(1, r, warps) for r in (1024, 2048, 4096, 8192, 16384) for warps in (4, 8, 16, 32)]
+    near = [(1, rb * 2, w), (1, rb, w * 2), (1, rb // 2, w), (1, rb, w // 2), (2, rb, w),
+            (1, rb * 4, w)]
+    rest = [(1, r, ws) for r in (1024, 2048, 4096, 8192, 16384) for ws in (4, 8, 16, 32)]
     rest += [(2, 1024, 4), (2, 2048, 8), (4, 512, 4), (8, 256, 4)]
-    rest += [(1, r, warps) for r in (64, 128, 256, 512) for warps in (1, 2, 4)]
-    configs = [Config.make(warps, 1, XBLOCK=x, RBLOCK=r) for x, r, warps in near + rest
-               if warps >= 1 and ok(x, r, warps)]
-    return configs, default
+    rest += [(1, r, ws) for r in (64, 128, 256, 512) for ws in (1, 2, 4)]
+    return near, rest, (1, rb, w)
 
 
 def _looped_strided(rcap, xcap, max_warps):
@@ -136,19 +152,12 @@ def _looped_strided(rcap, xcap, max_warps):
     xb = min(64, xcap)
     rb = min(64, rcap)
     w = 8 if xb * rb >= 4096 else max(1, min(4, xb * rb // 256))
-    default = Config.make(w, 1, XBLOCK=xb, RBLOCK=rb)
-
-    def ok(x, r, warps):
-        return (x <= xcap and r <= rcap and 128 <= x * r <= 16384 and warps <= max_warps
-                and warps * 64 <= x * r)
-
     near = [(xb * 2, rb, w), (xb // 2, rb, w), (xb, rb * 2, w), (xb, rb // 2, w),
-            (xb, rb, w * 2), (xb, rb, w // 2), (xb, rb * 4, w)]
-    rest = [(x, r, warps) for x in (64, 32, 128, 16, 8, 4, 2, 1)
-            for r in (64, 32, 128, 16, 256, 8) for warps in (8, 4, 16, 2)]
-    configs = [Config.make(warps, 1, XBLOCK=x, RBLOCK=r) for x, r, warps in near + rest
-               if x >= 1 and r >= 1 and warps >= 1 and ok(x, r, warps)]
-    return configs, default
+            (xb, rb, w * 2), (xb, rb, w // 2)]
+    rest = [(x, r, ws) for x in (64, 32, 128, 16, 8, 4, 2, 1)
+            for r in (64, 32, 128, 16, 256, 8) for ws in (8, 4, 16, 2)
+            if 128 <= x * r <= 16384]
+    return near, rest, (xb, rb, w)
 
 
 def _floor_pow2(n: int) -> int:
