@@ -117,8 +117,8 @@ class RowKernel:
         """The widest value computed per element (for how long a row registers hold):
         the input's, or the accumulator's (an int64 sum); argmax positions are int32."""
         dts = [self.em.dtype(r.args[0].name) for r in self.reds]
-        dts += [r.dtype for r in self.reds if r.dtype is not None and r.dtype.is_floating_point
-                or r.target.startswith(("aten.sum", "aten.prod"))]
+        dts += [r.dtype for r in self.reds if r.dtype is not None and (
+            r.dtype.is_floating_point or r.target.startswith(("aten.sum", "aten.prod")))]
         return max(opmath(dt).itemsize for dt in dts)
 
     def _splittable(self) -> bool:

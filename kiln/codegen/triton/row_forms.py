@@ -4,10 +4,12 @@ A row kernel (reduction.py) reduces rows of `rnumel` elements, `outer` of them. 
 
 - persistent: the row is one RBLOCK tile in registers, read once. Rows up to what one
   block can hold: 32 values of 4 bytes per thread at the target's largest block (32768
-  on sm_80/sm_90/gfx942; 128 bytes of a thread's 255 registers, so the row, a temporary
-  tile and the indices fit without spilling). Softmax over a 32000-word vocabulary stays
-  in one read and one write instead of two reads and a write.
-- looped: longer (or unbounded) rows are swept in RBLOCK chunks.
+  on sm_80/sm_90/gfx942: half the 64 registers each of 1024 threads has, leaving room
+  for temporaries and indices without spilling). Softmax over a 32000-word vocabulary
+  takes one read and one write instead of two reads and a write.
+- looped: longer (or unbounded) rows are swept in RBLOCK chunks, loads running
+  RSTAGES - 1 chunks ahead (tl.range's pipelining: cp.async through shared memory),
+  since one program per long row leaves few programs to hide latency with.
 - split (a looped form): when the rows are few, a second grid axis splits each row into
   chunks; each program reduces its chunk and adds its partial result atomically into
   the output, which the launch zeroes first (KernelSpec.zero_outputs). Only for fp32
