@@ -27,7 +27,7 @@ from kiln.target import Target
 class Resources:
     shared: int  # bytes of shared memory per block
     registers: int | None = None  # per thread
-    spills: int | None = None  # spilled registers (local memory words)
+    spills: int | None = None  # spilled registers (stack / local memory words)
     threads: int = 0  # per block
 
     def to_json(self) -> dict:
@@ -141,6 +141,10 @@ def read_resources(ck, target: Target) -> Resources:
 
 
 def _cuda_registers(cubin: bytes) -> tuple[int | None, int | None]:
+    """Registers per thread and spilled words. Spills live in the stack frame (STACK;
+    LOCAL counts only .local variables, which Triton kernels have none of), but a frame
+    of a few bytes is also reserved where nothing spills: words count as spilled only
+    when the code stores to local memory (STL)."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
         return None, None
@@ -149,10 +153,15 @@ def _cuda_registers(cubin: bytes) -> tuple[int | None, int | None]:
         f.flush()
         out = subprocess.run([str(tool), "--dump-resource-usage", f.name],
                              capture_output=True, text=True, timeout=60).stdout
-    m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", out)
-    if not m:
-        return None, None
-    return int(m.group(1)), int(m.group(2)) // 4
+        m = re.search(r"REG:(\d+)\s+STACK:(\d+).*?LOCAL:(\d+)", out)
+        if not m:
+            return None, None
+        frame = max(int(m.group(2)), int(m.group(3)))
+        if frame:
+            sass = subprocess.run([str(tool), "--dump-sass", f.name], capture_output=True,
+                                  text=True, timeout=60).stdout
+            frame = frame if re.search(r"\bSTL\b|\bSTL\.", sass) else 0
+    return int(m.group(1)), frame // 4
 
 
 def _amd_registers(text: str) -> tuple[int | None, int | None]:

@@ -105,6 +105,8 @@ class KernelSpec:
     template: str  # "pointwise", "reduction", "matmul", "attention": picks the resource model
     meta: dict = field(default_factory=dict)  # template parameters (tile shapes, dtypes, ...)
     index_bits: int = 32  # 64 when some size may exceed 2**31 - 1
+    # output values every launch zeroes before the kernel runs (the kernel adds into them)
+    zero_outputs: list[str] = field(default_factory=list)
 
     @property
     def source_hash(self) -> str:
@@ -136,7 +138,7 @@ class KernelSpec:
             "args": [a.to_json() for a in self.args], "tunables": list(self.tunables),
             "grid": list(self.grid), "configs": [c.to_json() for c in self.configs],
             "default": self.default.to_json(), "template": self.template, "meta": self.meta,
-            "index_bits": self.index_bits,
+            "index_bits": self.index_bits, "zero_outputs": list(self.zero_outputs),
         }
 
     @staticmethod
@@ -145,7 +147,7 @@ class KernelSpec:
             d["name"], d["source"], [KernelArg.from_json(a) for a in d["args"]],
             list(d["tunables"]), tuple(d["grid"]), [Config.from_json(c) for c in d["configs"]],
             Config.from_json(d["default"]), d["template"], dict(d.get("meta", {})),
-            d.get("index_bits", 32),
+            d.get("index_bits", 32), list(d.get("zero_outputs", [])),
         )
 
 
