@@ -6,7 +6,7 @@ from kiln import errors
 from kiln.api import CompiledModule, compile, load
 from kiln.target import TARGETS as targets
 from kiln.target import Target, get_target
+from kiln.version import __version__ as __version__
 
 __all__ = ["compile", "load", "Dim", "targets", "Target", "get_target", "errors",
            "CompiledModule"]
-__version__ = "0.1.0"

@@ -286,7 +286,10 @@ def _run_llm(args, spec: ModelSpec) -> int:
     prompt = torch.randint(0, model.cfg.vocab_size, (1, args.prompt_len), generator=gen)
     pos = torch.arange(args.prompt_len)
     t0 = time.perf_counter()
-    logits = exe(prompt, pos)
+    exe(prompt, pos)  # the first call also lays out memory and loads kernels
+    t_first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    logits = exe(prompt, pos)  # the same prefill again (it rewrites the same cache rows)
     t_prefill = time.perf_counter() - t0
     ref = eager(prompt, pos)
     worst = ((logits - ref).norm() / ref.norm()).item()
@@ -304,7 +307,8 @@ def _run_llm(args, spec: ModelSpec) -> int:
     print(f"prompt ({args.prompt_len} tokens): {prompt[0].tolist()}")
     print(f"generated ({len(tokens)} tokens): {tokens}")
     per_tok = sum(t_decode) / max(len(t_decode), 1)
-    print(f"prefill: {t_prefill * 1e3:.2f} ms   decode: {per_tok * 1e3:.2f} ms/token "
+    print(f"first call: {t_first * 1e3:.2f} ms   prefill: {t_prefill * 1e3:.2f} ms   "
+          f"decode: {per_tok * 1e3:.2f} ms/token "
           f"({1 / per_tok if per_tok else float('inf'):.1f} tok/s)")
     print(f"max relative error vs eager PyTorch: {worst:.2e}")
     return 0

@@ -32,9 +32,9 @@ FORMAT_NAME = "kiln-artifact"
 def versions() -> dict[str, str]:
     import triton
 
-    import kiln
+    from kiln.version import __version__
 
-    return {"kiln": kiln.__version__, "torch": torch.__version__, "triton": triton.__version__}
+    return {"kiln": __version__, "torch": torch.__version__, "triton": triton.__version__}
 
 
 def _kernel_entry(name: str, kernel, kernels_dir: Path) -> dict:

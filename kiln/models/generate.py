@@ -100,6 +100,8 @@ class LLM:
             if not self.target.is_gpu:
                 raise ArgumentError("CUDA graphs need a GPU target", hint="target='cuda'")
             self.decode_module.cuda_graphs(max_graphs=len(self.buckets))
+            self._capture_buckets()
+        self.load_s = time.perf_counter() - t0
 
     @property
     def max_seq_len(self) -> int:
@@ -123,6 +125,20 @@ class LLM:
             shapes.append({k: d for k, d in ((0, batch), (1, width)) if d is not None})
         return kiln.compile(self.model, tuple(args), dynamic_shapes=tuple(shapes),
                             target=self.target)
+
+    def _capture_buckets(self) -> None:
+        """Capture every bucket's decode graph now, so no request pays for a capture.
+
+        The dummy step writes position 0 of cache rows (or block 0) that a prefill
+        rewrites before any real token reads them.
+        """
+        for b in self.buckets:
+            table = None
+            if self.paged:
+                table = torch.zeros(b, self.model.cache.blocks_per_seq, dtype=torch.long,
+                                    device=self.device)
+            zeros = torch.zeros(b, 1, dtype=torch.long, device=self.device)
+            self.forward(zeros, zeros, table)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor,
                 block_table: torch.Tensor | None = None) -> torch.Tensor:

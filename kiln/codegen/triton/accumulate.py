@@ -4,7 +4,8 @@ A persistent kernel reduces its [XBLOCK, RBLOCK] tile straight to row values
 (`reduce_tile`). A looped kernel keeps a [XBLOCK, RBLOCK] accumulator per reduction
 (`init`), folds each chunk of the row into it (`update`: masked lanes contribute the
 identity), and reduces it after the loop (`finish`). Argmax keeps each lane's first
-best position; `lse` keeps a running max with a sum rescaled to it (online softmax).
+best position (int32 unless the row may pass 2**31); `lse` keeps a running max with a
+sum rescaled to it (online softmax, one exp per element).
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ ROW = frozenset({"xindex"})  # ... and a [XBLOCK, 1] row value
 
 
 class Accumulators:
-    def __init__(self, em: Emitter, full_index: Callable[[], tuple]):
+    def __init__(self, em: Emitter, full_index: Callable[[], tuple],
+                 index_dtype: torch.dtype = torch.int64):
         self.em = em
         self.full_index = full_index
+        self.index_dtype = index_dtype  # of argmax / argmin positions
 
     def ident(self, acc: Acc) -> Val:
         dt = acc.dtype
@@ -38,24 +41,30 @@ class Accumulators:
         return literal(info.min if low else info.max, dt)
 
     def tile_input(self, acc: Acc, mask) -> tuple[Val, str]:
-        """The accumulator's input at this tile, masked lanes set to the identity."""
+        """The accumulator's input at this tile, masked lanes set to the identity; and
+        code that is true where a live lane holds NaN."""
         em = self.em
         v = em.tensor(em.cast(acc.value(self.full_index(), mask), acc.dtype))
         tile = f"tl.broadcast_to({v}, [XBLOCK, RBLOCK])"
         m = " & ".join(sorted(c.code for c in mask))
         code = f"tl.where({m}, {tile}, {self.ident(acc)})" if m else tile
-        return em.let(code, acc.dtype, TILE), m
+        nan = f"(({tile} != {tile}) & {m})" if m else f"({tile} != {tile})"
+        return em.let(code, acc.dtype, TILE), nan
 
     def reduce_tile(self, acc: Acc, mask) -> None:
-        v, _ = self.tile_input(acc, mask)
-        self.final(acc, v, self.rindex_tile() if acc.kind.startswith("arg") else None)
+        # The NaN probe reads the value itself, not the masked tile: with one reduction
+        # reading the tile, the compiler folds the select into it instead of keeping a
+        # second copy of the row live (which spilled rows of 32K values).
+        v, nan = self.tile_input(acc, mask)
+        self.final(acc, v, self.rindex_tile() if acc.kind.startswith("arg") else None, nan)
 
     def rindex_tile(self) -> Val:
-        return self.em.let("tl.broadcast_to(rindex, [XBLOCK, RBLOCK]).to(tl.int64)",
-                           torch.int64, TILE)
+        dt = self.index_dtype
+        return self.em.let(f"tl.broadcast_to(rindex, [XBLOCK, RBLOCK]).to({TL[dt]})", dt, TILE)
 
-    def final(self, acc: Acc, tile: Val, idx: Val | None) -> None:
-        """Reduce a [XBLOCK, RBLOCK] tile of partial results to the row value.
+    def final(self, acc: Acc, tile: Val, idx: Val | None, nan: str | None = None) -> None:
+        """Reduce a [XBLOCK, RBLOCK] tile of partial results to the row value (`nan`:
+        where a lane holds NaN, for max / min; by default the tile's own NaNs).
 
         tl.reduce with triton.language's own combine functions (what tl.sum / tl.max
         call): the interpreter cannot call tl.sum itself, but it recognises these and
@@ -72,23 +81,25 @@ class Accumulators:
             em.need("_prod")
             acc.result = em.let(f"tl.reduce({tile}, 1, _prod)[:, None]", dt, ROW)
         else:
-            acc.result = self.extreme(tile, "max" if k in ("max", "argmax") else "min", dt)
+            acc.result = self.extreme(tile, "max" if k in ("max", "argmax") else "min", dt, nan)
             if idx is not None:  # the first position holding it (the first NaN, if any)
                 m = acc.result
                 cand = f"({tile} == {m})"
                 if dt.is_floating_point:
                     cand += f" | (({tile} != {tile}) & ({m} != {m}))"
-                acc.index = em.let(f"tl.reduce(tl.where({cand}, {idx}, {2**62}), 1, "
-                                   "tl.standard._elementwise_min)[:, None]", torch.int64, ROW)
+                never = torch.iinfo(idx.dtype).max
+                acc.index = em.let(f"tl.reduce(tl.where({cand}, {idx}, {never}), 1, "
+                                   "tl.standard._elementwise_min)[:, None]", idx.dtype, ROW)
 
-    def extreme(self, tile: Val, kind: str, dt) -> Val:
+    def extreme(self, tile: Val, kind: str, dt, nan: str | None = None) -> Val:
         """Row max / min. Floating max/min ignore NaN in the interpreter and in PTX's
         max.f32, so a NaN count restores torch's NaN propagation."""
         em = self.em
         r = em.let(f"tl.reduce({tile}, 1, tl.standard._elementwise_{kind})[:, None]", dt, ROW)
         if not dt.is_floating_point:
             return r
-        nans = em.let(f"tl.reduce(({tile} != {tile}).to(tl.int32), 1, "
+        nan = nan or f"({tile} != {tile})"
+        nans = em.let(f"tl.reduce({nan}.to(tl.int32), 1, "
                       "tl.standard._sum_combine)[:, None]", torch.int32, ROW)
         return em.let(f'tl.where({nans} > 0, float("nan"), {r})', dt, ROW)
 
@@ -97,8 +108,8 @@ class Accumulators:
         acc.var = em.let(f"tl.full([XBLOCK, RBLOCK], {self.ident(acc)}, {TL[acc.dtype]})",
                          acc.dtype, TILE).code
         if acc.kind.startswith("arg"):
-            acc.index_var = em.let("tl.full([XBLOCK, RBLOCK], 0, tl.int64)", torch.int64,
-                                   TILE).code
+            dt = self.index_dtype
+            acc.index_var = em.let(f"tl.full([XBLOCK, RBLOCK], 0, {TL[dt]})", dt, TILE).code
         if acc.kind == "lse":
             acc.index_var = em.let(f"tl.full([XBLOCK, RBLOCK], 0.0, {TL[acc.dtype]})",
                                    acc.dtype, TILE).code
@@ -120,11 +131,16 @@ class Accumulators:
             em.lines.append(f"{a} = tl.maximum({a}, {v})")
         elif k == "all":
             em.lines.append(f"{a} = tl.minimum({a}, {v})")
-        elif k == "lse":  # running max; the sum rescaled to it (0 while all seen are -inf)
-            s = acc.index_var
-            m = em.let(f"tl.where(({v} > {a}) | ({v} != {v}), {v}, {a})", acc.dtype, TILE)
+        elif k == "lse":
+            # running max m; the sum s rescaled to it (0 while all seen are -inf). One
+            # exp per element, of the smaller minus the larger: a new max rescales s and
+            # counts itself (s * d + 1), else the element adds d. A NaN sticks as the max.
+            s, dt = acc.index_var, acc.dtype
+            up = em.let(f"({v} > {a}) | ({v} != {v})", torch.bool, TILE)
+            m = em.let(f"tl.where({up}, {v}, {a})", dt, TILE)
+            d = em.let(f"tl.exp(tl.where({up}, {a}, {v}) - {m})", dt, TILE)
             em.lines.append(f'{s} = tl.where({m} == -float("inf"), 0.0, '
-                            f"{s} * tl.exp({a} - {m}) + tl.exp({v} - {m}))")
+                            f"tl.where({up}, {s} * {d} + 1.0, {s} + {d}))")
             em.lines.append(f"{a} = {m}")
         else:
             cmp = ">" if k == "argmax" else "<"
@@ -143,5 +159,5 @@ class Accumulators:
                 f'tl.reduce(tl.where({acc.var} == -float("inf"), 0.0, {acc.index_var} * '
                 f"tl.exp({acc.var} - {m})), 1, tl.standard._sum_combine)[:, None]", dt, ROW)
             return
-        idx = Val(acc.index_var, torch.int64, TILE) if acc.kind.startswith("arg") else None
+        idx = Val(acc.index_var, self.index_dtype, TILE) if acc.kind.startswith("arg") else None
         self.final(acc, Val(acc.var, acc.dtype, TILE), idx)

@@ -272,7 +272,7 @@ class _AttentionSource:
                 "mask_tiles": self.mask_loads}
         return KernelSpec(self.name, source, p.args(), tunables, (tiles, heads, n_split),
                           configs, default, "attention", meta, 64 if p.needs_int64 else 32,
-                          split.scratch(all_tiles, n_split, f"BLOCK_M * {dvp + 2}"))
+                          scratch=split.scratch(all_tiles, n_split, f"BLOCK_M * {dvp + 2}"))
 
     def _body(self) -> list[str]:
         s, p = self.s, self.p

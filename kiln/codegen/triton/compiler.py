@@ -27,7 +27,7 @@ from kiln.target import Target
 class Resources:
     shared: int  # bytes of shared memory per block
     registers: int | None = None  # per thread
-    spills: int | None = None  # spilled registers (local memory words)
+    spills: int | None = None  # spilled registers (stack / local memory words)
     threads: int = 0  # per block
 
     def to_json(self) -> dict:
@@ -160,13 +160,19 @@ def disassemble(binary: Binary) -> str | None:
 
 
 def _cuda_registers(cubin: bytes) -> tuple[int | None, int | None]:
+    """Registers per thread and spilled words. Spills live in the stack frame (STACK;
+    LOCAL counts only .local variables, which Triton kernels have none of), but a frame
+    of a few bytes is also reserved where nothing spills: words count as spilled only
+    when the code stores to local memory (STL)."""
     out = _cuobjdump(cubin, "--dump-resource-usage")
-    if out is None:
-        return None, None
-    m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", out)
+    m = re.search(r"REG:(\d+)\s+STACK:(\d+).*?LOCAL:(\d+)", out or "")
     if not m:
         return None, None
-    return int(m.group(1)), int(m.group(2)) // 4
+    frame = max(int(m.group(2)), int(m.group(3)))
+    if frame:
+        sass = _cuobjdump(cubin, "--dump-sass") or ""
+        frame = frame if re.search(r"\bSTL\b|\bSTL\.", sass) else 0
+    return int(m.group(1)), frame // 4
 
 
 def _amd_registers(text: str) -> tuple[int | None, int | None]:

@@ -310,11 +310,12 @@ class Emitter:
         return self.let(f"tl.load({ptr} + ({self.code(off)}){tail})", dtype, used)
 
     def store(self, name: str, index, v: Val, mask: Mask | None, like: str | None = None,
-              dest: str | None = None) -> None:
+              dest: str | None = None, atomic_add: bool = False) -> None:
         """Write `v` as element `index` of region output `name` (or of value `dest`).
 
         `like` names a block variable of the kernel (e.g. `xindex`): a store whose offset
-        is a constant is widened to its shape so it can carry the mask.
+        is a constant is widened to its shape so it can carry the mask. `atomic_add`
+        adds `v` to the element instead (relaxed: the kernel's end orders it).
         """
         target = dest or name
         shape = self.plan.values[target].shape if target in self.plan.values else self.shape(name)
@@ -326,6 +327,10 @@ class Emitter:
         if not off.block and like:
             offc = f"{offc} + 0 * {like}"
         m = mask_code(mask)
+        if atomic_add:
+            self.lines.append(f"tl.atomic_add({ptr} + ({offc}), {v.code}"
+                              f"{f', mask={m}' if m else ''}, sem=\"relaxed\")")
+            return
         self.lines.append(f"tl.store({ptr} + ({offc}), {v.code}{f', {m}' if m else ''})")
 
     # ops --------------------------------------------------------------------------

@@ -177,7 +177,7 @@ class _MatmulSource:
                 "epilogue_loads": self._epilogue_loads}
         return KernelSpec(self.name, source, p.args(), tunables, (tiles, batch, n_split),
                           configs, configs[0], "matmul", meta, 64 if p.needs_int64 else 32,
-                          split.scratch(all_tiles, n_split, part))
+                          scratch=split.scratch(all_tiles, n_split, part))
 
     def _dot(self, x: str, w: str) -> str:
         x, w = dot_operand(x, self.s.dtype, self.em.target), dot_operand(w, self.s.dtype,

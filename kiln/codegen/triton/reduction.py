@@ -2,14 +2,18 @@
 
 The reduced input's dims split into outer dims (one row each; XBLOCK rows per program)
 and reduced dims (the row's elements, flattened); any axis or set of axes works, a
-non-innermost reduction simply reads its rows with a stride. Two forms:
+non-innermost reduction simply reads its rows with a stride. Forms (row_forms.py says
+when each applies):
 
-- persistent, when the row's upper bound is small (from the bounds analysis): the
-  whole row is one RBLOCK tile held in registers, read once, however many reductions
-  and per-element outputs the region has (softmax's max, sum and divide);
+- persistent, when the row's upper bound is small enough (from the bounds analysis):
+  the whole row is one RBLOCK tile held in registers, read once, however many
+  reductions and per-element outputs the region has (softmax's max, sum and divide);
 - looped, otherwise: each stage of reductions sweeps the row in RBLOCK chunks with
   masks, and per-element outputs that need the row's statistics (RMSNorm's multiply,
-  softmax's divide) take one more sweep.
+  softmax's divide) take one more sweep. Sweeps alternate direction, so each starts on
+  the chunks the previous one read last, which are the likeliest still in L2;
+- split, a looped form for few rows of fp32 sums and means: grid axis 1 divides each
+  row among programs, which add their partial sums atomically into the zeroed output.
 
 Reductions that depend on earlier ones (softmax's sum needs its max; var needs the
 mean) run in later stages. Row values are handed to the emitter as overrides that
@@ -19,6 +23,7 @@ unsupported rather than wrong.
 
 from __future__ import annotations
 
+import torch
 import triton
 
 from kiln.codegen.select_kernels import register
@@ -33,21 +38,26 @@ from kiln.codegen.triton.emit import (
     mask_of,
     module_source,
     needs_int64,
+    opmath,
 )
 from kiln.codegen.triton.indexing import Lin, Var, delinearize, linearize, same
 from kiln.codegen.triton.reduce_ops import OpPlan, plan_op
+from kiln.codegen.triton.row_forms import (
+    SPLIT_OUTER_MAX,
+    persistent_limit,
+    reduction_configs,
+    split_grid,
+)
 from kiln.codegen.triton.spec import Config, KernelSpec
 from kiln.codegen.triton.views import CodegenUnsupported
 from kiln.ir.ops import OpCategory, category, reduction_dims
 from kiln.ir.plan import DispatchPlan, Op, Ref, Region, RegionKind
-from kiln.ir.symbolic import numel, upper_bound
+from kiln.ir.symbolic import bounds_of, numel, upper_bound
 from kiln.target import Target
 
-PERSISTENT_MAX = 16384  # a row up to this many elements (static size) stays in registers
-PERSISTENT_MAX_DYNAMIC = 1024  # ... when its size is dynamic (a padded tile costs work)
-# A strided row (the last dim is not reduced) is read coalesced across XBLOCK rows, so
-# the whole row fits a tile only when it is short.
-PERSISTENT_MAX_STRIDED = 64
+# Sums and means whose partial results may be added atomically (the split form).
+_SPLITTABLE = {"aten.sum.dim_IntList", "aten.sum.default", "aten.mean.dim",
+               "aten.mean.default"}
 
 
 @register(RegionKind.REDUCTION)
@@ -85,12 +95,11 @@ class RowKernel:
         self.outer = numel([S[d] for d in self.outer_dims])
         self.rnumel = numel([S[d] for d in self.dims])
         self.rbound = upper_bound(self.rnumel, plan.symbols)
-        static = isinstance(self.rnumel, int)
+        self.static = isinstance(self.rnumel, int)
         self.innermost = bool(S) and max(self.dims) == len(S) - 1
-        limit = PERSISTENT_MAX if static else PERSISTENT_MAX_DYNAMIC
-        if not self.innermost:
-            limit = min(limit, PERSISTENT_MAX_STRIDED)
+        limit = persistent_limit(target, self.static, self.innermost, self._elem_bytes())
         self.persistent = self.rbound is not None and self.rbound <= limit
+        self.split = not self.persistent and self._splittable()
         self.wide = needs_int64(region, plan)
         self.x = Var("xindex", self.outer)
         self.r = Var("rindex", self.rnumel)
@@ -99,7 +108,30 @@ class RowKernel:
         self.outer_index = delinearize(self.x, [S[d] for d in self.outer_dims])
         self.red_index = delinearize(self.r, [S[d] for d in self.dims])
         self.current_mask: frozenset = frozenset()
-        self.acc = Accumulators(self.em, self.full_index)
+        # argmax positions fit int32 unless a row may not
+        index_dtype = torch.int64 if self.wide else torch.int32
+        self.acc = Accumulators(self.em, self.full_index, index_dtype)
+        self._sweeps = 0
+
+    def _elem_bytes(self) -> int:
+        """The widest value computed per element (for how long a row registers hold):
+        the input's, or the accumulator's (an int64 sum); argmax positions are int32."""
+        dts = [self.em.dtype(r.args[0].name) for r in self.reds]
+        dts += [r.dtype for r in self.reds if r.dtype is not None and (
+            r.dtype.is_floating_point or r.target.startswith(("aten.sum", "aten.prod")))]
+        return max(opmath(dt).itemsize for dt in dts)
+
+    def _splittable(self) -> bool:
+        """May rows be split among programs, partial results added atomically? Only
+        fp32 sums and means that are the region's only outputs, none written in place,
+        and only when the outer count can be small enough to leave the GPU idle."""
+        outs = set(self.region.outputs)
+        if self.region.inplace or not outs or any(
+                r.target not in _SPLITTABLE or r.dtype != torch.float32 for r in self.reds):
+            return False
+        if not outs <= {r.name for r in self.reds}:
+            return False
+        return bounds_of(self.outer, self.plan.symbols).lo < SPLIT_OUTER_MAX
 
     def _shape(self, ref) -> tuple:
         if not isinstance(ref, Ref):
@@ -201,6 +233,13 @@ class RowKernel:
         head = [f"xoffset = {pid} * XBLOCK",
                 "xindex = xoffset + tl.arange(0, XBLOCK)[:, None]",
                 f"xmask = xindex < {outer_code}"]
+        if self.split:  # this program's chunks: whole RBLOCKs, so loads stay aligned
+            head += [f"rsplit = tl.program_id(1){'.to(tl.int64)' if self.wide else ''}",
+                     "nsplit = tl.num_programs(1)",
+                     f"rchunk = (({r_code}) + nsplit - 1) // nsplit",
+                     "rchunk = (rchunk + RBLOCK - 1) // RBLOCK * RBLOCK",
+                     "rstart = rsplit * rchunk",
+                     f"rstop = tl.minimum(rstart + rchunk, {r_code})"]
         em.lines.extend(head)
         done_after: set[int] = set()
         last_stage = {name: first[name] + len(p.stages) - 1 for name, p in plans.items()}
@@ -225,25 +264,41 @@ class RowKernel:
                 for acc in accs:
                     self.acc.init(acc)
                 with em.block() as body:
-                    self._loop_head(body)
                     for acc in accs:
                         self.acc.update(acc, self.current_mask)
-                em.lines.append(f"for roffset in range(0, {r_code}, RBLOCK):")
-                em.lines.extend(indent(body))
+                self._sweep(body)
                 for acc in accs:
                     self.acc.finish(acc)
                 self._finish_stages(level, by_stage, plans, last_stage, done_after)
             if elem_outs:
                 self._preemit_row_ops()
                 with em.block() as body:
-                    self._loop_head(body)
                     self._store_elems(elem_outs)
-                em.lines.append(f"for roffset in range(0, {r_code}, RBLOCK):")
-                em.lines.extend(indent(body))
+                self._sweep(body)
         for o, idx in row_outs:
-            em.store(o, idx, em.value(o, idx, mask_of(self.xmask)), mask_of(self.xmask),
-                     like="xindex")
+            v = em.value(o, idx, mask_of(self.xmask))
+            em.store(o, idx, v, mask_of(self.xmask), like="xindex", atomic_add=self.split)
         return self._assemble()
+
+    def _sweep(self, body: list[str]) -> None:
+        """Place `body` in a loop over the row's chunks. Every other sweep runs backwards:
+        it starts on the chunks the sweep before it read last, the likeliest in L2."""
+        em, r_code = self.em, self.em.dim(self.rnumel)
+        backwards = self._sweeps % 2 == 1
+        self._sweeps += 1
+        head = []
+        stages = "num_stages=RSTAGES"  # loads run RSTAGES - 1 chunks ahead (cp.async)
+        if self.split:  # one sweep only: the split form has no later stage
+            em.lines.append(f"for roffset in tl.range(rstart, rstop, RBLOCK, {stages}):")
+        elif backwards:
+            em.lines.append(f"for rstep in tl.range(0, ({r_code} + RBLOCK - 1) // RBLOCK, "
+                            f"{stages}):")
+            head.append(f"roffset = ({r_code} + RBLOCK - 1) // RBLOCK * RBLOCK - RBLOCK"
+                        " - rstep * RBLOCK")
+        else:
+            em.lines.append(f"for roffset in tl.range(0, {r_code}, RBLOCK, {stages}):")
+        head += ["rindex = roffset + tl.arange(0, RBLOCK)[None, :]", f"rmask = rindex < {r_code}"]
+        em.lines.extend(indent(head + body))
 
     def _finish_stages(self, level, by_stage, plans, last_stage, done_after) -> None:
         for stage in by_stage[level]:
@@ -255,10 +310,6 @@ class RowKernel:
                 for row_name, fn, box in self._row_values:
                     if row_name in plans[name].rows and not box:
                         box.append(fn())
-
-    def _loop_head(self, body: list[str]) -> None:
-        body.append("rindex = roffset + tl.arange(0, RBLOCK)[None, :]")
-        body.append(f"rmask = rindex < {self.em.dim(self.rnumel)}")
 
     def _classify_outputs(self):
         elem, row = [], []
@@ -315,60 +366,31 @@ class RowKernel:
         em, args = self.em, self.args
         kind = "reduction"
         name = kernel_name(kind, self.region)
-        params = args.params() + ["XBLOCK: tl.constexpr", "RBLOCK: tl.constexpr"]
+        tunables = ["XBLOCK", "RBLOCK"] + ([] if self.persistent else ["RSTAGES"])
+        params = args.params() + [f"{t}: tl.constexpr" for t in tunables]
         source = module_source(name, params, em.lines, em.helpers, self.target, args.describe())
         configs, default = self.configs()
         outer_code = args.dim(self.outer)
+        grid = (f"cdiv({outer_code}, XBLOCK)",)
+        if self.split:
+            grid += (split_grid(outer_code, args.dim(self.rnumel)),)
         return KernelSpec(
-            name, source, args.kernel_args(), ["XBLOCK", "RBLOCK"],
-            (f"cdiv({outer_code}, XBLOCK)",), configs, default, kind,
-            {"persistent": self.persistent, "rnumel": str(self.rnumel),
-             "outer": str(self.outer), "dims": list(self.dims)},
-            index_bits=64 if self.wide else 32)
+            name, source, args.kernel_args(), tunables, grid, configs, default,
+            kind, {"persistent": self.persistent, "form": self.form, "rnumel": str(self.rnumel),
+                   "outer": str(self.outer), "dims": list(self.dims)},
+            index_bits=64 if self.wide else 32,
+            zero_outputs=list(self.region.outputs) if self.split else [])
+
+    @property
+    def form(self) -> str:
+        return "persistent" if self.persistent else "split" if self.split else "looped"
 
     def configs(self) -> tuple[list[Config], Config]:
-        return reduction_configs(self.persistent, self.rbound,
-                                 upper_bound(self.outer, self.plan.symbols), self.innermost)
+        loads = sum(self.em.dtype(v).itemsize for v in self.region.inputs)
+        return reduction_configs(self.form, self.rbound,
+                                 upper_bound(self.outer, self.plan.symbols), self.innermost,
+                                 self.static, self.target, loads)
 
 
 def _same_shape(a, b) -> bool:
     return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-
-
-def reduction_configs(persistent: bool, rbound: int | None, outer_bound: int | None,
-                      innermost: bool) -> tuple[list[Config], Config]:
-    """Candidates (XBLOCK, RBLOCK, num_warps) and the heuristic default.
-
-    Persistent: RBLOCK covers the row; XBLOCK rows per program fill a tile of ~2-4K
-    elements (more rows when the row is strided, so loads coalesce across rows).
-    Looped: one row per program and 2K-element chunks for innermost rows; for strided
-    rows, 64 rows by 32-element chunks.
-    """
-    xcap = triton.next_power_of_2(outer_bound) if outer_bound else 1024
-    configs: list[Config] = []
-    if persistent:
-        rb = triton.next_power_of_2(max(rbound, 1))
-        target = 2048 if innermost else 4096
-        xbs = [x for x in (1, 2, 4, 8, 16, 32, 64, 128) if x <= xcap and x * rb <= 32768]
-        for xb in xbs or [1]:
-            for w in (1, 2, 4, 8, 16):
-                if w * 32 <= max(xb * rb, 32) * 2:
-                    configs.append(Config.make(w, 1, XBLOCK=xb, RBLOCK=rb))
-        xb = max(1, min(xcap, target // rb, 128))
-        w = max(1, min(16, (xb * rb) // 512))
-        default = Config.make(w, 1, XBLOCK=xb, RBLOCK=rb)
-    else:
-        rcap = triton.next_power_of_2(rbound) if rbound else 1 << 30
-        for xb in (1, 2, 4, 8, 16, 32, 64):
-            for rb in (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096):
-                if xb > xcap or rb > rcap or not 256 <= xb * rb <= 8192:
-                    continue
-                for w in (2, 4, 8, 16):
-                    configs.append(Config.make(w, 1, XBLOCK=xb, RBLOCK=rb))
-        if innermost:
-            default = Config.make(8, 1, XBLOCK=1, RBLOCK=min(2048, rcap))
-        else:
-            default = Config.make(4, 1, XBLOCK=min(64, xcap), RBLOCK=min(32, rcap))
-    if default not in configs:
-        configs.append(default)
-    return configs, default

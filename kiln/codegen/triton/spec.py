@@ -133,6 +133,8 @@ class KernelSpec:
     template: str  # "pointwise", "reduction", "matmul", "attention": picks the resource model
     meta: dict = field(default_factory=dict)  # template parameters (tile shapes, dtypes, ...)
     index_bits: int = 32  # 64 when some size may exceed 2**31 - 1
+    # output values every launch zeroes before the kernel runs (the kernel adds into them)
+    zero_outputs: list[str] = field(default_factory=list)
     scratch: list[Scratch] = field(default_factory=list)  # parameters after `args`
 
     @property
@@ -169,7 +171,8 @@ class KernelSpec:
             "args": [a.to_json() for a in self.args], "tunables": list(self.tunables),
             "grid": list(self.grid), "configs": [c.to_json() for c in self.configs],
             "default": self.default.to_json(), "template": self.template, "meta": self.meta,
-            "index_bits": self.index_bits, "scratch": [b.to_json() for b in self.scratch],
+            "index_bits": self.index_bits, "zero_outputs": list(self.zero_outputs),
+            "scratch": [b.to_json() for b in self.scratch],
         }
 
     @staticmethod
@@ -178,7 +181,8 @@ class KernelSpec:
             d["name"], d["source"], [KernelArg.from_json(a) for a in d["args"]],
             list(d["tunables"]), tuple(d["grid"]), [Config.from_json(c) for c in d["configs"]],
             Config.from_json(d["default"]), d["template"], dict(d.get("meta", {})),
-            d.get("index_bits", 32), [Scratch.from_json(b) for b in d.get("scratch", [])],
+            d.get("index_bits", 32), list(d.get("zero_outputs", [])),
+            [Scratch.from_json(b) for b in d.get("scratch", [])],
         )
 
 
