@@ -12,9 +12,9 @@ L2 flushed before every run: decode weights are read cold, as in a real model) o
 same random inputs, and checked against torch on them (rel err). Columns:
 
     torch   the region's torch form (what kiln's tuner times as the extern candidate)
-    old     the baseline: the spec the templates generated at commit BASELINE's commit,
-            at its default config (what kiln ran for these static shapes then), read
-            from benchmarks/matmul_sweep_baseline.json
+    old     the baseline: the specs the templates generated before the Hopper work
+            (the commit is in the file), each at its default config (what kiln ran for
+            these static shapes then), read from benchmarks/matmul_sweep_baseline.json
     new     the best of the current spec's candidates (the tuner's "fast" set plus the
             model's next best); `dflt` is the current default config alone
 
