@@ -23,6 +23,9 @@ class Target:
     registers_per_thread: int
     registers_per_block: int
     max_threads_per_block: int
+    # Streaming multiprocessors (CUs on ROCm) of the target's usual part: templates size
+    # their grids to fill the chip (a split reduction when there are too few tiles).
+    multiprocessors: int = 132
 
     @property
     def is_gpu(self) -> bool:
@@ -52,7 +55,7 @@ class Target:
         return self.name
 
 
-def _cuda(sm: int, smem_kib: int) -> Target:
+def _cuda(sm: int, smem_kib: int, sms: int) -> Target:
     return Target(
         name=f"cuda:sm_{sm}",
         backend="cuda",
@@ -62,6 +65,7 @@ def _cuda(sm: int, smem_kib: int) -> Target:
         registers_per_thread=255,
         registers_per_block=64 * KiB,
         max_threads_per_block=1024,
+        multiprocessors=sms,
     )
 
 
@@ -69,16 +73,17 @@ CPU = Target("cpu", "cpu", None, 1, 0, 0, 0, 1)
 
 TARGETS: dict[str, Target] = {
     "cpu": CPU,
-    "cuda:sm_80": _cuda(80, 163),  # A100
-    "cuda:sm_86": _cuda(86, 99),  # A10, RTX 30xx
-    "cuda:sm_89": _cuda(89, 99),  # L4, L40, RTX 40xx
-    "cuda:sm_90": _cuda(90, 227),  # H100, H200
-    "cuda:sm_100": _cuda(100, 227),  # B200
+    "cuda:sm_80": _cuda(80, 163, 108),  # A100
+    "cuda:sm_86": _cuda(86, 99, 72),  # A10, RTX 30xx
+    "cuda:sm_89": _cuda(89, 99, 58),  # L4, L40, RTX 40xx
+    "cuda:sm_90": _cuda(90, 227, 132),  # H100, H200
+    "cuda:sm_100": _cuda(100, 227, 148),  # B200
     # The sm_90 kernels, run by Triton's interpreter on CPU tensors: for testing
     # generated code on a machine without a GPU (slow; keep shapes tiny).
     "interpret": Target("interpret", "interpret", 90, 32, 227 * KiB, 255, 64 * KiB, 1024),
     # MI300X: 64 KiB of LDS per workgroup; 512 VGPRs per lane (256 arch + 256 acc).
-    "rocm:gfx942": Target("rocm:gfx942", "hip", "gfx942", 64, 64 * KiB, 512, 128 * KiB, 1024),
+    "rocm:gfx942": Target("rocm:gfx942", "hip", "gfx942", 64, 64 * KiB, 512, 128 * KiB, 1024,
+                          304),
 }
 
 
@@ -102,7 +107,8 @@ def detect_cuda() -> Target:
     # An unlisted GPU: take the device's own shared-memory limit.
     props = torch.cuda.get_device_properties(0)
     smem = getattr(props, "shared_memory_per_block_optin", 48 * KiB)
-    return Target(name, "cuda", major * 10 + minor, 32, smem, 255, 64 * KiB, 1024)
+    return Target(name, "cuda", major * 10 + minor, 32, smem, 255, 64 * KiB, 1024,
+                  props.multi_processor_count)
 
 
 def get_target(spec: str | Target | None) -> Target:

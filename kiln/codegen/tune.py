@@ -129,7 +129,8 @@ class Tuner:
 
     def _timing_sizes(self, region: Region, plan: DispatchPlan | None) -> str | None:
         """The sizes bucket to time at, or None when this tuning is untimed."""
-        if self.mode == "none" or plan is None or not self.example_env:
+        # a model with static sizes only binds no symbols: its empty env is an example too
+        if self.mode == "none" or plan is None or self.example_env is None:
             return None
         if not gpu_for(self.target):
             return None

@@ -43,12 +43,15 @@ class Sdpa(torch.nn.Module):
 
 T = torch.export.Dim("T", min=1, max=4096)
 CASES = [  # (target, template, config): wgmma / mma.sync / MFMA, several stage counts
-    ("cuda:sm_90", "matmul", Config.make(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)),
-    ("cuda:sm_80", "matmul", Config.make(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=8)),
-    ("rocm:gfx942", "matmul", Config.make(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8)),
-    ("cuda:sm_90", "attention", Config.make(8, 2, BLOCK_M=128, BLOCK_N=64)),
-    ("cuda:sm_80", "attention", Config.make(4, 2, BLOCK_M=16, BLOCK_N=64)),
-    ("rocm:gfx942", "attention", Config.make(4, 2, BLOCK_M=64, BLOCK_N=32)),
+    ("cuda:sm_90", "matmul", Config.make(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8,
+                                         SPLIT_K=8)),
+    ("cuda:sm_80", "matmul", Config.make(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=8,
+                                         SPLIT_K=1)),
+    ("rocm:gfx942", "matmul", Config.make(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8,
+                                          SPLIT_K=8)),
+    ("cuda:sm_90", "attention", Config.make(8, 2, BLOCK_M=128, BLOCK_N=64, KV_SPLIT=32)),
+    ("cuda:sm_80", "attention", Config.make(4, 2, BLOCK_M=16, BLOCK_N=64, KV_SPLIT=32)),
+    ("rocm:gfx942", "attention", Config.make(4, 2, BLOCK_M=64, BLOCK_N=32, KV_SPLIT=1)),
 ]
 
 
@@ -98,7 +101,7 @@ def _stages2(gen):
         spec = gen(region, plan, target)
         if spec is None:
             return None
-        only = Config.make(4, 2, BLOCK_M=16, BLOCK_N=16)
+        only = Config.make(4, 2, BLOCK_M=16, BLOCK_N=16, KV_SPLIT=1)
         return dataclasses.replace(spec, configs=[only], default=only)
     return restricted
 
@@ -111,7 +114,8 @@ def test_attention_that_cannot_fit_is_split_and_then_fits():
     gen = _stages2(attention.generate)
     plan = _plan(model)
     region = next(r for r in plan.regions if r.kind == RegionKind.ATTENTION)
-    fused = compile_binary(gen(region, plan, base), Config.make(4, 2, BLOCK_M=16, BLOCK_N=16),
+    only = Config.make(4, 2, BLOCK_M=16, BLOCK_N=16, KV_SPLIT=1)
+    fused = compile_binary(gen(region, plan, base), only,
                            base).resources.shared
     split_plan = _plan(model)
     split_region = next(r for r in split_plan.regions if r.kind == RegionKind.ATTENTION)
@@ -119,7 +123,7 @@ def test_attention_that_cannot_fit_is_split_and_then_fits():
     for o in split.splittable_operands(split_region):
         split.split_prologue(split_plan, split_region, o, "measure")
     unfused = compile_binary(gen(split_region, split_plan, base),
-                             Config.make(4, 2, BLOCK_M=16, BLOCK_N=16), base).resources.shared
+                             only, base).resources.shared
     assert fused > unfused
     tight = dataclasses.replace(base, name="cuda:sm_80-tight",
                                 shared_mem_per_block=(fused + unfused) // 2)

@@ -17,6 +17,13 @@ added to the scaled scores; `is_causal` is top-left aligned, as in torch (key j 
 query i), and a mask the prologue builds from aranges is recognised as causal
 (kiln.codegen.triton.causal). Sizes may be symbolic: the key loop and every tile are
 masked, never padded.
+
+The key loop runs in two parts: blocks wholly inside the keys and (causal) at or
+before every row's query need no key, row or causal mask; only the rest are masked.
+Causal row blocks run longest first. When the tiles are too few to fill the GPU
+(decode: one tile per KV head), the keys are split across programs
+(kiln.codegen.triton.split): each keeps its unnormalised output with its running max
+and sum, and the last program of a tile merges them by their maxima.
 """
 
 from __future__ import annotations
@@ -27,10 +34,12 @@ from dataclasses import dataclass
 import torch
 
 from kiln.codegen.select_kernels import register
+from kiln.codegen.triton import split
 from kiln.codegen.triton.causal import is_causal_mask
 from kiln.codegen.triton.emit import Cond, Emitter, Val, kernel_name, mask_of, module_source
 from kiln.codegen.triton.indexing import Lin, Var, floordiv, modidx, same
 from kiln.codegen.triton.matmul import dot_operand
+from kiln.codegen.triton.matmul_configs import can_split
 from kiln.codegen.triton.params import Params
 from kiln.codegen.triton.spec import Config, KernelSpec
 from kiln.codegen.triton.views import CodegenUnsupported
@@ -41,6 +50,8 @@ from kiln.target import Target
 SDPA = "aten.scaled_dot_product_attention.default"
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 LOG2E = 1.4426950408889634
+MIN_SPLIT_BLOCKS = 2  # key blocks a split gets at least
+SPLIT_CAP = 32  # most parts the keys are split into (decode: 8 KV heads x 16 splits)
 
 
 @dataclass
@@ -132,7 +143,8 @@ def _pow2(n: int) -> int:
 
 def config_space(shape: AttentionShape, rows_hi: int | None) -> list[Config]:
     """Candidate tiles (BLOCK_M over packed query rows, BLOCK_N over keys), largest
-    first, so that where the heuristic does not fit the first config that does is big."""
+    first, so that where the heuristic does not fit the first config that does is big.
+    Each may split the keys (up to SPLIT_CAP parts; kiln.codegen.triton.split) or not."""
     d = _pow2(max(shape.head_dim, shape.value_dim))
     block_ms = [16] if rows_hi is not None and rows_hi <= 16 else [128, 64, 32, 16]
     block_ns = [n for n in (128, 64, 32, 16) if n * d <= 128 * 128]
@@ -144,21 +156,26 @@ def config_space(shape: AttentionShape, rows_hi: int | None) -> list[Config]:
             for warps in ((8, 4) if bm * bn >= 128 * 64 else (4, 8)):
                 if warps == 8 and bm * bn < 64 * 64:
                     continue
-                configs.append(Config.make(warps, stages, BLOCK_M=bm, BLOCK_N=bn))
+                for cap in (SPLIT_CAP, 1) if can_split(bm * d, warps) else (1,):
+                    configs.append(Config.make(warps, stages, BLOCK_M=bm, BLOCK_N=bn,
+                                               KV_SPLIT=cap))
     return configs
 
 
 def heuristic(shape: AttentionShape, rows_hi: int | None, target: Target) -> Config:
     d = _pow2(max(shape.head_dim, shape.value_dim))
     if rows_hi is not None and rows_hi <= 16:
-        return Config.make(4, 2, BLOCK_M=16, BLOCK_N=64 if d <= 128 else 32)
-    if target.backend == "hip":  # MFMA: one stage; 128-row tiles spill at head dim 128
-        return Config.make(4, 1, BLOCK_M=64, BLOCK_N=64 if d <= 128 else 32)
-    if d <= 64:
-        return Config.make(4, 2, BLOCK_M=128, BLOCK_N=64)
-    if d <= 128:
-        return Config.make(8, 2, BLOCK_M=128, BLOCK_N=64)
-    return Config.make(8, 1, BLOCK_M=64, BLOCK_N=32)
+        warps, stages, bm, bn = 4, 2, 16, 64 if d <= 128 else 32
+    elif target.backend == "hip":  # MFMA: one stage; 128-row tiles spill at head dim 128
+        warps, stages, bm, bn = 4, 1, 64, 64 if d <= 128 else 32
+    elif d <= 64:
+        warps, stages, bm, bn = 4, 2, 128, 64
+    elif d <= 128:
+        warps, stages, bm, bn = 8, 2, 128, 64
+    else:
+        warps, stages, bm, bn = 8, 1, 64, 32
+    cap = SPLIT_CAP if can_split(bm * d, warps) else 1
+    return Config.make(warps, stages, BLOCK_M=bm, BLOCK_N=bn, KV_SPLIT=cap)
 
 
 @register(RegionKind.ATTENTION)
@@ -226,28 +243,36 @@ class _AttentionSource:
 
     # source ---------------------------------------------------------------------
     def spec(self) -> KernelSpec:
-        s, p = self.s, self.p
+        s, p, target = self.s, self.p, self.em.target
         for v in list(self.region.inputs) + list(self.region.outputs):
             p.check_extent(self.plan.values[v].numel)
         rows = s.group * s.tq
-        grid = (f"cdiv({p.grid(rows)}, BLOCK_M)", p.grid(s.batch * s.kv_heads))
+        tiles = f"cdiv({p.grid(rows)}, BLOCK_M)"
+        heads = p.grid(s.batch * s.kv_heads)
+        all_tiles = f"{tiles} * {heads}"
+        n_split = split.count("KV_SPLIT", all_tiles, target.multiprocessors,
+                              f"cdiv({p.grid(s.s)}, {MIN_SPLIT_BLOCKS} * BLOCK_N)")
         body = self._body()
-        params = p.params() + ["BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr"]
-        source = module_source(self.name, params, body, self.em.helpers, self.em.target,
+        tunables = ["BLOCK_M", "BLOCK_N", "KV_SPLIT"]
+        params = p.params() + [split.PARTS, split.COUNTS] + [f"{t}: tl.constexpr"
+                                                              for t in tunables]
+        source = module_source(self.name, params, body, self.em.helpers, target,
                                p.describe())
         rows_hi = bounds_of(rows, self.plan.symbols).hi
-        default = heuristic(s, rows_hi, self.em.target)
+        default = heuristic(s, rows_hi, target)
         configs = config_space(s, rows_hi)
         if default not in configs:
             configs.insert(0, default)
+        dvp = _pow2(s.value_dim)
         meta = {"head_dim": s.head_dim, "value_dim": s.value_dim, "group": s.group,
                 "dtype": str(s.dtype).replace("torch.", ""), "causal": s.causal,
                 "mask": s.mask_kind, "head_dim_pad": _pow2(max(s.head_dim, s.value_dim)),
                 # [BLOCK_N, D] tiles the key loop loads beyond K and V (fused prologues)
                 "prologue_tiles": max(0, self.loop_loads - 2),
                 "mask_tiles": self.mask_loads}
-        return KernelSpec(self.name, source, p.args(), ["BLOCK_M", "BLOCK_N"], grid, configs,
-                          default, "attention", meta, 64 if p.needs_int64 else 32)
+        return KernelSpec(self.name, source, p.args(), tunables, (tiles, heads, n_split),
+                          configs, default, "attention", meta, 64 if p.needs_int64 else 32,
+                          scratch=split.scratch(all_tiles, n_split, f"BLOCK_M * {dvp + 2}"))
 
     def _body(self) -> list[str]:
         s, p = self.s, self.p
@@ -258,9 +283,13 @@ class _AttentionSource:
         ieee = ', input_precision="ieee"' if s.dtype == torch.float32 else ""
         out = self.region.outputs[0]
         o = p.tensor(out, s.dtype, self.plan.values[out].shape, output=True, name="out_ptr")
+        # causal: the longest row blocks (the last) start first, so they do not trail
+        first = "tl.num_programs(0) - 1 - tl.program_id(0)" if s.causal else "tl.program_id(0)"
         L = [
-            "pid_m = tl.program_id(0)",
+            f"pid_m = {first}",
             f"pid_z = tl.program_id(1){wide}",
+            "pid_s = tl.program_id(2)",
+            "n_split = tl.num_programs(2)",
             f"b = pid_z // {s.kv_heads}",
             f"kvh = pid_z % {s.kv_heads}",
             f"rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M){wide}",
@@ -285,12 +314,21 @@ class _AttentionSource:
             "l_i = tl.zeros([BLOCK_M], tl.float32)",
             f"acc = tl.zeros([BLOCK_M, {dvp}], tl.float32)",
         ]
+        # keys [0, kv_end) matter; blocks before full_end need no key or causal mask
         if s.causal:
-            L.append(f"hi = tl.minimum({slen}, tl.max(tl.where(row_ok, qi, 0)) + 1)")
+            L += [f"kv_end = tl.minimum({slen}, tl.max(tl.where(row_ok, qi, 0)) + 1)",
+                  f"full_end = tl.minimum({slen}, tl.min(tl.where(row_ok, qi, {slen})) + 1)"
+                  " // BLOCK_N * BLOCK_N"]
         else:
-            L.append(f"hi = {slen}")
-        L.append("for start_n in range(0, hi, BLOCK_N):")
-        L += ["    " + x for x in self._key_step(head, qpos, dp, dvp, ieee, wide)]
+            L += [f"kv_end = {slen}", f"full_end = {slen} // BLOCK_N * BLOCK_N"]
+        L += ["lo = 0", "hi = kv_end", "if KV_SPLIT > 1:",
+              *["    " + x for x in split.program_range("kv_end", "BLOCK_N")],
+              "mid = tl.minimum(hi, tl.maximum(lo, full_end))",
+              "for start_n in range(lo, mid, BLOCK_N):",
+              *["    " + x for x in self._key_step(head, qpos, dp, dvp, ieee, wide, True)],
+              "for start_n in range(mid, hi, BLOCK_N):",
+              *["    " + x for x in self._key_step(head, qpos, dp, dvp, ieee, wide, False)]]
+        L += self._combine(dvp, p.dim(s.group * s.tq))
         out_lines, out_code = self._cast("acc", {"rows2", "dv2"})
         L += [
             "acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]",  # fully masked rows: 0
@@ -300,12 +338,42 @@ class _AttentionSource:
         ]
         return L
 
-    def _key_step(self, head, qpos, dp, dvp, ieee, wide) -> list[str]:
+    def _combine(self, dvp: int, rows: str) -> list[str]:
+        """With the keys split: store this part (unnormalised acc, running max and sum);
+        the last program merges all parts by their maxima, and alone stores."""
+        numel = f"BLOCK_M * {dvp + 2}"
+        acc_at = "ar[:, None] * " + str(dvp) + " + tl.arange(0, " + str(dvp) + ")[None, :]"
+        m_at, l_at = f"BLOCK_M * {dvp} + ar", f"BLOCK_M * {dvp + 1} + ar"
+        store = ["ar = tl.arange(0, BLOCK_M)",  # rows past the group's are never used
+                 f"tl.store({split.part(numel)} + {acc_at}, acc, mask=row_ok2)",
+                 f"tl.store({split.part(numel)} + {m_at}, m_i, mask=row_ok)",
+                 f"tl.store({split.part(numel)} + {l_at}, l_i, mask=row_ok)"]
+        part = split.part(numel, "s")
+        m_part = split.load_part(f"{part} + {m_at}", "row_ok", 'float("-inf")')
+        combine = [
+            'm_i = tl.full([BLOCK_M], float("-inf"), tl.float32)',
+            "for s in range(0, n_split):",
+            f"    m_i = tl.maximum(m_i, {m_part})",
+            'm_use = tl.where(m_i == float("-inf"), 0.0, m_i)',
+            "l_i = tl.zeros([BLOCK_M], tl.float32)",
+            f"acc = tl.zeros([BLOCK_M, {dvp}], tl.float32)",
+            "for s in range(0, n_split):",
+            f"    scale = tl.exp2({m_part} - m_use)",
+            f"    l_i += {split.load_part(f'{part} + {l_at}', 'row_ok')} * scale",
+            f"    acc += {split.load_part(f'{part} + {acc_at}', 'row_ok2')} * scale[:, None]",
+        ]
+        gate = [f"row_ok2 = rows2 < tl.where(last, {rows}, 0)"]  # only the last stores
+        return split.arrive("KV_SPLIT", "pid_z * tl.num_programs(0) + pid_m", store, combine,
+                            gate)
+
+    def _key_step(self, head, qpos, dp, dvp, ieee, wide, full: bool) -> list[str]:
+        """One BLOCK_N step of the key loop. A `full` step's keys are all in range and,
+        if causal, at or before every row's query: no key, row or causal masks."""
         s, p = self.s, self.p
         d, dv, slen = s.head_dim, s.value_dim, p.dim(s.s)
         kvh = Lin.of(Var("kvh", s.kv_heads, block=False))
-        nk_c = Cond("nk_ok", frozenset({"nk"}))
-        nv_c = Cond("nv_ok", frozenset({"nv"}))
+        nk_c = None if full else Cond("nk_ok", frozenset({"nk"}))
+        nv_c = None if full else Cond("nv_ok", frozenset({"nv"}))
         dk_c = Cond(f"dk < {d}", frozenset({"dk"})) if d != dp else None
         dv_c = Cond(f"dv2 < {dv}", frozenset({"dv2"})) if dv != dvp else None
         k_idx = self._index(s.k, "k", kvh, Lin(), Lin.of(Var("nk", s.s)), Lin.of(Var("dk", d)))
@@ -315,18 +383,14 @@ class _AttentionSource:
         v_lines, vt = self._load(s.v, v_idx, mask_of(nv_c, dv_c))
         self.loop_loads = sum("tl.load(" in x for x in k_lines + v_lines)
         p_lines, p_code = self._cast("pr", {"rows2", "nk"})
-        L = [
-            f"n = start_n + tl.arange(0, BLOCK_N){wide}",
-            "nk = n[None, :]",
-            "nv = n[:, None]",
-            f"nk_ok = nk < {slen}",
-            f"nv_ok = nv < {slen}",
-            *k_lines,
-            f"qk = tl.dot({self._op('q')}, {self._op(kt)}{ieee}, out_dtype=tl.float32)",
-            "ok = nk_ok & row_ok2",
-        ]
-        if s.causal:
-            L.append("ok = ok & (nk <= qi[:, None])")
+        L = [f"n = start_n + tl.arange(0, BLOCK_N){wide}", "nk = n[None, :]", "nv = n[:, None]"]
+        if not full:
+            L += [f"nk_ok = nk < {slen}", f"nv_ok = nv < {slen}"]
+        L += [*k_lines,
+              f"qk = tl.dot({self._op('q')}, {self._op(kt)}{ieee}, out_dtype=tl.float32)"]
+        conds = [] if full else ["nk_ok", "row_ok2"]
+        if s.causal and not full:
+            conds.append("(nk <= qi[:, None])")
         score = "qk * qk_scale"
         if s.mask is not None:
             idx = self._index(s.mask, "mask", head, qpos, Lin.of(Var("nk", s.s)), Lin())
@@ -335,11 +399,14 @@ class _AttentionSource:
             L += m_lines
             self.mask_loads = sum("tl.load(" in x for x in m_lines)
             if s.mask_kind == "bool":
-                L.append(f"ok = ok & ({m} != 0)")
+                conds.append(f"({m} != 0)")
             else:
                 score = f"qk * qk_scale + {m}.to(tl.float32) * {LOG2E!r}"
+        if conds:
+            L.append(f'sc = tl.where({" & ".join(conds)}, {score}, float("-inf"))')
+        else:
+            L.append(f"sc = {score}")
         L += [
-            f'sc = tl.where(ok, {score}, float("-inf"))',
             "m_new = tl.maximum(m_i, tl.max(sc, 1))",
             'm_use = tl.where(m_new == float("-inf"), 0.0, m_new)',
             "pr = tl.exp2(sc - m_use[:, None])",

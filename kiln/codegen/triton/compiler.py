@@ -140,27 +140,38 @@ def read_resources(ck, target: Target) -> Resources:
     return Resources(shared, regs, spills)
 
 
+def _cuobjdump(cubin: bytes, flag: str) -> str | None:
+    """cuobjdump's output for a cubin (the tool ships with Triton), None without it."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True,
+                              timeout=60).stdout
+
+
+def disassemble(binary: Binary) -> str | None:
+    """A CUDA binary's SASS (is it on the fast path: HGMMA, LDGSTS, 16-byte loads?),
+    None for other backends or without cuobjdump."""
+    cubin = binary.asm.get("cubin")
+    return _cuobjdump(cubin, "--dump-sass") if isinstance(cubin, bytes) else None
+
+
 def _cuda_registers(cubin: bytes) -> tuple[int | None, int | None]:
     """Registers per thread and spilled words. Spills live in the stack frame (STACK;
     LOCAL counts only .local variables, which Triton kernels have none of), but a frame
     of a few bytes is also reserved where nothing spills: words count as spilled only
     when the code stores to local memory (STL)."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not tool.exists():
+    out = _cuobjdump(cubin, "--dump-resource-usage")
+    m = re.search(r"REG:(\d+)\s+STACK:(\d+).*?LOCAL:(\d+)", out or "")
+    if not m:
         return None, None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([str(tool), "--dump-resource-usage", f.name],
-                             capture_output=True, text=True, timeout=60).stdout
-        m = re.search(r"REG:(\d+)\s+STACK:(\d+).*?LOCAL:(\d+)", out)
-        if not m:
-            return None, None
-        frame = max(int(m.group(2)), int(m.group(3)))
-        if frame:
-            sass = subprocess.run([str(tool), "--dump-sass", f.name], capture_output=True,
-                                  text=True, timeout=60).stdout
-            frame = frame if re.search(r"\bSTL\b|\bSTL\.", sass) else 0
+    frame = max(int(m.group(2)), int(m.group(3)))
+    if frame:
+        sass = _cuobjdump(cubin, "--dump-sass") or ""
+        frame = frame if re.search(r"\bSTL\b|\bSTL\.", sass) else 0
     return int(m.group(1)), frame // 4
 
 

@@ -3,6 +3,13 @@
 On a GPU it launches the compiled binary (no JIT, so a loaded artifact never
 recompiles); on the `interpret` target it runs the same source through Triton's
 interpreter on CPU tensors.
+
+Scratch buffers the spec asks for are allocated here, on the device of the kernel's
+tensors, and shared by every kernel of the process on that device: kiln runs a
+device's kernels one after another on one stream, and a kernel leaves its zeroed
+buffers zero again, so one set serves all (a model's 32 layers do not each hold
+their own). A launch that needs more allocates a larger buffer and keeps the old one
+alive: a CUDA graph captured earlier still points at it.
 """
 
 from __future__ import annotations
@@ -11,9 +18,20 @@ import torch
 
 from kiln.codegen.triton.compiler import Binary
 from kiln.codegen.triton.source import load_kernel
-from kiln.codegen.triton.spec import Config, KernelSpec
+from kiln.codegen.triton.spec import Config, KernelSpec, Scratch
 from kiln.ir.plan import Region
 from kiln.ir.symbolic import evaluate
+
+_SCRATCH: dict[tuple, list[torch.Tensor]] = {}
+
+
+def scratch_buffer(b: Scratch, position: int, numel: int, device) -> torch.Tensor:
+    """The shared buffer for a kernel's `position`-th scratch, at least `numel` long."""
+    kept = _SCRATCH.setdefault((str(device), b.dtype, b.zeroed, position), [])
+    if not kept or kept[-1].numel() < numel:
+        make = torch.zeros if b.zeroed else torch.empty
+        kept.append(make(numel, dtype=b.dtype, device=device))
+    return kept[-1]
 
 
 class TritonKernel:
@@ -45,6 +63,10 @@ class TritonKernel:
                 args.append(v)
             else:
                 args.append(a.expr)
+        if self.spec.scratch:
+            device = next((x.device for x in args if isinstance(x, torch.Tensor)), "cpu")
+            args += [scratch_buffer(b, i, b.numel_for(sizes, self.config), device)
+                     for i, b in enumerate(self.spec.scratch)]
         return args + self._tunables, sizes
 
     def run(self, inputs: dict[str, torch.Tensor], outs: dict[str, torch.Tensor],

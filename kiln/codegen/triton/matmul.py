@@ -14,6 +14,12 @@ When the M dimension's upper bound is small (decode: M = batch) the region gets 
 GEMV form instead: each program owns BLOCK_N output columns for every row and
 streams the weight once, since a [16, K] x [K, N] tensor-core tile would mostly
 multiply padding. An unbounded M gets the tiled form with masked tails.
+
+Both forms may split K across programs when the output has too few tiles to fill the
+GPU (kiln.codegen.triton.split; the count is chosen at launch, up to the config's
+SPLIT_K): the last program of a tile sums the parts and alone runs the epilogue.
+K is loaded unmasked when every config's BLOCK_K divides it. Configs and the default
+choice: kiln.codegen.triton.matmul_configs.
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ from dataclasses import dataclass
 import torch
 
 from kiln.codegen.select_kernels import register
+from kiln.codegen.triton import matmul_configs as cfg
+from kiln.codegen.triton import split
 from kiln.codegen.triton.emit import Cond, Emitter, Val, kernel_name, mask_of, module_source
-from kiln.codegen.triton.indexing import Lin, Var, broadcast_index, reshape_index
+from kiln.codegen.triton.indexing import Lin, Opaque, Var, broadcast_index, reshape_index
 from kiln.codegen.triton.params import Params
-from kiln.codegen.triton.spec import Config, KernelSpec
+from kiln.codegen.triton.spec import KernelSpec
 from kiln.codegen.triton.views import CodegenUnsupported
 from kiln.ir.plan import DispatchPlan, Ref, Region, RegionKind
 from kiln.ir.symbolic import Dim, bounds_of
@@ -35,18 +43,6 @@ from kiln.target import Target
 MATMULS = {"aten.mm.default", "aten.bmm.default", "aten.addmm.default"}
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 GEMV_MAX_M = 8  # rows up to which the GEMV form beats a padded tensor-core tile
-
-# Curated tiled configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), largest first.
-_TILED = [
-    (128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (128, 64, 32, 4, 4),
-    (64, 128, 32, 4, 4), (64, 128, 64, 4, 3), (64, 64, 64, 4, 3), (128, 32, 32, 4, 4),
-    (64, 32, 32, 2, 5), (32, 64, 32, 2, 5), (32, 128, 64, 4, 3), (32, 32, 64, 2, 3),
-    (16, 64, 128, 4, 3), (16, 128, 64, 4, 3), (16, 32, 64, 2, 2), (16, 16, 32, 1, 1),
-]
-_GEMV = [  # (BLOCK_N, BLOCK_K, warps, stages)
-    (64, 128, 4, 3), (32, 256, 4, 3), (128, 64, 4, 3), (64, 64, 2, 3), (32, 128, 2, 2),
-    (128, 128, 8, 3), (16, 64, 1, 1),
-]
 
 
 def dot_operand(code: str, dtype: torch.dtype, target: Target) -> str:
@@ -94,38 +90,14 @@ def analyse(region: Region, plan: DispatchPlan) -> MatmulShape | None:
                        lead[0] if batched else 1, m, n, k, anchor.dtype)
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def _shape(region: Region, plan: DispatchPlan, name: str) -> tuple:
     if name in region.inputs:
         return tuple(plan.values[name].shape)
     return tuple(region.op(name).shape)
-
-
-def _pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
-def tiled_configs(shape: MatmulShape, m_hi: int | None) -> list[Config]:
-    out = []
-    for bm, bn, bk, warps, stages in _TILED:
-        if m_hi is not None and bm > max(16, _pow2(m_hi)):
-            continue
-        if isinstance(shape.n, int) and bn > max(16, _pow2(shape.n)):
-            continue
-        if isinstance(shape.k, int) and bk > max(16, _pow2(shape.k)):
-            continue
-        out.append(Config.make(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8))
-    return out or [Config.make(1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=8)]
-
-
-def gemv_configs(shape: MatmulShape) -> list[Config]:
-    out = []
-    for bn, bk, warps, stages in _GEMV:
-        if isinstance(shape.n, int) and bn > max(16, _pow2(shape.n)):
-            continue
-        if isinstance(shape.k, int) and bk > max(16, _pow2(shape.k)):
-            continue
-        out.append(Config.make(warps, stages, BLOCK_N=bn, BLOCK_K=bk))
-    return out or [Config.make(1, 1, BLOCK_N=16, BLOCK_K=16)]
 
 
 @register(RegionKind.MATMUL)
@@ -170,32 +142,42 @@ class _MatmulSource:
         return (Lin.of(Var("pid_b", self.s.batch, block=False)),) if self.s.batched else ()
 
     def spec(self) -> KernelSpec:
-        s, p = self.s, self.p
+        s, p, target = self.s, self.p, self.em.target
         for v in list(self.region.inputs) + list(self.region.outputs):
             p.check_extent(self.plan.values[v].numel)
         p.check_extent(s.batch * s.m * s.n)
+        k, batch = p.grid(s.k), p.grid(s.batch)
         if self.gemv:
-            tunables = ["BLOCK_N", "BLOCK_K"]
-            grid = (f"cdiv({p.grid(s.n)}, BLOCK_N)", p.grid(s.batch))
-            body = self._gemv_body()
-            configs = gemv_configs(s)
+            tunables = ["BLOCK_N", "BLOCK_K", "SPLIT_K"]
+            configs = cfg.gemv_configs(s.n, s.k)
+            tiles = f"cdiv({p.grid(s.n)}, BLOCK_N)"
+            fill, least = cfg.GEMV_FILL, cfg.MIN_GEMV_BLOCKS
+            part = f"{cfg.pow2(self.m_hi)} * BLOCK_N"
         else:
-            tunables = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"]
-            grid = (f"cdiv({p.grid(s.m)}, BLOCK_M) * cdiv({p.grid(s.n)}, BLOCK_N)",
-                    p.grid(s.batch))
-            body = self._tiled_body()
-            configs = tiled_configs(s, self.m_hi)
-        params = p.params() + [f"{t}: tl.constexpr" for t in tunables]
-        source = module_source(self.name, params, body, self.em.helpers, self.em.target,
+            tunables = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K"]
+            configs = cfg.tiled_configs(s.m, self.m_hi, s.n, s.k, s.batch, _name(s.dtype),
+                                        target)
+            tiles = f"cdiv({p.grid(s.m)}, BLOCK_M) * cdiv({p.grid(s.n)}, BLOCK_N)"
+            fill, least = cfg.TILED_FILL, cfg.MIN_SPLIT_BLOCKS
+            part = "BLOCK_M * BLOCK_N"
+        # K needs no mask when every config's BLOCK_K divides it (splits are whole blocks)
+        self.even_k = isinstance(s.k, int) and all(s.k % c["BLOCK_K"] == 0 for c in configs)
+        all_tiles = f"{tiles} * {batch}"
+        n_split = split.count("SPLIT_K", all_tiles, fill * target.multiprocessors,
+                              f"cdiv({k}, {least} * BLOCK_K)")
+        body = self._gemv_body() if self.gemv else self._tiled_body()
+        params = p.params() + [split.PARTS, split.COUNTS] + [f"{t}: tl.constexpr"
+                                                              for t in tunables]
+        source = module_source(self.name, params, body, self.em.helpers, target,
                                p.describe())
         out = self.region.outputs[0]
-        meta = {"form": "gemv" if self.gemv else "tiled",
-                "dtype": str(s.dtype).replace("torch.", ""),
-                "out_dtype": str(self.plan.values[out].dtype).replace("torch.", ""),
-                "m_pad": _pow2(self.m_hi) if self.gemv else None,
+        meta = {"form": "gemv" if self.gemv else "tiled", "dtype": _name(s.dtype),
+                "out_dtype": _name(self.plan.values[out].dtype),
+                "m_pad": cfg.pow2(self.m_hi) if self.gemv else None,
                 "epilogue_loads": self._epilogue_loads}
-        return KernelSpec(self.name, source, p.args(), tunables, grid, configs, configs[0],
-                          "matmul", meta, 64 if p.needs_int64 else 32)
+        return KernelSpec(self.name, source, p.args(), tunables, (tiles, batch, n_split),
+                          configs, configs[0], "matmul", meta, 64 if p.needs_int64 else 32,
+                          scratch=split.scratch(all_tiles, n_split, part))
 
     def _dot(self, x: str, w: str) -> str:
         x, w = dot_operand(x, self.s.dtype, self.em.target), dot_operand(w, self.s.dtype,
@@ -212,12 +194,22 @@ class _MatmulSource:
     def _wide(self) -> str:
         return ".to(tl.int64)" if self.p.needs_int64 else ""
 
+    def _k_range(self, k: str) -> list[str]:
+        """This program's K range [lo, hi): all of K, or its split's whole blocks."""
+        return ["lo = 0", f"hi = {k}", "if SPLIT_K > 1:",
+                *["    " + x for x in split.program_range(k, "BLOCK_K")]]
+
+    def _k_mask(self, name: str, var: str) -> Cond | None:
+        return None if self.even_k else Cond(name, frozenset({var}))
+
     def _tiled_body(self) -> list[str]:
         s, p = self.s, self.p
         m, n, k, wide = p.dim(s.m), p.dim(s.n), p.dim(s.k), self._wide()
         head = [
             f"pid_b = tl.program_id(1){wide}",
             "pid = tl.program_id(0)",
+            "pid_s = tl.program_id(2)",
+            "n_split = tl.num_programs(2)",
             f"grid_m = tl.cdiv({m}, BLOCK_M)",
             f"grid_n = tl.cdiv({n}, BLOCK_N)",
             "width = GROUP_M * grid_n",  # GROUP_M row tiles share B tiles in L2
@@ -232,55 +224,74 @@ class _MatmulSource:
             f"rb2 = (rn % {n})[None, :]",
             "rk = tl.arange(0, BLOCK_K)",
             "acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)",
-            f"for k0 in range(0, {k}, BLOCK_K):",
+            *self._k_range(k),
+            "for k0 in range(lo, hi, BLOCK_K):",
         ]
         kk_a, kk_b = Var("ka2", s.k), Var("kb2", s.k)
         a_idx = self._batch() + (Lin.of(Var("ra2", s.m)), Lin.of(kk_a))
         b_idx = self._batch() + (Lin.of(kk_b), Lin.of(Var("rb2", s.n)))
-        a_lines, a = self._load(s.a, a_idx, mask_of(Cond("ka_ok", frozenset({"ka2"}))))
-        b_lines, b = self._load(s.b, b_idx, mask_of(Cond("kb_ok", frozenset({"kb2"}))))
-        loop = [
-            "kk = k0 + rk",
-            "ka2 = kk[None, :]",
-            "kb2 = kk[:, None]",
-            f"ka_ok = ka2 < {k}",
-            f"kb_ok = kb2 < {k}",
-            *a_lines, *b_lines,
-            f"acc = {self._dot(a, b)}",
-        ]
+        a_lines, a = self._load(s.a, a_idx, mask_of(self._k_mask("ka_ok", "ka2")))
+        b_lines, b = self._load(s.b, b_idx, mask_of(self._k_mask("kb_ok", "kb2")))
+        loop = ["kk = k0 + rk", "ka2 = kk[None, :]", "kb2 = kk[:, None]"]
+        if not self.even_k:
+            loop += [f"ka_ok = ka2 < {k}", f"kb_ok = kb2 < {k}"]
+        loop += [*a_lines, *b_lines, f"acc = {self._dot(a, b)}"]
         tail = ["rm2 = rm[:, None]", "rn2 = rn[None, :]", f"m_ok = rm2 < {m}",
                 f"n_ok = rn2 < {n}"]
+        offs = "tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]"
+        tail += self._combine("pid_b * (grid_m * grid_n) + pid", "[BLOCK_M, BLOCK_N]",
+                              "BLOCK_M * BLOCK_N", offs, n)
         return head + ["    " + x for x in loop] + tail + self._finish()
+
+    def _combine(self, tile: str, shape: str, numel: str, offs: str, n: str) -> list[str]:
+        """With K split: store this part; the last program sums all parts and stores."""
+        store = [f"part_offs = {offs}",
+                 f"tl.store({split.part(numel)} + part_offs, acc, mask=m_ok & n_ok)"]
+        load = split.load_part(split.part(numel, "s") + " + part_offs", "m_ok & n_ok")
+        combine = [f"acc = tl.zeros({shape}, dtype=tl.float32)",
+                   "for s in range(0, n_split):", f"    acc += {load}"]
+        gate = [f"n_ok = rn2 < tl.where(last, {n}, 0)"]  # only the last program stores
+        return split.arrive("SPLIT_K", tile, store, combine, gate)
 
     def _gemv_body(self) -> list[str]:
         s, p = self.s, self.p
         m, n, k, wide = p.dim(s.m), p.dim(s.n), p.dim(s.k), self._wide()
-        mp = _pow2(self.m_hi)
+        mp = cfg.pow2(self.m_hi)
         head = [
             f"pid_b = tl.program_id(1){wide}",
-            f"rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N){wide}",
+            "pid_n = tl.program_id(0)",
+            "pid_s = tl.program_id(2)",
+            "n_split = tl.num_programs(2)",
+            f"rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N){wide}",
             f"rm = tl.arange(0, {mp})",
             f"rb2 = (rn % {n})[None, :]",
             f"acc = tl.zeros([{mp}, BLOCK_N], dtype=tl.float32)",
-            f"for k0 in range(0, {k}, BLOCK_K):",
         ]
+        # Rows past M read row M - 1 (valid memory, one mask-free vector load per row);
+        # only the store is masked.
+        static_rows = isinstance(s.m, int) and s.m >= mp
+        for mi in range(mp):
+            if not static_rows:
+                head.append(f"row{mi} = tl.minimum({mi}, {m} - 1)")
+        head += [*self._k_range(k), "for k0 in range(lo, hi, BLOCK_K):"]
         kk_b, kk_a = Var("kb2", s.k), Var("kk", s.k)
         b_idx = self._batch() + (Lin.of(kk_b), Lin.of(Var("rb2", s.n)))
-        b_lines, w = self._load(s.b, b_idx, mask_of(Cond("kb_ok", frozenset({"kb2"}))))
-        loop = [f"kk = k0 + tl.arange(0, BLOCK_K){wide}", "kb2 = kk[:, None]",
-                f"k_ok = kk < {k}", f"kb_ok = kb2 < {k}", *b_lines,
-                f"w = {w}.to(tl.float32)"]
+        b_lines, w = self._load(s.b, b_idx, mask_of(self._k_mask("kb_ok", "kb2")))
+        loop = [f"kk = k0 + tl.arange(0, BLOCK_K){wide}", "kb2 = kk[:, None]"]
+        if not self.even_k:
+            loop += [f"k_ok = kk < {k}", f"kb_ok = kb2 < {k}"]
+        loop += [*b_lines, f"w = {w}.to(tl.float32)"]
         for mi in range(mp):  # rows unrolled: the weight tile is loaded once for all
-            # (the row condition is a tensor: the interpreter rejects scalar-bool masks)
-            row_ok = Cond(f"row_ok{mi}", frozenset({"kk"}))
-            a_idx = self._batch() + (Lin.of(mi), Lin.of(kk_a))
-            a_lines, x = self._load(s.a, a_idx, mask_of(Cond("k_ok", frozenset({"kk"})),
-                                                         row_ok))
-            loop += [f"row_ok{mi} = (kk * 0 + {mi}) < {m}", *a_lines,
-                     f"part = tl.sum({x}.to(tl.float32)[:, None] * w, 0)",
+            row = Lin.of(mi) if static_rows else Lin.of(Opaque(f"row{mi}", s.m))
+            a_lines, x = self._load(s.a, self._batch() + (row, Lin.of(kk_a)),
+                                    mask_of(self._k_mask("k_ok", "kk")))
+            loop += [*a_lines, f"part = tl.sum({x}.to(tl.float32)[:, None] * w, 0)",
                      f"acc += tl.where(rm[:, None] == {mi}, part[None, :], 0.0)"]
         tail = ["rm2 = rm[:, None]", "rn2 = rn[None, :]", f"m_ok = rm2 < {m}",
                 f"n_ok = rn2 < {n}"]
+        offs = f"tl.arange(0, {mp})[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]"
+        tail += self._combine("pid_b * tl.num_programs(0) + pid_n", f"[{mp}, BLOCK_N]",
+                              f"{mp} * BLOCK_N", offs, n)
         return head + ["    " + x for x in loop] + tail + self._finish()
 
     def _finish(self) -> list[str]:

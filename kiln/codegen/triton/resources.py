@@ -106,7 +106,7 @@ def _attention(spec: KernelSpec, c: Config, target: Target, threads: int):
         staged = _staged(target, wgmma, s)
         shared = q + staged * (2 * kv + mask) + (s - 1) * prologue + (0 if wgmma else p)
     acc = bm * d / threads
-    scores = 2 * bm * bn / threads
+    scores = 3 * bm * bn / threads  # the scores, their exponentials, the fp16 copy
     q_frag = bm * d * e / 4 / threads
     return shared, _BASE_REGISTERS + acc + scores + q_frag
 

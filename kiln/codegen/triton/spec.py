@@ -5,6 +5,11 @@ its pointer arguments are, which size expressions its integer arguments are, the
 grid as expressions over those sizes and the tunable constexprs, and the candidate
 `Config`s. Generators (pointwise, reduction) and templates (matmul, attention) all
 produce KernelSpecs; the autotuner, the resource model and the runtime consume them.
+
+A kernel may also ask for `Scratch` buffers: memory its programs share within one
+launch (a split reduction's partial results and arrival counters, kiln.codegen.triton.
+split). They are no region values: the launcher allocates them from size expressions
+(like the grid's) and passes them after the arguments, before the tunables.
 """
 
 from __future__ import annotations
@@ -93,6 +98,29 @@ class KernelArg:
         return KernelArg(d["name"], d["kind"], d.get("value"), expr, dtype)
 
 
+@dataclass(frozen=True)
+class Scratch:
+    """A buffer the launcher provides: `numel` is a Python expression over the size
+    arguments and tunables (as the grid is). `zeroed` buffers read zero at every launch:
+    they are zero-filled when allocated and the kernel must leave them zero again."""
+
+    name: str  # the kernel parameter
+    dtype: torch.dtype
+    numel: str
+    zeroed: bool = False
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": str(self.dtype).replace("torch.", ""),
+                "numel": self.numel, "zeroed": self.zeroed}
+
+    @staticmethod
+    def from_json(d: dict) -> Scratch:
+        return Scratch(d["name"], _DTYPE_NAMES[d["dtype"]], d["numel"], d["zeroed"])
+
+    def numel_for(self, sizes: dict[str, int], config: Config) -> int:
+        return max(1, _grid_fn((self.numel,))({**sizes, **config.as_dict()})[0])
+
+
 @dataclass
 class KernelSpec:
     name: str  # the @triton.jit function's name in `source`
@@ -107,15 +135,19 @@ class KernelSpec:
     index_bits: int = 32  # 64 when some size may exceed 2**31 - 1
     # output values every launch zeroes before the kernel runs (the kernel adds into them)
     zero_outputs: list[str] = field(default_factory=list)
+    scratch: list[Scratch] = field(default_factory=list)  # parameters after `args`
 
     @property
     def source_hash(self) -> str:
         fixed = repr([(a.name, a.kind, a.expr if a.kind == "constexpr" else None,
                        str(a.dtype)) for a in self.args])
+        if self.scratch:  # their dtypes are part of the signature
+            fixed += repr([(b.name, str(b.dtype)) for b in self.scratch])
         return hashlib.sha256((self.source + fixed).encode()).hexdigest()[:24]
 
     def signature(self) -> dict[str, str]:
         sig = {a.name: a.triton_type(self.index_bits) for a in self.args}
+        sig.update({b.name: "*" + TRITON_DTYPES[b.dtype] for b in self.scratch})
         sig.update({t: "constexpr" for t in self.tunables})
         return sig
 
@@ -125,7 +157,8 @@ class KernelSpec:
         return out
 
     def pointer_indices(self) -> list[int]:
-        return [i for i, a in enumerate(self.args) if a.kind == "tensor"]
+        tensors = [i for i, a in enumerate(self.args) if a.kind == "tensor"]
+        return tensors + [len(self.args) + i for i in range(len(self.scratch))]
 
     def grid_for(self, sizes: dict[str, int], config: Config) -> tuple[int, int, int]:
         """The launch grid, always three dims (Triton's launcher reads all three)."""
@@ -139,6 +172,7 @@ class KernelSpec:
             "grid": list(self.grid), "configs": [c.to_json() for c in self.configs],
             "default": self.default.to_json(), "template": self.template, "meta": self.meta,
             "index_bits": self.index_bits, "zero_outputs": list(self.zero_outputs),
+            "scratch": [b.to_json() for b in self.scratch],
         }
 
     @staticmethod
@@ -148,6 +182,7 @@ class KernelSpec:
             list(d["tunables"]), tuple(d["grid"]), [Config.from_json(c) for c in d["configs"]],
             Config.from_json(d["default"]), d["template"], dict(d.get("meta", {})),
             d.get("index_bits", 32), list(d.get("zero_outputs", [])),
+            [Scratch.from_json(b) for b in d.get("scratch", [])],
         )
 
 
