@@ -142,6 +142,11 @@ class CompiledModule:
         self._out_spec = pytree.treespec_loads(self.plan.out_spec)
         self._graphs = None
         self._graph_when = None
+        # Most modules take plain positional tensors: those calls skip pytree entirely.
+        n = len(self.plan.user_inputs)
+        self._flat_in = not self.plan.const_args and self._in_spec == pytree.tree_structure(
+            (tuple(range(n)), {}))
+        self._out_leaf = self._out_spec.is_leaf()
 
     def cuda_graphs(self, when=None, max_graphs: int = 16) -> CompiledModule:
         """Replay calls as captured CUDA graphs, one per set of sizes.
@@ -156,6 +161,9 @@ class CompiledModule:
         return self
 
     def _flatten(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        if (self._flat_in and not kwargs and len(args) == len(self.plan.user_inputs)
+                and all(type(a) is torch.Tensor for a in args)):
+            return list(args)
         kw_spec = _child(self._in_spec, 1) if self._in_spec.num_children == 2 else None
         if kw_spec is not None and kw_spec.context is not None:
             keys = list(kw_spec.context)
@@ -212,6 +220,8 @@ class CompiledModule:
                 outs = self._graphs.run(flat, self.state, env)
             else:
                 outs = self.program.run(flat, self.state, env)
+        if self._out_leaf:
+            return outs[0]
         return pytree.tree_unflatten(outs, self._out_spec)
 
     def save(self, path) -> None:

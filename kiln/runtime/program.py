@@ -22,7 +22,11 @@ class Program:
         self.mem = mem
         self.device = torch.device(kplan.target.torch_device)
         self.arena = Arena(mem, self.plan, self.device)
-        self._steps = [(r, kplan.kernels[r.name]) for r in self.plan.regions]
+        # Per region, decided once: its kernel, the values it reads, and where each
+        # output goes (a state tensor written in place, the arena, or a fresh tensor).
+        self._steps = [(kplan.kernels[r.name], list(r.inputs),
+                        [(o, r.inplace.get(o), self.plan.values[o]) for o in r.outputs])
+                       for r in self.plan.regions]
         self._weights = {n: v.target for n, v in self.plan.values.items()
                          if v.role in (Role.WEIGHT, Role.STATE)}
 
@@ -37,18 +41,17 @@ class Program:
         values: dict[str, torch.Tensor] = {n: state[t] for n, t in self._weights.items()}
         values.update(zip(self.plan.user_inputs, args))
         planned = (arena or self.arena).views(env)
-        for region, kernel in self._steps:
+        for kernel, inputs, outputs in self._steps:
             outs = {}
-            for o in region.outputs:
-                if o in region.inplace:
-                    outs[o] = values[region.inplace[o]]
+            for o, state_value, v in outputs:
+                if state_value is not None:
+                    outs[o] = values[state_value]
                 elif o in planned:
                     outs[o] = planned[o]
                 else:
-                    v = self.plan.values[o]
                     outs[o] = torch.empty([evaluate(d, env) for d in v.shape], dtype=v.dtype,
                                           device=self.device)
-            kernel.run({i: values[i] for i in region.inputs}, outs, env)
+            kernel.run({i: values[i] for i in inputs}, outs, env)
             values.update(outs)
         for target, v in self.plan.state_writes.items():
             state[target].copy_(values[v])

@@ -45,6 +45,7 @@ class TritonKernel:
         self.binary = binary
         self.interpret = interpret
         self._tunables = [config[t] for t in spec.tunables]
+        self._params = config.as_dict()
         self._fn = load_kernel(spec.source, spec.name, interpret=True) if interpret else None
         if not interpret and binary is None:
             raise ValueError(f"kernel {spec.name} needs a compiled binary to run on a GPU")
@@ -74,7 +75,7 @@ class TritonKernel:
         args, sizes = self._args(inputs, outs, env)
         for v in self.spec.zero_outputs:  # the kernel adds partial results into these
             outs[v].zero_()
-        grid = self.spec.grid_for(sizes, self.config)
+        grid = self.spec.grid_for(sizes, self.config, self._params)
         if 0 in grid:
             return
         if self.interpret:

@@ -118,7 +118,8 @@ class Scratch:
         return Scratch(d["name"], _DTYPE_NAMES[d["dtype"]], d["numel"], d["zeroed"])
 
     def numel_for(self, sizes: dict[str, int], config: Config) -> int:
-        return max(1, _grid_fn((self.numel,))({**sizes, **config.as_dict()})[0])
+        env = {**sizes, **config.as_dict()}
+        return max(1, eval(_grid_code((self.numel,)), _SCOPE, env)[0])  # noqa: S307
 
 
 @dataclass
@@ -160,10 +161,16 @@ class KernelSpec:
         tensors = [i for i, a in enumerate(self.args) if a.kind == "tensor"]
         return tensors + [len(self.args) + i for i in range(len(self.scratch))]
 
-    def grid_for(self, sizes: dict[str, int], config: Config) -> tuple[int, int, int]:
-        """The launch grid, always three dims (Triton's launcher reads all three)."""
-        g = _grid_fn(self.grid)({**sizes, **config.as_dict()})
-        return tuple(g) + (1,) * (3 - len(g))
+    def grid_for(self, sizes: dict[str, int], config: Config,
+                 params: dict[str, int] | None = None) -> tuple[int, int, int]:
+        """The launch grid, always three dims (Triton's launcher reads all three).
+
+        `params` is config.as_dict(), passed by launchers that keep it to save the work.
+        """
+        env = dict(sizes)
+        env.update(params if params is not None else config.as_dict())
+        g = eval(_grid_code(self.grid), _SCOPE, env)  # noqa: S307 - kiln's own expressions
+        return g + (1,) * (3 - len(g))
 
     def to_json(self) -> dict:
         return {
@@ -193,7 +200,3 @@ _SCOPE = {"cdiv": triton.cdiv, "max": max, "min": min, "int": int, "__builtins__
 def _grid_code(grid: tuple[str, ...]):
     return compile("(" + ", ".join(f"int({g})" for g in grid) + ",)", "<grid>", "eval")
 
-
-def _grid_fn(grid: tuple[str, ...]):
-    code = _grid_code(grid)
-    return lambda env: eval(code, _SCOPE, env)  # noqa: S307 - kiln's own expressions
