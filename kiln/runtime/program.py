@@ -22,13 +22,21 @@ class Program:
         self.mem = mem
         self.device = torch.device(kplan.target.torch_device)
         self.arena = Arena(mem, self.plan, self.device)
-        # Per region, decided once: its kernel, the values it reads, and where each
-        # output goes (a state tensor written in place, the arena, or a fresh tensor).
-        self._steps = [(kplan.kernels[r.name], list(r.inputs),
-                        [(o, r.inplace.get(o), self.plan.values[o]) for o in r.outputs])
-                       for r in self.plan.regions]
+        self._build_steps()
         self._weights = {n: v.target for n, v in self.plan.values.items()
                          if v.role in (Role.WEIGHT, Role.STATE)}
+
+    def _build_steps(self) -> None:
+        # Per region, decided once: its kernel, the values it reads, and where each
+        # output goes (a state tensor written in place, the arena, or a fresh tensor).
+        self._steps = [(self.kplan.kernels[r.name], list(r.inputs),
+                        [(o, r.inplace.get(o), self.plan.values[o]) for o in r.outputs])
+                       for r in self.plan.regions]
+
+    def set_kernel(self, region: str, kernel) -> None:
+        """Run `region` with another kernel (e.g. a different config of the same spec)."""
+        self.kplan.kernels[region] = kernel
+        self._build_steps()
 
     def bind(self, args, names=None) -> dict[str, int]:
         return bind_symbols(self.plan, args, self.device.type, names)

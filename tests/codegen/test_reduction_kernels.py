@@ -52,9 +52,8 @@ def _with_config(exe, **params):
             cfg = dict(k.config.params)
             if not k.spec.meta["persistent"] or "RBLOCK" not in params:
                 cfg.update(params)
-            exe.program.kplan.kernels[name] = TritonKernel(
-                k.region, k.spec, Config.make(k.config.num_warps, 1, **cfg), interpret=True)
-    exe.program._steps = [(r, exe.program.kplan.kernels[r.name]) for r in exe.plan.regions]
+            exe.program.set_kernel(name, TritonKernel(
+                k.region, k.spec, Config.make(k.config.num_warps, 1, **cfg), interpret=True))
 
 
 @pytest.mark.parametrize("dims", [(2,), (1,), (0, 2)])
