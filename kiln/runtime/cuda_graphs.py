@@ -26,6 +26,9 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     inputs: list[torch.Tensor]
     outputs: list[torch.Tensor]
+    # The graph replays into these addresses: the arena must live as long as the graph,
+    # or its memory returns to the allocator and a replay writes into someone else's.
+    arena: Arena
 
 
 class GraphRunner:
@@ -64,7 +67,7 @@ class GraphRunner:
         with torch.cuda.graph(graph, pool=self.pool):
             outs = prog.run(static, state, env, arena=arena)
         log.info("captured a CUDA graph for sizes %s", env)
-        return _Captured(graph, static, outs)
+        return _Captured(graph, static, outs, arena)
 
     def run(self, args: list[torch.Tensor], state: dict[str, torch.Tensor],
             env: dict[str, int]) -> list[torch.Tensor]:

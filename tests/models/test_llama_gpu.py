@@ -59,3 +59,28 @@ def test_cuda_graph_decode_matches_graph_free_decode():
         results.append((tokens, torch.stack(all_logits)))
     assert results[0][0] == results[1][0]
     assert rel_err(results[1][1], results[0][1]) < 1e-3
+
+
+@pytest.mark.gpu
+def test_captured_graph_keeps_its_memory_alive():
+    """A graph replays into its own arena: freeing everything else and emptying the
+    allocator's cache must not take that memory away (it once did: illegal address)."""
+    import gc
+
+    model = tiny_llama(dtype=torch.float16).cuda()
+    model.setup_cache(torch.float16)
+    eager = copy.deepcopy(model)
+    args, dynamic = example_inputs(model.cfg, seq_len=8)
+    exe = kiln.compile(model, tuple(a.cuda() for a in args), dynamic_shapes=dynamic,
+                       target="cuda").cuda_graphs()
+    tok, pos = torch.tensor([[3]], device="cuda"), torch.tensor([0], device="cuda")
+    exe(tok, pos)  # capture
+    gc.collect()
+    torch.cuda.empty_cache()
+    junk = [torch.randn(1 << 20, device="cuda") for _ in range(64)]  # reuse freed memory
+    for i in range(1, 6):
+        tok, pos = torch.tensor([[i + 3]], device="cuda"), torch.tensor([i], device="cuda")
+        out, ref = exe(tok, pos), eager(tok, pos)
+        torch.cuda.synchronize()
+        assert rel_err(out, ref) <= 1e-2
+    del junk
