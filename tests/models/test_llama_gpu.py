@@ -75,6 +75,7 @@ def test_captured_graph_keeps_its_memory_alive():
                        target="cuda").cuda_graphs()
     tok, pos = torch.tensor([[3]], device="cuda"), torch.tensor([0], device="cuda")
     exe(tok, pos)  # capture
+    eager(tok, pos)  # the same step, so both caches hold position 0
     gc.collect()
     torch.cuda.empty_cache()
     junk = [torch.randn(1 << 20, device="cuda") for _ in range(64)]  # reuse freed memory
