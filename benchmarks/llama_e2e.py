@@ -3,7 +3,8 @@ memory-bandwidth floor, on one GPU, in one run.
 
 A Llama-3-8B-shaped model (dim 4096, 32 heads, 8 KV heads, MLP 14336, vocab 128256)
 with fewer layers (default 4) and random fp16 weights. Decode reads every weight once
-per token, so its floor is weight bytes / measured copy bandwidth. Ratios are what to
+per token (the embedding table excepted: one row of it) and the KV cache up to its
+position, so its floor is those bytes / measured copy bandwidth. Ratios are what to
 read: kiln / eager, kiln / torch.compile, floor / kiln.
 
     python benchmarks/llama_e2e.py --layers 4 --out results.txt
@@ -67,7 +68,10 @@ def main() -> None:
     for prm in model.parameters():
         torch.nn.init.normal_(prm, std=0.02)
     model.setup_cache(dtype)
-    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    emb = model.model.embed_tokens.weight
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters()
+                       if t is not emb or cfg.tie_word_embeddings)
+    kv_bytes = 2 * cfg.n_layers * args.prefill * cfg.n_kv_heads * cfg.head_dim * emb.element_size()
     bw = copy_bandwidth()
     rows = []
 
@@ -106,11 +110,12 @@ def main() -> None:
         rows.append(("decode", "kiln", bench(lambda: dec(tok, dpos))))
         dec.cuda_graphs()
         rows.append(("decode", "kiln+cudagraphs", bench(lambda: dec(tok, dpos))))
-    floor_ms = weight_bytes / bw * 1e3
+    floor_ms = (weight_bytes + kv_bytes) / bw * 1e3
     lines = [
         f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  "
         f"layers {args.layers}  dtype {args.dtype}",
-        f"copy bandwidth {bw / 1e9:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB; "
+        f"copy bandwidth {bw / 1e9:.0f} GB/s; decode reads {weight_bytes / 1e9:.2f} GB of "
+        f"weights + {kv_bytes / 1e6:.1f} MB of KV cache; "
         f"decode floor {floor_ms:.3f} ms",
         f"kiln compile {compile_s:.1f} s; kernels {kinds}; prefill rel err vs eager {err:.2e}",
         f"{'phase':8} {'runner':22} {'ms':>9} {'vs eager':>9} {'floor/it':>9}",
