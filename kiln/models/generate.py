@@ -101,6 +101,7 @@ class LLM:
                 raise ArgumentError("CUDA graphs need a GPU target", hint="target='cuda'")
             self.decode_module.cuda_graphs(max_graphs=len(self.buckets))
             self._capture_buckets()
+        self._warm_prefill()
         self.load_s = time.perf_counter() - t0
 
     @property
@@ -108,22 +109,27 @@ class LLM:
         return self.cfg.max_seq_len
 
     def _compile(self, seq_len: int | None):
-        """Compile for T = seq_len, or for a dynamic T in [1, max_seq_len] (prefill)."""
+        """Compile for T = seq_len (decode), or for a dynamic T in [1, max_seq_len] with
+        logits at L dynamic positions per row (prefill: L = 1, the last prompt token)."""
         b = min(2, self.max_batch_size)  # an example of 1 would pin the batch dim to 1
         t = seq_len or min(8, self.max_seq_len)
         batch = Dim("batch", min=1, max=self.max_batch_size) if b > 1 else None
         seq = Dim("seq", min=1, max=self.max_seq_len) if seq_len is None and t > 1 else None
         dims = {k: d for k, d in ((0, batch), (1, seq)) if d is not None}
-        args = [torch.zeros(b, t, dtype=torch.long, device=self.device),
-                torch.arange(t, device=self.device).expand(b, t).contiguous()]
-        shapes = [dims, dims]
+        args = {"tokens": torch.zeros(b, t, dtype=torch.long, device=self.device),
+                "input_pos": torch.arange(t, device=self.device).expand(b, t).contiguous()}
+        shapes = {"tokens": dims, "input_pos": dims}
         if self.paged:
             cache = self.model.cache
             w = min(max(2, math.ceil(t / cache.block_size)), cache.blocks_per_seq)
             width = Dim("blocks", min=1, max=cache.blocks_per_seq) if w > 1 else None
-            args.append(torch.zeros(b, w, dtype=torch.long, device=self.device))
-            shapes.append({k: d for k, d in ((0, batch), (1, width)) if d is not None})
-        return kiln.compile(self.model, tuple(args), dynamic_shapes=tuple(shapes),
+            args["block_table"] = torch.zeros(b, w, dtype=torch.long, device=self.device)
+            shapes["block_table"] = {k: d for k, d in ((0, batch), (1, width)) if d is not None}
+        if seq is not None:
+            rows = Dim("logit_rows", min=1, max=self.max_seq_len)
+            args["logits_at"] = torch.zeros(b, 2, dtype=torch.long, device=self.device)
+            shapes["logits_at"] = {k: d for k, d in ((0, batch), (1, rows)) if d is not None}
+        return kiln.compile(self.model, (), kwargs=args, dynamic_shapes=shapes,
                             target=self.target)
 
     def _capture_buckets(self) -> None:
@@ -140,20 +146,48 @@ class LLM:
             zeros = torch.zeros(b, 1, dtype=torch.long, device=self.device)
             self.forward(zeros, zeros, table)
 
+    def _warm_prefill(self) -> None:
+        """Run the prefill module once, so the first request does not pay for loading its
+        kernels onto the GPU (a third of a second for an 8B model) or for warming PyTorch's
+        CPU ops (20 ms for the tiny Llama).
+
+        The two dummy tokens land at positions 0 and 1 of cache row 0 (or block 0), which
+        a real prefill rewrites before any token reads them.
+        """
+        t = min(2, self.max_seq_len)
+        table = None
+        if self.paged:
+            table = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        self.forward(torch.zeros(1, t, dtype=torch.long, device=self.device),
+                     torch.arange(t, device=self.device), table)
+        if self.target.is_gpu:
+            torch.cuda.synchronize(self.device)
+
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor,
-                block_table: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab] from the compiled prefill (T > 1) or decode (T = 1) module.
+                block_table: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] from the compiled prefill (T > 1) or decode (T = 1) module;
+        for T > 1, only at `logits_at` ([B, L] indices into T) when given.
 
         input_pos may be [T] (shared by the rows); inputs move to the model's device.
         """
         if self.paged != (block_table is not None):
             raise ArgumentError("a block_table is needed with the paged cache, and only then")
-        args = [tokens, input_pos.expand(tokens.shape)]
+        B, T = tokens.shape
+        args = {"tokens": tokens, "input_pos": input_pos.expand(B, T)}
         if self.paged:
-            args.append(block_table)
-        args = [a.to(self.device).contiguous() for a in args]
-        module = self.decode_module if tokens.shape[1] == 1 else self.prefill_module
-        return module(*args)
+            args["block_table"] = block_table
+        module = self.decode_module
+        if T > 1:
+            module = self.prefill_module
+            if logits_at is None:
+                logits_at = torch.arange(T).expand(B, T)
+            args["logits_at"] = logits_at
+        elif logits_at is not None:
+            raise ArgumentError("logits_at is for prefill (more than one token)",
+                                hint="a decode step has logits at its one token only")
+        args = {k: a.to(self.device).contiguous() for k, a in args.items()}
+        return module(**args)
 
     # ---- generate --------------------------------------------------------------------
 
@@ -242,10 +276,8 @@ class LLM:
                 alloc.reserve(s.row, len(s.prompt))
             width = math.ceil(T / alloc.block_size)
             table = alloc.block_table([s.row for s in seqs], width, self.device)
-        logits = self.forward(tokens.to(self.device), torch.arange(T, device=self.device),
-                              table)
-        last = torch.tensor(lens, device=logits.device) - 1
-        return logits[torch.arange(len(seqs), device=logits.device), last]
+        last = (torch.tensor(lens) - 1)[:, None] if T > 1 else None  # T = 1: decode module
+        return self.forward(tokens, torch.arange(T), table, logits_at=last)[:, 0]
 
     def _decode(self, batch: list[_Seq], alloc: BlockAllocator | None) -> torch.Tensor:
         """One decode step; a finished row (contiguous cache only) repeats its last step."""

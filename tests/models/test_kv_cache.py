@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kiln.errors import ResourceError, ShapeError
+from kiln.errors import ArgumentError, ResourceError, ShapeError
 from kiln.models.kv_cache import BlockAllocator
 from tests.helpers import rel_err
 from tests.models.support import run_alone, run_batched
@@ -82,3 +82,32 @@ def test_block_allocator_free_list(paged_llm):
         alloc.reserve(s, cache.blocks_per_seq * cache.block_size)
     with pytest.raises(ResourceError, match="paged KV cache is full"):
         alloc.reserve(99, cache.blocks_per_seq * cache.block_size)
+
+
+def test_prefill_logits_at_given_positions_match_the_full_logits(llms, paged_llm):
+    """Generation asks the prefill for each prompt's last position only; any positions
+    (several per row, different per row) give what the full logits hold there."""
+    gen = torch.Generator().manual_seed(3)
+    for llm in (llms("llama3.1"), paged_llm):
+        tokens = torch.randint(0, llm.cfg.vocab_size, (2, 7), generator=gen)
+        table = None
+        if llm.paged:
+            alloc = BlockAllocator(llm.model.cache)
+            for row in (0, 1):
+                alloc.reserve(row, 7)
+            table = alloc.block_table([0, 1])
+        full = llm.forward(tokens, torch.arange(7), table)
+        at = torch.tensor([[6, 2, 0], [3, 3, 5]])
+        some = llm.forward(tokens, torch.arange(7), table, logits_at=at)
+        assert some.shape == (2, 3, llm.cfg.vocab_size)
+        want = full.gather(1, at[:, :, None].expand(-1, -1, full.shape[-1]))
+        assert rel_err(some, want) < 1e-6
+        if table is not None:
+            alloc.release(0)
+            alloc.release(1)
+
+
+def test_logits_at_on_a_decode_step_is_an_argument_error(llms):
+    llm = llms("llama3.1")
+    with pytest.raises(ArgumentError, match="logits_at is for prefill"):
+        llm.forward(torch.tensor([[1]]), torch.tensor([0]), logits_at=torch.tensor([[0]]))
