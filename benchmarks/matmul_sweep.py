@@ -134,7 +134,8 @@ class Sweep:
         results: dict[int, object] = {}
         pool = get_pool(min(16, os.cpu_count() or 4))
         # stop starting compiles when only the measuring time is left
-        more = lambda: time.monotonic() < self.deadline - MEASURE_RESERVE_S  # noqa: E731
+        reserve = min(MEASURE_RESERVE_S, self.args.budget / 2)  # a small --budget compiles too
+        more = lambda: time.monotonic() < self.deadline - reserve  # noqa: E731
         for i, out in pool.run(jobs, 180.0, more):
             results[i] = out.binary if out.status == OK else f"{out.status}: {out.reason}"
         return [results.get(i, "not compiled") for i in range(len(runs))]
