@@ -88,6 +88,35 @@ def test_row_normalizations(hidden, dtype):
     assert torch.equal(x.gather(1, out[4][:, None]), x.gather(1, ref[4][:, None]))
 
 
+class NanRows(torch.nn.Module):
+    def forward(self, x):
+        return x.amax(-1), x.amin(-1), torch.softmax(x, -1), x.argmax(-1), x.amax(0)
+
+
+@pytest.mark.parametrize("hidden", [1000, 32000, 128256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_max_min_propagate_nan_like_torch(hidden, dtype):
+    """max / min reduce with PTX's NaN-propagating max (max.NaN): a NaN anywhere in a
+    row (or column) makes it NaN, in the persistent, looped and column forms."""
+    x = torch.randn(64, hidden).to(dtype)
+    exe = compile_cuda(NanRows(), cuda(x), ({0: SEQ},))
+    x = torch.randn(67, hidden).to(dtype)
+    x[3, hidden // 2] = float("nan")
+    x[5, -1] = float("nan")
+    x[7] = -float("inf")
+    x[9, 0] = float("inf")
+    x[11, :7] = float("nan")
+    out, ref = exe(*cuda(x)), NanRows()(x)
+    for o, r in zip(out, ref):
+        o = o.cpu()
+        assert torch.equal(o.isnan(), r.isnan()), (hidden, dtype)
+        ok = ~r.isnan()
+        if r.is_floating_point():
+            assert_matches(o[ok], r[ok], TOL[dtype])
+        else:
+            assert torch.equal(o[ok], r[ok])
+
+
 def test_kv_cache_scatter_in_place():
     model = Cache().cuda()
     eager = copy.deepcopy(model)

@@ -40,35 +40,29 @@ class Accumulators:
         info = torch.iinfo(dt)
         return literal(info.min if low else info.max, dt)
 
-    def tile_input(self, acc: Acc, mask) -> tuple[Val, str]:
-        """The accumulator's input at this tile, masked lanes set to the identity; and
-        code that is true where a live lane holds NaN."""
+    def tile_input(self, acc: Acc, mask) -> Val:
+        """The accumulator's input at this tile, masked lanes set to the identity."""
         em = self.em
         v = em.tensor(em.cast(acc.value(self.full_index(), mask), acc.dtype))
         tile = f"tl.broadcast_to({v}, [XBLOCK, RBLOCK])"
         m = " & ".join(sorted(c.code for c in mask))
         code = f"tl.where({m}, {tile}, {self.ident(acc)})" if m else tile
-        nan = f"(({tile} != {tile}) & {m})" if m else f"({tile} != {tile})"
-        return em.let(code, acc.dtype, TILE), nan
+        return em.let(code, acc.dtype, TILE)
 
     def reduce_tile(self, acc: Acc, mask) -> None:
-        # The NaN probe reads the value itself, not the masked tile: with one reduction
-        # reading the tile, the compiler folds the select into it instead of keeping a
-        # second copy of the row live (which spilled rows of 32K values).
-        v, nan = self.tile_input(acc, mask)
-        self.final(acc, v, self.rindex_tile() if acc.kind.startswith("arg") else None, nan)
+        v = self.tile_input(acc, mask)
+        self.final(acc, v, self.rindex_tile() if acc.kind.startswith("arg") else None)
 
     def rindex_tile(self) -> Val:
         dt = self.index_dtype
         return self.em.let(f"tl.broadcast_to(rindex, [XBLOCK, RBLOCK]).to({TL[dt]})", dt, TILE)
 
-    def final(self, acc: Acc, tile: Val, idx: Val | None, nan: str | None = None) -> None:
-        """Reduce a [XBLOCK, RBLOCK] tile of partial results to the row value (`nan`:
-        where a lane holds NaN, for max / min; by default the tile's own NaNs).
+    def final(self, acc: Acc, tile: Val, idx: Val | None) -> None:
+        """Reduce a [XBLOCK, RBLOCK] tile of partial results to the row value.
 
         tl.reduce with triton.language's own combine functions (what tl.sum / tl.max
         call): the interpreter cannot call tl.sum itself, but it recognises these and
-        reduces with numpy. Only prod needs a combine function of kiln's.
+        reduces with numpy. Prod and floating max / min use combine functions of kiln's.
         """
         em, dt, k = self.em, acc.dtype, acc.kind
         if k in ("sum", "any", "all"):
@@ -81,7 +75,7 @@ class Accumulators:
             em.need("_prod")
             acc.result = em.let(f"tl.reduce({tile}, 1, _prod)[:, None]", dt, ROW)
         else:
-            acc.result = self.extreme(tile, "max" if k in ("max", "argmax") else "min", dt, nan)
+            acc.result = self.extreme(tile, "max" if k in ("max", "argmax") else "min", dt)
             if idx is not None:  # the first position holding it (the first NaN, if any)
                 m = acc.result
                 cand = f"({tile} == {m})"
@@ -91,17 +85,14 @@ class Accumulators:
                 acc.index = em.let(f"tl.reduce(tl.where({cand}, {idx}, {never}), 1, "
                                    "tl.standard._elementwise_min)[:, None]", idx.dtype, ROW)
 
-    def extreme(self, tile: Val, kind: str, dt, nan: str | None = None) -> Val:
-        """Row max / min. Floating max/min ignore NaN in the interpreter and in PTX's
-        max.f32, so a NaN count restores torch's NaN propagation."""
-        em = self.em
-        r = em.let(f"tl.reduce({tile}, 1, tl.standard._elementwise_{kind})[:, None]", dt, ROW)
+    def extreme(self, tile: Val, kind: str, dt) -> Val:
+        """Row max / min. Floating ones propagate NaN as torch does (PTX's plain max.f32
+        and numpy's fmax would drop it): one max.NaN per element, no NaN count."""
         if not dt.is_floating_point:
-            return r
-        nan = nan or f"({tile} != {tile})"
-        nans = em.let(f"tl.reduce({nan}.to(tl.int32), 1, "
-                      "tl.standard._sum_combine)[:, None]", torch.int32, ROW)
-        return em.let(f'tl.where({nans} > 0, float("nan"), {r})', dt, ROW)
+            return self.em.let(f"tl.reduce({tile}, 1, tl.standard._elementwise_{kind})[:, None]",
+                               dt, ROW)
+        self.em.need(f"_{kind}_nan")
+        return self.em.let(f"tl.reduce({tile}, 1, _{kind}_nan)[:, None]", dt, ROW)
 
     def init(self, acc: Acc) -> None:
         em = self.em
@@ -116,7 +107,7 @@ class Accumulators:
 
     def update(self, acc: Acc, mask) -> None:
         em = self.em
-        v, _ = self.tile_input(acc, mask)
+        v = self.tile_input(acc, mask)
         a = acc.var
         k = acc.kind
         if k == "sum":
@@ -124,9 +115,8 @@ class Accumulators:
         elif k == "prod":
             em.lines.append(f"{a} = {a} * {v}")
         elif k in ("max", "min"):
-            cmp = ">" if k == "max" else "<"
-            nan = f" | ({v} != {v})" if acc.dtype.is_floating_point else ""
-            em.lines.append(f"{a} = tl.where(({v} {cmp} {a}){nan}, {v}, {a})")
+            nan = ", propagate_nan=tl.PropagateNan.ALL" if acc.dtype.is_floating_point else ""
+            em.lines.append(f"{a} = tl.{k}imum({a}, {v}{nan})")
         elif k == "any":
             em.lines.append(f"{a} = tl.maximum({a}, {v})")
         elif k == "all":

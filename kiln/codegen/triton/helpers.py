@@ -108,11 +108,22 @@ def _div_floor(a, b):
     res = tl.where(div != 0, fl, tl.where(q < 0, -0.0, 0.0))
     return tl.where(b == 0, q, res)
 """,
-    # the product's combine function (sum, max and min use triton.language's own)
+    # the product's combine function (sum and integer max / min use triton.language's own)
     "_prod": """
 @triton.jit
 def _prod(a, b):
     return a * b
+""",
+    # floating max / min as torch has them: a NaN wins (PTX max.NaN, numpy's maximum)
+    "_max_nan": """
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+""",
+    "_min_nan": """
+@triton.jit
+def _min_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
 """,
 }
 
