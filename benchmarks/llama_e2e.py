@@ -47,6 +47,29 @@ def bench(fn, warmup=5, iters=30) -> float:
     return times[len(times) // 2]
 
 
+def profile(label: str, fn, iters: int = 10, top: int = 12) -> list[str]:
+    """GPU time per call of the kernels `fn` launches, largest first (torch.profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    fn()
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    rows = {}
+    for e in p.key_averages():
+        t = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+        if t > 0:
+            rows[e.key] = (t / iters, e.count // iters)
+    total = sum(t for t, _ in rows.values())
+    out = [f"-- {label}: {total / 1e3:.3f} ms of kernels per call"]
+    for k, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]:
+        out.append(f"   {t / 1e3:8.3f} ms {100 * t / total:5.1f}%  x{n:<4} {k[:70]}")
+    return out
+
+
 def main() -> None:
     import kiln
     from kiln.models.llama import PRESETS, Llama, LlamaConfig
@@ -57,6 +80,8 @@ def main() -> None:
     p.add_argument("--max-seq", type=int, default=2048)
     p.add_argument("--dtype", default="float16")
     p.add_argument("--no-torch-compile", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="also print where kiln's prefill and decode spend GPU time")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -124,6 +149,12 @@ def main() -> None:
     for ph, r, ms in rows:
         floor = f"{floor_ms / ms:9.2f}" if ph == "decode" else f"{'':9}"
         lines.append(f"{ph:8} {r:22} {ms:9.3f} {base[ph] / ms:9.2f} {floor}")
+    if args.profile:
+        with torch.no_grad():
+            lines += profile("kiln prefill", lambda: exe(prompt, ppos))
+            lines += profile("kiln decode (graphs)", lambda: dec(tok, dpos))
+            if compiled is not None:
+                lines += profile("torch.compile prefill", lambda: compiled(prompt, ppos))
     text = "\n".join(lines)
     print(text)
     if args.out:
