@@ -14,7 +14,8 @@ did) or hangs takes the whole compile with it. Here:
    and a binary over the target's limits is dropped. Every failure is recorded in the
    quarantine (autotune/quarantine.py).
 3. With a GPU of the target's kind, the survivors and the extern torch form are timed
-   on the example's sizes (autotune/timing.py) and the fastest wins. Without one, the
+   on the example's sizes, dynamic dims raised toward a typical prompt's 512
+   (autotune/timing.py), and the fastest wins. Without one, the
    default wins if it compiled and fits, else the first that does in the spec's order
    (compiling stops as soon as that is known).
 4. If nothing compiled and fits, the region runs as its extern form (torch ops), with a
@@ -43,7 +44,13 @@ from kiln.codegen.autotune.candidates import (
     over_limits,
     precheck,
 )
-from kiln.codegen.autotune.timing import bench, example_buffers, gpu_for, sizes_bucket
+from kiln.codegen.autotune.timing import (
+    bench,
+    example_buffers,
+    gpu_for,
+    sizes_bucket,
+    timing_env,
+)
 from kiln.codegen.autotune.worker import resolve
 from kiln.codegen.autotune.workers import NO_WORKER, OK, Job, Outcome, get_pool
 from kiln.codegen.torch_kernel import TorchKernel
@@ -135,7 +142,7 @@ class Tuner:
         if not gpu_for(self.target):
             return None
         try:
-            return sizes_bucket(region, plan, self.example_env)
+            return sizes_bucket(region, plan, timing_env(plan, self.example_env))
         except KeyError:
             return None
 
@@ -199,7 +206,7 @@ class Tuner:
                       f"fit {self.target}: {failed or 'no candidates'}")
 
     def _fastest(self, region, spec, outcomes, built, plan, tail) -> Choice:
-        env = self.example_env
+        env = timing_env(plan, self.example_env)
         inputs, outs = example_buffers(region, plan, env, self.target.torch_device)
         times: dict[Config | None, float] = {}
         with progress(total=len(built) + 1, desc=f"time {region.name}", unit="config") as bar:

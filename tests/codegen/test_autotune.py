@@ -354,3 +354,14 @@ def test_gpu_tuning_times_candidates_and_extern():
     out = torch.empty_like(x)
     kernel.run({"x": x, "y": y}, {"out": out}, {"s0": 1000})
     torch.testing.assert_close(out, x + y)
+
+
+def test_dynamic_dims_are_timed_at_a_typical_prompt_within_their_bounds():
+    """A tiny export example must not tune a prefill kernel for 8 rows."""
+    from kiln.codegen.autotune.timing import TUNE_SIZE, timing_env
+
+    plan = types.SimpleNamespace(symbols={"seq": Bounds(1, 8192), "batch": Bounds(1, 4),
+                                    "fixed": Bounds(3, 3), "open": Bounds(2, None),
+                                    "big": Bounds(1, 100_000)})
+    env = timing_env(plan, {"seq": 16, "batch": 2, "fixed": 3, "open": 5, "big": 2000})
+    assert env == {"seq": TUNE_SIZE, "batch": 4, "fixed": 3, "open": TUNE_SIZE, "big": 2000}
