@@ -15,12 +15,12 @@ import time
 import torch
 
 from kiln.codegen.autotune.timing import bench, example_buffers
-from kiln.codegen.autotune.workers import get_pool
+from kiln.codegen.autotune.tuner import Tuner
+from kiln.codegen.autotune.worker_pool import get_pool
+from kiln.codegen.build.compiler import compile_binary
+from kiln.codegen.build.spec import Config, KernelArg, KernelSpec
+from kiln.codegen.build.triton_kernel import TritonKernel
 from kiln.codegen.torch_kernel import TorchKernel
-from kiln.codegen.triton.compiler import compile_binary
-from kiln.codegen.triton.kernel import TritonKernel
-from kiln.codegen.triton.spec import Config, KernelArg, KernelSpec
-from kiln.codegen.tune import Tuner
 from kiln.ir.plan import DispatchPlan, Op, Ref, Region, RegionKind, Role, TensorValue
 from kiln.ir.symbolic import Bounds, symbol
 from kiln.target import get_target

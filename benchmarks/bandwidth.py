@@ -34,8 +34,8 @@ import triton
 from triton.testing import do_bench
 
 import kiln
-from kiln.codegen.triton.compiler import compile_binary
-from kiln.codegen.triton.kernel import TritonKernel
+from kiln.codegen.build.compiler import compile_binary
+from kiln.codegen.build.triton_kernel import TritonKernel
 from kiln.ir.symbolic import evaluate
 from kiln.target import get_target
 
@@ -73,7 +73,7 @@ def looped_rows(name: str):
     if name != LOOPED_32000:
         yield
         return
-    import kiln.codegen.triton.reduction as reduction
+    import kiln.codegen.templates.reduction.row_kernel as reduction
 
     held = reduction.persistent_limit
     reduction.persistent_limit = lambda *a: min(16384, held(*a))

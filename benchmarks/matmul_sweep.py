@@ -107,13 +107,12 @@ class Sweep:
     def prepare(self, case, dtype):
         """(region, plan, [(label, spec, config)]) of one case."""
         from kiln.codegen.autotune.candidates import candidates
-        from kiln.codegen.select_kernels import GENERATORS, _load_generators
-        from kiln.codegen.triton.spec import KernelSpec
+        from kiln.codegen.build.spec import KernelSpec
+        from kiln.codegen.select_kernels import TEMPLATES
 
-        _load_generators()
         plan = plan_for(case, dtype, self.target.name)
         region = main_region(plan)
-        spec = GENERATORS[region.kind](region, plan, self.target)
+        spec = TEMPLATES[region.kind](region, plan, self.target)
         runs = []
         old = self.baseline.get(key(case, dtype))
         if old is not None:
@@ -127,9 +126,9 @@ class Sweep:
 
     def compile_all(self, runs):
         """Binaries (or the reason there is none) for every (spec, config), in parallel."""
-        from kiln.codegen.autotune.workers import OK, Job, get_pool
+        from kiln.codegen.autotune.worker_pool import OK, Job, get_pool
 
-        jobs = [Job(spec, c, self.target, "kiln.codegen.triton.compiler:compile_binary")
+        jobs = [Job(spec, c, self.target, "kiln.codegen.build.compiler:compile_binary")
                 for _, spec, c in runs]
         results: dict[int, object] = {}
         pool = get_pool(min(16, os.cpu_count() or 4))
@@ -190,7 +189,7 @@ class Sweep:
         self.summary.append(row)
 
     def measure(self, region, spec, config, binary, inputs, outs, ref, env) -> dict:
-        from kiln.codegen.triton.kernel import TritonKernel
+        from kiln.codegen.build.triton_kernel import TritonKernel
 
         kernel = TritonKernel(region, spec, config, binary)
         for t in outs.values():

@@ -100,9 +100,9 @@ def _kernel(entry: dict, region, target: Target, directory: Path):
     if kind == "torch":
         return TorchKernel(region, target.torch_device)
     if kind == "triton":
-        from kiln.codegen.triton.compiler import Binary
-        from kiln.codegen.triton.kernel import TritonKernel
-        from kiln.codegen.triton.spec import Config, KernelSpec
+        from kiln.codegen.build.compiler import Binary
+        from kiln.codegen.build.spec import Config, KernelSpec
+        from kiln.codegen.build.triton_kernel import TritonKernel
 
         spec, config = KernelSpec.from_json(entry["spec"]), Config.from_json(entry["config"])
         if target.backend == "interpret":

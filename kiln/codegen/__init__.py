@@ -1,0 +1,22 @@
+"""codegen: a kernel for every region of the dispatch plan.
+
+Three layers, each a folder named for its question, importing downward only
+(build <- expr <- templates <- autotune <- select_kernels):
+
+- build/      how a kernel is built and run, whatever generated it: the KernelSpec
+              (source + arguments + grid + configs), writing and loading the source,
+              compiling for a target with or without its GPU, launching
+              (TritonKernel), and resources.py, which owns the guarantee that no
+              kernel over the target's limits ever runs.
+- expr/       how ops become Triton expressions: index maps (indexing, views), the
+              Emitter that writes a region's ops at any index, the per-op rules
+              (elementwise, gather), kernel parameters, the jit helpers' sources.
+- templates/  how a region kind becomes a kernel: pointwise, copy, reduction (row
+              kernels and their forms), matmul (and its configs), attention, split_k.
+- autotune/   which config of a kernel to run: isolated compile workers, the
+              quarantine, the choice cache, timing.
+
+select_kernels.py (the codegen pass) maps region kinds to templates in one table
+(TEMPLATES); torch_kernel.py runs a region as torch ops (the CPU target and the
+extern fallback); kernel_plan.py is the stage's IR.
+"""

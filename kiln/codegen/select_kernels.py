@@ -2,10 +2,12 @@
 
 On the CPU every region runs as PyTorch ops (TorchKernel): the same plan, memory
 planning and scheduling as on a GPU, so the whole pipeline is testable anywhere.
-For Triton targets each region kind has a generator (registered in GENERATORS) that
-turns the region into a KernelSpec; the tuner picks a config that compiles and fits
-the target. A region with no generator, or whose every config fails, runs as its
-extern form (torch ops on the device: cuBLAS, SDPA), and the reason is noted.
+For Triton targets TEMPLATES below says which template turns each region kind into a
+KernelSpec; build.resources keeps only configs that fit the target (splitting the
+region when none can), and the autotuner picks one that compiles. A region whose
+template declines (it raises CodegenUnsupported, saying why), or whose every config
+fails, runs as its extern form (torch ops on the device: cuBLAS, SDPA), and the
+region's note says why.
 """
 
 from __future__ import annotations
@@ -13,43 +15,50 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from kiln.codegen.autotune.tuner import choose
+from kiln.codegen.build.resources import fitted_spec
+from kiln.codegen.build.spec import KernelSpec
+from kiln.codegen.expr.values import CodegenUnsupported
 from kiln.codegen.kernel_plan import KernelPlan
+from kiln.codegen.templates import copy, pointwise
+from kiln.codegen.templates.attention import template as attention
+from kiln.codegen.templates.matmul import template as matmul
+from kiln.codegen.templates.reduction import row_kernel as reduction
 from kiln.codegen.torch_kernel import TorchKernel
-from kiln.codegen.triton.spec import KernelSpec
 from kiln.ir.plan import DispatchPlan, Region, RegionKind
 from kiln.pipeline import as_pass
 from kiln.target import Target
 
 log = logging.getLogger("kiln.codegen")
 
-Generator = Callable[[Region, DispatchPlan, Target], KernelSpec | None]
-GENERATORS: dict[RegionKind, Generator] = {}
+Template = Callable[[Region, DispatchPlan, Target], KernelSpec]
 
-
-def register(kind: RegionKind):
-    def wrap(fn: Generator) -> Generator:
-        GENERATORS[kind] = fn
-        return fn
-
-    return wrap
-
-
-def _load_generators() -> None:
-    """Import the generator modules so they register themselves."""
-    import kiln.codegen.triton.generators  # noqa: F401
+# Which template generates each region kind. EXTERN regions (ops kiln does not
+# generate) have none: they always run as torch ops.
+TEMPLATES: dict[RegionKind, Template] = {
+    RegionKind.POINTWISE: pointwise.generate_pointwise,
+    RegionKind.REDUCTION: reduction.generate_reduction,
+    RegionKind.MATMUL: matmul.generate,
+    RegionKind.ATTENTION: attention.generate,
+    RegionKind.COPY: copy.generate_copy,
+}
 
 
 def kernel_for(region: Region, plan: DispatchPlan, target: Target, ctx):
-    from kiln.codegen.fit import fitted_spec
-    from kiln.codegen.tune import choose
-
-    gen = GENERATORS.get(region.kind)
-    # Only configs that can fit the target; may split the region (new regions in plan).
-    spec = fitted_spec(region, plan, target, gen) if gen else None
-    if spec is None:
-        if not any(n.startswith("extern") for n in region.notes):
-            region.notes.append(f"extern: no Triton generator handles this "
-                                f"{region.kind.value} region")
+    """The region's kernel on a Triton target: its template's, tuned, or torch ops."""
+    template = TEMPLATES.get(region.kind)
+    if template is None:
+        region.notes.append(f"extern: kiln generates no kernel for {region.kind.value} "
+                            "regions")
+        return TorchKernel(region, target.torch_device)
+    try:
+        # Only configs that can fit the target; may split the region (new regions in plan).
+        spec = fitted_spec(region, plan, target, template)
+    except CodegenUnsupported as e:
+        region.notes.append(f"extern: the {region.kind.value} template declines: {e}")
+        log.info("region %s: %s template declines: %s", region.name, region.kind.value, e)
+        return TorchKernel(region, target.torch_device)
+    if spec is None:  # nothing fits even split; fitted_spec noted why
         return TorchKernel(region, target.torch_device)
     return choose(region, spec, target, ctx, plan)
 
@@ -58,8 +67,6 @@ def kernel_for(region: Region, plan: DispatchPlan, target: Target, ctx):
 def select_kernels(plan: DispatchPlan, ctx) -> KernelPlan:
     target = ctx.target
     kp = KernelPlan(plan, target)
-    if target.uses_triton:
-        _load_generators()
     pending = list(plan.regions)
     while pending:
         region = pending.pop(0)

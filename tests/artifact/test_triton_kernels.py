@@ -11,10 +11,10 @@ import sympy
 import torch
 
 import kiln
-import kiln.codegen.triton.generators  # noqa: F401 - real generators register first
-from kiln.codegen.select_kernels import GENERATORS
-from kiln.codegen.triton.kernel import TritonKernel
-from kiln.codegen.triton.spec import Config, KernelArg, KernelSpec
+from kiln.codegen.build.spec import Config, KernelArg, KernelSpec
+from kiln.codegen.build.triton_kernel import TritonKernel
+from kiln.codegen.expr.values import CodegenUnsupported
+from kiln.codegen.select_kernels import TEMPLATES
 from kiln.errors import ArtifactError, TargetError
 from kiln.ir.plan import RegionKind
 from kiln.ir.symbolic import numel
@@ -34,7 +34,7 @@ def affine(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 def affine_generator(region, plan, target):
     if [o.target for o in region.ops] != ["aten.mul.Tensor", "aten.add.Tensor"]:
-        return None
+        raise CodegenUnsupported("not x * 2 + 1")
     (src,), (out,) = region.inputs, region.outputs
     n = numel(plan.values[src].shape)
     config = Config.make(BLOCK=64)
@@ -53,7 +53,7 @@ class Affine(torch.nn.Module):
 
 @pytest.fixture
 def affine_gen(monkeypatch):
-    monkeypatch.setitem(GENERATORS, RegionKind.POINTWISE, affine_generator)
+    monkeypatch.setitem(TEMPLATES, RegionKind.POINTWISE, affine_generator)
 
 
 def _compile(target):

@@ -8,7 +8,7 @@ KILN_TEST_COMPILE_LOG before doing anything, so tests can count real compile att
 import os
 import time
 
-from kiln.codegen.triton.compiler import compile_binary
+from kiln.codegen.build.compiler import compile_binary
 
 
 def _log(spec, config) -> None:

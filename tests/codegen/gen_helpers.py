@@ -4,7 +4,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import kiln
-from kiln.codegen.triton.kernel import TritonKernel
+from kiln.codegen.build.triton_kernel import TritonKernel
 from kiln.ir.plan import RegionKind
 from tests.helpers import rel_err
 

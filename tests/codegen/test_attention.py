@@ -176,10 +176,15 @@ def test_dropout_is_left_to_the_extern_form():
         def forward(self, q, k, v):
             return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
 
-    from kiln.codegen.triton import attention
+    from kiln.codegen.expr.values import CodegenUnsupported
+    from kiln.codegen.templates.attention import template as attention
 
     plan = kiln.compile(Dropout(), _qkv(1, 2, 2, 4, 4), compile_to="dispatch")
-    assert attention.analyse(plan.regions[0], plan) is None
+    with pytest.raises(CodegenUnsupported, match="dropout"):
+        attention.analyse(plan.regions[0], plan)
+    exe = kiln.compile(Dropout(), _qkv(1, 2, 2, 4, 4), target="interpret")
+    (region,) = exe.plan.regions
+    assert region.notes == ["extern: the attention template declines: SDPA with dropout"]
 
 
 class ArangeCausal(torch.nn.Module):
@@ -234,9 +239,9 @@ def test_head_dim_that_is_not_a_power_of_two():
     (256, torch.float16, "rocm:gfx942"), (256, torch.bfloat16, "cuda:sm_90")])
 def test_llm_head_dims_compile_within_the_target(head_dim, dtype, target):
     """Head dims 64..256 build for real GPUs (compile-only) at a config that fits."""
-    from kiln.codegen.fit import fitted_spec
-    from kiln.codegen.triton import attention
-    from kiln.codegen.triton.compiler import compile_binary
+    from kiln.codegen.build.compiler import compile_binary
+    from kiln.codegen.build.resources import fitted_spec
+    from kiln.codegen.templates.attention import template as attention
     from kiln.target import get_target
 
     S = torch.export.Dim("S_len", min=1, max=8192)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import kiln
-from kiln.codegen.select_kernels import GENERATORS, _load_generators
-from kiln.codegen.triton.compiler import compile_binary
+from kiln.codegen.build.compiler import compile_binary
+from kiln.codegen.select_kernels import TEMPLATES
 from kiln.target import TARGETS
 from tests.codegen.gen_helpers import GENERATED
 from tests.codegen.test_copy_kernels import Cache
@@ -48,13 +48,12 @@ def plans():
 @pytest.mark.parametrize("target", ["cuda:sm_90", "rocm:gfx942"])
 def test_every_family_compiles_for_gpu_targets(plans, target):
     tgt = TARGETS[target]
-    _load_generators()
     seen = set()
     for model, plan in plans:
         for region in plan.regions:
             if region.kind not in GENERATED:
                 continue
-            spec = GENERATORS[region.kind](region, plan, tgt)
+            spec = TEMPLATES[region.kind](region, plan, tgt)
             assert spec is not None, (model, region.name, region.notes)
             if spec.source_hash in seen:
                 continue

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 import kiln
-from kiln.codegen.triton.emit import Cond, Emitter, KernelArgs, Val, mask_of, module_source
-from kiln.codegen.triton.indexing import Lin, Var, linearize, reshape_index
-from kiln.codegen.triton.source import load_kernel
-from kiln.codegen.triton.views import CodegenUnsupported
+from kiln.codegen.build.source import load_kernel
+from kiln.codegen.expr.emit import Emitter, module_source
+from kiln.codegen.expr.indexing import Lin, Var, linearize, reshape_index
+from kiln.codegen.expr.kernel_args import KernelArgs
+from kiln.codegen.expr.values import CodegenUnsupported, Cond, Val, mask_of
 from kiln.ir.plan import RegionKind
 from kiln.target import TARGETS
 from tests.helpers import rel_err
@@ -57,7 +58,7 @@ def _epilogue_kernel(plan, region):
             f"mask_m = rm < {m_code}", f"mask_n = rn < {N}",
             f"acc = tl.load({acc_ptr} + ({em.code(linearize(tile, mm.shape))}), "
             "mask=mask_m & mask_n, other=0)"] + em.lines
-    src = module_source("epilogue", args.params() + ["BM: tl.constexpr", "BN: tl.constexpr"],
+    src = module_source("epilogue", args.names() + ["BM: tl.constexpr", "BN: tl.constexpr"],
                         body, em.helpers, TARGETS["interpret"], args.describe())
     return src, args, em
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import kiln
-from kiln.codegen.triton.kernel import TritonKernel
+from kiln.codegen.build.triton_kernel import TritonKernel
 from kiln.models.llama import example_inputs, tiny_llama
 from tests.codegen.gen_helpers import GENERATED, assert_matches
 from tests.codegen.test_copy_kernels import Cache

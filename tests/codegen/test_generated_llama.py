@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import kiln
+from kiln.codegen.build.compiler import compile_binary
+from kiln.codegen.build.triton_kernel import TritonKernel
 from kiln.codegen.kernel_plan import KernelPlan
-from kiln.codegen.select_kernels import GENERATORS, _load_generators
-from kiln.codegen.triton.compiler import compile_binary
-from kiln.codegen.triton.kernel import TritonKernel
+from kiln.codegen.select_kernels import TEMPLATES
 from kiln.ir.plan import RegionKind
 from kiln.models.llama import PRESETS, Llama, LlamaConfig, example_inputs, tiny_llama
 from kiln.target import TARGETS
@@ -64,14 +64,13 @@ def _tiny():
 def test_generated_kernels_compile_within_target_limits(build):
     model, args, dynamic = build()
     plan = kiln.compile(model, args, dynamic_shapes=dynamic, compile_to="dispatch")
-    _load_generators()
     compiled: dict[tuple, int] = {}
     for name in ("cuda:sm_90", "cuda:sm_80", "rocm:gfx942"):
         target = TARGETS[name]
         for region in plan.regions:
             if region.kind not in GENERATED:
                 continue
-            spec = GENERATORS[region.kind](region, plan, target)
+            spec = TEMPLATES[region.kind](region, plan, target)
             assert spec is not None, (region.name, region.notes)
             key = (spec.source_hash, name)
             if key in compiled:

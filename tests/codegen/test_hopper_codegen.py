@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 
 import kiln
-from kiln.codegen.triton import attention, matmul
-from kiln.codegen.triton.compiler import compile_binary, disassemble
-from kiln.codegen.triton.spec import Config
+from kiln.codegen.build.compiler import compile_binary, disassemble
+from kiln.codegen.build.spec import Config
+from kiln.codegen.templates.attention import template as attention
+from kiln.codegen.templates.matmul import template as matmul
 from kiln.ir.plan import RegionKind
 from kiln.target import get_target
 

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from kiln.codegen.triton.indexing import (
+from kiln.codegen.expr.indexing import (
     Lin,
     Var,
     delinearize,

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import kiln
-from kiln.codegen.triton import matmul
+from kiln.codegen.expr.values import CodegenUnsupported
+from kiln.codegen.templates.matmul import template as matmul
 from kiln.ir.plan import RegionKind
 from kiln.target import get_target
 from tests.helpers import rel_err
@@ -151,9 +152,12 @@ def test_region_the_template_cannot_run_falls_back_to_torch():
 
     a, b = torch.randint(0, 5, (4, 6)), torch.randint(0, 5, (6, 3))
     plan = kiln.compile(IntMM(), (a, b), compile_to="dispatch")
-    assert matmul.generate(plan.regions[0], plan, get_target("interpret")) is None
+    with pytest.raises(CodegenUnsupported, match="a product in torch.int64"):
+        matmul.generate(plan.regions[0], plan, get_target("interpret"))
     exe = kiln.compile(IntMM(), (a, b), target="interpret")
     assert torch.equal(exe(a, b), a @ b)
+    assert exe.plan.regions[0].notes == [
+        "extern: the matmul template declines: a product in torch.int64"]
     assert any(n.startswith("extern") for n in exe.plan.regions[0].notes)
 
 

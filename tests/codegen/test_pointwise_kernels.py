@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.codegen.triton.kernel import TritonKernel
+from kiln.codegen.build.triton_kernel import TritonKernel
 from tests.codegen.gen_helpers import assert_matches, compile_interpret, triton_kernels
 
 T = torch.export.Dim("T", min=2, max=64)

@@ -1,4 +1,4 @@
-"""The row kernel's forms (kiln/codegen/triton/row_forms.py) vs eager: rows longer than
+"""The row kernel's forms (kiln/codegen/row_forms.py) vs eager: rows longer than
 16384 held whole, fp32 sums and means split across programs (partial sums added
 atomically into the zeroed output), and the looped form's online softmax at its edge
 values. In Triton's interpreter, at configs small enough to give every tail a turn."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.codegen.triton.kernel import TritonKernel
+from kiln.codegen.build.triton_kernel import TritonKernel
 from tests.codegen.gen_helpers import assert_matches, compile_interpret, triton_kernels
 from tests.codegen.test_reduction_kernels import LARGE, _with_config
 
@@ -162,20 +162,19 @@ def test_forms_compile_within_target_limits(gpu_plans, target):
     """Every form's default config compiles for the target without spilling; on sm_90
     the loads are 16-byte vectors (the looped form's go through cp.async, chunks ahead)
     and the split form's adds are fire-and-forget REDs."""
-    from kiln.codegen.select_kernels import GENERATORS, _load_generators
-    from kiln.codegen.triton.compiler import compile_binary
-    from kiln.codegen.triton.resources import violations
+    from kiln.codegen.build.compiler import compile_binary
+    from kiln.codegen.build.resources import violations
+    from kiln.codegen.select_kernels import TEMPLATES
     from kiln.ir.plan import RegionKind
     from kiln.target import TARGETS
 
-    _load_generators()
     tgt = TARGETS[target]
     forms = set()
     for name, plan in gpu_plans:
         for region in plan.regions:
             if region.kind != RegionKind.REDUCTION:
                 continue
-            spec = GENERATORS[region.kind](region, plan, tgt)
+            spec = TEMPLATES[region.kind](region, plan, tgt)
             assert spec is not None, (name, region.notes)
             forms.add(spec.meta["form"])
             b = compile_binary(spec, spec.default, tgt)

@@ -10,10 +10,12 @@ import torch
 import torch.nn.functional as F
 
 import kiln
+from kiln.codegen.build.spec import Config, KernelSpec, Scratch
+from kiln.codegen.build.triton_kernel import TritonKernel, scratch_buffer
+from kiln.codegen.templates import split_k as split
+from kiln.codegen.templates.attention import template as attention
+from kiln.codegen.templates.matmul import template as matmul
 from kiln.codegen.torch_kernel import TorchKernel
-from kiln.codegen.triton import attention, matmul, split
-from kiln.codegen.triton.kernel import TritonKernel, scratch_buffer
-from kiln.codegen.triton.spec import Config, KernelSpec, Scratch
 from kiln.ir.plan import RegionKind
 from kiln.target import get_target
 from tests.helpers import rel_err
@@ -148,7 +150,7 @@ def test_causal_prefill_attention_split_matches_eager(dtype):
 
 
 def test_scratch_buffers_are_shared_grow_and_keep_the_old_alive():
-    from kiln.codegen.triton import kernel as kernel_module
+    from kiln.codegen.build import triton_kernel as kernel_module
 
     b = Scratch("buf", torch.float32, "n", zeroed=True)
     first = scratch_buffer(b, 7, 10, "cpu")
@@ -185,7 +187,7 @@ def test_split_forms_on_the_gpu_match_torch_at_every_launch(dtype):
     """The interpreter runs programs one by one; on the GPU the parts race to the counter.
     Fresh inputs and a poisoned output every launch: a missing barrier or fence shows as
     an error that moves from launch to launch."""
-    from kiln.codegen.triton.compiler import compile_binary
+    from kiln.codegen.build.compiler import compile_binary
     from kiln.target import detect_cuda
 
     h = dtype

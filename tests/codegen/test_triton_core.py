@@ -4,9 +4,9 @@ its real resources, round-trips through JSON, and runs (interpreter here, binary
 import pytest
 import torch
 
-from kiln.codegen.triton.compiler import Binary, compile_binary
-from kiln.codegen.triton.kernel import TritonKernel
-from kiln.codegen.triton.spec import Config, KernelArg, KernelSpec
+from kiln.codegen.build.compiler import Binary, compile_binary
+from kiln.codegen.build.spec import Config, KernelArg, KernelSpec
+from kiln.codegen.build.triton_kernel import TritonKernel
 from kiln.ir.symbolic import symbol
 from kiln.target import get_target
 

@@ -6,16 +6,15 @@ own autotuner skips configs that raise OutOfResources, but any other compiler fa
 ends the run, and an abort or a hang ends the process. kiln tunes so that a bad config
 costs only itself:
 
-- workers.py:    each candidate compiles in a reused worker process with a timeout;
-                 a crash or hang ends that worker only, and it is replaced
-                 (worker.py is the process's side).
-- quarantine.py: which (kernel, config, Triton version, target) crashed, hung or did
-                 not fit, persisted in KILN_CACHE_DIR so it is never tried again.
-- candidates.py: the configs a tune mode tries, and the target's limits checked before
-                 compiling (estimate) and after (real figures): over-limit never runs.
-- timing.py:     with the target's GPU present, candidates (and the extern torch form)
-                 are timed on random inputs of the example's sizes.
-- cache.py:      the chosen config and its binary, so a second compile tunes nothing.
-
-kiln/codegen/tune.py puts them together.
+- worker_pool.py:    each candidate compiles in a reused worker process with a timeout;
+                     a crash or hang ends that worker only, and it is replaced
+                     (compile_worker.py is the worker process's side).
+- quarantine.py:     which (kernel, config, Triton version, target) crashed, hung or did
+                     not fit, persisted in KILN_CACHE_DIR so it is never tried again.
+- candidates.py:     the configs a tune mode tries.
+- timing.py:         with the target's GPU present, candidates (and the extern torch
+                     form) are timed on random inputs of the example's sizes.
+- cache.py:          the chosen config and its binary, so a second compile tunes nothing.
+- tuner.py:          puts them together; kiln.codegen.build.resources says which
+                     configs fit the target, before compiling and after.
 """

@@ -24,9 +24,9 @@ from pathlib import Path
 import triton
 
 from kiln.codegen.autotune.quarantine import target_id
-from kiln.codegen.triton.compiler import Binary
-from kiln.codegen.triton.source import cache_dir
-from kiln.codegen.triton.spec import Config, KernelSpec
+from kiln.codegen.build.compiler import Binary
+from kiln.codegen.build.source import cache_dir
+from kiln.codegen.build.spec import Config, KernelSpec
 from kiln.target import Target
 
 

@@ -1,0 +1,251 @@
+"""Pick a config for every generated kernel: isolated, cached autotuning that survives crashes.
+
+Why (DESIGN.md failure 5): Triton's autotuner compiles candidates in-process and skips
+only OutOfResources, so one config that aborts in Triton's C++ (num_warps 8/16 once
+did) or hangs takes the whole compile with it. Here:
+
+1. The mode (ctx.options["tune"]: none | fast | full, default fast) picks the candidate
+   configs (candidates.py); configs the resource model says cannot fit the target
+   (kiln.codegen.build.resources.precheck), and configs the quarantine says crashed,
+   hung or did not fit before, are never compiled.
+2. The rest compile in worker processes with a timeout (worker_pool.py); the
+   compile function is an import path (ctx.options["tune_compiler"], default
+   kiln.codegen.build.compiler:compile_binary), so tests can plant crashes. The
+   parent never runs Triton's compiler: it gets back each Binary with real resources,
+   and a binary over the target's limits (resources.over_limits) is dropped. Every
+   failure is recorded in the quarantine (quarantine.py).
+3. With a GPU of the target's kind, the survivors and the extern torch form are timed
+   on the example's sizes, dynamic dims raised toward a typical prompt's 512
+   (timing.py), and the fastest wins. Without one, the
+   default wins if it compiled and fits, else the first that does in the spec's order
+   (compiling stops as soon as that is known).
+4. If nothing compiled and fits, the region runs as its extern form (torch ops), with a
+   warning and a region note listing each config and why it failed.
+5. The winner and its binary are cached (cache.py): a second compile of the
+   same model starts no worker and times nothing.
+
+The `interpret` target runs the spec's default config in Triton's interpreter (no
+compile, nothing to tune). KILN_TUNE sets the default mode. Other options:
+"tune_timeout" (seconds per compile, default 120) and "tune_workers" (pool size).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import warnings
+
+from kiln.codegen.autotune import quarantine as q
+from kiln.codegen.autotune.cache import Choice, ChoiceCache, choice_key
+from kiln.codegen.autotune.candidates import MODES, candidates
+from kiln.codegen.autotune.compile_worker import resolve
+from kiln.codegen.autotune.timing import (
+    bench,
+    example_buffers,
+    gpu_for,
+    sizes_bucket,
+    timing_env,
+)
+from kiln.codegen.autotune.worker_pool import NO_WORKER, OK, Job, Outcome, get_pool
+from kiln.codegen.build.resources import over_limits, precheck
+from kiln.codegen.build.spec import Config, KernelSpec
+from kiln.codegen.build.triton_kernel import TritonKernel
+from kiln.codegen.torch_kernel import TorchKernel
+from kiln.errors import KilnError
+from kiln.ir.plan import DispatchPlan, Region
+from kiln.progress import progress
+from kiln.target import Target
+
+log = logging.getLogger("kiln.codegen")
+
+DEFAULT_COMPILER = "kiln.codegen.build.compiler:compile_binary"
+DEFAULT_TIMEOUT = 120.0
+
+
+class TuningWarning(UserWarning):
+    """A kernel fell back to its extern form because no Triton config compiled and fit."""
+
+
+def choose(region: Region, spec: KernelSpec, target: Target, ctx,
+           plan: DispatchPlan | None = None):
+    """The kernel that runs `region`: `spec` at its tuned config, or the extern form."""
+    if target.backend == "interpret":
+        return TritonKernel(region, spec, spec.default, interpret=True)
+    return Tuner.from_options(target, ctx.options if ctx is not None else {}).choose(
+        region, spec, plan)
+
+
+class Tuner:
+    def __init__(self, target: Target, mode: str = "fast", compile_fn: str = DEFAULT_COMPILER,
+                 timeout: float = DEFAULT_TIMEOUT, workers: int | None = None,
+                 example_env: dict[str, int] | None = None, estimator=None):
+        if mode not in MODES:
+            raise KilnError(f"unknown tune mode {mode!r}", hint="choose one of: "
+                            + ", ".join(MODES))
+        _check_compiler(compile_fn)
+        if not timeout > 0:
+            raise KilnError(f"tune timeout must be positive, got {timeout!r}")
+        self.target = target
+        self.mode = mode
+        self.compile_fn = compile_fn
+        self.timeout = float(timeout)
+        self.workers = workers
+        self.example_env = example_env
+        self.estimator = estimator  # None: the resource model's own estimate
+        self.quarantine = q.Quarantine()
+        self.cache = ChoiceCache()
+
+    @classmethod
+    def from_options(cls, target: Target, options: dict) -> Tuner:
+        return cls(target, options.get("tune") or os.environ.get("KILN_TUNE") or "fast",
+                   options.get("tune_compiler") or DEFAULT_COMPILER,
+                   options.get("tune_timeout") or DEFAULT_TIMEOUT,
+                   options.get("tune_workers"), options.get("example_env"))
+
+    def choose(self, region: Region, spec: KernelSpec, plan: DispatchPlan | None = None):
+        configs = candidates(spec, self.mode)
+        sizes = self._timing_sizes(region, plan)
+        key = choice_key(spec, configs, self.target, self.mode, sizes or "untimed",
+                         self.compile_fn)
+        choice = self.cache.get(key)
+        cached = choice is not None
+        if choice is None:
+            outcomes = self._compile(region, spec, configs, stop_early=sizes is None)
+            choice = self._decide(region, spec, configs, outcomes, plan, sizes is not None)
+            # A fallback caused by errors that may not recur (see quarantine.py) is redone.
+            if choice.kind == "triton" or choice.ms is not None or _all_permanent(outcomes):
+                self.cache.put(key, choice)
+        head = "tuned" if choice.kind == "triton" else "extern"
+        region.notes.append(f"{head}{' (cached)' if cached else ''}: {choice.note}")
+        if choice.kind == "triton":
+            return TritonKernel(region, spec, choice.config, choice.binary)
+        if choice.ms is None:  # nothing compiled and fit: say so, every compile
+            warnings.warn(f"kiln: region {region.name} runs as torch ops: {choice.note}",
+                          TuningWarning, stacklevel=2)
+        return TorchKernel(region, self.target.torch_device)
+
+    def _timing_sizes(self, region: Region, plan: DispatchPlan | None) -> str | None:
+        """The sizes bucket to time at, or None when this tuning is untimed."""
+        # a model with static sizes only binds no symbols: its empty env is an example too
+        if self.mode == "none" or plan is None or self.example_env is None:
+            return None
+        if not gpu_for(self.target):
+            return None
+        try:
+            return sizes_bucket(region, plan, timing_env(plan, self.example_env))
+        except KeyError:
+            return None
+
+    def _compile(self, region, spec, configs, stop_early: bool) -> dict[Config, Outcome]:
+        """Every candidate's Outcome: from the quarantine, the pre-check, or a worker."""
+        outcomes: dict[Config, Outcome] = {}
+        todo = []
+        for c in configs:
+            key = q.FailureKey.of(spec, c, self.target)
+            known = self.quarantine.blocked(key)
+            why = None if known else precheck(spec, c, self.target, self.estimator)
+            if known:
+                outcomes[c] = Outcome(known.kind, reason=f"quarantined: {known.reason}")
+            elif why:
+                outcomes[c] = Outcome(q.OVER_LIMIT, reason=why)
+            else:
+                todo.append(c)
+        if not todo:
+            return outcomes
+
+        def want_more() -> bool:
+            return not (stop_early and _first_fit(configs, outcomes) is not None)
+
+        jobs = [Job(spec, c, self.target, self.compile_fn) for c in todo]
+        with progress(total=len(jobs), desc=f"tune {region.name}", unit="config") as bar:
+            for i, out in get_pool(self.workers).run(jobs, self.timeout, want_more):
+                outcomes[todo[i]] = self._checked(spec, todo[i], out)
+                ok = sum(o.status == OK for o in outcomes.values())
+                bar.set_postfix_str(f"ok={ok} failed={len(outcomes) - ok}", refresh=False)
+                bar.update(1)
+        return outcomes
+
+    def _checked(self, spec: KernelSpec, config: Config, out: Outcome) -> Outcome:
+        """`out` with the target's limits applied, recorded in the quarantine."""
+        key = q.FailureKey.of(spec, config, self.target)
+        if out.status == OK:
+            why = over_limits(out.binary.resources, self.target)
+            if why is None:
+                if self.quarantine.get(key):  # an earlier error did not recur
+                    self.quarantine.forget(key)
+                return out
+            out = Outcome(q.OVER_LIMIT, reason=why, seconds=out.seconds)
+        if out.status != NO_WORKER:
+            self.quarantine.record(key, out.status, out.reason, spec.name, self.compile_fn)
+            log.info("%s [%s]: %s: %s", spec.name, config, out.status, out.reason)
+        return out
+
+    def _decide(self, region, spec, configs, outcomes, plan, timed: bool) -> Choice:
+        built = [c for c in configs if c in outcomes and outcomes[c].status == OK]
+        failed = "; ".join(f"[{c}] {o.status}: {o.reason}" for c, o in outcomes.items()
+                           if o.status != OK)
+        tail = f"; failed: {failed}" if failed else ""
+        if timed and built:
+            return self._fastest(region, spec, outcomes, built, plan, tail)
+        first = _first_fit(configs, outcomes)
+        if first is not None:
+            return Choice("triton", first, outcomes[first].binary,
+                          note=f"[{first}] ({self.mode}, untimed, "
+                          f"{len(outcomes)} of {len(configs)} configs tried){tail}")
+        return Choice("extern", note=f"no Triton config of kernel {spec.name} compiled and "
+                      f"fit {self.target}: {failed or 'no candidates'}")
+
+    def _fastest(self, region, spec, outcomes, built, plan, tail) -> Choice:
+        env = timing_env(plan, self.example_env)
+        inputs, outs = example_buffers(region, plan, env, self.target.torch_device)
+        times: dict[Config | None, float] = {}
+        with progress(total=len(built) + 1, desc=f"time {region.name}", unit="config") as bar:
+            for c in built:
+                kernel = TritonKernel(region, spec, c, outcomes[c].binary)
+                times[c] = bench(kernel, inputs, outs, env)
+                bar.update(1)
+            times[None] = bench(TorchKernel(region, self.target.torch_device),
+                                inputs, outs, env)
+            bar.update(1)
+        best = min(times, key=times.get)
+        summary = ", ".join(f"[{c}] {t:.4f} ms" if c else f"extern {t:.4f} ms"
+                            for c, t in times.items())
+        note = f"timed ({self.mode}): {summary}{tail}"
+        if math.isinf(times[best]):
+            return Choice("extern", note=f"no candidate of kernel {spec.name} ran: {note}")
+        if best is None:
+            return Choice("extern", ms=times[None], note=f"extern is fastest; {note}")
+        return Choice("triton", best, outcomes[best].binary, times[best], f"[{best}] {note}")
+
+
+def _check_compiler(path: str) -> None:
+    """The workers import `path`; a wrong one is the user's error, named here, once."""
+    module, _, fn = path.partition(":")
+    if not module or not fn:
+        raise KilnError(f"tune compiler {path!r} is not an import path",
+                        hint="write it as 'package.module:function'")
+    try:
+        found = callable(resolve(path))
+    except (ImportError, AttributeError) as e:
+        raise KilnError(f"tune compiler {path!r} cannot be imported: {e}",
+                        hint="name a function importable from the current directory or "
+                        "PYTHONPATH, called as fn(spec, config, target)") from None
+    if not found:
+        raise KilnError(f"tune compiler {path!r} is not a function")
+
+
+def _first_fit(configs: list[Config], outcomes: dict[Config, Outcome]) -> Config | None:
+    """The first config in order that compiled and fits, once every earlier one is known."""
+    for c in configs:
+        out = outcomes.get(c)
+        if out is None:
+            return None
+        if out.status == OK:
+            return c
+    return None
+
+
+def _all_permanent(outcomes: dict[Config, Outcome]) -> bool:
+    """Whether every failure will recur (so an extern decision may be cached)."""
+    return all(o.status in q.NEVER_RETRIED for o in outcomes.values())

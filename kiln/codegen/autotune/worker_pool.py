@@ -1,0 +1,313 @@
+"""A small pool of compile workers: each job runs in a separate process, with a deadline.
+
+Why (DESIGN.md failure 5): a Triton config aborted in Triton's C++ and took the whole
+process down. Here a compile that aborts ends its worker only (the job comes back as a
+"crash" with the signal and the tail of the worker's stderr); a compile that passes
+its deadline has its worker killed (a "hang"). Either way the worker is replaced on
+demand and the other jobs carry on.
+
+Workers are fresh interpreters (`python -m kiln.codegen.autotune.compile_worker`), never forks:
+the parent may hold a CUDA context, and multiprocessing's spawn would re-run the user's
+__main__. Starting one costs seconds (torch + Triton), so one pool serves the whole
+process (all regions, all compiles), is grown lazily up to its size, and is stopped at
+exit. A job's deadline starts when a ready worker receives it, so start-up time never
+counts as a hang.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+from kiln.codegen.autotune.compile_worker import FORWARDED_ENV
+from kiln.codegen.build.compiler import Binary
+from kiln.codegen.build.spec import Config, KernelSpec
+from kiln.target import Target
+
+OK, ERROR, OVER_LIMIT, CRASH, HANG = "ok", "error", "over_limit", "crash", "hang"
+NO_WORKER = "no_worker"  # the pool could not start a worker: not the config's fault
+STARTUP_TIMEOUT = 300.0  # seconds for a worker to import torch and Triton
+_KILN_ROOT = str(Path(__file__).resolve().parents[3])
+
+
+@dataclass
+class Job:
+    spec: KernelSpec
+    config: Config
+    target: Target
+    compile_fn: str  # "package.module:function", called as fn(spec, config, target)
+
+
+@dataclass
+class Outcome:
+    status: str  # OK, ERROR, OVER_LIMIT, CRASH, HANG or NO_WORKER
+    binary: Binary | None = None
+    reason: str = ""
+    seconds: float = 0.0
+
+
+class _Worker:
+    def __init__(self):
+        fd, self.log = tempfile.mkstemp(prefix="kiln-tune-worker-", suffix=".log")
+        os.close(fd)
+        child_reads, parent_writes = os.pipe()
+        parent_reads, child_writes = os.pipe()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (_KILN_ROOT, env.get("PYTHONPATH")) if p)
+        try:
+            with open(self.log, "ab") as log:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "kiln.codegen.autotune.compile_worker",
+                     str(child_reads), str(child_writes)],
+                    pass_fds=(child_reads, child_writes), stdin=subprocess.DEVNULL,
+                    stdout=log, stderr=log, env=env, start_new_session=True)
+        except OSError:
+            for fd in (parent_reads, parent_writes):
+                os.close(fd)
+            Path(self.log).unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(child_reads)
+            os.close(child_writes)
+        self.outbox = Connection(parent_writes, readable=False)
+        self.inbox = Connection(parent_reads, writable=False)
+        with contextlib.suppress(OSError):  # died at once: seen as EOF while starting
+            self.outbox.send({"sys_path": [p for p in sys.path if isinstance(p, str)]})
+        self.ready = False
+        self.deadline = time.monotonic() + STARTUP_TIMEOUT
+        self.job: tuple[int, int] | None = None  # (job index, job id) in flight
+        self.started_at = 0.0
+        self.timeout = 0.0
+        self.log_offset = 0
+
+    def submit(self, index: int, job_id: int, job: Job, timeout: float) -> None:
+        self.log_offset = os.path.getsize(self.log)
+        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
+        self.outbox.send({"id": job_id, "fn": job.compile_fn, "spec": job.spec.to_json(),
+                          "config": job.config.to_json(), "target": job.target, "env": env})
+        self.job = (index, job_id)
+        self.started_at = time.monotonic()
+        self.timeout = timeout
+        self.deadline = self.started_at + timeout
+
+    def stderr_tail(self, lines: int = 3) -> str:
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(self.log_offset)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        kept = [s.strip() for s in text.splitlines() if s.strip()][-lines:]
+        return " | ".join(kept)[-600:]
+
+    def death(self) -> str:
+        """Why the process ended, e.g. 'killed by SIGABRT' (waits briefly for it to end)."""
+        try:
+            code = self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exited with status {code}"
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc.poll() is None:
+            if kill:
+                self.proc.kill()
+            else:
+                with contextlib.suppress(OSError):
+                    self.outbox.send(None)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for conn in (self.outbox, self.inbox):
+            conn.close()
+        Path(self.log).unlink(missing_ok=True)
+
+
+class WorkerPool:
+    """Runs compile jobs on up to `size` reused workers; each job gets an Outcome."""
+
+    def __init__(self, size: int):
+        self.size = max(1, size)
+        self.workers: list[_Worker] = []
+        self.workers_started = 0  # processes started over the pool's life
+        self.jobs_sent = 0  # jobs handed to a worker over the pool's life
+        self.start_error: str | None = None  # set once no worker could start
+        self._start_failures = 0  # since a worker last became ready
+
+    def run(self, jobs: list[Job], timeout: float,
+            want_more: Callable[[], bool] = lambda: True) -> Iterator[tuple[int, Outcome]]:
+        """Yield (index into jobs, Outcome) as jobs finish, in completion order.
+
+        Before handing out each job the pool asks `want_more()`; once it says no, jobs
+        not yet started are dropped (those in flight still finish and are yielded).
+        """
+        queue = deque(enumerate(jobs))
+        busy: dict[int, _Worker] = {}  # job id -> worker
+        try:
+            while True:
+                if self.start_error is not None:
+                    while queue:
+                        yield queue.popleft()[0], Outcome(NO_WORKER, reason=self.start_error)
+                if not want_more():
+                    queue.clear()
+                self._dispatch(queue, busy, timeout)
+                self._grow(len(queue))
+                if self.start_error is not None and queue:
+                    continue
+                # Wait for results, and for workers still starting only while jobs queue.
+                waiting = [w for w in self.workers if w.job or (queue and not w.ready)]
+                if not waiting:
+                    return
+                yield from self._wait(waiting, busy, jobs)
+        finally:
+            for w in busy.values():  # abandoned mid-run: a late reply must not be misread
+                self._drop(w, kill=True)
+
+    def _dispatch(self, queue, busy, timeout) -> None:
+        for w in self.workers:
+            if not queue:
+                return
+            if w.ready and w.job is None:
+                index, job = queue.popleft()
+                self.jobs_sent += 1
+                try:
+                    w.submit(index, self.jobs_sent, job, timeout)
+                except OSError:  # died while idle: not this job's fault; retry elsewhere
+                    queue.appendleft((index, job))
+                    self._drop(w, kill=True)
+                    continue
+                busy[self.jobs_sent] = w
+
+    def _grow(self, queued: int) -> None:
+        if self._start_failures and self.workers:
+            return  # a start failed: start no more until one of those starting is ready
+        idle_or_starting = sum(1 for w in self.workers if not w.job)
+        want = min(self.size - len(self.workers), queued - idle_or_starting)
+        for _ in range(max(0, want)):
+            try:
+                self.workers.append(_Worker())
+            except OSError as e:
+                self.start_error = f"could not start a compile worker: {e}"
+                return
+            self.workers_started += 1
+
+    def _wait(self, waiting: list[_Worker], busy, jobs) -> Iterator[tuple[int, Outcome]]:
+        now = time.monotonic()
+        nearest = min(w.deadline for w in waiting)
+        readable = wait([w.inbox for w in waiting], timeout=max(0.0, nearest - now))
+        now = time.monotonic()
+        for w in waiting:
+            if w.inbox in readable:
+                yield from self._receive(w, busy)
+            elif now >= w.deadline:
+                if w.job is None:
+                    self._start_failed(w, f"worker did not start in {STARTUP_TIMEOUT:.0f} s")
+                    continue
+                index, job_id = w.job
+                busy.pop(job_id, None)
+                self._drop(w, kill=True)
+                yield index, Outcome(HANG, reason=f"compile did not finish within its "
+                                     f"{w.timeout:g} s limit; worker killed",
+                                     seconds=now - w.started_at)
+
+    def _receive(self, w: _Worker, busy) -> Iterator[tuple[int, Outcome]]:
+        try:
+            msg = w.inbox.recv()
+        except (EOFError, OSError):
+            msg = None
+        if msg is None:  # the process died
+            tail = w.stderr_tail()
+            if w.job is None:
+                self._start_failed(w, f"worker {w.death()} while starting: {tail}")
+                return
+            index, job_id = w.job
+            busy.pop(job_id, None)
+            seconds = time.monotonic() - w.started_at
+            why = f"compiler process {w.death()}" + (f": {tail}" if tail else "")
+            self._drop(w, kill=True)
+            yield index, Outcome(CRASH, reason=why, seconds=seconds)
+            return
+        if msg.get("status") == "ready":
+            w.ready = True
+            self._start_failures = 0
+            return
+        index, job_id = w.job
+        busy.pop(job_id, None)
+        w.job = None
+        seconds = time.monotonic() - w.started_at
+        if msg.get("id") != job_id:  # cannot happen unless the protocol broke: be safe
+            self._drop(w, kill=True)
+            yield index, Outcome(ERROR, reason=f"worker answered job {msg.get('id')}, "
+                                 f"not {job_id}", seconds=seconds)
+            return
+        yield index, Outcome(msg["status"], msg.get("binary"), msg.get("reason", ""), seconds)
+
+    def _start_failed(self, w: _Worker, why: str) -> None:
+        """A worker died or stalled before it was ready: a broken environment, not a config.
+
+        No replacement starts until another worker proves the environment works; when
+        none is left the pool gives up for good (start_error): every later job fails
+        at once with NO_WORKER instead of each paying for another start.
+        """
+        self._drop(w, kill=True)
+        self._start_failures += 1
+        if not self.workers:
+            self.start_error = why
+
+    def _drop(self, w: _Worker, kill: bool = False) -> None:
+        if w in self.workers:
+            self.workers.remove(w)
+        w.stop(kill=kill)
+
+    def close(self) -> None:
+        for w in list(self.workers):
+            self._drop(w, kill=w.job is not None or not w.ready)
+
+
+_pool: WorkerPool | None = None
+
+
+def default_size() -> int:
+    """A few workers: compiles are CPU-bound and the parent may be timing on the GPU."""
+    return max(1, min(4, (os.cpu_count() or 2) // 4))
+
+
+def get_pool(size: int | None = None) -> WorkerPool:
+    """The process's pool (created on first use, stopped at exit)."""
+    global _pool
+    if _pool is None:
+        _pool = WorkerPool(size or default_size())
+        atexit.register(shutdown)
+    elif size and size != _pool.size:
+        _pool.size = max(1, size)
+        for w in [w for w in _pool.workers if w.job is None][: len(_pool.workers) - _pool.size]:
+            _pool._drop(w)
+    return _pool
+
+
+def shutdown() -> None:
+    """Stop every worker (at exit, or to free the processes early)."""
+    global _pool
+    if _pool is not None:
+        _pool.close()
+        _pool = None

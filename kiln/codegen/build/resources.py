@@ -1,0 +1,273 @@
+"""The resource guarantee (DESIGN.md failure 1): no kernel over its target's limits runs.
+
+A Llama-8B attention kernel with RoPE fused in once needed 286,720 bytes of shared
+memory on a 65,536-byte target. Every decision about "does this config fit" is made
+here, in one wording, so the autotuner, region splitting and the tests agree:
+
+- `estimate(spec, config, target)`: the figures before compiling, from the template's
+  tile shapes, pipeline stages, element sizes and fused prologue loads;
+- `violations(res, target)` / `over_limits(res, target)`: each limit an estimate or a
+  compiled binary's real figures exceed, in words ("needs N B of shared memory, the
+  target has M B");
+- `precheck(spec, config, target)`: why a config cannot fit, known before compiling
+  (the tuner never spends a compile on it);
+- `fitted_spec(region, plan, target, generate)`: the spec with only configs that can
+  fit; when the estimates leave nothing sure, the smallest config is compiled
+  (compile-only) and its real figures decide; when even that is over the limit, a
+  prologue fused into the anchor (RoPE into attention) is split into a region of its
+  own (kiln.dispatch.split) and the region is generated again.
+
+The shared-memory rules follow how Triton lays out these kernels; they were fitted
+to the real figures of compile-only builds for sm_80, sm_90 and gfx942:
+- a tl.dot operand that is loaded in a loop is staged in shared memory, once per
+  pipeline stage: `stages` copies with Hopper's wgmma (the async dot reads shared
+  memory directly), `stages - 1` with mma.sync / MFMA (one stage is in registers);
+  with one stage, operands converted one after another share a buffer;
+- a loop-invariant operand (attention's Q tile) is staged once;
+- without wgmma, attention's P tile goes through shared memory to become a dot
+  operand; with wgmma it stays in registers;
+- on CUDA the pipeliner also stages the loop's other loads (a mask tile, the loads of
+  a prologue fused into K: RoPE's partner half, cos and sin), one copy per extra
+  stage; AMD's stages only dot operands (and the mask).
+Registers are estimated from the fp32 accumulators and operand fragments each thread
+holds; they are a guide for ordering and pruning, and the binary's own figures decide.
+`compare` puts the estimate beside the real figures, which tests keep honest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kiln.codegen.build.compiler import Resources, compile_binary
+from kiln.codegen.build.spec import Config, KernelSpec
+from kiln.dispatch import split
+from kiln.ir.plan import DispatchPlan, Region
+from kiln.target import Target
+
+log = logging.getLogger("kiln.codegen")
+
+_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+_BASE_REGISTERS = 32  # indices, pointers, loop state
+
+
+def _wgmma(target: Target, block_m: int, config: Config, dtype: str) -> bool:
+    """Does Triton use Hopper's warpgroup MMA (operands read from shared memory)?"""
+    return (target.backend == "cuda" and isinstance(target.arch, int) and target.arch >= 90
+            and block_m >= 64 and config.num_warps % 4 == 0 and dtype != "float32")
+
+
+def _staged(target: Target, wgmma: bool, stages: int) -> int:
+    """How many copies of a loop-loaded dot operand live in shared memory."""
+    if stages <= 1:
+        return 1
+    return stages if wgmma else stages - 1
+
+
+def estimate(spec: KernelSpec, config: Config, target: Target) -> Resources:
+    """Predicted shared memory (bytes) and registers per thread of `spec` at `config`."""
+    threads = config.num_warps * target.warp_size
+    model = _MODELS.get(spec.template)
+    if model is None:
+        return Resources(0, _BASE_REGISTERS, None, threads)
+    shared, regs = model(spec, config, target, threads)
+    return Resources(int(shared), int(regs), None, threads)
+
+
+def _matmul(spec: KernelSpec, c: Config, target: Target, threads: int):
+    meta = spec.meta
+    e = _BYTES.get(meta.get("dtype"), 4)
+    loads = meta.get("epilogue_loads", 0)
+    if meta.get("form") == "gemv":
+        bn, bk, mp = c["BLOCK_N"], c["BLOCK_K"], meta.get("m_pad") or 1
+        staged = (c.num_stages - 1) * bk * bn * e if c.num_stages > 1 else 0
+        regs = (bk * bn + mp * bn + bk) / threads + loads * mp * bn / threads
+        return staged, _BASE_REGISTERS + regs
+    bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
+    tile = (bm * bk + bk * bn) * e
+    wgmma = _wgmma(target, bm, c, meta.get("dtype"))
+    if e == 4:  # exact fp32 products run on FMA units: operands are converted via shared
+        shared = max(1, c.num_stages - 1) * tile
+    elif target.backend == "hip":
+        shared = max(0, c.num_stages - 1) * tile
+    else:
+        shared = _staged(target, wgmma, c.num_stages) * tile
+    acc = bm * bn / threads
+    frags = (bm * bk + bk * bn) * e / 4 / threads
+    return shared, _BASE_REGISTERS + acc * (1 + loads) + frags
+
+
+def _attention(spec: KernelSpec, c: Config, target: Target, threads: int):
+    meta = spec.meta
+    e = _BYTES.get(meta.get("dtype"), 4)
+    d = meta.get("head_dim_pad", 128)
+    bm, bn, s = c["BLOCK_M"], c["BLOCK_N"], c.num_stages
+    q = bm * d * e
+    kv = bn * d * e  # one K or V tile
+    p = bm * bn * e
+    mask = meta.get("mask_tiles", 0) * bm * bn * 2  # loaded per key step
+    prologue = meta.get("prologue_tiles", 0) * kv  # fused prologue loads in the key loop
+    wgmma = _wgmma(target, bm, c, meta.get("dtype"))
+    if s <= 1:  # nothing is pipelined: K and V take turns in one buffer
+        if target.backend == "hip":  # fp32 runs on FMA units: both operands via LDS
+            shared = q + kv if e == 4 else max(q, kv)
+        else:
+            shared = q + kv + (0 if wgmma else p)
+    elif target.backend == "hip":  # MFMA; the stream pipeliner stages dot operands only
+        shared = max(q, (s - 1) * (2 * kv + mask) + p)
+    else:  # cp.async pipelining stages every load of the loop, prologue loads included
+        staged = _staged(target, wgmma, s)
+        shared = q + staged * (2 * kv + mask) + (s - 1) * prologue + (0 if wgmma else p)
+    acc = bm * d / threads
+    scores = 3 * bm * bn / threads  # the scores, their exponentials, the fp16 copy
+    q_frag = bm * d * e / 4 / threads
+    return shared, _BASE_REGISTERS + acc + scores + q_frag
+
+
+_MODELS = {"matmul": _matmul, "attention": _attention}
+
+
+def violations(res: Resources, target: Target) -> list[str]:
+    """Each limit of `target` that `res` (estimated or real) exceeds, in words."""
+    out = []
+    if res.shared > target.shared_mem_per_block:
+        out.append(f"needs {res.shared} B of shared memory, the target has "
+                   f"{target.shared_mem_per_block} B")
+    if res.threads and res.threads > target.max_threads_per_block:
+        out.append(f"needs {res.threads} threads per block, the target allows "
+                   f"{target.max_threads_per_block}")
+    if res.registers is not None:
+        if res.registers > target.registers_per_thread:
+            out.append(f"needs {res.registers} registers per thread, the target has "
+                       f"{target.registers_per_thread}")
+        if res.threads and res.registers * res.threads > target.registers_per_block:
+            out.append(f"needs {res.registers * res.threads} registers per block, the "
+                       f"target has {target.registers_per_block}")
+    return out
+
+
+def over_limits(res: Resources, target: Target) -> str | None:
+    """Why `res` does not fit `target` (every limit it exceeds), or None when it fits."""
+    return "; ".join(violations(res, target)) or None
+
+
+def fits(res: Resources, target: Target) -> bool:
+    return not violations(res, target)
+
+
+def precheck(spec: KernelSpec, config: Config, target: Target,
+             estimator=None) -> str | None:
+    """Why `config` cannot fit `target`, known before compiling; None when it may fit.
+
+    Only threads and estimated shared memory are trusted before compiling: register
+    estimates are rough, and too many registers spill rather than fail. `estimator`
+    (default `estimate`) returns an object with `shared` (bytes); one that fails is
+    ignored, and the real figures after compiling decide.
+    """
+    threads = config.num_warps * target.warp_size
+    if threads > target.max_threads_per_block:
+        return over_limits(Resources(0, None, None, threads), target)
+    try:
+        shared = int((estimator or estimate)(spec, config, target).shared)
+    except Exception as e:  # an estimate is an optimisation; compiling still decides
+        log.debug("no resource estimate for %s [%s]: %s", spec.name, config, e)
+        return None
+    why = over_limits(Resources(shared, None, None, threads), target)
+    return f"estimated: {why}" if why else None
+
+
+def compare(est: Resources, real: Resources) -> str:
+    """The estimate beside the compiler's figures, for logs and notes."""
+    return (f"shared est {est.shared} B / real {real.shared} B, registers est "
+            f"{est.registers} / real {real.registers}")
+
+
+@dataclass
+class Fit:
+    """The configs of a spec that can fit a target, or what the smallest one needs."""
+
+    configs: list[Config]  # estimated to fit, most preferred first
+    smallest: Config  # the config with the least estimated shared memory
+    smallest_estimate: Resources
+
+
+def fitting_configs(spec: KernelSpec, target: Target) -> Fit:
+    """Split `spec.configs` by the model: those estimated to fit, in the spec's order."""
+    ests = {c: estimate(spec, c, target) for c in _unique([spec.default, *spec.configs])}
+    # Before compiling only shared memory and threads decide (as in the autotuner):
+    # too many registers spill rather than fail, and the binary's figures say so.
+    ok = [c for c, r in ests.items()
+          if fits(Resources(r.shared, None, None, r.threads), target)]
+    smallest = min(ests, key=lambda c: (ests[c].shared, ests[c].registers or 0))
+    return Fit(ok, smallest, ests[smallest])
+
+
+def _unique(configs: list[Config]) -> list[Config]:
+    return list(dict.fromkeys(configs))
+
+
+# Estimates below this share of the limit are trusted without a confirming compile.
+TRUSTED_SHARE = 0.75
+# Which prologue comes out first: operands read in the key loop cost once per stage.
+_SPLIT_ORDER = {"key": 0, "value": 1, "attn_mask": 2, "query": 3}
+
+Generator = Callable[[Region, DispatchPlan, Target], KernelSpec]
+
+
+def fitted_spec(region: Region, plan: DispatchPlan, target: Target,
+                generate: Generator) -> KernelSpec | None:
+    """`generate`'s spec for `region`, keeping only configs that can fit `target`.
+
+    May split `region` (adding regions to `plan` before it). None when no config of
+    this template can fit, even split; `region.notes` then says why. A template that
+    declines raises CodegenUnsupported from `generate`, which passes through.
+    """
+    while True:
+        spec = generate(region, plan, target)
+        if not target.is_gpu:
+            return spec
+        spec, why = _fit(spec, target)
+        if spec is not None:
+            return spec
+        operand = _next_split(region)
+        if operand is None:
+            region.notes.append(f"extern: {why}")
+            return None
+        split.split_prologue(plan, region, operand, why)
+
+
+def _next_split(region: Region) -> str | None:
+    operands = split.splittable_operands(region)
+    if not operands:
+        return None
+    anchor = region.anchor()
+    return min(operands, key=lambda o: _SPLIT_ORDER.get(split.operand_role(anchor, o), 9))
+
+
+def _fit(spec: KernelSpec, target: Target) -> tuple[KernelSpec | None, str]:
+    fit = fitting_configs(spec, target)
+    limit = target.shared_mem_per_block
+    trusted = [c for c in fit.configs
+               if estimate(spec, c, target).shared <= TRUSTED_SHARE * limit]
+    if trusted:
+        return _keep(spec, fit.configs), ""
+    config = fit.smallest
+    try:
+        real = compile_binary(spec, config, target).resources
+    except Exception as e:  # a compiler failure is the tuner's to record, not a size verdict
+        log.info("could not confirm %s [%s]: %s", spec.name, config, e)
+        return (_keep(spec, fit.configs), "") if fit.configs else (None, f"[{config}]: {e}")
+    log.info("%s [%s]: %s", spec.name, config, compare(fit.smallest_estimate, real))
+    over = violations(real, target)
+    if not over:
+        return _keep(spec, [config] + [c for c in fit.configs if c != config]), ""
+    why = (f"on {target} the smallest config of its {spec.template} kernel [{config}] "
+           + "; ".join(over))
+    return None, why
+
+
+def _keep(spec: KernelSpec, configs) -> KernelSpec:
+    default = spec.default if spec.default in configs else configs[0]
+    return dataclasses.replace(spec, configs=list(configs), default=default)

@@ -1,0 +1,1 @@
+"""Turning ops into Triton expressions: values, index maps, views, the emitter, per-op rules."""

@@ -1,0 +1,206 @@
+"""Indirect and selecting reads: gathers load through loaded indices, concatenations and
+pads pick, per element, which input (or the pad value) to read.
+
+- embedding / index.Tensor (None and tensor indices, numpy advanced-indexing rules) /
+  index_select / gather: the index tensor is read at the element's position and the
+  source at the resulting index; negative indices wrap where torch wraps them.
+- cat / constant_pad_nd: each piece is read under its own condition (masked, so no
+  lane reads outside a piece) and `tl.where` selects; nothing is padded in memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.codegen.expr.indexing import Index, Lin, broadcast_index, floordiv, norm, same
+from kiln.codegen.expr.values import CodegenUnsupported, Cond, OpEmitter, Val, literal
+from kiln.codegen.expr.views import _slice_bounds, dim_value
+from kiln.ir.plan import Op, Ref
+
+
+def _axis(d: int, rank: int) -> int:
+    return d % rank if rank else 0
+
+
+def _index_value(em: OpEmitter, ref: Ref, index: Index, mask, size, wrap: bool) -> Lin:
+    """The integer read from index tensor `ref` at `index`, as an index into `size`."""
+    v = em.value(ref.name, index, mask)
+    if v.dtype == torch.bool or v.dtype.is_floating_point:
+        raise CodegenUnsupported(f"indexing with a {v.dtype} tensor")
+    if wrap:
+        v = em.let(f"tl.where({v} < 0, {v} + {em.dim(size)}, {v})", v.dtype, v.vars)
+    return em.opaque(v, size)
+
+
+def emit_gather(em: OpEmitter, op: Op, index: Index, mask) -> Val:
+    t = op.target
+    a = op.args
+    src = a[0].name
+    sshape = em.shape(src)
+    if t == "aten.embedding.default":
+        ids = a[1]
+        lead = len(em.shape(ids.name))
+        row = _index_value(em, ids, index[:lead], mask, sshape[0], wrap=False)
+        return em.value(src, (row,) + tuple(index[lead:]), mask)
+    if t == "aten.index_select.default":
+        d = _axis(a[1], len(sshape))
+        i = _index_value(em, a[2], (index[d],), mask, sshape[d], wrap=False)
+        return em.value(src, index[:d] + (i,) + index[d + 1:], mask)
+    if t == "aten.gather.default":
+        d = _axis(a[1], len(sshape))
+        i = _index_value(em, a[2], index, mask, sshape[d], wrap=True)
+        return em.value(src, index[:d] + (i,) + index[d + 1:], mask)
+    if t == "aten.index.Tensor":
+        return em.value(src, advanced_index(em, sshape, op.args[1], op.shape, index, mask), mask)
+    raise CodegenUnsupported(f"{t} is not generated")
+
+
+def advanced_index(em: OpEmitter, src_shape, indices, out_shape, index: Index, mask) -> Index:
+    """Index into x of element `index` of x[indices] (numpy advanced indexing): the
+    tensor indices broadcast together; their dims replace the indexed dims in place when
+    those are adjacent, else they come first."""
+    indices = list(indices) + [None] * (len(src_shape) - len(indices))
+    where = [k for k, t in enumerate(indices) if t is not None]
+    if not where:
+        return index
+    if any(not isinstance(indices[k], Ref) for k in where):
+        raise CodegenUnsupported("advanced indexing with a non-tensor index")
+    rank_b = max(len(em.shape(indices[k].name)) for k in where)
+    b_start = where[0] if where == list(range(where[0], where[-1] + 1)) else 0
+    b_shape = tuple(out_shape[b_start:b_start + rank_b])
+    b_index = index[b_start:b_start + rank_b]
+    rest = list(index[:b_start]) + list(index[b_start + rank_b:])
+    out: list[Lin] = []
+    for k, t in enumerate(indices):
+        if t is None:
+            out.append(rest.pop(0))
+            continue
+        sub = broadcast_index(b_index, b_shape, em.shape(t.name))
+        out.append(_index_value(em, t, sub, mask, src_shape[k], wrap=True))
+    return tuple(out)
+
+
+def indexed_shape(em: OpEmitter, src_shape, indices) -> tuple:
+    """The shape of x[indices] (numpy advanced indexing rules)."""
+    indices = list(indices) + [None] * (len(src_shape) - len(indices))
+    where = [k for k, t in enumerate(indices) if t is not None]
+    b = _broadcast([em.shape(indices[k].name) for k in where]) if where else ()
+    if where and where == list(range(where[0], where[-1] + 1)):
+        return tuple(src_shape[:where[0]]) + b + tuple(src_shape[where[-1] + 1:])
+    return b + tuple(src_shape[k] for k, t in enumerate(indices) if t is None)
+
+
+def _broadcast(shapes) -> tuple:
+    rank = max(len(s) for s in shapes)
+    out = []
+    for k in range(rank):
+        dims = [s[len(s) - rank + k] for s in shapes if len(s) - rank + k >= 0]
+        non_unit = [d for d in dims if not same(d, 1)]
+        out.append(non_unit[0] if non_unit else 1)
+    return tuple(out)
+
+
+def emit_concat(em: OpEmitter, op: Op, index: Index, mask) -> Val:
+    if op.target == "aten.cat.default":
+        return _cat(em, op, index, mask)
+    if op.target == "aten.constant_pad_nd.default":
+        return _pad(em, op, index, mask)
+    raise CodegenUnsupported(f"{op.target} is not generated")
+
+
+def _between(em: OpEmitter, i: Lin, lo, hi) -> list[Cond]:
+    """Conditions lo <= i < hi, skipping the ones that hold on every kept lane."""
+    conds = []
+    if not (isinstance(lo, int) and lo == 0 and i.nonneg()):
+        conds.append(Cond(f"{em.code(i)} >= {em.dim(lo)}", i.var_names()))
+    if hi is not None and not i.below(hi):
+        conds.append(Cond(f"{em.code(i)} < {em.dim(hi)}", i.var_names()))
+    return conds
+
+
+def _select(em: OpEmitter, dtype: torch.dtype, pieces: list[tuple[list[Cond], Val]],
+            default: Val) -> Val:
+    """tl.where chain: the first piece whose conditions hold, else `default`."""
+    out = default
+    for conds, v in reversed(pieces):
+        if not conds:
+            out = v
+            continue
+        c = " & ".join(f"({x.code})" for x in conds)
+        out = em.let(f"tl.where({c}, {v}, {out})", dtype,
+                     frozenset().union(v.vars, out.vars, *(x.vars for x in conds)))
+    return out
+
+
+def _cat(em: OpEmitter, op: Op, index: Index, mask) -> Val:
+    d = _axis(op.args[1] if len(op.args) > 1 else op.kwargs.get("dim", 0), len(op.shape))
+    # torch.cat skips legacy empty 1-D pieces next to higher-rank ones
+    parts = [p for p in op.args[0]
+             if not (len(em.shape(p.name)) == 1 < len(op.shape) and same(em.shape(p.name)[0], 0))]
+    if not parts:
+        raise CodegenUnsupported("cat of nothing")
+    i = index[d]
+    pieces = []
+    start = 0
+    for k, p in enumerate(parts):
+        end = norm(start + em.shape(p.name)[d])
+        last = k == len(parts) - 1
+        conds = _between(em, i, start, None if last else end)  # where this piece is read
+        sub = index[:d] + (i - start,) + index[d + 1:]
+        v = em.cast(em.value(p.name, sub, frozenset(mask or ()) | frozenset(conds)), op.dtype)
+        # pieces are tried in order, so "i < end" alone selects piece k
+        sel = [] if last else [Cond(f"{em.code(i)} < {em.dim(end)}", i.var_names())]
+        pieces.append((sel, v))
+        start = end
+    return _select(em, op.dtype, pieces[:-1], pieces[-1][1])
+
+
+def _pad(em: OpEmitter, op: Op, index: Index, mask) -> Val:
+    src = op.args[0].name
+    pad = [dim_value(p) for p in op.args[1]]
+    value = op.args[2] if len(op.args) > 2 else op.kwargs.get("value", 0)
+    sshape = em.shape(src)
+    rank = len(sshape)
+    sidx = list(index)
+    conds: list[Cond] = []
+    for j in range(len(pad) // 2):
+        d = rank - 1 - j
+        left = pad[2 * j]
+        sidx[d] = index[d] - left
+        conds += _between(em, sidx[d], 0, sshape[d])
+    v = em.cast(em.value(src, tuple(sidx), frozenset(mask or ()) | frozenset(conds)), op.dtype)
+    fill = literal(value if value is not None else 0, op.dtype)
+    return _select(em, op.dtype, [(conds, v)], fill)
+
+
+def emit_scatter_select(em: OpEmitter, op: Op, index: Index, mask) -> Val:
+    """A functional slice_scatter / select_scatter, per element of the result: the
+    source where the element lies in the written slice, the destination elsewhere."""
+
+    dest, src = op.args[0].name, op.args[1].name
+    shape = em.shape(dest)
+    if op.target == "aten.select_scatter.default":
+        d = _axis(op.args[2], len(shape))
+        k = dim_value(op.args[3])
+        if isinstance(k, int) and k < 0:
+            k = norm(k + shape[d])
+        conds = [Cond(f"{em.code(index[d])} == {em.dim(k)}", index[d].var_names())]
+        sub = index[:d] + index[d + 1:]
+    elif op.target == "aten.slice_scatter.default":
+        args = list(op.args) + [None] * (6 - len(op.args))
+        dim = op.kwargs.get("dim", args[2] if args[2] is not None else 0)
+        d = _axis(dim, len(shape))
+        start, end, step = _slice_bounds(shape[d], op.kwargs.get("start", args[3]),
+                                         op.kwargs.get("end", args[4]),
+                                         op.kwargs.get("step", args[5] or 1))
+        rel = index[d] - start
+        conds = _between(em, index[d], start, end)
+        if not (isinstance(step, int) and step == 1):
+            conds.append(Cond(f"({em.code(rel)}) % {em.dim(step)} == 0", rel.var_names()))
+        sub = index[:d] + (floordiv(rel, step),) + index[d + 1:]
+    else:
+        raise CodegenUnsupported(f"{op.target} is not generated per element")
+    base = frozenset(mask or ())
+    v = em.cast(em.value(src, sub, base | frozenset(conds)), op.dtype)
+    old = em.cast(em.value(dest, index, base), op.dtype)
+    return _select(em, op.dtype, [(conds, v)], old)

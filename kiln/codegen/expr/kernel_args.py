@@ -1,0 +1,176 @@
+"""A kernel's parameters, collected while its source is written.
+
+`KernelArgs` hands out a parameter for each tensor and size the code asks for (the
+generators' flat kernels pass each distinct size as one `ks<n>` argument).
+`SymbolicArgs` is for templates: they (and the emitter writing their prologues and
+epilogues) ask for a tensor pointer or a size while writing code and get back the text
+to use: a constant size becomes a literal (so the compiler sees stride 1 and static
+tile bounds), a symbolic one becomes code over the model's size symbols, passed as
+integer arguments and evaluated from the bound symbols at launch.
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+from sympy.printing.str import StrPrinter
+
+from kiln.codegen.build.spec import KernelArg
+from kiln.ir.symbolic import Bounds, Dim, bounds_of, shape_str, to_str
+
+INT32_MAX = 2**31 - 1
+
+
+class KernelArgs:
+    """The kernel's parameters, created as the code asks for them."""
+
+    def __init__(self):
+        self.tensors: dict[str, tuple[str, torch.dtype, tuple]] = {}  # value -> (param, ...)
+        self.outputs: set[str] = set()
+        self.sizes: dict[str, tuple[str, Dim]] = {}  # printed dim -> (param, dim)
+
+    def tensor(self, value: str, dtype: torch.dtype, shape=(), output: bool = False) -> str:
+        if value not in self.tensors:
+            kind = "out" if output else "in"
+            n = sum(1 for v in self.tensors if (v in self.outputs) == output)
+            self.tensors[value] = (f"{kind}_ptr{n}", dtype, tuple(shape))
+            if output:
+                self.outputs.add(value)
+        return self.tensors[value][0]
+
+    def dim(self, d: Dim) -> str:
+        """A size in code: an int literal, or the size parameter carrying it.
+
+        A constant factor stays in the code (`4096 * ks0`, not a parameter equal to
+        4096*s0): Triton then knows the size's divisibility and can vectorise masked
+        accesses whose bound it is.
+        """
+        if isinstance(d, int):
+            return str(d) if d >= 0 else f"({d})"
+        coeff, rest = d.as_coeff_Mul()
+        if coeff.is_Integer and coeff not in (1, -1) and not rest.is_Number:
+            return f"({int(coeff)} * {self.dim(rest)})"
+        key = to_str(d)
+        if key not in self.sizes:
+            self.sizes[key] = (f"ks{len(self.sizes)}", d)
+        return self.sizes[key][0]
+
+    def kernel_args(self) -> list[KernelArg]:
+        out = [KernelArg(p, "tensor", value=v, dtype=dt) for v, (p, dt, _) in self.tensors.items()]
+        out += [KernelArg(p, "size", expr=d) for p, d in self.sizes.values()]
+        return out
+
+    def names(self) -> list[str]:
+        """The parameter names, in the kernel signature's order."""
+        return [a.name for a in self.kernel_args()]
+
+    def describe(self) -> list[str]:
+        """Comment lines saying what each parameter is (dtype and symbolic shape)."""
+        lines = []
+        for p, dt, shape in self.tensors.values():
+            lines.append(f"# {p}: {str(dt).replace('torch.', '')}{shape_str(shape)}")
+        for p, d in self.sizes.values():
+            lines.append(f"# {p} = {to_str(d)}")
+        return lines
+
+
+class _KernelPrinter(StrPrinter):
+    """Integer dim expressions as Triton code over the symbol arguments."""
+
+    def _print_FloorDiv(self, e):
+        return f"(({self._print(e.args[0])}) // ({self._print(e.args[1])}))"
+
+    def _print_CeilDiv(self, e):
+        return f"tl.cdiv({self._print(e.args[0])}, {self._print(e.args[1])})"
+
+    def _print_ModularIndexing(self, e):
+        a, b, c = (self._print(x) for x in e.args)
+        return f"((({a}) // ({b})) % ({c}))"
+
+    def _print_Mod(self, e):
+        return f"(({self._print(e.args[0])}) % ({self._print(e.args[1])}))"
+
+    _print_PythonMod = _print_Mod
+
+    def _print_Max(self, e):
+        out = self._print(e.args[0])
+        for a in e.args[1:]:
+            out = f"tl.maximum({out}, {self._print(a)})"
+        return out
+
+    def _print_Min(self, e):
+        out = self._print(e.args[0])
+        for a in e.args[1:]:
+            out = f"tl.minimum({out}, {self._print(a)})"
+        return out
+
+    def _print_Pow(self, e):
+        if e.exp.is_Integer and e.exp > 0:
+            return "(" + " * ".join([f"({self._print(e.base)})"] * int(e.exp)) + ")"
+        raise ValueError(f"cannot write {e} as integer kernel code")
+
+    _print_PowByNatural = _print_Pow
+
+
+class _GridPrinter(_KernelPrinter):
+    def _print_CeilDiv(self, e):
+        return f"cdiv({self._print(e.args[0])}, {self._print(e.args[1])})"
+
+    def _print_Max(self, e):
+        return "max(" + ", ".join(self._print(a) for a in e.args) + ")"
+
+    def _print_Min(self, e):
+        return "min(" + ", ".join(self._print(a) for a in e.args) + ")"
+
+
+class SymbolicArgs(KernelArgs):
+    """The emitter's KernelArgs, with sizes written in terms of the model's symbols.
+
+    A size becomes a literal or arithmetic over symbol arguments (`128 * s0`), not a
+    fresh argument holding its value: Triton's divisibility analysis then sees that a
+    stride is a multiple of 128 and can vectorise and pipeline the loads (with an
+    opaque argument it must assume 2-byte alignment, and a flash-attention key loop
+    loses its cp.async pipelining). Templates may name their pointers.
+    """
+
+    def __init__(self, symbols: dict[str, Bounds]):
+        super().__init__()
+        self.symbols = symbols
+        self.needs_int64 = False
+
+    def tensor(self, value: str, dtype: torch.dtype, shape=(), output: bool = False,
+               name: str | None = None) -> str:
+        if value not in self.tensors:
+            kind = "out" if output else "in"
+            n = sum(1 for v in self.tensors if (v in self.outputs) == output)
+            self.tensors[value] = (name or f"{kind}_ptr{n}", dtype, tuple(shape))
+            if output:
+                self.outputs.add(value)
+        return self.tensors[value][0]
+
+    def dim(self, d: Dim) -> str:
+        """`d` in kernel code: a literal, or arithmetic over the symbol arguments."""
+        if isinstance(d, int) or (isinstance(d, sympy.Expr) and d.is_Integer):
+            return str(int(d)) if int(d) >= 0 else f"({int(d)})"
+        for sym in sorted(d.free_symbols, key=lambda x: x.name):
+            if sym.name not in self.sizes:
+                self.sizes[sym.name] = (sym.name, sym)
+                self.check_extent(sym)
+        self.check_extent(d)
+        return "(" + _KernelPrinter().doprint(d) + ")"
+
+    size = dim
+
+    def grid(self, expr: Dim) -> str:
+        """`expr` as a launch-grid expression (plain Python over the same arguments)."""
+        self.dim(expr)
+        return str(int(expr)) if isinstance(expr, int) else _GridPrinter().doprint(expr)
+
+    def check_extent(self, expr: Dim) -> None:
+        """Use 64-bit offsets when `expr` (a size or an element count) may pass int32."""
+        hi = bounds_of(expr, self.symbols).hi
+        if hi is None or hi > INT32_MAX:
+            self.needs_int64 = True
+
+    def args(self) -> list[KernelArg]:
+        return self.kernel_args()

@@ -1,0 +1,165 @@
+"""View ops as index maps: which element of its source a view's element reads.
+
+`source_index(op, index, shape_of)` answers, for a view op inside a region, "element
+`index` of this view is element `j` of value `src`" without moving data. Reshapes
+(`view` means a logical row-major reshape in kiln), permutes, expands, squeezes,
+slices with a step, selects and the pieces of split/unbind are supported; a view kiln
+cannot express (diagonal, unfold, view_as_real) raises CodegenUnsupported, and the
+region runs extern.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kiln.codegen.expr.indexing import (
+    Dim,
+    Index,
+    Lin,
+    broadcast_index,
+    norm,
+    reshape_index,
+    same,
+)
+from kiln.codegen.expr.values import CodegenUnsupported
+from kiln.ir.plan import Op, Ref, Sym
+
+RESHAPES = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"}
+IDENTITY_VIEWS = {"aten.alias.default"}
+SPLITS = {"aten.split_with_sizes.default", "aten.split.Tensor", "aten.unbind.int"}
+VIEW_TARGETS = RESHAPES | IDENTITY_VIEWS | SPLITS | {
+    "aten.permute.default", "aten.transpose.int", "aten.t.default", "aten.expand.default",
+    "aten.unsqueeze.default", "aten.squeeze.default", "aten.squeeze.dim",
+    "aten.squeeze.dims", "aten.slice.Tensor", "aten.select.int", "getitem",
+}
+
+
+def dim_value(x) -> Dim:
+    """A size argument of an op (an int or a Sym) as a Dim."""
+    if isinstance(x, Sym):
+        return norm(x.expr)
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise CodegenUnsupported(f"size argument {x!r} is not an integer")
+    return x
+
+
+def _axis(d, rank: int) -> int:
+    return d % rank if rank else 0
+
+
+def is_view(op: Op, ops: dict[str, Op]) -> bool:
+    if op.target == "getitem":
+        src = op.args[0]
+        return isinstance(src, Ref) and src.name in ops and ops[src.name].target in SPLITS
+    return op.target in VIEW_TARGETS
+
+
+def source_index(op: Op, index: Index, shape_of: Callable[[str], tuple],
+                 ops: dict[str, Op]) -> tuple[str, Index]:
+    """(source value, its index) read by element `index` of view op `op`."""
+    t = op.target
+    if t == "getitem":
+        return _split_piece(ops[op.args[0].name], op.args[1], index, shape_of)
+    src = op.args[0].name
+    shape, out = tuple(shape_of(src)), tuple(op.shape)
+    rank = len(shape)
+    if t in RESHAPES:
+        return src, reshape_index(index, out, shape)
+    if t in IDENTITY_VIEWS:
+        return src, index
+    if t == "aten.permute.default":
+        dims = [_axis(d, rank) for d in op.args[1]]
+        res: list[Lin | None] = [None] * rank
+        for i, d in enumerate(dims):
+            res[d] = index[i]
+        return src, tuple(res)
+    if t in ("aten.transpose.int", "aten.t.default"):
+        d0, d1 = (op.args[1], op.args[2]) if t == "aten.transpose.int" else (0, 1)
+        if rank < 2:
+            return src, index
+        d0, d1 = _axis(d0, rank), _axis(d1, rank)
+        res = list(index)
+        res[d0], res[d1] = index[d1], index[d0]
+        return src, tuple(res)
+    if t == "aten.expand.default":
+        return src, broadcast_index(index, out, shape)
+    if t == "aten.unsqueeze.default":
+        d = _axis(op.args[1], rank + 1)
+        return src, tuple(index[:d] + index[d + 1:])
+    if t.startswith("aten.squeeze."):
+        return src, _unsqueeze_back(op, index, shape)
+    if t == "aten.slice.Tensor":
+        return src, _slice(op, index, shape)
+    if t == "aten.select.int":
+        d = _axis(op.args[1], rank)
+        i = dim_value(op.args[2])
+        if isinstance(i, int) and i < 0:
+            i = norm(i + shape[d])
+        return src, tuple(index[:d]) + (Lin.of(i),) + tuple(index[d:])
+    raise CodegenUnsupported(f"view {t} has no index map in kiln's Triton codegen")
+
+
+def _unsqueeze_back(op: Op, index: Index, shape: tuple) -> Index:
+    rank = len(shape)
+    if op.target == "aten.squeeze.default":
+        dims = set(range(rank))
+    elif op.target == "aten.squeeze.dim":
+        dims = {_axis(op.args[1], rank)}
+    else:
+        dims = {_axis(d, rank) for d in op.args[1]}
+    removed = [d for d in range(rank) if d in dims and same(shape[d], 1)]
+    res, k = [], 0
+    for d in range(rank):
+        if d in removed:
+            res.append(Lin())
+        else:
+            res.append(index[k])
+            k += 1
+    return tuple(res)
+
+
+def _slice_bounds(size: Dim, start, end, step) -> tuple[Dim, Dim, Dim]:
+    """A slice's (start, end, step) normalised like Python's: None and negative ends."""
+    out = []
+    for v, default in ((start, 0), (end, size)):
+        v = default if v is None else dim_value(v)
+        if isinstance(v, int):
+            if v < 0:
+                v = v + size if isinstance(size, int) else norm(v + size)
+            if isinstance(v, int) and isinstance(size, int):
+                v = min(max(v, 0), size)
+            elif isinstance(v, int) and v >= 2**62:  # "to the end" sentinel
+                v = size
+        out.append(v)
+    return out[0], out[1], dim_value(step)
+
+
+def _slice(op: Op, index: Index, shape: tuple) -> Index:
+    args = list(op.args) + [None] * (5 - len(op.args))
+    dim = op.kwargs.get("dim", args[1] if args[1] is not None else 0)
+    d = _axis(dim, len(shape))
+    start, _, step = _slice_bounds(shape[d], op.kwargs.get("start", args[2]),
+                                   op.kwargs.get("end", args[3]),
+                                   op.kwargs.get("step", args[4] or 1))
+    res = list(index)
+    res[d] = Lin.of(start) + index[d] * step
+    return tuple(res)
+
+
+def _split_piece(tup: Op, k: int, index: Index, shape_of) -> tuple[str, Index]:
+    src = tup.args[0].name
+    shape = tuple(shape_of(src))
+    if tup.target == "aten.unbind.int":
+        d = _axis(tup.args[1] if len(tup.args) > 1 else tup.kwargs.get("dim", 0), len(shape))
+        return src, tuple(index[:d]) + (Lin.of(k),) + tuple(index[d:])
+    dim = tup.args[2] if len(tup.args) > 2 else tup.kwargs.get("dim", 0)
+    d = _axis(dim, len(shape))
+    if tup.target == "aten.split_with_sizes.default":
+        start: Dim = 0
+        for s in tup.args[1][:k]:
+            start = norm(start + dim_value(s))
+    else:
+        start = norm(dim_value(tup.args[1]) * k)
+    res = list(index)
+    res[d] = index[d] + start
+    return src, tuple(res)

@@ -1,0 +1,1 @@
+"""The flash-attention template for SDPA regions, and causal-mask recognition."""

@@ -1,0 +1,90 @@
+"""Recognise a mask computed in attention's prologue as the causal mask.
+
+A model that builds its mask from aranges (`j[None, :] <= i[:, None]`, or torch's
+decomposed tril: `(j - i) <= 0` and-ed with a ones tensor) asks for exactly what
+`is_causal` gives; recognised, the template skips the key blocks above the diagonal
+instead of computing them and masking them out. The mask's ops are read as integer
+forms in the query index i and key index j; the mask is causal when it reduces to
+`j - i <= 0` (top-left aligned, as torch's is_causal). Anything else is not causal
+and stays an ordinary mask, so a wrong answer here is impossible, only a missed one.
+"""
+
+from __future__ import annotations
+
+import sympy
+
+from kiln.codegen.expr.indexing import same
+from kiln.ir.plan import Ref, Region
+
+QI, KJ = sympy.Symbol("qi", integer=True), sympy.Symbol("kj", integer=True)
+_RAMPS = {"aten.arange.default", "aten.arange.start", "aten.arange.start_step"}
+_VIEWS = {"aten.unsqueeze.default", "aten.view.default", "aten.reshape.default",
+          "aten.expand.default", "aten.alias.default", "aten._unsafe_view.default"}
+_CMP = {"le": "<=", "lt": "<", "ge": ">=", "gt": ">"}
+
+
+def is_causal_mask(region: Region, name: str) -> bool:
+    form = _form(region, Ref(name))
+    if not isinstance(form, tuple):
+        return False
+    return sympy.expand(form[1] - (KJ - QI)) == 0
+
+
+def _axis(shape) -> sympy.Symbol | None:
+    """Which attention index a ramp of this (right-aligned) shape varies with."""
+    if shape is None or not shape:
+        return None
+    if len(shape) == 1 or same(shape[-2], 1):
+        return KJ if not same(shape[-1], 1) else None
+    return QI if same(shape[-1], 1) else None
+
+
+def _form(region: Region, arg):
+    """An integer sympy form in qi / kj, a relation ("<=", lhs - rhs), True, or None."""
+    if isinstance(arg, bool):
+        return arg
+    if isinstance(arg, int):
+        return sympy.Integer(arg)
+    if not isinstance(arg, Ref) or arg.name in region.inputs:
+        return None
+    op = region.op(arg.name)
+    t = op.target
+    if t in _RAMPS:
+        a = list(op.args)
+        start, step = (0, 1) if t == "aten.arange.default" else (a[0], a[2] if len(a) > 2 else 1)
+        if not (isinstance(start, int) and isinstance(step, int)):
+            return None
+        axis = _axis(op.shape)
+        return None if axis is None else start + step * axis
+    if t in _VIEWS:
+        inner = _form(region, op.args[0])
+        if isinstance(inner, sympy.Expr) and inner.free_symbols:
+            src = region.op(op.args[0].name) if op.args[0].name not in region.inputs else None
+            was = _axis(src.shape) if src is not None else None
+            now = _axis(op.shape)
+            if was is None or now is None:
+                return None
+            return inner.subs(was, now) if was != now else inner
+        return inner
+    if t == "aten.full.default" and op.args[1] is True:
+        return True
+    name = t.split(".")[1]
+    if name in ("add", "sub") and len(op.args) == 2:
+        x, y = _form(region, op.args[0]), _form(region, op.args[1])
+        if not (isinstance(x, sympy.Expr) and isinstance(y, sympy.Expr)):
+            return None
+        return x + y if name == "add" else x - y
+    if name in _CMP:
+        x, y = _form(region, op.args[0]), _form(region, op.args[1])
+        if not (isinstance(x, sympy.Expr) and isinstance(y, sympy.Expr)):
+            return None
+        cmp = _CMP[name]
+        diff = x - y if cmp in ("<=", "<") else y - x
+        return ("<=", diff + 1 if cmp in ("<", ">") else diff)  # integers: a < b is a+1 <= b
+    if t == "aten.logical_and.default":
+        x, y = _form(region, op.args[0]), _form(region, op.args[1])
+        if x is True:
+            return y
+        if y is True:
+            return x
+    return None

@@ -1,0 +1,421 @@
+"""The attention template: flash-attention forward for a region's SDPA op.
+
+One program computes BLOCK_M query rows of one (batch, kv head) against every key,
+keeping a running max and sum (online softmax) so the [Tq, S] score matrix never
+exists. Rows are packed across the query heads that share a kv head (GQA: row r is
+head `kv_head * G + r // Tq`, query `r % Tq`), so K and V are read once per kv head,
+and decode (Tq = 1) fills a tile with the group's heads instead of padding: one
+kernel serves prefill and decode, and stays correct for any Tq.
+
+Q, K, V and the mask are read by the emitter at the tile's indices, through their
+views (the K/V cache [B, Hkv, S, D], projections viewed into heads, a [Tq, S] mask
+broadcast to [B, H, Tq, S]) and through whatever prologue the region fused: RoPE on
+Q and K is computed as they are loaded (the rotate-half partner is the other half of
+the head dim, read under the cat's per-element selection), a mask built from arange
+and input_pos is computed at (b, h, i, j). A boolean mask selects, a float mask is
+added to the scaled scores; `is_causal` is top-left aligned, as in torch (key j <=
+query i), and a mask the prologue builds from aranges is recognised as causal
+(causal_mask.py). Sizes may be symbolic: the key loop and every tile are masked, never
+padded.
+
+The key loop runs in two parts: blocks wholly inside the keys and (causal) at or
+before every row's query need no key, row or causal mask; only the rest are masked.
+Causal row blocks run longest first. When the tiles are too few to fill the GPU
+(decode: one tile per KV head), the keys are split across programs
+(kiln.codegen.templates.split_k): each keeps its unnormalised output with its running max
+and sum, and the last program of a tile merges them by their maxima.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kiln.codegen.build.spec import Config, KernelSpec
+from kiln.codegen.expr.emit import Emitter, kernel_name, module_source
+from kiln.codegen.expr.indexing import Lin, Var, floordiv, modidx, same
+from kiln.codegen.expr.kernel_args import SymbolicArgs
+from kiln.codegen.expr.values import CodegenUnsupported, Cond, Val, mask_of
+from kiln.codegen.templates import split_k as split
+from kiln.codegen.templates.attention.causal_mask import is_causal_mask
+from kiln.codegen.templates.matmul.configs import can_split
+from kiln.codegen.templates.matmul.template import dot_operand
+from kiln.ir.plan import DispatchPlan, Ref, Region
+from kiln.ir.symbolic import Dim, bounds_of
+from kiln.target import Target
+
+SDPA = "aten.scaled_dot_product_attention.default"
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+LOG2E = 1.4426950408889634
+MIN_SPLIT_BLOCKS = 2  # key blocks a split gets at least
+SPLIT_CAP = 32  # most parts the keys are split into (decode: 8 KV heads x 16 splits)
+
+
+@dataclass
+class AttentionShape:
+    """What the kernel computes, read off the region's SDPA op."""
+
+    q: str  # operand names (region inputs or ops)
+    k: str
+    v: str
+    mask: str | None
+    mask_kind: str | None  # "bool" | "add"
+    causal: bool
+    scale: float
+    batch: Dim
+    heads: int
+    kv_heads: int
+    tq: Dim  # query length
+    s: Dim  # key length
+    head_dim: int
+    value_dim: int
+    dtype: torch.dtype
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+
+def sdpa_arguments(op) -> dict:
+    names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"]
+    out = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
+           "enable_gqa": False}
+    out.update(dict(zip(names, op.args)))
+    out.update(op.kwargs)
+    return out
+
+
+def _shape(region: Region, plan: DispatchPlan, name: str) -> tuple:
+    if name in region.inputs:
+        return tuple(plan.values[name].shape)
+    return tuple(region.op(name).shape)
+
+
+def analyse(region: Region, plan: DispatchPlan) -> AttentionShape:
+    """The region's attention; raises CodegenUnsupported (why) if the template cannot run it."""
+    anchor = region.anchor()
+    if anchor.target != SDPA or region.outputs != [anchor.name]:
+        raise CodegenUnsupported("the region's outputs are not its SDPA op alone")
+    a = sdpa_arguments(anchor)
+    refs = [a["query"], a["key"], a["value"]]
+    if a["dropout_p"] not in (0, 0.0):
+        raise CodegenUnsupported("SDPA with dropout")
+    if anchor.dtype not in _FLOATS:
+        raise CodegenUnsupported(f"SDPA in {anchor.dtype}")
+    if not all(isinstance(r, Ref) for r in refs):
+        raise CodegenUnsupported("a query, key or value that is not a tensor")
+    qs, ks, vs = (_shape(region, plan, r.name) for r in refs)
+    if not (len(qs) == len(ks) == len(vs) and len(qs) in (3, 4)):
+        raise CodegenUnsupported(f"query/key/value of ranks {len(qs)}/{len(ks)}/{len(vs)}")
+    if len(qs) == 3:  # (N, L, E): one head
+        qs, ks, vs = ((x[0], 1, *x[1:]) for x in (qs, ks, vs))
+    B, H, Tq, D = qs
+    Hkv, S, Dv = ks[1], ks[2], vs[3]
+    if not all(isinstance(x, int) for x in (H, Hkv, D, Dv)):
+        raise CodegenUnsupported("symbolic head counts or head dims")
+    if ks[3] != D:
+        raise CodegenUnsupported(f"key head dim {ks[3]} differs from the query's {D}")
+    if not (Hkv == H or Hkv == 1 or (a["enable_gqa"] and H % Hkv == 0)):
+        raise CodegenUnsupported(f"{H} query heads over {Hkv} key heads")
+    for x in (ks, vs):
+        if not (same(x[0], B) or same(x[0], 1)) or not same(x[2], S):
+            raise CodegenUnsupported("key/value batch or length differs from the query's")
+    mask, kind = None, None
+    if a["attn_mask"] is not None:
+        m = a["attn_mask"]
+        if not isinstance(m, Ref):
+            raise CodegenUnsupported("a mask that is not a tensor")
+        dt = plan.values[m.name].dtype if m.name in region.inputs else region.op(m.name).dtype
+        kind = "bool" if dt == torch.bool else "add" if dt in _FLOATS else None
+        if kind is None:
+            raise CodegenUnsupported(f"a {dt} mask")
+        if len(_shape(region, plan, m.name)) > len(qs):
+            raise CodegenUnsupported("a mask of higher rank than the query")
+        mask = m.name
+    causal = bool(a["is_causal"])
+    if mask is not None and not causal and is_causal_mask(region, mask):
+        mask, kind, causal = None, None, True  # skip the blocks above the diagonal
+    scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(D)
+    return AttentionShape(refs[0].name, refs[1].name, refs[2].name, mask, kind, causal,
+                          float(scale), B, H, Hkv, Tq, S, D, Dv, anchor.dtype)
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def config_space(shape: AttentionShape, rows_hi: int | None) -> list[Config]:
+    """Candidate tiles (BLOCK_M over packed query rows, BLOCK_N over keys), largest
+    first, so that where the heuristic does not fit the first config that does is big.
+    Each may split the keys (up to SPLIT_CAP parts; kiln.codegen.templates.split_k) or not."""
+    d = _pow2(max(shape.head_dim, shape.value_dim))
+    block_ms = [16] if rows_hi is not None and rows_hi <= 16 else [128, 64, 32, 16]
+    block_ns = [n for n in (128, 64, 32, 16) if n * d <= 128 * 128]
+    tiles = sorted(((bm, bn) for bm in block_ms for bn in block_ns),
+                   key=lambda t: (-t[0] * t[1], -t[0]))
+    configs = []
+    for bm, bn in tiles:
+        for stages in (2, 3, 1):
+            for warps in ((8, 4) if bm * bn >= 128 * 64 else (4, 8)):
+                if warps == 8 and bm * bn < 64 * 64:
+                    continue
+                for cap in (SPLIT_CAP, 1) if can_split(bm * d, warps) else (1,):
+                    configs.append(Config.make(warps, stages, BLOCK_M=bm, BLOCK_N=bn,
+                                               KV_SPLIT=cap))
+    return configs
+
+
+def heuristic(shape: AttentionShape, rows_hi: int | None, target: Target) -> Config:
+    d = _pow2(max(shape.head_dim, shape.value_dim))
+    if rows_hi is not None and rows_hi <= 16:
+        warps, stages, bm, bn = 4, 2, 16, 64 if d <= 128 else 32
+    elif target.backend == "hip":  # MFMA: one stage; 128-row tiles spill at head dim 128
+        warps, stages, bm, bn = 4, 1, 64, 64 if d <= 128 else 32
+    elif d <= 64:
+        warps, stages, bm, bn = 4, 2, 128, 64
+    elif d <= 128:
+        warps, stages, bm, bn = 8, 2, 128, 64
+    else:
+        warps, stages, bm, bn = 8, 1, 64, 32
+    cap = SPLIT_CAP if can_split(bm * d, warps) else 1
+    return Config.make(warps, stages, BLOCK_M=bm, BLOCK_N=bn, KV_SPLIT=cap)
+
+
+def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
+    """The attention kernel of `region`; raises CodegenUnsupported saying why it declines."""
+    return _AttentionSource(region, plan, target, analyse(region, plan)).spec()
+
+
+class _AttentionSource:
+    def __init__(self, region: Region, plan: DispatchPlan, target: Target,
+                 shape: AttentionShape):
+        self.region, self.plan, self.s = region, plan, shape
+        self.p = SymbolicArgs(plan.symbols)
+        self.em = Emitter(region, plan, self.p, target)
+        self.name = kernel_name("attention", region)
+        self.loop_loads = 0
+        self.mask_loads = 0
+        self.three_d = len(_shape(region, plan, shape.q)) == 3
+
+    # indices ------------------------------------------------------------------
+    def _index(self, name: str, role: str, head: Lin, row: Lin, col: Lin, feature: Lin):
+        """Index into operand `name` at the tile's variables.
+
+        The attention's coordinates are (batch, head, query row, key col, feature):
+        Q is read at (b, h, row, e), K and V at (b, h_kv, col, e), the mask at
+        (b, h, row, col); 3-d operands have no head dim, a mask may have fewer leading
+        dims, and size-1 dims broadcast.
+        """
+        shape = _shape(self.region, self.plan, name)
+        b = Lin.of(Var("b", self.s.batch, block=False))
+        pos = row if role == "q" else col
+        dims = {"q": (b, head, row, feature), "k": (b, head, col, feature),
+                "v": (b, head, col, feature), "mask": (b, head, row, col)}[role]
+        if self.three_d:
+            dims = (b, row, col) if role == "mask" else (b, pos, feature)
+        dims = dims[len(dims) - len(shape):]
+        return tuple(Lin() if same(n, 1) else i for i, n in zip(dims, shape))
+
+    def _head(self) -> Lin:
+        s = self.s
+        rows = Lin.of(Var("rows2", s.group * s.tq))
+        return Lin.of(Var("kvh", s.kv_heads, block=False)) * s.group + floordiv(rows, s.tq)
+
+    def _query_pos(self) -> Lin:
+        return modidx(Lin.of(Var("rows2", self.s.group * self.s.tq)), 1, self.s.tq)
+
+    def _cast(self, name: str, vars_: set) -> tuple[list[str], str]:
+        """fp32 `name` in the operands' dtype, rounded as the GPU rounds (emitter's cast)."""
+        with self.em.block() as lines:
+            v = self.em.cast(Val(name, torch.float32, frozenset(vars_)), self.s.dtype)
+        return lines, v.code
+
+    def _op(self, code: str) -> str:
+        return dot_operand(code, self.s.dtype, self.em.target)
+
+    def _load(self, name: str, index, mask) -> tuple[list[str], str]:
+        with self.em.block() as lines:
+            v = self.em.value(name, index, mask)
+        return lines, v.code
+
+    # source ---------------------------------------------------------------------
+    def spec(self) -> KernelSpec:
+        s, p, target = self.s, self.p, self.em.target
+        for v in list(self.region.inputs) + list(self.region.outputs):
+            p.check_extent(self.plan.values[v].numel)
+        rows = s.group * s.tq
+        tiles = f"cdiv({p.grid(rows)}, BLOCK_M)"
+        heads = p.grid(s.batch * s.kv_heads)
+        all_tiles = f"{tiles} * {heads}"
+        n_split = split.count("KV_SPLIT", all_tiles, target.multiprocessors,
+                              f"cdiv({p.grid(s.s)}, {MIN_SPLIT_BLOCKS} * BLOCK_N)")
+        body = self._body()
+        tunables = ["BLOCK_M", "BLOCK_N", "KV_SPLIT"]
+        params = p.names() + [split.PARTS, split.COUNTS] + [f"{t}: tl.constexpr"
+                                                              for t in tunables]
+        source = module_source(self.name, params, body, self.em.helpers, target,
+                               p.describe())
+        rows_hi = bounds_of(rows, self.plan.symbols).hi
+        default = heuristic(s, rows_hi, target)
+        configs = config_space(s, rows_hi)
+        if default not in configs:
+            configs.insert(0, default)
+        dvp = _pow2(s.value_dim)
+        meta = {"head_dim": s.head_dim, "value_dim": s.value_dim, "group": s.group,
+                "dtype": str(s.dtype).replace("torch.", ""), "causal": s.causal,
+                "mask": s.mask_kind, "head_dim_pad": _pow2(max(s.head_dim, s.value_dim)),
+                # [BLOCK_N, D] tiles the key loop loads beyond K and V (fused prologues)
+                "prologue_tiles": max(0, self.loop_loads - 2),
+                "mask_tiles": self.mask_loads}
+        return KernelSpec(self.name, source, p.args(), tunables, (tiles, heads, n_split),
+                          configs, default, "attention", meta, 64 if p.needs_int64 else 32,
+                          scratch=split.scratch(all_tiles, n_split, f"BLOCK_M * {dvp + 2}"))
+
+    def _body(self) -> list[str]:
+        s, p = self.s, self.p
+        d, dv = s.head_dim, s.value_dim
+        dp, dvp = _pow2(d), _pow2(dv)
+        tq, slen = p.dim(s.tq), p.dim(s.s)
+        wide = ".to(tl.int64)" if p.needs_int64 else ""
+        ieee = ', input_precision="ieee"' if s.dtype == torch.float32 else ""
+        out = self.region.outputs[0]
+        o = p.tensor(out, s.dtype, self.plan.values[out].shape, output=True, name="out_ptr")
+        # causal: the longest row blocks (the last) start first, so they do not trail
+        first = "tl.num_programs(0) - 1 - tl.program_id(0)" if s.causal else "tl.program_id(0)"
+        L = [
+            f"pid_m = {first}",
+            f"pid_z = tl.program_id(1){wide}",
+            "pid_s = tl.program_id(2)",
+            "n_split = tl.num_programs(2)",
+            f"b = pid_z // {s.kv_heads}",
+            f"kvh = pid_z % {s.kv_heads}",
+            f"rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M){wide}",
+            "rows2 = rows[:, None]",
+            f"head = kvh * {s.group} + rows // {tq}",
+            f"qi = rows % {tq}",
+            f"row_ok = rows < {s.group} * {tq}",
+            "row_ok2 = row_ok[:, None]",
+            f"dq = tl.arange(0, {dp})[None, :]",
+            f"dk = tl.arange(0, {dp})[:, None]",
+            f"dv2 = tl.arange(0, {dvp})[None, :]",
+        ]
+        head, qpos = self._head(), self._query_pos()
+        rows_c = Cond("row_ok2", frozenset({"rows2"}))
+        dq_c = Cond(f"dq < {d}", frozenset({"dq"})) if d != dp else None
+        q_lines, q = self._load(s.q, self._index(s.q, "q", head, qpos, Lin(), Lin.of(Var("dq", d))),
+                                mask_of(rows_c, dq_c))
+        L += q_lines + [
+            f"q = {q}",
+            f"qk_scale = {s.scale * LOG2E!r}",
+            'm_i = tl.full([BLOCK_M], float("-inf"), tl.float32)',
+            "l_i = tl.zeros([BLOCK_M], tl.float32)",
+            f"acc = tl.zeros([BLOCK_M, {dvp}], tl.float32)",
+        ]
+        # keys [0, kv_end) matter; blocks before full_end need no key or causal mask
+        if s.causal:
+            L += [f"kv_end = tl.minimum({slen}, tl.max(tl.where(row_ok, qi, 0)) + 1)",
+                  f"full_end = tl.minimum({slen}, tl.min(tl.where(row_ok, qi, {slen})) + 1)"
+                  " // BLOCK_N * BLOCK_N"]
+        else:
+            L += [f"kv_end = {slen}", f"full_end = {slen} // BLOCK_N * BLOCK_N"]
+        L += ["lo = 0", "hi = kv_end", "if KV_SPLIT > 1:",
+              *["    " + x for x in split.program_range("kv_end", "BLOCK_N")],
+              "mid = tl.minimum(hi, tl.maximum(lo, full_end))",
+              "for start_n in range(lo, mid, BLOCK_N):",
+              *["    " + x for x in self._key_step(head, qpos, dp, dvp, ieee, wide, True)],
+              "for start_n in range(mid, hi, BLOCK_N):",
+              *["    " + x for x in self._key_step(head, qpos, dp, dvp, ieee, wide, False)]]
+        L += self._combine(dvp, p.dim(s.group * s.tq))
+        out_lines, out_code = self._cast("acc", {"rows2", "dv2"})
+        L += [
+            "acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]",  # fully masked rows: 0
+            *out_lines,
+            f"ooff = ((b * {s.heads} + head[:, None]) * {tq} + qi[:, None]) * {dv} + dv2",
+            f"tl.store({o} + ooff, {out_code}, mask=row_ok2 & (dv2 < {dv}))",
+        ]
+        return L
+
+    def _combine(self, dvp: int, rows: str) -> list[str]:
+        """With the keys split: store this part (unnormalised acc, running max and sum);
+        the last program merges all parts by their maxima, and alone stores."""
+        numel = f"BLOCK_M * {dvp + 2}"
+        acc_at = "ar[:, None] * " + str(dvp) + " + tl.arange(0, " + str(dvp) + ")[None, :]"
+        m_at, l_at = f"BLOCK_M * {dvp} + ar", f"BLOCK_M * {dvp + 1} + ar"
+        store = ["ar = tl.arange(0, BLOCK_M)",  # rows past the group's are never used
+                 f"tl.store({split.part(numel)} + {acc_at}, acc, mask=row_ok2)",
+                 f"tl.store({split.part(numel)} + {m_at}, m_i, mask=row_ok)",
+                 f"tl.store({split.part(numel)} + {l_at}, l_i, mask=row_ok)"]
+        part = split.part(numel, "s")
+        m_part = split.load_part(f"{part} + {m_at}", "row_ok", 'float("-inf")')
+        combine = [
+            'm_i = tl.full([BLOCK_M], float("-inf"), tl.float32)',
+            "for s in range(0, n_split):",
+            f"    m_i = tl.maximum(m_i, {m_part})",
+            'm_use = tl.where(m_i == float("-inf"), 0.0, m_i)',
+            "l_i = tl.zeros([BLOCK_M], tl.float32)",
+            f"acc = tl.zeros([BLOCK_M, {dvp}], tl.float32)",
+            "for s in range(0, n_split):",
+            f"    scale = tl.exp2({m_part} - m_use)",
+            f"    l_i += {split.load_part(f'{part} + {l_at}', 'row_ok')} * scale",
+            f"    acc += {split.load_part(f'{part} + {acc_at}', 'row_ok2')} * scale[:, None]",
+        ]
+        gate = [f"row_ok2 = rows2 < tl.where(last, {rows}, 0)"]  # only the last stores
+        return split.arrive("KV_SPLIT", "pid_z * tl.num_programs(0) + pid_m", store, combine,
+                            gate)
+
+    def _key_step(self, head, qpos, dp, dvp, ieee, wide, full: bool) -> list[str]:
+        """One BLOCK_N step of the key loop. A `full` step's keys are all in range and,
+        if causal, at or before every row's query: no key, row or causal masks."""
+        s, p = self.s, self.p
+        d, dv, slen = s.head_dim, s.value_dim, p.dim(s.s)
+        kvh = Lin.of(Var("kvh", s.kv_heads, block=False))
+        nk_c = None if full else Cond("nk_ok", frozenset({"nk"}))
+        nv_c = None if full else Cond("nv_ok", frozenset({"nv"}))
+        dk_c = Cond(f"dk < {d}", frozenset({"dk"})) if d != dp else None
+        dv_c = Cond(f"dv2 < {dv}", frozenset({"dv2"})) if dv != dvp else None
+        k_idx = self._index(s.k, "k", kvh, Lin(), Lin.of(Var("nk", s.s)), Lin.of(Var("dk", d)))
+        v_idx = self._index(s.v, "v", kvh, Lin(), Lin.of(Var("nv", s.s)),
+                            Lin.of(Var("dv2", dv)))
+        k_lines, kt = self._load(s.k, k_idx, mask_of(nk_c, dk_c))
+        v_lines, vt = self._load(s.v, v_idx, mask_of(nv_c, dv_c))
+        self.loop_loads = sum("tl.load(" in x for x in k_lines + v_lines)
+        p_lines, p_code = self._cast("pr", {"rows2", "nk"})
+        L = [f"n = start_n + tl.arange(0, BLOCK_N){wide}", "nk = n[None, :]", "nv = n[:, None]"]
+        if not full:
+            L += [f"nk_ok = nk < {slen}", f"nv_ok = nv < {slen}"]
+        L += [*k_lines,
+              f"qk = tl.dot({self._op('q')}, {self._op(kt)}{ieee}, out_dtype=tl.float32)"]
+        conds = [] if full else ["nk_ok", "row_ok2"]
+        if s.causal and not full:
+            conds.append("(nk <= qi[:, None])")
+        score = "qk * qk_scale"
+        if s.mask is not None:
+            idx = self._index(s.mask, "mask", head, qpos, Lin.of(Var("nk", s.s)), Lin())
+            m_lines, m = self._load(s.mask, idx, mask_of(Cond("row_ok2", frozenset({"rows2"})),
+                                                         nk_c))
+            L += m_lines
+            self.mask_loads = sum("tl.load(" in x for x in m_lines)
+            if s.mask_kind == "bool":
+                conds.append(f"({m} != 0)")
+            else:
+                score = f"qk * qk_scale + {m}.to(tl.float32) * {LOG2E!r}"
+        if conds:
+            L.append(f'sc = tl.where({" & ".join(conds)}, {score}, float("-inf"))')
+        else:
+            L.append(f"sc = {score}")
+        L += [
+            "m_new = tl.maximum(m_i, tl.max(sc, 1))",
+            'm_use = tl.where(m_new == float("-inf"), 0.0, m_new)',
+            "pr = tl.exp2(sc - m_use[:, None])",
+            "alpha = tl.exp2(m_i - m_use)",
+            "l_i = l_i * alpha + tl.sum(pr, 1)",
+            *v_lines,
+            f"vt = {vt}",
+            *p_lines,
+            f"acc = tl.dot({self._op(p_code)}, {self._op('vt')}, "
+            f"acc * alpha[:, None]{ieee}, out_dtype=tl.float32)",
+            "m_i = m_new",
+        ]
+        return L

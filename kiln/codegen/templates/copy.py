@@ -1,0 +1,162 @@
+"""Copy regions: scatters into state in place, and gather / concat-only regions.
+
+A scatter region whose output is written in place (`Region.inplace`: the output IS the
+state tensor, e.g. the KV cache) walks the *update* (the rows being written), computes
+each element of the values through the emitter, so a pointwise prologue (RoPE of k)
+fuses, and stores it at its destination: only the scattered rows are touched. Covered:
+index_put (None and tensor indices; accumulate via atomics), index_copy, index_add,
+scatter / scatter_add, slice_scatter and select_scatter. A functional slice/select
+scatter is per-element selection (the pointwise kernel); a functional index scatter
+would have to copy the whole destination first, so it runs extern.
+Regions without a scatter (embedding lookups, rope-table gathers, cat, returned views)
+are pointwise kernels over their output (row kernels if they recompute a reduction).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.codegen.build.spec import KernelSpec
+from kiln.codegen.expr.emit import Emitter, kernel_name, module_source, needs_int64
+from kiln.codegen.expr.gather import _index_value, advanced_index, indexed_shape
+from kiln.codegen.expr.indexing import Lin, Var, broadcast_index, delinearize, norm
+from kiln.codegen.expr.kernel_args import KernelArgs
+from kiln.codegen.expr.values import CodegenUnsupported, Cond, mask_of
+from kiln.codegen.expr.views import _slice_bounds, dim_value
+from kiln.codegen.templates.pointwise import pointwise_configs, pointwise_spec
+from kiln.codegen.templates.reduction.row_kernel import RowKernel
+from kiln.ir.ops import OpCategory, category
+from kiln.ir.plan import DispatchPlan, Op, Ref, Region
+from kiln.ir.symbolic import numel, upper_bound
+from kiln.target import Target
+
+PER_ELEMENT = {"aten.slice_scatter.default", "aten.select_scatter.default"}
+ATOMIC_DTYPES = {torch.float32, torch.int32}
+
+
+def generate_copy(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
+    """The copy region's kernel; raises CodegenUnsupported saying why it declines."""
+    scatters = [op for op in region.ops if category(op.target) == OpCategory.SCATTER]
+    if not scatters:
+        if any(category(op.target) == OpCategory.REDUCTION for op in region.ops):
+            # a returned duplicate of a reduction's value is recomputed in a copy region
+            return RowKernel(region, plan, target).spec()
+        return pointwise_spec(region, plan, target, kind="copy")
+    if len(scatters) > 1 or region.outputs != [scatters[0].name]:
+        raise CodegenUnsupported("a copy region with several scatters")
+    op = scatters[0]
+    if op.name not in region.inplace:
+        if op.target in PER_ELEMENT:
+            return pointwise_spec(region, plan, target, kind="copy")
+        raise CodegenUnsupported(f"functional {op.target} (not written in place)")
+    return scatter_spec(region, plan, target, op)
+
+
+def scatter_spec(region: Region, plan: DispatchPlan, target: Target, op: Op) -> KernelSpec:
+    args = KernelArgs()
+    em = Emitter(region, plan, args, target)
+    update = _update_shape(em, op)
+    n = numel(update)
+    wide = needs_int64(region, plan, extra=[n])
+    xmask = Cond("xmask", frozenset({"xindex"}))
+    mask = mask_of(xmask)
+    u = delinearize(Var("xindex", n), update)
+    dest, value, accumulate = _destination(em, op, u, update, mask)
+    out = op.name
+    dtype = plan.values[out].dtype
+    if accumulate:
+        _atomic_add(em, out, dest, em.cast(value, dtype), mask)
+    else:
+        em.store(out, dest, value, mask, like="xindex")
+    n_code = args.dim(n)
+    pid = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
+    body = [f"xoffset = {pid} * XBLOCK", "xindex = xoffset + tl.arange(0, XBLOCK)",
+            f"xmask = xindex < {n_code}"] + em.lines
+    name = kernel_name("scatter", region)
+    source = module_source(name, args.names() + ["XBLOCK: tl.constexpr"], body, em.helpers,
+                           target, args.describe())
+    configs, default = pointwise_configs(upper_bound(n, plan.symbols))
+    return KernelSpec(name, source, args.kernel_args(), ["XBLOCK"], (f"cdiv({n_code}, XBLOCK)",),
+                      configs, default, "pointwise", {"numel": str(n), "inplace": True},
+                      index_bits=64 if wide else 32)
+
+
+def _axis(d: int, rank: int) -> int:
+    return d % rank if rank else 0
+
+
+def _update_shape(em: Emitter, op: Op) -> tuple:
+    """The shape of the elements the scatter writes (what the kernel walks)."""
+    t = op.target
+    a = op.args
+    dest_shape = em.shape(a[0].name)
+    if t == "aten.index_put.default":
+        return indexed_shape(em, dest_shape, a[1])
+    if t in ("aten.index_copy.default", "aten.index_add.default"):
+        return em.shape(a[3].name)
+    if t in ("aten.scatter.src", "aten.scatter.value", "aten.scatter_add.default"):
+        return em.shape(a[2].name)
+    if t in PER_ELEMENT:
+        return em.shape(a[1].name)
+    raise CodegenUnsupported(f"{t} is not generated")
+
+
+def _destination(em: Emitter, op: Op, u, update, mask):
+    """(destination index, value written, accumulate?) for update element `u`."""
+    t = op.target
+    a = op.args
+    dest_shape = em.shape(a[0].name)
+
+    def src_at(ref, idx):
+        if not isinstance(ref, Ref):
+            raise CodegenUnsupported(f"{t} with a non-tensor source")
+        return em.value(ref.name, broadcast_index(idx, update, em.shape(ref.name)), mask)
+
+    if t == "aten.index_put.default":
+        accumulate = bool(a[3]) if len(a) > 3 else bool(op.kwargs.get("accumulate", False))
+        dest = advanced_index(em, dest_shape, a[1], update, u, mask)
+        return dest, src_at(a[2], u), accumulate
+    if t in ("aten.index_copy.default", "aten.index_add.default"):
+        d = _axis(a[1], len(dest_shape))
+        row = _index_value(em, a[2], (u[d],), mask, dest_shape[d], wrap=True)
+        v = src_at(a[3], u)
+        alpha = a[4] if len(a) > 4 else op.kwargs.get("alpha", 1)
+        if t == "aten.index_add.default" and alpha != 1:
+            v = em.let(f"{v} * {alpha!r}", v.dtype, v.vars)
+        return u[:d] + (row,) + u[d + 1:], v, t == "aten.index_add.default"
+    if t in ("aten.scatter.src", "aten.scatter.value", "aten.scatter_add.default"):
+        d = _axis(a[1], len(dest_shape))
+        row = _index_value(em, a[2], u, mask, dest_shape[d], wrap=True)
+        if t == "aten.scatter.value":
+            from kiln.codegen.expr.values import literal
+
+            v = literal(a[3], em.dtype(a[0].name))
+        else:
+            v = src_at(a[3], u)
+        return u[:d] + (row,) + u[d + 1:], v, t == "aten.scatter_add.default"
+    if t == "aten.slice_scatter.default":
+        args = list(a) + [None] * (6 - len(a))
+        d = _axis(op.kwargs.get("dim", args[2] if args[2] is not None else 0), len(dest_shape))
+        start, _, step = _slice_bounds(dest_shape[d], op.kwargs.get("start", args[3]),
+                                       op.kwargs.get("end", args[4]),
+                                       op.kwargs.get("step", args[5] or 1))
+        return u[:d] + (Lin.of(start) + u[d] * step,) + u[d + 1:], src_at(a[1], u), False
+    if t == "aten.select_scatter.default":
+        d = _axis(a[2], len(dest_shape))
+        k = dim_value(a[3])
+        if isinstance(k, int) and k < 0:
+            k = norm(k + dest_shape[d])
+        return u[:d] + (Lin.of(k),) + u[d:], src_at(a[1], u), False
+    raise CodegenUnsupported(f"{t} is not generated")
+
+
+def _atomic_add(em: Emitter, out: str, dest, v, mask) -> None:
+    from kiln.codegen.expr.indexing import linearize
+
+    dtype = em.plan.values[out].dtype
+    if dtype not in ATOMIC_DTYPES:
+        raise CodegenUnsupported(f"accumulating scatter into {dtype} (atomics: fp32/int32)")
+    shape = em.plan.values[out].shape
+    ptr = em.args.tensor(out, dtype, shape, output=True)
+    off = em.code(linearize(tuple(dest), shape))
+    em.lines.append(f"tl.atomic_add({ptr} + ({off}), {v}, mask=xmask)")

@@ -1,0 +1,313 @@
+"""The matmul template: a region's mm / bmm / addmm as a tiled Triton kernel.
+
+Operands are read through their views by the emitter's index maps, so a linear
+layer's weight, which arrives as permute(W) of an [N, K] parameter, is read in place
+(`B[k, n]` at `W + n * K + k`, never copied), and attention's [B, H, T, D] output
+viewed as o_proj's [B*T, H*D] input is read where it lies. Tiles accumulate in fp32;
+fp16/bf16 inputs use the tensor cores, fp32 inputs exact ("ieee") products so results
+match eager to 1e-5. addmm's bias and scalars are applied in the kernel; the product
+is rounded to its dtype, as eager does, and the region's epilogue (the ops after the
+product: bias, activation, residual, cast, SwiGLU's silu * mul) is computed by the
+emitter at the tile before the single store.
+
+When the M dimension's upper bound is small (decode: M = batch) the region gets a
+GEMV form instead: each program owns BLOCK_N output columns for every row and
+streams the weight once, since a [16, K] x [K, N] tensor-core tile would mostly
+multiply padding. An unbounded M gets the tiled form with masked tails.
+
+Both forms may split K across programs when the output has too few tiles to fill the
+GPU (kiln.codegen.templates.split_k; the count is chosen at launch, up to the config's
+SPLIT_K): the last program of a tile sums the parts and alone runs the epilogue.
+K is loaded unmasked when every config's BLOCK_K divides it. Configs and the default
+choice: kiln.codegen.templates.matmul.configs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kiln.codegen.build.spec import KernelSpec
+from kiln.codegen.expr.emit import Emitter, kernel_name, module_source
+from kiln.codegen.expr.indexing import Lin, Opaque, Var, broadcast_index, reshape_index
+from kiln.codegen.expr.kernel_args import SymbolicArgs
+from kiln.codegen.expr.values import CodegenUnsupported, Cond, Val, mask_of
+from kiln.codegen.templates import split_k as split
+from kiln.codegen.templates.matmul import configs as cfg
+from kiln.ir.plan import DispatchPlan, Ref, Region
+from kiln.ir.symbolic import Dim, bounds_of
+from kiln.target import Target
+
+MATMULS = {"aten.mm.default", "aten.bmm.default", "aten.addmm.default"}
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+GEMV_MAX_M = 8  # rows up to which the GEMV form beats a padded tensor-core tile
+
+
+def dot_operand(code: str, dtype: torch.dtype, target: Target) -> str:
+    """A tl.dot operand; Triton's interpreter multiplies bf16's raw bits, so there it is
+    widened to fp32 first (exact: the products of bf16 values fit fp32)."""
+    if dtype == torch.bfloat16 and target.backend == "interpret":
+        return f"{code}.to(tl.float32)"
+    return code
+
+
+@dataclass
+class MatmulShape:
+    a: str  # the product's operands: names of region values / ops
+    b: str
+    bias: Ref | None  # addmm's input (broadcast to [M, N])
+    alpha: float
+    beta: float
+    batched: bool  # bmm: operands [batch, M, K] x [batch, K, N]
+    batch: Dim
+    m: Dim
+    n: Dim
+    k: Dim
+    dtype: torch.dtype  # of the operands and the product
+
+
+def analyse(region: Region, plan: DispatchPlan) -> MatmulShape:
+    """The region's product; raises CodegenUnsupported (why) if the template cannot run it."""
+    anchor = region.anchor()
+    if anchor.target not in MATMULS:
+        raise CodegenUnsupported(f"anchor {anchor.target} is not mm, bmm or addmm")
+    if anchor.dtype not in _FLOATS:
+        raise CodegenUnsupported(f"a product in {anchor.dtype}")
+    addmm = anchor.target == "aten.addmm.default"
+    a_ref, b_ref = anchor.args[1:3] if addmm else anchor.args[:2]
+    if not (isinstance(a_ref, Ref) and isinstance(b_ref, Ref)):
+        raise CodegenUnsupported("an operand that is not a tensor")
+    batched = anchor.target == "aten.bmm.default"
+    *lead, m, n = anchor.shape
+    k = _shape(region, plan, a_ref.name)[-1]
+    bias, alpha, beta = None, 1.0, 1.0
+    if addmm:
+        bias = anchor.args[0] if isinstance(anchor.args[0], Ref) else None
+        if bias is None:
+            raise CodegenUnsupported("addmm with a non-tensor input")
+        alpha = float(anchor.kwargs.get("alpha", 1))
+        beta = float(anchor.kwargs.get("beta", 1))
+    return MatmulShape(a_ref.name, b_ref.name, bias, alpha, beta, batched,
+                       lead[0] if batched else 1, m, n, k, anchor.dtype)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _shape(region: Region, plan: DispatchPlan, name: str) -> tuple:
+    if name in region.inputs:
+        return tuple(plan.values[name].shape)
+    return tuple(region.op(name).shape)
+
+
+def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
+    """The matmul (or GEMV) kernel of `region`; raises CodegenUnsupported saying why not."""
+    shape = analyse(region, plan)
+    m_hi = bounds_of(shape.m, plan.symbols).hi
+    gemv = m_hi is not None and m_hi <= GEMV_MAX_M
+    return _MatmulSource(region, plan, target, shape, m_hi, gemv).spec()
+
+
+class _MatmulSource:
+    def __init__(self, region, plan, target, shape: MatmulShape, m_hi, gemv: bool):
+        self.region, self.plan, self.s = region, plan, shape
+        self.m_hi, self.gemv = m_hi, gemv
+        self.p = SymbolicArgs(plan.symbols)
+        self.anchor = region.anchor()
+        self.tile = self._tile()
+        self.em = Emitter(region, plan, self.p, target,
+                          overrides={self.anchor.name: self._acc_at})
+        self.name = kernel_name("gemv" if gemv else "matmul", region)
+
+    def _tile(self):
+        """The product's index as the kernel's variables: (batch,) rows, cols."""
+        rows = Lin.of(Var("rm2", self.s.m))
+        cols = Lin.of(Var("rn2", self.s.n))
+        if self.s.batched:
+            return (Lin.of(Var("pid_b", self.s.batch, block=False)), rows, cols)
+        return (rows, cols)
+
+    def _acc_at(self, index):
+        # A size-1 dim is read at index 0 by broadcasting ops: the same element as the tile's.
+        if all(d == 1 or a.equals(b) for a, b, d in zip(index, self.tile, self.anchor.shape)):
+            return self.product
+        return None  # the epilogue reads the product elsewhere: not this template's
+
+    def _batch(self) -> tuple:
+        return (Lin.of(Var("pid_b", self.s.batch, block=False)),) if self.s.batched else ()
+
+    def spec(self) -> KernelSpec:
+        s, p, target = self.s, self.p, self.em.target
+        for v in list(self.region.inputs) + list(self.region.outputs):
+            p.check_extent(self.plan.values[v].numel)
+        p.check_extent(s.batch * s.m * s.n)
+        k, batch = p.grid(s.k), p.grid(s.batch)
+        if self.gemv:
+            tunables = ["BLOCK_N", "BLOCK_K", "SPLIT_K"]
+            configs = cfg.gemv_configs(s.n, s.k)
+            tiles = f"cdiv({p.grid(s.n)}, BLOCK_N)"
+            fill, least = cfg.GEMV_FILL, cfg.MIN_GEMV_BLOCKS
+            part = f"{cfg.pow2(self.m_hi)} * BLOCK_N"
+        else:
+            tunables = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K"]
+            configs = cfg.tiled_configs(s.m, self.m_hi, s.n, s.k, s.batch, _name(s.dtype),
+                                        target)
+            tiles = f"cdiv({p.grid(s.m)}, BLOCK_M) * cdiv({p.grid(s.n)}, BLOCK_N)"
+            fill, least = cfg.TILED_FILL, cfg.MIN_SPLIT_BLOCKS
+            part = "BLOCK_M * BLOCK_N"
+        # K needs no mask when every config's BLOCK_K divides it (splits are whole blocks)
+        self.even_k = isinstance(s.k, int) and all(s.k % c["BLOCK_K"] == 0 for c in configs)
+        all_tiles = f"{tiles} * {batch}"
+        n_split = split.count("SPLIT_K", all_tiles, fill * target.multiprocessors,
+                              f"cdiv({k}, {least} * BLOCK_K)")
+        body = self._gemv_body() if self.gemv else self._tiled_body()
+        params = p.names() + [split.PARTS, split.COUNTS] + [f"{t}: tl.constexpr"
+                                                              for t in tunables]
+        source = module_source(self.name, params, body, self.em.helpers, target,
+                               p.describe())
+        out = self.region.outputs[0]
+        meta = {"form": "gemv" if self.gemv else "tiled", "dtype": _name(s.dtype),
+                "out_dtype": _name(self.plan.values[out].dtype),
+                "m_pad": cfg.pow2(self.m_hi) if self.gemv else None,
+                "epilogue_loads": self._epilogue_loads}
+        return KernelSpec(self.name, source, p.args(), tunables, (tiles, batch, n_split),
+                          configs, configs[0], "matmul", meta, 64 if p.needs_int64 else 32,
+                          scratch=split.scratch(all_tiles, n_split, part))
+
+    def _dot(self, x: str, w: str) -> str:
+        x, w = dot_operand(x, self.s.dtype, self.em.target), dot_operand(w, self.s.dtype,
+                                                                           self.em.target)
+        ieee = ', input_precision="ieee"' if self.s.dtype == torch.float32 else ""
+        return f"tl.dot({x}, {w}, acc{ieee}, out_dtype=tl.float32)"
+
+    def _load(self, name: str, index, mask) -> tuple[list[str], str]:
+        """Lines loading operand `name` at `index` (through its views), and the value."""
+        with self.em.block() as lines:
+            v = self.em.value(name, index, mask)
+        return lines, v.code
+
+    def _wide(self) -> str:
+        return ".to(tl.int64)" if self.p.needs_int64 else ""
+
+    def _k_range(self, k: str) -> list[str]:
+        """This program's K range [lo, hi): all of K, or its split's whole blocks."""
+        return ["lo = 0", f"hi = {k}", "if SPLIT_K > 1:",
+                *["    " + x for x in split.program_range(k, "BLOCK_K")]]
+
+    def _k_mask(self, name: str, var: str) -> Cond | None:
+        return None if self.even_k else Cond(name, frozenset({var}))
+
+    def _tiled_body(self) -> list[str]:
+        s, p = self.s, self.p
+        m, n, k, wide = p.dim(s.m), p.dim(s.n), p.dim(s.k), self._wide()
+        head = [
+            f"pid_b = tl.program_id(1){wide}",
+            "pid = tl.program_id(0)",
+            "pid_s = tl.program_id(2)",
+            "n_split = tl.num_programs(2)",
+            f"grid_m = tl.cdiv({m}, BLOCK_M)",
+            f"grid_n = tl.cdiv({n}, BLOCK_N)",
+            "width = GROUP_M * grid_n",  # GROUP_M row tiles share B tiles in L2
+            "first_m = (pid // width) * GROUP_M",
+            "group_rows = tl.minimum(grid_m - first_m, GROUP_M)",
+            "pid_m = first_m + (pid % width) % group_rows",
+            "pid_n = (pid % width) // group_rows",
+            f"rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M){wide}",
+            f"rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N){wide}",
+            # Wrapped rows / columns read valid memory; only the store is masked.
+            f"ra2 = (rm % {m})[:, None]",
+            f"rb2 = (rn % {n})[None, :]",
+            "rk = tl.arange(0, BLOCK_K)",
+            "acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)",
+            *self._k_range(k),
+            "for k0 in range(lo, hi, BLOCK_K):",
+        ]
+        kk_a, kk_b = Var("ka2", s.k), Var("kb2", s.k)
+        a_idx = self._batch() + (Lin.of(Var("ra2", s.m)), Lin.of(kk_a))
+        b_idx = self._batch() + (Lin.of(kk_b), Lin.of(Var("rb2", s.n)))
+        a_lines, a = self._load(s.a, a_idx, mask_of(self._k_mask("ka_ok", "ka2")))
+        b_lines, b = self._load(s.b, b_idx, mask_of(self._k_mask("kb_ok", "kb2")))
+        loop = ["kk = k0 + rk", "ka2 = kk[None, :]", "kb2 = kk[:, None]"]
+        if not self.even_k:
+            loop += [f"ka_ok = ka2 < {k}", f"kb_ok = kb2 < {k}"]
+        loop += [*a_lines, *b_lines, f"acc = {self._dot(a, b)}"]
+        tail = ["rm2 = rm[:, None]", "rn2 = rn[None, :]", f"m_ok = rm2 < {m}",
+                f"n_ok = rn2 < {n}"]
+        offs = "tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]"
+        tail += self._combine("pid_b * (grid_m * grid_n) + pid", "[BLOCK_M, BLOCK_N]",
+                              "BLOCK_M * BLOCK_N", offs, n)
+        return head + ["    " + x for x in loop] + tail + self._finish()
+
+    def _combine(self, tile: str, shape: str, numel: str, offs: str, n: str) -> list[str]:
+        """With K split: store this part; the last program sums all parts and stores."""
+        store = [f"part_offs = {offs}",
+                 f"tl.store({split.part(numel)} + part_offs, acc, mask=m_ok & n_ok)"]
+        load = split.load_part(split.part(numel, "s") + " + part_offs", "m_ok & n_ok")
+        combine = [f"acc = tl.zeros({shape}, dtype=tl.float32)",
+                   "for s in range(0, n_split):", f"    acc += {load}"]
+        gate = [f"n_ok = rn2 < tl.where(last, {n}, 0)"]  # only the last program stores
+        return split.arrive("SPLIT_K", tile, store, combine, gate)
+
+    def _gemv_body(self) -> list[str]:
+        s, p = self.s, self.p
+        m, n, k, wide = p.dim(s.m), p.dim(s.n), p.dim(s.k), self._wide()
+        mp = cfg.pow2(self.m_hi)
+        head = [
+            f"pid_b = tl.program_id(1){wide}",
+            "pid_n = tl.program_id(0)",
+            "pid_s = tl.program_id(2)",
+            "n_split = tl.num_programs(2)",
+            f"rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N){wide}",
+            f"rm = tl.arange(0, {mp})",
+            f"rb2 = (rn % {n})[None, :]",
+            f"acc = tl.zeros([{mp}, BLOCK_N], dtype=tl.float32)",
+        ]
+        # Rows past M read row M - 1 (valid memory, one mask-free vector load per row);
+        # only the store is masked.
+        static_rows = isinstance(s.m, int) and s.m >= mp
+        for mi in range(mp):
+            if not static_rows:
+                head.append(f"row{mi} = tl.minimum({mi}, {m} - 1)")
+        head += [*self._k_range(k), "for k0 in range(lo, hi, BLOCK_K):"]
+        kk_b, kk_a = Var("kb2", s.k), Var("kk", s.k)
+        b_idx = self._batch() + (Lin.of(kk_b), Lin.of(Var("rb2", s.n)))
+        b_lines, w = self._load(s.b, b_idx, mask_of(self._k_mask("kb_ok", "kb2")))
+        loop = [f"kk = k0 + tl.arange(0, BLOCK_K){wide}", "kb2 = kk[:, None]"]
+        if not self.even_k:
+            loop += [f"k_ok = kk < {k}", f"kb_ok = kb2 < {k}"]
+        loop += [*b_lines, f"w = {w}.to(tl.float32)"]
+        for mi in range(mp):  # rows unrolled: the weight tile is loaded once for all
+            row = Lin.of(mi) if static_rows else Lin.of(Opaque(f"row{mi}", s.m))
+            a_lines, x = self._load(s.a, self._batch() + (row, Lin.of(kk_a)),
+                                    mask_of(self._k_mask("k_ok", "kk")))
+            loop += [*a_lines, f"part = tl.sum({x}.to(tl.float32)[:, None] * w, 0)",
+                     f"acc += tl.where(rm[:, None] == {mi}, part[None, :], 0.0)"]
+        tail = ["rm2 = rm[:, None]", "rn2 = rn[None, :]", f"m_ok = rm2 < {m}",
+                f"n_ok = rn2 < {n}"]
+        offs = f"tl.arange(0, {mp})[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]"
+        tail += self._combine("pid_b * tl.num_programs(0) + pid_n", f"[{mp}, BLOCK_N]",
+                              f"{mp} * BLOCK_N", offs, n)
+        return head + ["    " + x for x in loop] + tail + self._finish()
+
+    def _finish(self) -> list[str]:
+        """addmm's alpha, beta and bias; rounding to the product's dtype; the epilogue."""
+        s, em = self.s, self.em
+        mask = mask_of(Cond("m_ok", frozenset({"rm2"})), Cond("n_ok", frozenset({"rn2"})))
+        em.lines = []
+        if s.alpha != 1.0:
+            em.lines.append(f"acc = acc * {s.alpha!r}")
+        if s.bias is not None:
+            bshape = _shape(self.region, self.plan, s.bias.name)
+            bidx = broadcast_index(self.tile, self.anchor.shape, bshape)
+            bias = em.value(s.bias.name, bidx, mask)
+            scale = f" * {s.beta!r}" if s.beta != 1.0 else ""
+            em.lines.append(f"acc = acc + {bias}.to(tl.float32){scale}")
+        # the product in its own dtype, rounded as eager rounds it (the emitter's cast)
+        self.product = em.cast(Val("acc", torch.float32, frozenset({"rm2", "rn2"})), s.dtype)
+        out = self.region.outputs[0]
+        idx = reshape_index(self.tile, self.anchor.shape, self.plan.values[out].shape)
+        em.store(out, idx, em.value(out, idx, mask), mask)
+        self._epilogue_loads = sum("tl.load(" in x for x in em.lines)
+        return list(em.lines)

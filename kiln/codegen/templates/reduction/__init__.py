@@ -1,0 +1,1 @@
+"""Row kernels for reduction regions: the kernel, its forms, per-op accumulators."""

@@ -1,0 +1,80 @@
+"""Split reductions: an output with too few tiles to fill the GPU splits its reduction
+(a matmul's K, attention's keys) across programs; the last program to finish a tile
+combines the parts and alone runs the epilogue.
+
+A decode GEMV over N = 4096 columns has 64 tiles of 64 columns, and decode attention
+over 8 KV heads has 8 tiles: a few SMs of 132 stream all the bytes. Here grid axis 2
+holds `n_split` programs per tile, each reducing a contiguous range of whole blocks.
+Each stores its partial result in a scratch buffer, waits for its CTA's stores
+(a barrier), and counts its arrival on the tile's counter with an acq_rel atomic, so
+its stores are visible to whoever sees the count. The program that arrives last reads
+every part in split order (the result does not depend on arrival order), zeroes the
+counter again for the next launch, and stores the tile; the others store nothing. One
+launch, no second kernel and no zero-fill pass (counters are zeroed once, when the
+launcher allocates them: kiln.codegen.build.spec.Scratch).
+
+How many splits is decided at launch by the grid expression (`count`), from the sizes:
+enough programs to fill the chip, at most the config's cap (a tunable, so the tuner
+can choose between splitting or not) and never fewer than a few blocks per split. A
+cap of 1 compiles none of this (a constexpr branch): the kernel is the plain one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.codegen.build.spec import Scratch
+
+PARTS = "ws_ptr"  # fp32 partial results: [tiles, n_split, numel]
+COUNTS = "lock_ptr"  # int32 arrival counters: [tiles]
+
+
+def count(cap: str, tiles: str, fill: int, most: str) -> str:
+    """Grid expression: the splits per tile, so that tiles * splits reaches `fill`
+    programs, at most the tunable `cap` and at most `most` (an expression)."""
+    return f"max(1, min({cap}, ({fill}) // max(1, {tiles}), {most}))"
+
+
+def scratch(tiles: str, splits: str, numel: str) -> list[Scratch]:
+    """The two buffers: parts of `numel` fp32 per (tile, split), a counter per tile
+    (a single element when the launch does not split)."""
+    return [Scratch(PARTS, torch.float32, f"({tiles}) * ({splits}) * ({numel}) "
+                    f"if ({splits}) > 1 else 1"),
+            Scratch(COUNTS, torch.int32, f"({tiles}) if ({splits}) > 1 else 1", zeroed=True)]
+
+
+def program_range(total: str, block: str) -> list[str]:
+    """Lines setting `lo`, `hi`: this split's part of [0, total), in whole blocks."""
+    return [
+        f"per_split = tl.cdiv(tl.cdiv({total}, n_split), {block}) * {block}",
+        "lo = pid_s * per_split",
+        f"hi = tl.minimum({total}, lo + per_split)",
+    ]
+
+
+def part(numel: str, split: str = "pid_s") -> str:
+    """The address of part `split` of this program's tile (add the element offsets)."""
+    return f"{PARTS} + (tile_id * n_split + {split}) * {numel}"
+
+
+def arrive(cap: str, tile: str, store: list[str], combine: list[str],
+           gate: list[str]) -> list[str]:
+    """Lines after the reduction loop: with splits, store this part, count the arrival,
+    and (the last program only) combine every part; then `gate` (the template's lines
+    that mask its store with `last`). `store` / `combine` are the template's lines."""
+    inner = [f"        tile_id = {tile}", *["    " * 2 + x for x in store]] + [
+        "        tl.debug_barrier()  # this CTA's part is stored before it is counted",
+        f'        arrived = tl.atomic_add({COUNTS} + tile_id, 1, sem="acq_rel")',
+        "        last = arrived == n_split - 1",
+        "        if last:",
+        *["    " * 3 + x for x in combine],
+        f"            tl.store({COUNTS} + tile_id, 0)  # zero again for the next launch",
+    ]
+    return [f"if {cap} > 1:", "    last = pid_s == 0", "    if n_split > 1:", *inner,
+            *["    " + x for x in gate]]
+
+
+def load_part(address: str, mask: str, other: str = "0.0") -> str:
+    """A part's elements under `mask` (padding rows and columns are never read)."""
+    # .cg reads L2, where the other programs' stores are, never a stale L1 line
+    return f'tl.load({address}, mask={mask}, other={other}, cache_modifier=".cg")'
