@@ -19,14 +19,14 @@ import threading
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from kiln.settings import cache_dir as settings_cache_dir
+
 _lock = threading.Lock()
 _modules: dict[tuple[str, bool], object] = {}
 
 
 def cache_dir() -> Path:
-    d = Path(os.environ.get("KILN_CACHE_DIR", Path.home() / ".cache" / "kiln"))
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+    return settings_cache_dir()
 
 
 def source_file(source: str) -> Path:
