@@ -3,10 +3,14 @@
 from torch.export import Dim
 
 from kiln import errors
-from kiln.api import CompiledModule, compile, load
+from kiln.api import compile, load
+from kiln.compiled_module import CompiledModule
+from kiln.settings import setup_logging as _setup_logging
 from kiln.target import TARGETS as targets
 from kiln.target import Target, get_target
 from kiln.version import __version__ as __version__
 
 __all__ = ["compile", "load", "Dim", "targets", "Target", "get_target", "errors",
            "CompiledModule"]
+
+_setup_logging()  # KILN_LOG works for library users too (kiln.settings)

@@ -9,13 +9,10 @@ all intermediates. `kernels=True` adds each region's kernel (Triton source inclu
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections import Counter
 
 import sympy
-import torch
-import torch.utils._pytree as pytree
 
 from kiln.dispatch.cost import ZERO, Cost, plan_costs
 from kiln.ir.plan import DispatchPlan, Role
@@ -24,7 +21,7 @@ from kiln.ir.symbolic import Bounds, Dim, bounds_of, evaluate, to_str
 
 
 def explain(program, example_sizes: dict[str, int] | None = None,
-            dim_names: dict[str, str] | None = None, kernels: bool = False) -> str:
+            kernels: bool = False) -> str:
     plan: DispatchPlan = program.plan
     example = _full_env(plan, example_sizes or {})
     upper = _upper_env(plan.symbols)
@@ -32,7 +29,7 @@ def explain(program, example_sizes: dict[str, int] | None = None,
     kinds = Counter(r.kind.value for r in plan.regions)
     out = [f"kiln explain: {len(plan.regions)} regions for {program.kplan.target} ("
            + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + ")"]
-    out += _symbols(plan.symbols, example, dim_names or {})
+    out += _symbols(plan.symbols, example, plan.dim_names)
     out.append("")
     for r in plan.regions:
         out += _region(r, plan, costs[r.name], example, kernels and program.kplan.kernels)
@@ -61,10 +58,10 @@ def _upper_env(symbols: dict[str, Bounds]) -> dict[str, int] | None:
     return {s: b.hi for s, b in symbols.items()}
 
 
-def _symbols(symbols: dict[str, Bounds], example, dim_names: dict[str, str]) -> list[str]:
+def _symbols(symbols: dict[str, Bounds], example, named: dict[str, str]) -> list[str]:
+    """One line per size symbol, with the user's Dim name (`named`: symbol -> name)."""
     if not symbols:
         return ["symbols: none (every size is static)"]
-    named = {sym: name for name, sym in dim_names.items()}
     lines = ["symbols:"]
     for s, b in sorted(symbols.items()):
         label = f"{s} ({named[s]})" if s in named else s
@@ -160,58 +157,3 @@ def _memory(mem, example, upper) -> list[str]:
         lines.append(f"  at {what} sizes: peak planned {human_bytes(peak)} vs "
                      f"{human_bytes(total)} for all intermediates{saved}")
     return lines
-
-
-# ---- naming the size symbols ------------------------------------------------------------
-
-
-def dim_names(model, args: tuple, kwargs: dict, dynamic_shapes, plan: DispatchPlan) -> dict:
-    """torch.export.Dim name -> plan symbol, read off the user's dynamic_shapes.
-
-    Best effort, for reports and `kiln run --size seq=N`: a spec it cannot follow
-    (derived dims, unusual nesting) simply leaves that dim unnamed.
-    """
-    if dynamic_shapes is None:
-        return {}
-    leaves = pytree.tree_leaves((args, kwargs))
-    tensors = [x for i, x in enumerate(leaves) if i not in plan.const_args]
-    value_of = {id(t): plan.values[n] for t, n in zip(tensors, plan.user_inputs)}
-    names: dict[str, str] = {}
-    for value, spec in _pair_inputs(model, args, kwargs, dynamic_shapes):
-        _walk(value, spec, value_of, names)
-    return names
-
-
-def _pair_inputs(model, args, kwargs, dynamic_shapes):
-    if isinstance(dynamic_shapes, dict):
-        try:
-            bound = inspect.signature(model.forward).bind(*args, **kwargs)
-        except (TypeError, ValueError):
-            return []
-        return [(v, dynamic_shapes.get(k)) for k, v in bound.arguments.items()]
-    if isinstance(dynamic_shapes, (list, tuple)):
-        return list(zip([*args, *kwargs.values()], dynamic_shapes))
-    return []
-
-
-def _walk(value, spec, value_of, names: dict[str, str]) -> None:
-    if spec is None:
-        return
-    if isinstance(value, torch.Tensor):
-        tv = value_of.get(id(value))
-        dims = spec.items() if isinstance(spec, dict) else enumerate(spec) \
-            if isinstance(spec, (list, tuple)) else ()
-        for d, dim in dims:
-            name = getattr(dim, "__name__", None)
-            if tv is None or not isinstance(name, str) or not isinstance(d, int) \
-                    or not -len(tv.shape) <= d < len(tv.shape):
-                continue
-            sym = tv.shape[d]
-            if isinstance(sym, sympy.Symbol):
-                names.setdefault(name, sym.name)
-    elif isinstance(value, (list, tuple)) and isinstance(spec, (list, tuple)):
-        for v, s in zip(value, spec):
-            _walk(v, s, value_of, names)
-    elif isinstance(value, dict) and isinstance(spec, dict):
-        for k, v in value.items():
-            _walk(v, spec.get(k), value_of, names)

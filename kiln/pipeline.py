@@ -9,7 +9,6 @@ the printed IR after each pass; `compile_to=<stage>` stops after that stage.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from kiln.errors import KilnError, VerifierError
 from kiln.ir.printer import print_ir
 from kiln.ir.verify import verify
 from kiln.progress import progress
+from kiln.settings import dump_ir_dir
 
 log = logging.getLogger("kiln.pipeline")
 
@@ -68,7 +68,7 @@ class PassManager:
         if unknown:
             raise ValueError(f"unknown stages {unknown}")
         self.stages = stages
-        self.dump_dir = Path(dump_dir) if dump_dir else _env_dump_dir()
+        self.dump_dir = Path(dump_dir) if dump_dir else dump_ir_dir()
         self.verify_ir = verify_ir
         self.invariants: set[str] = set()
 
@@ -114,8 +114,3 @@ class PassManager:
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         path = self.dump_dir / f"{step:02d}-{stage.name}-{p.name}.txt"
         path.write_text(print_ir(ir))
-
-
-def _env_dump_dir() -> Path | None:
-    d = os.environ.get("KILN_DUMP_IR")
-    return Path(d) if d else None

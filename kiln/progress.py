@@ -6,17 +6,13 @@ when KILN_PROGRESS=0, so logs stay clean.
 
 from __future__ import annotations
 
-import os
-import sys
-
 from tqdm.auto import tqdm
+
+from kiln.settings import progress_enabled
 
 
 def enabled() -> bool:
-    flag = os.environ.get("KILN_PROGRESS")
-    if flag is not None:
-        return flag not in ("0", "", "false", "no")
-    return sys.stderr.isatty()
+    return progress_enabled()
 
 
 def progress(total=None, desc: str = "", unit: str = "it", **kw) -> tqdm:

@@ -238,3 +238,11 @@ def test_entry_point_help():
     assert r.stdout.startswith("usage: kiln")
     for cmd in ("compile", "run", "explain"):
         assert cmd in r.stdout
+
+
+def test_python_m_kiln_cli():
+    """`python -m kiln.cli` is the same command (kiln/cli/__main__.py)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-m", "kiln.cli", "generate"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("kiln: error: name a checkpoint"), r.stderr

@@ -47,7 +47,6 @@ class Artifact:
     program: Program
     state: dict[str, torch.Tensor]
     example_sizes: dict[str, int]
-    dim_names: dict[str, str]
     versions: dict[str, str]
 
 
@@ -198,7 +197,9 @@ def load(path, target=None) -> Artifact:
         weights_entry = manifest["weights"]
         _check_state(plan, weights_entry["tensors"], directory)
         example_sizes = {k: int(v) for k, v in manifest.get("example_sizes", {}).items()}
-        dim_names = dict(manifest.get("dim_names", {}))
+        if not plan.dim_names:  # manifests before the plan carried them: name -> symbol
+            plan.dim_names = {str(sym): str(name)
+                              for name, sym in manifest.get("dim_names", {}).items()}
     except (ManifestFormatError, KeyError, TypeError, ValueError, AttributeError) as e:
         detail = f"missing entry {e}" if isinstance(e, KeyError) else str(e)
         raise ArtifactError(f"{where} is not a valid kiln manifest: {detail}",
@@ -206,4 +207,4 @@ def load(path, target=None) -> Artifact:
     state = load_weights(directory, weights_entry, _weights_device(tgt))
     program = Program(KernelPlan(plan, tgt, kernels), mem)
     log.info("loaded %s: %d regions for %s", directory, len(plan.regions), tgt)
-    return Artifact(program, state, example_sizes, dim_names, manifest.get("versions", {}))
+    return Artifact(program, state, example_sizes, manifest.get("versions", {}))

@@ -151,6 +151,7 @@ def _region(r: Region) -> dict:
 def plan_to_json(plan: DispatchPlan) -> dict:
     return {
         "symbols": {k: b.to_json() for k, b in plan.symbols.items()},
+        "dim_names": dict(plan.dim_names),
         "devices": list(plan.devices),
         "user_inputs": list(plan.user_inputs),
         "outputs": list(plan.outputs),
@@ -195,4 +196,5 @@ def plan_from_json(j: dict) -> DispatchPlan:
         in_spec=json.dumps(j["in_spec"]) if j["in_spec"] is not None else "",
         out_spec=json.dumps(j["out_spec"]) if j["out_spec"] is not None else "",
         devices=list(j["devices"]),
+        dim_names={str(k): str(v) for k, v in j.get("dim_names", {}).items()},
     )

@@ -55,7 +55,6 @@ def build_manifest(module, directory: Path) -> dict:
         "versions": versions(),
         "target": dataclasses.asdict(kplan.target),
         "example_sizes": dict(getattr(module, "example_sizes", None) or {}),
-        "dim_names": dict(getattr(module, "dim_names", None) or {}),
         "plan": plan_to_json(program.plan),
         "memory": program.mem.to_json(),
         "kernels": {r.name: _kernel_entry(r.name, kplan.kernels[r.name],

@@ -135,6 +135,7 @@ class _Lowering:
                 )
         plan = DispatchPlan(
             symbols=dict(kg.symbols),
+            dim_names=dict(kg.dim_names),
             values=values,
             regions=regions,
             user_inputs=[i.name for i in kg.inputs if i.kind == "user"],

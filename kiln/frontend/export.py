@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from kiln.errors import ExportError, KilnError, ShapeError, UnsupportedOpError, user_frame
+from kiln.frontend.dim_names import dim_names
 from kiln.ir.graph import GraphInput, GraphOutput, KilnGraph, where
 from kiln.ir.ops import ASSERT_OPS, category, op_name
 from kiln.ir.symbolic import Bounds
@@ -254,6 +255,7 @@ def import_model(model, args, kwargs=None, dynamic_shapes=None) -> KilnGraph:
     _drop_asserts(ep.graph_module)
     _check_supported(ep.graph_module)
     kg = to_kiln_graph(ep)
+    kg.dim_names = dim_names(ep, model, tuple(args), kwargs or {}, dynamic_shapes)
     kg.recompile()
     log.info("imported %d nodes, symbols %s", len(kg.graph.nodes), kg.symbols)
     return kg

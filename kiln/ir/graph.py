@@ -43,6 +43,8 @@ class KilnGraph:
     out_spec: pytree.TreeSpec
     state: dict[str, torch.Tensor]  # params, buffers, constants by state-dict name
     mutable: set[str] = field(default_factory=set)  # state names the model updates
+    # size symbol -> the user's torch.export.Dim name ("s17" -> "seq"), for messages
+    dim_names: dict[str, str] = field(default_factory=dict)
 
     @property
     def graph(self) -> fx.Graph:

@@ -146,6 +146,8 @@ class DispatchPlan:
     in_spec: str = ""  # pytree TreeSpec, serialised
     out_spec: str = ""
     devices: list[int] = field(default_factory=lambda: [0])
+    # size symbol -> the user's torch.export.Dim name, so errors say `dim "seq"`
+    dim_names: dict[str, str] = field(default_factory=dict)
 
     def region(self, name: str) -> Region:
         for r in self.regions:

@@ -81,8 +81,9 @@ class LLM:
     def __init__(self, model: Llama, tokenizer=None, stop_ids=(), *, target="cpu",
                  max_batch_size: int = 1, paged: bool = False, block_size: int = 16,
                  num_blocks: int | None = None, name: str = "",
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, compile_options: dict | None = None):
         self.model, self.cfg, self.name = model, model.cfg, name
+        self.compile_options = compile_options  # kiln.compile's options (e.g. tune)
         self.tokenizer, self.stop_ids = tokenizer, set(stop_ids)
         self.target = get_target(target)
         self.device = torch.device(self.target.torch_device)
@@ -130,7 +131,7 @@ class LLM:
             args["logits_at"] = torch.zeros(b, 2, dtype=torch.long, device=self.device)
             shapes["logits_at"] = {k: d for k, d in ((0, batch), (1, rows)) if d is not None}
         return kiln.compile(self.model, (), kwargs=args, dynamic_shapes=shapes,
-                            target=self.target)
+                            target=self.target, options=self.compile_options)
 
     def _capture_buckets(self) -> None:
         """Capture every bucket's decode graph now, so no request pays for a capture.

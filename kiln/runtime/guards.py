@@ -23,6 +23,19 @@ def _arg_name(names: Sequence[str] | None, i: int, value: TensorValue) -> str:
     return f"argument {i} ({value.name})"
 
 
+def dim_label(plan: DispatchPlan, sym: str) -> str:
+    """How messages name a size symbol: the user's Dim name first (`dim "seq" (s17)`)."""
+    name = plan.dim_names.get(sym)
+    return f'dim "{name}" ({sym})' if name else f"dim {sym}"
+
+
+def _expr_str(plan: DispatchPlan, expr) -> str:
+    """A size expression, with the Dim names of its symbols after it."""
+    named = [f'{s.name} is dim "{plan.dim_names[s.name]}"'
+             for s in sorted(expr.free_symbols, key=lambda s: s.name) if s.name in plan.dim_names]
+    return to_str(expr) + (f" ({', '.join(named)})" if named else "")
+
+
 def bind_symbols(plan: DispatchPlan, args: Sequence, device: str | None = None,
                  names: Sequence[str] | None = None) -> dict[str, int]:
     """Check `args` (flattened user inputs) and return each size symbol's value."""
@@ -71,8 +84,8 @@ def bind_symbols(plan: DispatchPlan, args: Sequence, device: str | None = None,
         if evaluate(expr, env) != size:
             who = _arg_name(names, i, plan.values[plan.user_inputs[i]])
             raise ShapeError(
-                f"{who} has size {size} in dim {d}, but that dim must equal {to_str(expr)} = "
-                f"{evaluate(expr, env)}"
+                f"{who} has size {size} in dim {d}, but that dim must equal "
+                f"{_expr_str(plan, expr)} = {evaluate(expr, env)}"
             )
     return env
 
@@ -80,14 +93,15 @@ def bind_symbols(plan: DispatchPlan, args: Sequence, device: str | None = None,
 def _bind(plan: DispatchPlan, env: dict[str, int], sym: str, size: int, who: str, d: int):
     if sym in env and env[sym] != size:
         raise ShapeError(
-            f"{who} has size {size} in dim {d}, but dim {sym} is already {env[sym]} from an "
-            "earlier argument",
+            f"{who} has size {size} in dim {d}, but {dim_label(plan, sym)} is already "
+            f"{env[sym]} from an earlier argument",
             hint="dims that share a torch.export.Dim must have equal sizes",
         )
     bounds = plan.symbols.get(sym)
     if bounds is not None and not bounds.contains(size):
         raise ShapeError(
-            f"{who} has size {size} in dim {d}, outside the bounds of dim {sym}: {bounds}",
+            f"{who} has size {size} in dim {d}, outside the bounds of {dim_label(plan, sym)}: "
+            f"{bounds}",
             where=f"dim {d} of {who}",
             hint="call with a size inside the bounds, or recompile with wider "
             "torch.export.Dim(min=, max=)",

@@ -15,15 +15,15 @@ from kiln.models.llama import example_inputs, tiny_llama
 @pytest.fixture
 def no_compiler(monkeypatch):
     """Loading must not export or run a single pass: make both impossible."""
-    import kiln.api
     import kiln.frontend.export
+    import kiln.frontend.import_pass
     import kiln.pipeline
 
     def forbidden(*a, **k):
         raise AssertionError("kiln.load exported or ran the pipeline")
 
     monkeypatch.setattr(kiln.frontend.export, "import_model", forbidden)
-    monkeypatch.setattr(kiln.api, "import_model", forbidden)
+    monkeypatch.setattr(kiln.frontend.import_pass, "import_model", forbidden)
     monkeypatch.setattr(kiln.pipeline.PassManager, "run", forbidden)
 
 
@@ -159,3 +159,19 @@ def test_save_replaces_an_artifact_but_not_other_data(kw, tmp_path):
     with pytest.raises(kiln.errors.ArtifactError, match="not a kiln artifact"):
         exe.save(tmp_path / "data")
     assert (tmp_path / "data" / "keep.txt").read_text() == "mine"
+
+
+def test_manifest_from_before_the_plan_held_dim_names(llama, tmp_path):
+    """Older manifests kept the Dim names at the top level, name -> symbol: still read."""
+    _, exe = llama
+    sym = next(iter(exe.plan.symbols))
+    exe.save(tmp_path / "old.kiln")
+    path = tmp_path / "old.kiln" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    assert manifest["plan"].pop("dim_names") == {sym: "seq"}
+    manifest["dim_names"] = {"seq": sym}
+    path.write_text(json.dumps(manifest))
+    assert kiln.load(tmp_path / "old.kiln").plan.dim_names == {sym: "seq"}
+    del manifest["dim_names"]
+    path.write_text(json.dumps(manifest))
+    assert kiln.load(tmp_path / "old.kiln").plan.dim_names == {}

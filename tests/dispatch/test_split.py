@@ -4,7 +4,6 @@ own; the plan stays valid, both regions say why, and the result still matches ea
 import torch
 
 import kiln
-from kiln.api import CompiledModule, _state_for
 from kiln.codegen.select_kernels import select_kernels
 from kiln.dispatch import split
 from kiln.ir.plan import RegionKind, Role
@@ -13,6 +12,7 @@ from kiln.ir.verify import verify_plan
 from kiln.models.llama import LlamaConfig
 from kiln.pipeline import Context
 from kiln.runtime.schedule import schedule
+from kiln.runtime.state import state_for_target
 from kiln.target import get_target
 from tests.codegen.test_attention import AttentionBlock, block_dynamic_shapes, block_inputs
 from tests.helpers import rel_err
@@ -38,7 +38,7 @@ def _run(plan, model, target):
     tgt = get_target(target)
     ctx = Context(target=tgt, options={"tune": "none"})
     program = schedule(select_kernels(plan, ctx), ctx)
-    return CompiledModule(program, _state_for(program, dict(model.state_dict()), tgt))
+    return kiln.CompiledModule(program, state_for_target(program, dict(model.state_dict()), tgt))
 
 
 def _attention(plan):

@@ -29,7 +29,7 @@ def test_size_above_bound_names_dim_bound_and_argument(exe):
     with pytest.raises(ShapeError) as e:
         exe(torch.randn(17, 8), torch.randn(17, 3))
     msg = str(e.value)
-    assert "'x'" in msg and "17" in msg and "[2, 16]" in msg
+    assert "'x'" in msg and "17" in msg and "[2, 16]" in msg and 'dim "T"' in msg
 
 
 def test_size_below_bound(exe):
@@ -43,7 +43,7 @@ def test_static_dim_mismatch(exe):
 
 
 def test_shared_dim_disagrees(exe):
-    with pytest.raises(ShapeError, match="already 4"):
+    with pytest.raises(ShapeError, match='dim "T" .*is already 4'):
         exe(torch.randn(4, 8), torch.randn(5, 3))
 
 
@@ -96,3 +96,49 @@ def test_bad_call_leaves_state_untouched():
     with pytest.raises(ShapeError):
         exe(torch.zeros(1, 200, dtype=torch.long), torch.arange(200))
     assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
+
+
+# ---- the user's Dim names in messages -------------------------------------------------
+
+
+class AddOne(torch.nn.Module):
+    def forward(self, x):
+        return x + 1
+
+
+@pytest.fixture(scope="module")
+def seq_exe():
+    seq = kiln.Dim("seq", min=1, max=64)
+    return kiln.compile(AddOne(), (torch.randn(2, 8, 4),), dynamic_shapes=({1: seq},))
+
+
+def _bound_error(module) -> str:
+    with pytest.raises(ShapeError) as e:
+        module(torch.randn(2, 100, 4))
+    return str(e.value)
+
+
+def test_out_of_bounds_says_the_users_dim_name(seq_exe):
+    msg = _bound_error(seq_exe)
+    sym = next(iter(seq_exe.plan.symbols))
+    assert f'dim "seq" ({sym})' in msg and "100" in msg and "[1, 64]" in msg
+
+
+def test_dim_name_survives_save_and_load(seq_exe, tmp_path):
+    seq_exe.save(tmp_path / "m.kiln")
+    loaded = kiln.load(tmp_path / "m.kiln")
+    assert 'dim "seq"' in _bound_error(loaded)
+    assert loaded.plan.dim_names == seq_exe.plan.dim_names
+
+
+class Doubled(torch.nn.Module):
+    def forward(self, x, y):
+        return x.sum(0) + y.sum(0)
+
+
+def test_derived_dim_mismatch_names_the_dim():
+    t = kiln.Dim("t", min=2, max=16)
+    exe = kiln.compile(Doubled(), (torch.randn(4, 3), torch.randn(8, 3)),
+                       dynamic_shapes=({0: t}, {0: 2 * t}))
+    with pytest.raises(ShapeError, match='must equal 2[*]s[0-9]+ [(]s[0-9]+ is dim "t"[)] = 10'):
+        exe(torch.randn(5, 3), torch.randn(9, 3))

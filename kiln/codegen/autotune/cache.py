@@ -25,8 +25,8 @@ import triton
 
 from kiln.codegen.autotune.quarantine import target_id
 from kiln.codegen.build.compiler import Binary
-from kiln.codegen.build.source import cache_dir
 from kiln.codegen.build.spec import Config, KernelSpec
+from kiln.settings import cache_dir
 from kiln.target import Target
 
 

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import triton
 
-from kiln.codegen.build.source import cache_dir
 from kiln.codegen.build.spec import Config, KernelSpec
+from kiln.settings import cache_dir
 from kiln.target import Target
 
 CRASH, HANG, OVER_LIMIT, ERROR = "crash", "hang", "over_limit", "error"

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import warnings
 
 from kiln.codegen.autotune import quarantine as q
@@ -55,6 +54,7 @@ from kiln.codegen.torch_kernel import TorchKernel
 from kiln.errors import KilnError
 from kiln.ir.plan import DispatchPlan, Region
 from kiln.progress import progress
+from kiln.settings import tune_mode
 from kiln.target import Target
 
 log = logging.getLogger("kiln.codegen")
@@ -98,7 +98,7 @@ class Tuner:
 
     @classmethod
     def from_options(cls, target: Target, options: dict) -> Tuner:
-        return cls(target, options.get("tune") or os.environ.get("KILN_TUNE") or "fast",
+        return cls(target, options.get("tune") or tune_mode() or "fast",
                    options.get("tune_compiler") or DEFAULT_COMPILER,
                    options.get("tune_timeout") or DEFAULT_TIMEOUT,
                    options.get("tune_workers"), options.get("example_env"))

@@ -16,15 +16,11 @@ import threading
 from pathlib import Path
 
 from kiln.codegen.build.interpreter import Interpreted
+from kiln.settings import cache_dir
 
 _lock = threading.Lock()
 _modules: dict[tuple[str, bool], object] = {}
 
-
-def cache_dir() -> Path:
-    d = Path(os.environ.get("KILN_CACHE_DIR", Path.home() / ".cache" / "kiln"))
-    d.mkdir(parents=True, exist_ok=True)
-    return d
 
 
 def source_file(source: str) -> Path:

@@ -7,8 +7,8 @@ grid as expressions over those sizes and the tunable constexprs, and the candida
 produce KernelSpecs; the autotuner, the resource model and the runtime consume them.
 
 A kernel may also ask for `Scratch` buffers: memory its programs share within one
-launch (a split reduction's partial results and arrival counters, kiln.codegen.triton.
-split). They are no region values: the launcher allocates them from size expressions
+launch (a split reduction's partial results and arrival counters,
+kiln.codegen.templates.split_k). They are no region values: the launcher allocates them from size expressions
 (like the grid's) and passes them after the arguments, before the tunables.
 """
 

@@ -1,4 +1,5 @@
-"""Random arguments that match a compiled module's signature (for `kiln run ARTIFACT`).
+"""Random arguments that match a compiled module's signature (for `kiln run ARTIFACT`
+and `kiln run MODEL --size`).
 
 Sizes of dynamic dims come from the caller (by symbol or torch.export.Dim name), else
 the example's, else the lower bound. Float tensors are standard normal, bools fair
@@ -33,13 +34,13 @@ _INDEX_LISTS = {"aten.index.Tensor", "aten.index_put.default"}  # self[i0, i1, .
 def sizes_for(module, overrides: dict[str, int]) -> dict[str, int]:
     """Each size symbol's value: the override (by symbol or Dim name), example, or lower bound."""
     plan = module.plan
-    names = dict(getattr(module, "dim_names", {}) or {})
-    example = dict(getattr(module, "example_sizes", {}) or {})
+    named = plan.dim_names  # symbol -> Dim name
+    names = {n: s for s, n in named.items()}
+    example = dict(module.example_sizes)
     env = {s: example.get(s, b.lo) for s, b in plan.symbols.items()}
     for key, value in overrides.items():
         sym = names.get(key, key)
         if sym not in plan.symbols:
-            named = {s: n for n, s in names.items()}
             known = [f"{named[s]} ({s})" if s in named else s for s in sorted(plan.symbols)]
             raise ShapeError(
                 f"--size {key}={value}: the module has no dynamic dim named {key!r}",

@@ -1,0 +1,32 @@
+"""The `kiln` command: compile, run, explain, generate (like iree-compile / iree-run-module).
+
+A model is named as `path/to/file.py:factory` (a function returning (model, args),
+(model, args, dynamic_shapes) or a dict with keys model, args, kwargs,
+dynamic_shapes), as a built-in (`tiny-llama`), or, for run and explain, as a saved
+artifact directory. Every KilnError ends the command with `kiln: error: ...` on
+stderr and exit status 2, never a traceback.
+
+One module per command (compile, run, run_llm, generate, explain); args.py holds the
+flags, model_spec.py names and loads models, inputs.py draws random arguments.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from kiln.cli.args import build_parser
+from kiln.errors import KilnError
+from kiln.settings import setup_logging
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(verbose=args.verbose)
+    try:
+        return args.fn(args)
+    except KilnError as e:
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kiln: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,130 @@
+"""The `kiln` command line: its subcommands and their flags."""
+
+from __future__ import annotations
+
+import argparse
+
+from kiln.cli.compile import cmd_compile
+from kiln.cli.explain import cmd_explain
+from kiln.cli.generate import cmd_generate
+from kiln.cli.run import cmd_run
+from kiln.pipeline import STAGES
+
+EPILOG = ("models: path/to/file.py:factory, or a built-in (tiny-llama); run and explain "
+          "also take an artifact directory written by `kiln compile`")
+
+
+def _size(text: str) -> tuple[str, int]:
+    name, sep, value = text.partition("=")
+    if not sep or not name or not value.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected NAME=N (e.g. seq=32), got {text!r}")
+    return name.strip(), int(value)
+
+
+def _add_model(sp, artifacts: bool) -> None:
+    what = "path/to/file.py:factory or a built-in (tiny-llama)"
+    sp.add_argument("model", metavar="MODEL|ARTIFACT" if artifacts else "MODEL",
+                    help=what + (", or an artifact directory from `kiln compile`"
+                                 if artifacts else ""))
+    sp.add_argument("--target", default=None,
+                    help="cpu, cuda (this GPU), cuda:sm_80|86|89|90|100, rocm:gfx942, interpret "
+                    "(default: cpu for a model; the artifact's own target for an artifact)")
+    sp.add_argument("-v", "--verbose", action="store_true",
+                    help="log every stage to stderr (same as KILN_LOG=all)")
+
+
+def _add_tune(sp) -> None:
+    sp.add_argument("--tune", choices=["none", "fast", "full"], default=None,
+                    help="autotuning of GPU kernels: none = heuristic config, no timing; "
+                    "fast = a few candidates; full = the whole config space "
+                    "(default: the autotuner's own)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kiln", epilog=EPILOG,
+        description="kiln: an ahead-of-time compiler and runtime for LLM inference. "
+        "Compile a PyTorch model to an artifact, run it, or explain what was compiled.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    c = sub.add_parser(
+        "compile", epilog=EPILOG, help="compile a model and save the artifact",
+        description="Compile MODEL for a target and save it as an artifact directory "
+        "(manifest.json + weights.safetensors) that `kiln run` and kiln.load() use "
+        "without recompiling.")
+    _add_model(c, artifacts=False)
+    c.add_argument("-o", "--output", metavar="DIR",
+                   help="artifact directory to write (default: <model>.kiln)")
+    c.add_argument("--compile-to", choices=list(STAGES), metavar="STAGE",
+                   help="stop after this stage and print its IR instead of saving "
+                   f"({', '.join(STAGES)})")
+    c.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass into DIR")
+    _add_tune(c)
+    c.set_defaults(fn=cmd_compile)
+
+    r = sub.add_parser(
+        "run", epilog=EPILOG, help="run a model or an artifact and time it",
+        description="Run MODEL (compiled now) or ARTIFACT (loaded) and print a summary of "
+        "its outputs and timings. An artifact runs on random inputs matching its "
+        "signature; a model runs on its example args (compared with eager PyTorch), or on "
+        "random inputs when --size is given. The built-in LLMs run a prefill and decode "
+        "steps instead.")
+    _add_model(r, artifacts=True)
+    r.add_argument("--size", type=_size, action="append", metavar="NAME=N",
+                   help="size of a dynamic dim, by its torch.export.Dim name or symbol "
+                   "(repeatable; default: the example's size, else the lower bound)")
+    r.add_argument("--repeat", type=int, default=3, metavar="N",
+                   help="timed calls after the first (default: 3)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    r.add_argument("--prompt-len", type=int, default=16, help="built-in LLMs: prompt tokens")
+    r.add_argument("--steps", type=int, default=8, help="built-in LLMs: tokens to generate")
+    _add_tune(r)
+    r.set_defaults(fn=cmd_run)
+
+    g = sub.add_parser(
+        "generate", help="generate text from a Hugging Face checkpoint",
+        description="Load a Hugging Face checkpoint directory (Llama 2/3/3.1, Mistral, "
+        "Qwen2: config.json, *.safetensors, tokenizer.json), or a preset with random "
+        "weights, compile it with kiln and generate: text streams to stdout, a summary "
+        "(time to first token, tokens/s) goes to stderr. Several --prompt run as a batch.")
+    g.add_argument("--model", help="checkpoint directory (config.json, *.safetensors, "
+                   "tokenizer.json)")
+    g.add_argument("--random-weights", action="store_true",
+                   help="random weights: with --config NAME (a preset) or --model DIR's config")
+    g.add_argument("--config", help="preset for --random-weights: tiny, llama3-8b, "
+                   "llama3.1-8b, llama2-7b, llama2-70b")
+    g.add_argument("--prompt", action="append", default=[],
+                   help="prompt text (repeat for a batch)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-id", action="append", type=int, default=[],
+                   help="stop token id (repeatable), besides the checkpoint's eos")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at eos")
+    g.add_argument("--target", default="cpu", help="cpu, cuda, cuda:sm_90, ...")
+    g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                   help="default: the checkpoint's")
+    g.add_argument("--max-seq-len", type=int, default=None,
+                   help="context length (default: the model's, at most 4096)")
+    g.add_argument("--cache", choices=["contiguous", "paged"], default="contiguous")
+    g.add_argument("--block-size", type=int, default=16, help="paged cache block size")
+    g.add_argument("--no-cuda-graphs", action="store_true",
+                   help="GPU: run decode steps without CUDA graphs (default: graphs on)")
+    g.add_argument("-v", "--verbose", action="store_true", help="log every stage")
+    g.set_defaults(fn=cmd_generate)
+
+    e = sub.add_parser(
+        "explain", epilog=EPILOG, help="print the plan: regions, shapes, bounds, costs, memory",
+        description="Explain what kiln compiled: each region's kind, symbolic shapes, the "
+        "source lines it came from, why it is extern or was split, bytes moved and flops "
+        "at the example sizes and the upper bounds; the size symbols and their bounds; "
+        "totals; and the memory plan's peak against the sum of all intermediates.")
+    _add_model(e, artifacts=True)
+    e.add_argument("--kernels", action="store_true",
+                   help="also print each region's kernel (the Triton source of Triton kernels)")
+    _add_tune(e)
+    e.set_defaults(fn=cmd_explain)
+    return p

@@ -1,0 +1,51 @@
+"""`kiln generate`: text from a checkpoint (or a preset), through kiln.models.LLM."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from kiln.errors import KilnError
+
+
+def cmd_generate(args) -> int:
+    """Load a checkpoint (or a preset with random weights), compile it, stream text."""
+    from kiln.models import load
+
+    if args.config is not None and not args.random_weights:
+        raise KilnError("--config names a preset for --random-weights",
+                        hint="add --random-weights, or load a checkpoint with --model DIR")
+    source = args.model or (args.config if args.random_weights else None)
+    if source is None:
+        raise KilnError("name a checkpoint with --model DIR, or use --random-weights "
+                        "--config NAME", hint="presets: tiny, llama3-8b, llama2-70b, ...")
+    if not args.prompt:
+        raise KilnError("give a prompt with --prompt TEXT (repeat it for a batch)")
+    t0 = time.perf_counter()
+    llm = load(source, dtype=args.dtype, target=args.target, max_seq_len=args.max_seq_len,
+               max_batch_size=len(args.prompt), paged=args.cache == "paged",
+               block_size=args.block_size, random_weights=args.random_weights,
+               seed=args.seed, cuda_graphs=False if args.no_cuda_graphs else None)
+    print(f"loaded {source} and compiled for {llm.target} in "
+          f"{time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    stop = list(args.stop) + list(args.stop_id)
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=stop,
+                    ignore_eos=args.ignore_eos)
+    prompts = args.prompt
+    if len(prompts) == 1:
+        sys.stdout.write(prompts[0])
+        results = [llm.generate(prompts[0], on_text=_stream, **sampling)]
+        print()
+    else:
+        results = llm.generate(prompts, **sampling)
+        for p, r in zip(prompts, results):
+            print(f"--- {p!r}\n{p}{r.text}")
+    for r in results:
+        print(r.summary(), file=sys.stderr)
+    return 0
+
+
+def _stream(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()

@@ -1,0 +1,107 @@
+"""`kiln run MODEL|ARTIFACT`: run a compiled module, summarise its outputs, time it.
+
+An artifact runs on random inputs matching its signature; a model runs on its
+example args (compared with eager PyTorch), or on random inputs with --size. The
+built-in LLMs generate instead (kiln.cli.run_llm).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+import torch.utils._pytree as pytree
+
+from kiln.cli.model_spec import compile_model, is_artifact, load_artifact, load_model_spec
+
+
+def cmd_run(args) -> int:
+    from kiln.cli.run_llm import is_llm, run_llm
+    from kiln.models import BUILTINS
+
+    if is_artifact(args.model):
+        exe, secs = load_artifact(args)
+        print(f"loaded {args.model} ({exe.target}, {len(exe.plan.regions)} regions) "
+              f"in {secs:.2f} s")
+        call_args, call_kwargs = _random_call(exe, args)
+        return _time_and_report(exe, call_args, call_kwargs, args, reference=None)
+    spec = load_model_spec(args.model)
+    if args.model in BUILTINS and is_llm(spec.model) and not args.size:
+        return run_llm(args, spec)
+    eager = copy.deepcopy(spec.model)  # the compiled module shares (and updates) its buffers
+    exe, secs = compile_model(args, spec)
+    print(f"compiled {args.model} for {exe.target} in {secs:.2f} s: "
+          f"{len(exe.plan.regions)} regions")
+    if args.size:
+        call_args, call_kwargs = _random_call(exe, args)
+    else:
+        call_args, call_kwargs = spec.args, spec.kwargs
+        print("inputs: the factory's example args")
+    return _time_and_report(exe, call_args, call_kwargs, args, reference=eager)
+
+
+def _random_call(exe, args):
+    from kiln.cli.inputs import random_inputs, sizes_for
+
+    env = sizes_for(exe, dict(args.size or []))
+    named = exe.plan.dim_names
+    if env:
+        print("sizes: " + ", ".join(f"{named.get(s, s)}={v}" for s, v in sorted(env.items())))
+    print(f"inputs: random (seed {args.seed})")
+    return random_inputs(exe, env, args.seed)
+
+
+def _time_and_report(exe, call_args, call_kwargs, args, reference) -> int:
+    """Call `exe` 1 + --repeat times; summarise the first call's outputs (vs eager)."""
+    times, first = [], None
+    for _ in range(1 + max(args.repeat, 0)):
+        t0 = time.perf_counter()
+        out = exe(*call_args, **call_kwargs)
+        if exe.program.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        first = out if first is None else first
+    ref = reference(*call_args, **call_kwargs) if reference is not None else None
+    _print_outputs(first, ref)
+    line = f"first call: {times[0] * 1e3:.2f} ms"
+    if len(times) > 1:
+        line += f"   then median of {len(times) - 1}: {statistics.median(times[1:]) * 1e3:.2f} ms"
+    print(line)
+    return 0
+
+
+def _print_outputs(out, ref) -> None:
+    leaves, _ = pytree.tree_flatten_with_path(out)
+    refs = pytree.tree_leaves(ref) if ref is not None else [None] * len(leaves)
+    for (path, o), r in zip(leaves, refs):
+        name = "output" + pytree.keystr(path)
+        if not isinstance(o, torch.Tensor):
+            print(f"{name}: {o!r}")
+            continue
+        line = f"{name}: {_summary(o)}"
+        if isinstance(r, torch.Tensor) and o.is_floating_point():
+            err = ((o.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30)).item()
+            line += f"   rel err vs eager {err:.2e}"
+        elif isinstance(r, torch.Tensor):
+            same = torch.equal(o.cpu(), r.cpu())
+            line += "   equal to eager" if same else "   DIFFERS from eager"
+        print(line)
+
+
+def _summary(t: torch.Tensor) -> str:
+    from kiln.ir.printer import type_str
+
+    head = type_str(list(t.shape), t.dtype)
+    if t.numel() == 0:
+        return head + " (empty)"
+    x = t.detach().double()
+    finite = x[torch.isfinite(x)]
+    bad = x.numel() - finite.numel()
+    if finite.numel() == 0:
+        return f"{head}  (no finite values)"
+    std = finite.std().item() if finite.numel() > 1 else 0.0
+    stats = (f"mean {finite.mean().item():.4g}  std {std:.4g}  min {finite.min().item():.4g}  "
+             f"max {finite.max().item():.4g}")
+    return f"{head}  {stats}" + (f"  ({bad} not finite)" if bad else "")

@@ -1,0 +1,145 @@
+"""CompiledModule: what kiln.compile and kiln.load return. Call it like the model.
+
+It pairs a runtime Program with the weights it reads, and translates between the
+model's calling convention (nested args and kwargs, non-tensor constants) and the
+Program's flat tensor list.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+
+from kiln.errors import ArgumentError, TargetError
+from kiln.explain import explain
+from kiln.runtime.program import Program
+from kiln.runtime.state import device_present
+
+
+def _child(spec: pytree.TreeSpec, i: int) -> pytree.TreeSpec:
+    """spec's i-th child (TreeSpec.child is new in torch 2.13; children_specs before)."""
+    return spec.child(i) if hasattr(spec, "child") else spec.children_specs[i]
+
+
+class CompiledModule:
+    """What kiln.compile returns: call it like the model; save it; explain it.
+
+    `CompiledModule(program, state, example_sizes=...)` builds one from a runtime
+    Program and its weights by state-dict name, already on the target's device
+    (kiln.runtime.state.state_for_target gives them). `example_sizes` (symbol ->
+    size in the example args) lets `explain` report costs at the example's sizes.
+    """
+
+    def __init__(self, program: Program, state: dict[str, torch.Tensor], *,
+                 example_sizes: dict[str, int] | None = None):
+        self.program = program
+        self.plan = program.plan
+        self.state = state
+        self.target = program.kplan.target
+        self.example_sizes = dict(example_sizes or {})
+        self._in_spec = pytree.treespec_loads(self.plan.in_spec)
+        self._out_spec = pytree.treespec_loads(self.plan.out_spec)
+        self._graphs = None
+        self._graph_when = None
+        # Most modules take plain positional tensors: those calls skip pytree entirely.
+        n = len(self.plan.user_inputs)
+        self._flat_in = not self.plan.const_args and self._in_spec == pytree.tree_structure(
+            (tuple(range(n)), {}))
+        self._out_leaf = self._out_spec.is_leaf()
+
+    @property
+    def dim_names(self) -> dict[str, str]:
+        """torch.export.Dim name -> size symbol (e.g. {"seq": "s17"})."""
+        return {name: sym for sym, name in self.plan.dim_names.items()}
+
+    def cuda_graphs(self, when=None, max_graphs: int = 16) -> CompiledModule:
+        """Replay calls as captured CUDA graphs, one per set of sizes.
+
+        `when(*tensor_args) -> bool` picks the calls that use them (e.g. decode steps:
+        `lambda tokens, pos: tokens.shape[-1] == 1`); other calls run normally.
+        """
+        from kiln.runtime.cuda_graphs import GraphRunner
+
+        self._graphs = GraphRunner(self.program, max_graphs=max_graphs)
+        self._graph_when = when
+        return self
+
+    def _flatten(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        if (self._flat_in and not kwargs and len(args) == len(self.plan.user_inputs)
+                and all(type(a) is torch.Tensor for a in args)):
+            return list(args)
+        kw_spec = _child(self._in_spec, 1) if self._in_spec.num_children == 2 else None
+        if kw_spec is not None and kw_spec.context is not None:
+            keys = list(kw_spec.context)
+            extra = set(kwargs) - set(keys)
+            missing = set(keys) - set(kwargs)
+            if extra or missing:
+                raise ArgumentError(
+                    f"keyword arguments differ from the compiled ones: "
+                    f"unexpected {sorted(extra)}, missing {sorted(missing)}",
+                    hint=f"the module was compiled with keywords {keys}",
+                )
+            kwargs = {k: kwargs[k] for k in keys}
+        leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
+        if spec != self._in_spec:
+            self._explain_mismatch(args)
+        for i, want in self.plan.const_args.items():
+            if leaves[i] != want:
+                raise ArgumentError(
+                    f"non-tensor argument {i} is {leaves[i]!r}, the module was compiled for "
+                    f"{want!r}",
+                    hint="export specialises non-tensor arguments: recompile for the new value",
+                )
+        return [x for i, x in enumerate(leaves) if i not in self.plan.const_args]
+
+    def _explain_mismatch(self, args: tuple):
+        want = _child(self._in_spec, 0)
+        if len(args) != want.num_children:
+            raise ArgumentError(
+                f"the compiled module takes {want.num_children} positional arguments, "
+                f"got {len(args)}",
+                hint="call it with the same arguments as the example args",
+            )
+        for i, a in enumerate(args):
+            spec_i = _child(want, i)
+            if pytree.tree_flatten(a)[1] != spec_i:
+                expected = "a tensor" if spec_i.is_leaf() else f"a {spec_i.type.__name__}"
+                raise ArgumentError(
+                    f"positional argument {i} must be {expected}, got {type(a).__name__}",
+                    hint="call with the same arguments (and nesting) as the example args",
+                )
+        raise ArgumentError("the keyword arguments' structure differs from the compiled one")
+
+    def __call__(self, *args, **kwargs):
+        if not device_present(self.target):
+            raise TargetError(
+                f"this module was compiled for {self.target}, but torch sees no GPU here",
+                hint="compiling for a GPU without one is compile-only: save the module and "
+                "load it (kiln.load / kiln run DIR) on a machine with that GPU",
+            )
+        flat = self._flatten(args, kwargs)
+        env = self.program.bind(flat, self.plan.user_inputs)
+        with torch.no_grad():
+            if self._graphs is not None and (self._graph_when is None or self._graph_when(*flat)):
+                outs = self._graphs.run(flat, self.state, env)
+            else:
+                outs = self.program.run(flat, self.state, env)
+        if self._out_leaf:
+            return outs[0]
+        return pytree.tree_unflatten(outs, self._out_spec)
+
+    def save(self, path) -> None:
+        from kiln.artifact.save import save
+
+        save(self, path)
+
+    def describe(self) -> str:
+        return self.program.describe()
+
+    def explain(self, kernels: bool = False) -> str:
+        """The `kiln explain` report: regions, shapes, bounds, bytes, flops, memory."""
+        return explain(self.program, self.example_sizes, kernels=kernels)
+
+    def __repr__(self) -> str:
+        return (f"CompiledModule(target={self.target}, regions={len(self.plan.regions)}, "
+                f"inputs={self.plan.user_inputs})")

@@ -1,0 +1,83 @@
+"""Every KILN_* environment setting, with its default and what it does.
+
+Readers call these functions instead of os.environ, so the list below is the whole
+story. Each reads the environment at call time: a setting changed while the process
+runs (a test's monkeypatch, the CLI's --verbose) takes effect at the next read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+# name -> (default, what it does); README's "Environment" section points here.
+SETTINGS: dict[str, tuple[str | None, str]] = {
+    "KILN_LOG": (None, "<stage>[,<stage>] or all: log those stages (kiln.<stage> loggers) "
+                 "to stderr, when kiln is used as a library as well as from the CLI"),
+    "KILN_DUMP_IR": (None, "<dir>: write the printed IR after every pass into <dir>"),
+    "KILN_CACHE_DIR": ("~/.cache/kiln", "generated kernel sources, tuning results and the "
+                       "autotuner's quarantine"),
+    "KILN_PROGRESS": (None, "0|1: force progress bars off or on (default: on when stderr "
+                      "is a terminal)"),
+    "KILN_TUNE": ("fast", "none|fast|full: the autotuner's default mode (kiln.compile's "
+                  "options={'tune': ...} and `kiln compile --tune` override it)"),
+}
+
+
+def _get(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def log_stages() -> list[str]:
+    """The logger names KILN_LOG asks for: ["kiln"] for all, else ["kiln.<stage>", ...]."""
+    spec = (_get("KILN_LOG") or "").strip()
+    if not spec:
+        return []
+    if spec == "all":
+        return ["kiln"]
+    return [f"kiln.{s.strip()}" for s in spec.split(",") if s.strip()]
+
+
+def dump_ir_dir() -> Path | None:
+    d = _get("KILN_DUMP_IR")
+    return Path(d) if d else None
+
+
+def cache_dir() -> Path:
+    """KILN_CACHE_DIR (created if missing)."""
+    d = Path(_get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def progress_enabled() -> bool:
+    flag = _get("KILN_PROGRESS")
+    if flag is not None:
+        return flag not in ("0", "", "false", "no")
+    return sys.stderr.isatty()
+
+
+def tune_mode() -> str | None:
+    """KILN_TUNE, or None when unset (the tuner then uses its own default)."""
+    return _get("KILN_TUNE") or None
+
+
+def setup_logging(verbose: bool = False) -> None:
+    """Send the kiln.<stage> loggers KILN_LOG names to stderr (once per logger).
+
+    Called when kiln is imported and at each kiln.compile / kiln.load, so library
+    users get the same logs as the CLI. `verbose` (the CLI's -v) means KILN_LOG=all
+    unless KILN_LOG is set; it is set in the environment so autotune workers log too.
+    """
+    if verbose:
+        os.environ.setdefault("KILN_LOG", "all")
+    for name in log_stages():
+        lg = logging.getLogger(name)
+        lg.setLevel(logging.INFO)
+        if not any(getattr(h, "_kiln_log", False) for h in lg.handlers):
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+            handler._kiln_log = True
+            lg.addHandler(handler)
