@@ -211,7 +211,7 @@ class LatentAttention(nn.Module):
             self.q_proj = nn.Linear(cfg.dim, H * cfg.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=cfg.attention_bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)  # not norm_eps, as HF
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(cfg.dim, cfg.latent_dim, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(r, 1e-6)

@@ -64,17 +64,22 @@ def config_from_hf(hf_cfg: dict, where: str = "config.json",
     elif max_seq_len > max_pos:
         raise ShapeError(f"max_seq_len {max_seq_len} exceeds the model's "
                          f"max_position_embeddings {max_pos}", where=where)
-    n_heads = hf_cfg.get("num_attention_heads")
-    if hf_cfg.get("num_key_value_heads", n_heads) != n_heads:
+    kv_heads = hf_cfg.get("num_key_value_heads")
+    if kv_heads is not None and kv_heads != hf_cfg.get("num_attention_heads"):
         raise CheckpointError("num_key_value_heads differs from num_attention_heads",
                               where=where, hint="multi-head latent attention expands the "
                               "latent to every head")
+    topk_method = hf_cfg.get("topk_method", "noaux_tc")
+    if topk_method != "noaux_tc":
+        raise CheckpointError(f"topk_method {topk_method!r} is not supported", where=where,
+                              hint="DeepSeek-V3 routes with noaux_tc (group-limited top-k "
+                              "with a score correction bias)")
     try:
         return DeepseekV3Config(
             vocab_size=hf_cfg["vocab_size"],
             dim=hf_cfg["hidden_size"],
             n_layers=hf_cfg["num_hidden_layers"],
-            n_heads=n_heads if n_heads is not None else hf_cfg["num_attention_heads"],
+            n_heads=hf_cfg["num_attention_heads"],
             q_lora_rank=hf_cfg.get("q_lora_rank"),
             kv_lora_rank=hf_cfg["kv_lora_rank"],
             qk_nope_head_dim=hf_cfg["qk_nope_head_dim"],
@@ -140,7 +145,7 @@ def _target(name: str, cfg: DeepseekV3Config) -> tuple[str, int | None] | None:
     return name, None
 
 
-def plan(model: DeepseekV3, found: dict) -> dict[str, tuple[str, int | None]]:
+def tensor_map(model: DeepseekV3, found: dict) -> dict[str, tuple[str, int | None]]:
     """checkpoint name -> (model tensor, expert slot); raises for a missing tensor,
     an unknown one, or a wrong shape."""
     cfg = model.cfg
@@ -212,7 +217,7 @@ def load_weights(model: DeepseekV3, files: list[Path], dtype: torch.dtype, devic
                  block: tuple[int, int]) -> None:
     """Read every tensor of the checkpoint into `model` (built on the meta device)."""
     found = hf._headers(files)
-    mapping = plan(model, found)
+    mapping = tensor_map(model, found)
     by_file: dict[Path, list[str]] = {}
     for n in mapping:
         by_file.setdefault(found[n][0], []).append(n)

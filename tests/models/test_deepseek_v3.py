@@ -57,7 +57,8 @@ def checkpoint(tmp_path_factory):
 def llm(checkpoint):
     import kiln.models
 
-    return kiln.models.load(checkpoint[0], dtype=torch.float32, max_seq_len=64)
+    return kiln.models.load(checkpoint[0], dtype=torch.float32, max_seq_len=64,
+                            max_batch_size=2)
 
 
 def test_logits_match_transformers_over_prefill_and_decode(checkpoint, llm):
@@ -76,15 +77,22 @@ def test_logits_match_transformers_over_prefill_and_decode(checkpoint, llm):
         assert rel_err(out[:, p], ref[:, p]) <= 1e-4, (p, rel_err(out[:, p], ref[:, p]))
 
 
+def _greedy_reference(hf_model, prompt: list[int], steps: int = 16) -> list[int]:
+    out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
 def test_greedy_tokens_match_transformers(checkpoint, llm):
     _, hf_model = checkpoint
     prompt = torch.randint(3, CONFIG["vocab_size"], (7,),
                            generator=torch.Generator().manual_seed(1)).tolist()
-    ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
-    ref = ref[0, len(prompt):].tolist()
+    ref = _greedy_reference(hf_model, prompt)
     assert len(set(ref)) >= 8, ref  # a varied run, not one token repeated
-    ours = llm.generate(prompt, max_new_tokens=16, ignore_eos=True)
-    assert ours.ids == ref
+    assert llm.generate(prompt, max_new_tokens=16, ignore_eos=True).ids == ref
+    # a batch of two prompts of different lengths: decode steps route two tokens at once
+    other = [5, 9, 77, 31]
+    both = llm.generate([prompt, other], max_new_tokens=16, ignore_eos=True)
+    assert [g.ids for g in both] == [ref, _greedy_reference(hf_model, other)]
 
 
 def _weights_read(compiled) -> set[str]:
@@ -275,6 +283,11 @@ def test_fp8_block_quantised_checkpoint_loads_dequantised(tmp_path):
                 weights[f"{prefix}.{e}.{proj}.weight"] = q
                 scales[f"{prefix}.{e}.{proj}.weight_scale_inv"] = s
                 reference[f"{prefix}.{proj}.{e}"] = dequantize_reference(q, s)
+    # the multi-token-prediction layer (after the last layer) is skipped
+    mtp = f"model.layers.{CONFIG['num_hidden_layers']}"
+    weights[f"{mtp}.eh_proj.weight"], scales[f"{mtp}.eh_proj.weight_scale_inv"] = \
+        quantize_blocks(torch.randn(64, 128))
+    weights[f"{mtp}.enorm.weight"] = torch.ones(64)
     # scales in a shard of their own: the loader must find them across shards
     save_file(weights, str(tmp_path / "model-00001-of-00002.safetensors"))
     save_file(scales, str(tmp_path / "model-00002-of-00002.safetensors"))
@@ -345,4 +358,4 @@ def test_a_missing_expert_is_a_checkpoint_error(tmp_path, checkpoint):
     assert isinstance(model.model.layers[MOE_LAYER].mlp, MoE)
     del found[f"model.layers.{MOE_LAYER}.mlp.experts.5.up_proj.weight"]
     with pytest.raises(CheckpointError, match="missing"):
-        ds.plan(model, found)
+        ds.tensor_map(model, found)
