@@ -66,7 +66,8 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
     if path.is_dir():
         config = hf.read_json(path / "config.json")
         loader = hf
-        if config.get("model_type") == "deepseek_v3":
+        if config.get("model_type") == "deepseek_v3" or \
+                "DeepseekV3ForCausalLM" in (config.get("architectures") or []):
             from kiln.models import deepseek_v3_checkpoint as loader
         if random_weights:
             cfg = loader.config_from_hf(config, str(path / "config.json"), max_seq_len)

@@ -55,7 +55,7 @@ def family(hf: dict, where: str) -> str:
     raise CheckpointError(
         f"architecture {arch or hf.get('model_type')!r} is not supported",
         where=where,
-        hint=f"kiln loads {', '.join(ARCHITECTURES)} checkpoints")
+        hint=f"kiln loads {', '.join(ARCHITECTURES)} and DeepseekV3ForCausalLM checkpoints")
 
 
 def config_from_hf(hf: dict, where: str = "config.json",

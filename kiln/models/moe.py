@@ -124,6 +124,7 @@ class MoE(nn.Module):
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
         weights, ids = self.gate(flat)
+        # Under torch.export a dynamic T is a SymInt: only a decode module's T is an int.
         gathered = self.form == "gathered" or (self.form == "auto" and isinstance(T, int)
                                                and T == 1)
         run = self.experts.gathered if gathered else self.experts.dense
