@@ -216,7 +216,7 @@ def _place(model: nn.Module, name: str, slot: int | None, t: torch.Tensor,
 def load_weights(model: DeepseekV3, files: list[Path], dtype: torch.dtype, device,
                  block: tuple[int, int]) -> None:
     """Read every tensor of the checkpoint into `model` (built on the meta device)."""
-    found = hf._headers(files)
+    found = hf.read_headers(files)
     mapping = tensor_map(model, found)
     by_file: dict[Path, list[str]] = {}
     for n in mapping:
@@ -272,7 +272,7 @@ def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
     try:
         load_weights(model, files, dtype, device, block_size(hf_cfg))
     except BaseException as e:
-        hf._free_partial(model, e)
+        hf.free_partial(model, e)
         del model
         raise
     model.finish_loading(device)

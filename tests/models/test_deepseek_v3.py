@@ -161,6 +161,22 @@ def test_absorbed_decode_equals_the_expanded_form(checkpoint):
     assert torch.equal(auto, run(("expanded", "dense"), ("absorbed", "gathered")))
 
 
+def test_bfloat16_matches_transformers_in_bfloat16(checkpoint):
+    path, hf_model = checkpoint
+    model, _ = ds.load_checkpoint(path, torch.bfloat16, max_seq_len=32)
+    assert model.model.layers[MOE_LAYER].mlp.gate.e_score_correction_bias.dtype == \
+        torch.float32
+    model.setup_cache()
+    reference = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (1, 10),
+                           generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ref = reference.eval()(tokens).logits.float()
+        out = [model(tokens[:, :7], torch.arange(7))]
+        out += [model(tokens[:, p:p + 1], torch.tensor([p])) for p in (7, 8, 9)]
+    assert rel_err(torch.cat(out, dim=1).float(), ref) <= 2e-2
+
+
 def test_paged_latent_cache_matches_the_contiguous_one(checkpoint):
     model, _ = ds.load_checkpoint(checkpoint[0], torch.float32, max_seq_len=32)
     tokens = torch.randint(0, CONFIG["vocab_size"], (1, 10),
@@ -354,7 +370,7 @@ def test_a_missing_expert_is_a_checkpoint_error(tmp_path, checkpoint):
     cfg = ds.config_from_hf(hf_model.config.to_dict())
     with torch.device("meta"):
         model = ds.DeepseekV3(cfg)
-    found = ds.hf._headers(ds.hf.weight_files(path))
+    found = ds.hf.read_headers(ds.hf.weight_files(path))
     assert isinstance(model.model.layers[MOE_LAYER].mlp, MoE)
     del found[f"model.layers.{MOE_LAYER}.mlp.experts.5.up_proj.weight"]
     with pytest.raises(CheckpointError, match="missing"):
