@@ -20,7 +20,7 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
         "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 0.8,
         "beta_fast": 32, "beta_slow": 1}
 CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
               n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5,
               kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16,
               qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=3,
