@@ -1,7 +1,7 @@
 """LLM families written once, readable top to bottom, compiled by kiln.
 
 `load(dir_or_preset, ...)` gives an LLM ready to generate: a Hugging Face checkpoint
-directory (Llama 2/3/3.1, Mistral, Qwen2), or a preset with random weights.
+directory (Llama 2/3/3.1, Mistral, Qwen2, DeepSeek-V3), or a preset with random weights.
 `builtin(name)` gives the models the CLI can name without a file: a model, example
 args and dynamic shapes.
 """
@@ -38,8 +38,9 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
          random_weights: bool = False, seed: int = 0, cuda_graphs: bool | None = None):
     """An LLM (kiln.models.generate.LLM), compiled for `target`, from `source`:
 
-    - a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json);
-      with random_weights=True only its config.json is read;
+    - a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json):
+      Llama 2/3/3.1, Mistral, Qwen2, or DeepSeek-V3 (model_type "deepseek_v3", bf16 or
+      fp8 weights); with random_weights=True only its config.json is read;
     - a preset name (kiln.models.llama.PRESETS: tiny, llama3-8b, llama2-70b, ...):
       random weights and a byte tokenizer.
 
@@ -63,13 +64,17 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
         dtype = hf.DTYPES[dtype]
     path = Path(source)
     if path.is_dir():
+        config = hf.read_json(path / "config.json")
+        loader = hf
+        if config.get("model_type") == "deepseek_v3" or \
+                "DeepseekV3ForCausalLM" in (config.get("architectures") or []):
+            from kiln.models import deepseek_v3_checkpoint as loader
         if random_weights:
-            config = hf.read_json(path / "config.json")
-            cfg = hf.config_from_hf(config, str(path / "config.json"), max_seq_len)
-            model = hf.random_model(cfg, dtype or hf.checkpoint_dtype(config) or torch.float32,
-                                    device, seed)
+            cfg = loader.config_from_hf(config, str(path / "config.json"), max_seq_len)
+            model = loader.random_model(cfg, dtype or hf.checkpoint_dtype(config)
+                                        or torch.float32, device, seed)
         else:
-            model, config = hf.load_checkpoint(path, dtype, device, max_seq_len)
+            model, config = loader.load_checkpoint(path, dtype, device, max_seq_len)
         tokenizer = load_tokenizer(path)
         stop_ids = hf.stop_token_ids(path, config)
     elif str(source) in PRESETS:

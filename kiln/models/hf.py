@@ -55,7 +55,7 @@ def family(hf: dict, where: str) -> str:
     raise CheckpointError(
         f"architecture {arch or hf.get('model_type')!r} is not supported",
         where=where,
-        hint=f"kiln loads {', '.join(ARCHITECTURES)} checkpoints")
+        hint=f"kiln loads {', '.join(ARCHITECTURES)} and DeepseekV3ForCausalLM checkpoints")
 
 
 def config_from_hf(hf: dict, where: str = "config.json",
@@ -159,7 +159,7 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
+def read_headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
     """Every tensor's file and shape, from the headers alone (no tensor data is read)."""
     found: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for f in files:
@@ -205,7 +205,7 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 def load_weights(model: Llama, files: list[Path], dtype: torch.dtype, device) -> None:
     """Read every tensor of the checkpoint into `model` (built on the meta device)."""
-    found = _headers(files)
+    found = read_headers(files)
     names = check_tensors(model, found)
     by_file: dict[Path, list[str]] = {}
     for n in names:
@@ -229,7 +229,7 @@ def load_weights(model: Llama, files: list[Path], dtype: torch.dtype, device) ->
     model.tie_weights()
 
 
-def _free_partial(model: nn.Module, exc: BaseException) -> None:
+def free_partial(model: nn.Module, exc: BaseException) -> None:
     """Drop what a failed load put into `model`, even while the exception is alive.
 
     The traceback keeps every frame's locals (the module, the tensor being read);
@@ -256,7 +256,7 @@ def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
     try:
         load_weights(model, files, dtype, device)
     except BaseException as e:
-        _free_partial(model, e)
+        free_partial(model, e)
         del model
         raise
     model.init_rope(device)

@@ -15,6 +15,9 @@ position of each of the S entries; attention masks what lies after the query.
   never read unmasked.
 - BlockAllocator: the host side of the paged cache, a free list of blocks and each
   sequence's blocks in order.
+- ContiguousLatentCache / PagedLatentCache: the same two layouts for multi-head latent
+  attention (DeepSeek-V3), which caches one row per token shared by every head (the
+  compressed kv latent and the rotary key) instead of keys and values per head.
 """
 
 from __future__ import annotations
@@ -115,3 +118,53 @@ class BlockAllocator:
             blocks = self.owned.get(s, [])[:width]
             table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
         return table.to(device) if device is not None else table
+
+
+class ContiguousLatentCache(nn.Module):
+    """Multi-head latent attention's cache: one row of `width` numbers per token, shared
+    by every head (DeepSeek-V3: the compressed kv latent and the rotary key).
+    [max_batch, max_seq_len, width]; rows as ContiguousKVCache's."""
+
+    def __init__(self, max_seq_len: int, width: int, max_batch_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.register_buffer("latent_cache",
+                             torch.zeros(max_batch_size, max_seq_len, width, dtype=dtype),
+                             persistent=False)
+
+    def positions(self, block_table, device) -> torch.Tensor:
+        return torch.arange(self.max_seq_len, device=device)[None]
+
+    def update(self, input_pos, latent, block_table=None):
+        """Write latent [B, T, width] at input_pos [B, T]; return rows 0..B-1 [B, S, width]."""
+        B = latent.shape[0]
+        rows = torch.arange(B, device=latent.device)[:, None]
+        self.latent_cache[rows, input_pos] = latent
+        return self.latent_cache[:B]
+
+
+class PagedLatentCache(nn.Module):
+    """The latent cache in blocks, addressed as PagedKVCache's (BlockAllocator serves both):
+    [num_blocks * block_size, width]."""
+
+    def __init__(self, max_seq_len: int, width: int, max_batch_size: int, block_size: int,
+                 num_blocks: int | None, dtype: torch.dtype):
+        super().__init__()
+        self.block_size = block_size
+        self.blocks_per_seq = math.ceil(max_seq_len / block_size)
+        self.num_blocks = num_blocks or max_batch_size * self.blocks_per_seq + 1
+        self.register_buffer("latent_cache",
+                             torch.zeros(self.num_blocks * block_size, width, dtype=dtype),
+                             persistent=False)
+
+    def positions(self, block_table, device) -> torch.Tensor:
+        return torch.arange(block_table.shape[1] * self.block_size, device=device)[None]
+
+    def update(self, input_pos, latent, block_table):
+        """Write latent [B, T, width] at input_pos [B, T] through block_table [B, W];
+        return each row's W blocks as [B, W * block_size, width]."""
+        bs = self.block_size
+        slots = block_table.gather(1, input_pos // bs) * bs + input_pos % bs
+        self.latent_cache[slots] = latent
+        blocks = self.latent_cache.view(self.num_blocks, bs, latent.shape[-1])
+        return blocks[block_table].flatten(1, 2)

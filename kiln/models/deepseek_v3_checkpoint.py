@@ -1,0 +1,306 @@
+"""DeepSeek-V3 checkpoints in Hugging Face's layout -> a loaded DeepseekV3.
+
+Like hf.py for Llama: the model is built on the meta device, every header is checked
+before any tensor is read, and tensors are read shard by shard, one at a time. What
+is particular to DeepSeek-V3:
+
+- routed experts are stored one tensor per expert
+  (model.layers.L.mlp.experts.E.gate_proj.weight); each is copied into its slot of
+  the layer's stacked [n_experts, ...] parameter;
+- fp8 checkpoints (DeepSeek's own release): a linear weight stored as float8_e4m3fn
+  comes with `<name>_scale_inv`, one fp32 scale per 128x128 block (the block size
+  is config.json's quantization_config.weight_block_size); it is dequantised at load
+  (w * scale of its block) into the requested dtype. The scale may sit in another
+  shard than its weight;
+- the multi-token-prediction layer (model.layers.<num_hidden_layers>...) is skipped;
+- the router's e_score_correction_bias stays fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+
+from kiln.errors import CheckpointError, KilnError, ShapeError
+from kiln.models import hf
+from kiln.models.deepseek_v3 import ROPE_TYPES, DeepseekV3, DeepseekV3Config
+from kiln.progress import progress
+
+log = logging.getLogger("kiln.models")
+
+SCALE_SUFFIX = "_scale_inv"
+EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+FP32_SUFFIXES = ("e_score_correction_bias",)
+
+
+def config_from_hf(hf_cfg: dict, where: str = "config.json",
+                   max_seq_len: int | None = None) -> DeepseekV3Config:
+    """Map a DeepSeek-V3 config.json (dict) onto DeepseekV3Config."""
+    act = hf_cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"hidden_act {act!r} is not supported", where=where,
+                              hint="DeepSeek-V3 uses SwiGLU (silu)")
+    scoring = hf_cfg.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise CheckpointError(f"scoring_func {scoring!r} is not supported", where=where,
+                              hint="DeepSeek-V3 routes with sigmoid scores")
+    # transformers >= 5 writes rope_parameters; DeepSeek's own config rope_theta + rope_scaling.
+    rope = dict(hf_cfg.get("rope_parameters") or hf_cfg.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", hf_cfg.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise CheckpointError(f"RoPE type {kind!r} is not supported", where=where,
+                              hint=f"supported: {', '.join(ROPE_TYPES)}")
+    max_pos = hf_cfg.get("max_position_embeddings", hf.DEFAULT_MAX_SEQ_LEN)
+    if kind == "yarn" and rope.get("factor") is None:  # the reference's default
+        rope["factor"] = max_pos / rope["original_max_position_embeddings"]
+    if max_seq_len is None:
+        max_seq_len = min(max_pos, hf.DEFAULT_MAX_SEQ_LEN)
+    elif max_seq_len > max_pos:
+        raise ShapeError(f"max_seq_len {max_seq_len} exceeds the model's "
+                         f"max_position_embeddings {max_pos}", where=where)
+    kv_heads = hf_cfg.get("num_key_value_heads")
+    if kv_heads is not None and kv_heads != hf_cfg.get("num_attention_heads"):
+        raise CheckpointError("num_key_value_heads differs from num_attention_heads",
+                              where=where, hint="multi-head latent attention expands the "
+                              "latent to every head")
+    topk_method = hf_cfg.get("topk_method", "noaux_tc")
+    if topk_method != "noaux_tc":
+        raise CheckpointError(f"topk_method {topk_method!r} is not supported", where=where,
+                              hint="DeepSeek-V3 routes with noaux_tc (group-limited top-k "
+                              "with a score correction bias)")
+    try:
+        return DeepseekV3Config(
+            vocab_size=hf_cfg["vocab_size"],
+            dim=hf_cfg["hidden_size"],
+            n_layers=hf_cfg["num_hidden_layers"],
+            n_heads=hf_cfg["num_attention_heads"],
+            q_lora_rank=hf_cfg.get("q_lora_rank"),
+            kv_lora_rank=hf_cfg["kv_lora_rank"],
+            qk_nope_head_dim=hf_cfg["qk_nope_head_dim"],
+            qk_rope_head_dim=hf_cfg["qk_rope_head_dim"],
+            v_head_dim=hf_cfg["v_head_dim"],
+            intermediate_size=hf_cfg["intermediate_size"],
+            moe_intermediate_size=hf_cfg["moe_intermediate_size"],
+            n_routed_experts=hf_cfg["n_routed_experts"],
+            n_shared_experts=hf_cfg.get("n_shared_experts") or 0,
+            n_experts_per_tok=hf_cfg["num_experts_per_tok"],
+            n_group=hf_cfg.get("n_group") or 1,
+            topk_group=hf_cfg.get("topk_group") or 1,
+            norm_topk_prob=bool(hf_cfg.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(hf_cfg.get("routed_scaling_factor", 1.0)),
+            first_k_dense_replace=hf_cfg.get("first_k_dense_replace") or 0,
+            rope_theta=float(theta),
+            rope_scaling=rope if kind != "default" else None,
+            rope_interleave=bool(hf_cfg.get("rope_interleave", True)),
+            norm_eps=hf_cfg.get("rms_norm_eps", 1e-6),
+            max_seq_len=max_seq_len,
+            attention_bias=bool(hf_cfg.get("attention_bias", False)),
+            tie_word_embeddings=bool(hf_cfg.get("tie_word_embeddings", False)),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"config.json lacks {e.args[0]!r}", where=where) from None
+    except ShapeError as e:
+        raise ShapeError(e.what, where=where, hint=e.hint) from None
+
+
+def block_size(hf_cfg: dict) -> tuple[int, int]:
+    q = hf_cfg.get("quantization_config") or {}
+    return tuple(q.get("weight_block_size") or (128, 128))
+
+
+def dequantize_blocks(w: torch.Tensor, scale_inv: torch.Tensor,
+                      block: tuple[int, int]) -> torch.Tensor:
+    """w [R, C] (fp8) times the scale of its block: scale_inv [ceil(R/br), ceil(C/bc)]."""
+    R, C = w.shape
+    br, bc = block
+    want = (-(-R // br), -(-C // bc))
+    if tuple(scale_inv.shape) != want:
+        raise ShapeError(f"a {R}x{C} weight in {br}x{bc} blocks needs {list(want)} scales, "
+                         f"got {list(scale_inv.shape)}")
+    scale = scale_inv.float().repeat_interleave(br, 0)[:R].repeat_interleave(bc, 1)[:, :C]
+    return w.float() * scale
+
+
+# ---- names ----------------------------------------------------------------------------
+
+
+def _target(name: str, cfg: DeepseekV3Config) -> tuple[str, int | None] | None:
+    """The model tensor a checkpoint tensor fills: (name, expert slot or None); None to
+    skip it (the multi-token-prediction layer, stored RoPE tables)."""
+    parts = name.split(".")
+    if name.endswith(hf.IGNORED_SUFFIXES):
+        return None
+    if parts[:2] == ["model", "layers"] and int(parts[2]) >= cfg.n_layers:
+        return None  # multi-token prediction
+    if len(parts) == 8 and parts[3:5] == ["mlp", "experts"] and parts[6] in EXPERT_WEIGHTS:
+        return ".".join(parts[:5] + [parts[6]]), int(parts[5])
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return None
+    return name, None
+
+
+def tensor_map(model: DeepseekV3, found: dict) -> dict[str, tuple[str, int | None]]:
+    """checkpoint name -> (model tensor, expert slot); raises for a missing tensor,
+    an unknown one, or a wrong shape."""
+    cfg = model.cfg
+    want = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
+    if cfg.tie_word_embeddings:
+        want.pop("lm_head.weight", None)
+    filled: dict[str, set] = {n: set() for n in want}
+    mapping, extra = {}, []
+    for name, (f, shape) in found.items():
+        if name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in found:
+            continue
+        try:
+            target = _target(name, cfg)
+        except (ValueError, IndexError):
+            target = (name, None)
+        if target is None:
+            continue
+        dest, slot = target
+        if dest not in want or (slot is not None and not 0 <= slot < want[dest][0]):
+            extra.append(name)
+            continue
+        expect = want[dest] if slot is None else want[dest][1:]
+        if tuple(shape) != expect:
+            raise ShapeError(f"tensor {name} in {f.name} has shape {list(shape)}, "
+                             f"config.json implies {list(expect)}", where=str(f))
+        filled[dest].add(slot)
+        mapping[name] = target
+    if extra:
+        raise CheckpointError(
+            f"the checkpoint has {len(extra)} tensor(s) the model lacks: "
+            f"{', '.join(extra[:4])}" + (" ..." if len(extra) > 4 else ""),
+            hint="config.json does not describe this checkpoint (layers, experts?)")
+    missing = [n for n, got in filled.items()
+               if not got or (None not in got and len(got) != want[n][0])]
+    if missing:
+        raise CheckpointError(
+            f"{len(missing)} tensor(s) missing from the checkpoint: {', '.join(missing[:4])}"
+            + (" ..." if len(missing) > 4 else ""),
+            hint="the checkpoint does not match its config.json (layers, experts)")
+    return mapping
+
+
+# ---- loading --------------------------------------------------------------------------
+
+
+def _place(model: nn.Module, name: str, slot: int | None, t: torch.Tensor,
+           dtype: torch.dtype, device) -> None:
+    owner, _, attr = name.rpartition(".")
+    module = model.get_submodule(owner)
+    current = getattr(module, attr)
+    if name.endswith(FP32_SUFFIXES):
+        dtype = torch.float32
+    if slot is None:
+        t = t.to(device=device, dtype=dtype)
+        if isinstance(current, nn.Parameter):
+            setattr(module, attr, nn.Parameter(t, requires_grad=False))
+        else:
+            setattr(module, attr, t)
+        return
+    if current.is_meta:  # the stacked experts' first slot: allocate them all
+        current = nn.Parameter(torch.empty(current.shape, dtype=dtype, device=device),
+                               requires_grad=False)
+        setattr(module, attr, current)
+    with torch.no_grad():
+        current[slot].copy_(t)
+
+
+def load_weights(model: DeepseekV3, files: list[Path], dtype: torch.dtype, device,
+                 block: tuple[int, int]) -> None:
+    """Read every tensor of the checkpoint into `model` (built on the meta device)."""
+    found = hf.read_headers(files)
+    mapping = tensor_map(model, found)
+    by_file: dict[Path, list[str]] = {}
+    for n in mapping:
+        by_file.setdefault(found[n][0], []).append(n)
+    total = sum(f.stat().st_size for f in by_file)
+    with contextlib.ExitStack() as stack, \
+            progress(total=total, desc="loading weights", unit="B", unit_scale=True) as bar:
+        handles = {}
+
+        def opened(f: Path):
+            if f not in handles:
+                handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
+            return handles[f]
+
+        for f, names in by_file.items():
+            try:
+                for n in names:
+                    t = opened(f).get_tensor(n)
+                    bar.update(t.nbytes)
+                    scale_name = n + SCALE_SUFFIX
+                    if scale_name in found:
+                        scale = opened(found[scale_name][0]).get_tensor(scale_name)
+                        t = dequantize_blocks(t, scale, block)
+                    elif t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                        raise CheckpointError(f"fp8 tensor {n} has no {scale_name}",
+                                              where=str(f))
+                    _place(model, *mapping[n], t, dtype, device)
+                    del t
+            except KilnError:
+                raise
+            except Exception as e:
+                raise CheckpointError(f"cannot read tensor data from {f.name}: {e}",
+                                      where=str(f), hint="the file may be truncated or "
+                                      "corrupt: download it again") from None
+    model.tie_weights()
+
+
+def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
+                    max_seq_len: int | None = None) -> tuple[DeepseekV3, dict]:
+    """(model, config.json) for a DeepSeek-V3 checkpoint directory; weights loaded lazily.
+
+    dtype defaults to config.json's, and to bfloat16 for an fp8 checkpoint."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist", where=str(path))
+    hf_cfg = hf.read_json(path / "config.json")
+    cfg = config_from_hf(hf_cfg, str(path / "config.json"), max_seq_len)
+    files = hf.weight_files(path)
+    fp8 = (hf_cfg.get("quantization_config") or {}).get("quant_method") == "fp8"
+    dtype = dtype or hf.checkpoint_dtype(hf_cfg) or (torch.bfloat16 if fp8 else torch.float32)
+    with torch.device("meta"):
+        model = DeepseekV3(cfg)
+    try:
+        load_weights(model, files, dtype, device, block_size(hf_cfg))
+    except BaseException as e:
+        hf.free_partial(model, e)
+        del model
+        raise
+    model.finish_loading(device)
+    log.info("loaded %s (%d shard(s)) as %s on %s", path, len(files), dtype, device)
+    return model.eval(), hf_cfg
+
+
+def random_model(cfg: DeepseekV3Config, dtype: torch.dtype = torch.float32, device="cpu",
+                 seed: int = 0, std: float = 0.02) -> DeepseekV3:
+    """A model with random weights (normal(0, std); norms 1, biases and the router's
+    score correction 0)."""
+    with torch.device("meta"):
+        model = DeepseekV3(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    model.tie_weights()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, std, generator=gen)
+            elif name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.zero_()
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.e_score_correction_bias = torch.zeros_like(
+                    gate.e_score_correction_bias, dtype=torch.float32)
+    model.finish_loading(device)
+    return model.eval()

@@ -1,0 +1,133 @@
+"""DeepSeek-V3's mixture of experts: a group-limited sigmoid router, routed experts
+and shared experts, with static shapes so torch.export can capture it.
+
+Routing (per token, in fp32 as the reference does):
+  scores = sigmoid(x @ W_gate^T)                          [E]
+  choice = scores + e_score_correction_bias               (selection only)
+  keep the topk_group of n_group groups whose two best `choice` values sum highest,
+  take the top num_experts_per_tok experts of `choice` within them;
+  weights = their `scores` (normalised to sum 1 with norm_topk_prob), times
+  routed_scaling_factor.
+  out = sum_k weights_k * expert_{id_k}(x) + shared_experts(x)
+
+The number of tokens each expert gets depends on the data, and torch.export needs
+static shapes, so the experts run in one of two static-shape forms (`form`):
+
+- "gathered" (decode): w[ids] gathers each token's chosen experts' weights,
+  [N, k, I, dim], and runs them as batched matmuls. It reads only the chosen
+  experts' bytes, which is what decode is bound by (V3: 8 of 256 experts, 0.7 of
+  22.5 GB per layer in bf16), but copies N * k experts' weights: for a long prefill
+  that is far too much memory (V3: 2048 tokens x 8 experts x 88 MB), and even a
+  large decode batch copies an expert once per token that chose it.
+- "dense" (prefill): every expert runs on every token and a [N, E] matrix that is
+  zero outside the chosen experts combines them. Its memory is an [N, E, I]
+  activation (V3: 2 GB for 2048 tokens), but it does E / k times the routed flops
+  (32x for V3) and reads every expert: right for tiny models and short prompts only.
+
+"auto" picks gathered when the traced call has one token per row, dense otherwise.
+A grouped-GEMM form will replace dense for prefill: sort the N * k (token, expert)
+pairs by expert, run one GEMM per expert over its contiguous rows, scatter back.
+That needs data-dependent row counts per expert: a kernel taking per-expert offsets
+(computed on the device from the router's ids) over a row buffer of static size
+N * k, so the export sees static shapes while the kernel walks the ragged groups.
+The same kernel serves large decode batches, reading each chosen expert once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kiln.models.llama import MLP
+
+
+@dataclass
+class MLPSizes:
+    """What llama.MLP reads from its config: a SwiGLU MLP of these sizes, no biases."""
+
+    dim: int
+    intermediate_size: int
+    mlp_bias: bool = False
+
+
+class Router(nn.Module):
+    """HF's `mlp.gate`: scores every expert, picks num_experts_per_tok of them."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.dim))
+        # Kept in fp32 whatever the model's dtype, like the reference.
+        self.register_buffer("e_score_correction_bias",
+                             torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, dim] -> (weights [N, k] fp32, expert ids [N, k])."""
+        cfg = self.cfg
+        N = x.shape[0]
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        groups = choice.view(N, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
+        group_score = groups.topk(2, dim=-1).values.sum(-1)  # [N, n_group]
+        kept = group_score.topk(cfg.topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_score).scatter(1, kept, 1.0).bool()
+        choice = groups.masked_fill(~group_mask[:, :, None], float("-inf")).view(N, -1)
+        ids = choice.topk(cfg.n_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+
+
+class Experts(nn.Module):
+    """The routed experts' SwiGLU weights stacked: gate/up [E, I, dim], down [E, dim, I]."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        E, inter, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.dim
+        self.gate_proj = nn.Parameter(torch.empty(E, inter, D))
+        self.up_proj = nn.Parameter(torch.empty(E, inter, D))
+        self.down_proj = nn.Parameter(torch.empty(E, D, inter))
+
+    def gathered(self, x, weights, ids):
+        """x [N, dim], weights/ids [N, k]: only the chosen experts' weights are read."""
+        h = F.silu(torch.einsum("nd,nkid->nki", x, self.gate_proj[ids]))
+        h = h * torch.einsum("nd,nkid->nki", x, self.up_proj[ids])
+        y = torch.einsum("nki,nkdi->nkd", h, self.down_proj[ids])
+        return (y.float() * weights[:, :, None]).sum(1).to(x.dtype)
+
+    def dense(self, x, weights, ids):
+        """Every expert on every token, combined by weights that are 0 off the choice."""
+        combine = torch.zeros(x.shape[0], self.gate_proj.shape[0], dtype=torch.float32,
+                              device=x.device).scatter(1, ids, weights)  # [N, E]
+        h = F.silu(torch.einsum("nd,eid->nei", x, self.gate_proj))
+        h = h * torch.einsum("nd,eid->nei", x, self.up_proj)
+        y = torch.einsum("nei,edi->ned", h, self.down_proj)
+        return (y.float() * combine[:, :, None]).sum(1).to(x.dtype)
+
+
+class MoE(nn.Module):
+    """HF's DeepseekV3MoE: router, routed experts, shared experts."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.form = "auto"
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = MLP(MLPSizes(cfg.dim,
+                                            cfg.moe_intermediate_size * cfg.n_shared_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        flat = x.reshape(B * T, D)
+        weights, ids = self.gate(flat)
+        # Under torch.export a dynamic T is a SymInt: only a decode module's T is an int.
+        gathered = self.form == "gathered" or (self.form == "auto" and isinstance(T, int)
+                                               and T == 1)
+        run = self.experts.gathered if gathered else self.experts.dense
+        return run(flat, weights, ids).view(B, T, D) + self.shared_experts(x)
+
+

@@ -1,0 +1,377 @@
+"""DeepSeek-V3 checkpoints made by transformers (tiny, random), run by kiln, match it:
+logits over a prefill and decode steps, greedy tokens, the routed experts; the
+absorbed and expanded attention agree; fp8 block-quantised checkpoints load."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kiln.errors import CheckpointError, ShapeError
+from kiln.models import deepseek_v3_checkpoint as ds
+from kiln.models.deepseek_v3 import DeepseekV3Config, rope_parameters
+from kiln.models.moe import MoE
+from tests.helpers import rel_err
+
+transformers = pytest.importorskip("transformers")
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 0.8,
+        "beta_fast": 32, "beta_slow": 1}
+CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+              n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5,
+              kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16,
+              qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=3,
+              first_k_dense_replace=1, max_position_embeddings=128, initializer_range=0.1,
+              rope_parameters=YARN, eos_token_id=None)
+MOE_LAYER = 1
+
+
+def make_hf_model(seed: int = 0, **overrides):
+    """A random tiny DeepseekV3ForCausalLM whose norms and router biases matter too."""
+    cfg = transformers.DeepseekV3Config(**{**CONFIG, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+        for layer in model.model.layers[cfg.first_k_dense_replace:]:
+            layer.mlp.gate.e_score_correction_bias.uniform_(-0.3, 0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(directory, transformers model): sharded, with model.safetensors.index.json."""
+    path = tmp_path_factory.mktemp("dsv3")
+    model = make_hf_model()
+    model.save_pretrained(str(path), max_shard_size="100KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    import kiln.models
+
+    return kiln.models.load(checkpoint[0], dtype=torch.float32, max_seq_len=64,
+                            max_batch_size=2)
+
+
+def test_logits_match_transformers_over_prefill_and_decode(checkpoint, llm):
+    _, hf_model = checkpoint
+    assert llm.model.model.layers[MOE_LAYER].mlp.gate.e_score_correction_bias.abs().min() > 0
+    tokens = torch.randint(0, CONFIG["vocab_size"], (1, 20),
+                           generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf_model(tokens).logits
+    prompt = 13
+    out = [llm.forward(tokens[:, :prompt], torch.arange(prompt))]
+    for p in range(prompt, tokens.shape[1]):  # decode steps: the absorbed form
+        out.append(llm.forward(tokens[:, p:p + 1], torch.tensor([p])))
+    out = torch.cat(out, dim=1)
+    for p in range(tokens.shape[1]):
+        assert rel_err(out[:, p], ref[:, p]) <= 1e-4, (p, rel_err(out[:, p], ref[:, p]))
+
+
+def _greedy_reference(hf_model, prompt: list[int], steps: int = 16) -> list[int]:
+    out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_tokens_match_transformers(checkpoint, llm):
+    _, hf_model = checkpoint
+    prompt = torch.randint(3, CONFIG["vocab_size"], (7,),
+                           generator=torch.Generator().manual_seed(1)).tolist()
+    ref = _greedy_reference(hf_model, prompt)
+    assert len(set(ref)) >= 8, ref  # a varied run, not one token repeated
+    assert llm.generate(prompt, max_new_tokens=16, ignore_eos=True).ids == ref
+    # a batch of two prompts of different lengths: decode steps route two tokens at once
+    other = [5, 9, 77, 31]
+    both = llm.generate([prompt, other], max_new_tokens=16, ignore_eos=True)
+    assert [g.ids for g in both] == [ref, _greedy_reference(hf_model, other)]
+
+
+def _weights_read(compiled) -> set[str]:
+    """The parameters and buffers a compiled module's kernels read."""
+    plan = compiled.plan
+    return {str(plan.values[v].target) for r in plan.regions for v in r.inputs
+            if plan.values[v].target is not None}
+
+
+def test_compiled_decode_attends_over_the_latent_cache(llm):
+    attn = f"model.layers.{MOE_LAYER}.self_attn"
+    decode, prefill = _weights_read(llm.decode_module), _weights_read(llm.prefill_module)
+    assert {f"{attn}.w_uk", f"{attn}.w_uv", f"{attn}.latent_cache.latent_cache"} <= decode
+    assert f"{attn}.kv_b_proj.weight" not in decode  # the cache is never expanded
+    assert f"{attn}.kv_b_proj.weight" in prefill and f"{attn}.w_uk" not in prefill
+
+
+def _routed_ids(router, run) -> torch.Tensor:
+    """The expert ids `router` (a module returning (..., ids)) picks during run()."""
+    seen = []
+    handle = router.register_forward_hook(lambda m, i, out: seen.append(out[-1]))
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        handle.remove()
+    return seen[0].sort(dim=-1).values
+
+
+def test_expert_choice_matches_transformers_and_the_bias_changes_it(checkpoint):
+    path, hf_model = checkpoint
+    ours, _ = ds.load_checkpoint(path, torch.float32)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (1, 24),
+                           generator=torch.Generator().manual_seed(2))
+    ref = _routed_ids(hf_model.model.layers[MOE_LAYER].mlp.gate, lambda: hf_model(tokens))
+    router = ours.model.layers[MOE_LAYER].mlp.gate
+    got = _routed_ids(router, lambda: ours(tokens, torch.arange(24)))
+    assert got.shape == (24, CONFIG["num_experts_per_tok"])
+    assert torch.equal(got, ref)
+    router.e_score_correction_bias.zero_()  # the bias decides some tokens' experts
+    unbiased = _routed_ids(router, lambda: ours(tokens, torch.arange(24)))
+    assert not torch.equal(unbiased, ref)
+
+
+def test_absorbed_decode_equals_the_expanded_form(checkpoint):
+    model, _ = ds.load_checkpoint(checkpoint[0], torch.float32, max_seq_len=32)
+    model.setup_cache()
+    tokens = torch.randint(0, CONFIG["vocab_size"], (1, 12),
+                           generator=torch.Generator().manual_seed(3))
+
+    def run(prefill, decode):
+        """Logits of a 6-token prefill in forms `prefill`, then 6 steps in `decode`."""
+        with torch.no_grad():
+            model.use_forms(*prefill)
+            out = [model(tokens[:, :6], torch.arange(6))]
+            model.use_forms(*decode)
+            out += [model(tokens[:, p:p + 1], torch.tensor([p])) for p in range(6, 12)]
+        return torch.cat(out, dim=1)
+
+    absorbed = run(("absorbed", "gathered"), ("absorbed", "gathered"))
+    expanded = run(("expanded", "dense"), ("expanded", "dense"))
+    assert rel_err(absorbed, expanded) <= 1e-5
+    # auto: expanded attention and dense experts for the prefill, absorbed attention and
+    # gathered experts for each one-token step
+    auto = run(("auto", "auto"), ("auto", "auto"))
+    assert torch.equal(auto, run(("expanded", "dense"), ("absorbed", "gathered")))
+
+
+def test_bfloat16_matches_transformers_in_bfloat16(checkpoint):
+    path, hf_model = checkpoint
+    model, _ = ds.load_checkpoint(path, torch.bfloat16, max_seq_len=32)
+    assert model.model.layers[MOE_LAYER].mlp.gate.e_score_correction_bias.dtype == \
+        torch.float32
+    model.setup_cache()
+    reference = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (1, 10),
+                           generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ref = reference.eval()(tokens).logits.float()
+        out = [model(tokens[:, :7], torch.arange(7))]
+        out += [model(tokens[:, p:p + 1], torch.tensor([p])) for p in (7, 8, 9)]
+    assert rel_err(torch.cat(out, dim=1).float(), ref) <= 2e-2
+
+
+def test_paged_latent_cache_matches_the_contiguous_one(checkpoint):
+    model, _ = ds.load_checkpoint(checkpoint[0], torch.float32, max_seq_len=32)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (1, 10),
+                           generator=torch.Generator().manual_seed(4))
+    outs = []
+    for paged in (False, True):
+        model.setup_cache(paged=paged, block_size=4)
+        table = torch.tensor([[3, 1, 2]]) if paged else None  # blocks out of order
+        with torch.no_grad():
+            out = [model(tokens[:, :7], torch.arange(7), table)]
+            out += [model(tokens[:, p:p + 1], torch.tensor([[p]]), table) for p in (7, 8, 9)]
+        outs.append(torch.cat(out, dim=1))
+    assert rel_err(outs[1], outs[0]) <= 1e-6
+
+
+def test_yarn_rope_matches_transformers(checkpoint):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    _, hf_model = checkpoint
+    cfg = ds.config_from_hf(hf_model.config.to_dict())
+    inv_freq, attn_factor, scale = rope_parameters(cfg)
+    ref_freq, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_model.config)
+    torch.testing.assert_close(inv_freq, ref_freq, rtol=1e-6, atol=0)
+    assert attn_factor == pytest.approx(ref_factor) and attn_factor != 1.0
+    assert scale == pytest.approx(hf_model.model.layers[0].self_attn.scaling)
+    assert scale != pytest.approx(cfg.qk_head_dim ** -0.5)
+
+
+def test_config_variants_match_transformers(tmp_path):
+    """No query LoRA, attention biases, plain (halves) RoPE without scaling, unnormalised
+    expert weights, two shared experts, no dense layer: eager, against transformers."""
+    hf_model = make_hf_model(seed=7, q_lora_rank=None, attention_bias=True,
+                             rope_interleave=False, norm_topk_prob=False, n_shared_experts=2,
+                             first_k_dense_replace=0, num_hidden_layers=2,
+                             rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    hf_model.save_pretrained(str(tmp_path))
+    model, _ = ds.load_checkpoint(tmp_path, torch.float32, max_seq_len=32)
+    assert model.cfg.q_lora_rank is None and model.cfg.rope_scaling is None
+    assert isinstance(model.model.layers[0].mlp, MoE)
+    model.setup_cache()
+    tokens = torch.randint(0, CONFIG["vocab_size"], (1, 10),
+                           generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        ref = hf_model(tokens).logits
+        out = [model(tokens[:, :7], torch.arange(7))]
+        out += [model(tokens[:, p:p + 1], torch.tensor([p])) for p in (7, 8, 9)]
+    assert rel_err(torch.cat(out, dim=1), ref) <= 1e-5
+
+
+def test_random_model_from_a_config(checkpoint):
+    cfg = ds.config_from_hf(checkpoint[1].config.to_dict(), max_seq_len=16)
+    model = ds.random_model(cfg, torch.bfloat16, seed=1)
+    attn = model.model.layers[0].self_attn
+    assert attn.q_a_layernorm.weight.eq(1).all() and attn.w_uk.dtype == torch.bfloat16
+    nope = cfg.qk_nope_head_dim
+    assert torch.equal(attn.w_uk[1], attn.kv_b_proj.weight[(nope + cfg.v_head_dim):][:nope])
+    bias = model.model.layers[MOE_LAYER].mlp.gate.e_score_correction_bias
+    assert bias.dtype == torch.float32 and not bias.any()
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3]]), torch.arange(3))
+    assert logits.shape == (1, 3, cfg.vocab_size) and logits.isfinite().all()
+
+
+# ---- fp8 checkpoints -------------------------------------------------------------------
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+def quantize_blocks(w: torch.Tensor, block: int = 128):
+    """(fp8 weight, fp32 scale_inv per block): DeepSeek's fp8 layout, made independently
+    of the loader, block by block."""
+    rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    scale_inv = torch.empty(rows, cols)
+    for i in range(rows):
+        for j in range(cols):
+            tile = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            s = tile.abs().max().clamp(min=1e-12) / FP8_MAX
+            scale_inv[i, j] = s
+            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = \
+                (tile / s).to(torch.float8_e4m3fn)
+    return q, scale_inv
+
+
+def dequantize_reference(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128):
+    w = q.float()
+    for i in range(scale_inv.shape[0]):
+        for j in range(scale_inv.shape[1]):
+            w[i * block:(i + 1) * block, j * block:(j + 1) * block] *= scale_inv[i, j]
+    return w
+
+
+def test_fp8_block_quantised_checkpoint_loads_dequantised(tmp_path):
+    # intermediate_size 200 and 8 heads: weights of 2 x 1 and 1 x 2 blocks, partial ones.
+    hf_model = make_hf_model(seed=5, intermediate_size=200, num_attention_heads=8,
+                             num_key_value_heads=8, q_lora_rank=136)
+    weights, scales, reference = {}, {}, {}
+    for name, t in hf_model.state_dict().items():
+        quantised = name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight")
+        if ".experts." not in name and quantised:
+            q, s = quantize_blocks(t)
+            weights[name], scales[name + "_scale_inv"] = q, s
+            reference[name] = dequantize_reference(q, s)
+        else:
+            weights[name] = t.contiguous()
+    for layer in range(CONFIG["first_k_dense_replace"], CONFIG["num_hidden_layers"]):
+        experts = hf_model.model.layers[layer].mlp.experts
+        prefix = f"model.layers.{layer}.mlp.experts"
+        del weights[f"{prefix}.gate_up_proj"], weights[f"{prefix}.down_proj"]
+        inter = experts.down_proj.shape[-1]
+        for e in range(experts.down_proj.shape[0]):
+            for proj, t in (("gate_proj", experts.gate_up_proj[e, :inter]),
+                            ("up_proj", experts.gate_up_proj[e, inter:]),
+                            ("down_proj", experts.down_proj[e])):
+                q, s = quantize_blocks(t.detach())
+                weights[f"{prefix}.{e}.{proj}.weight"] = q
+                scales[f"{prefix}.{e}.{proj}.weight_scale_inv"] = s
+                reference[f"{prefix}.{proj}.{e}"] = dequantize_reference(q, s)
+    # the multi-token-prediction layer (after the last layer) is skipped
+    mtp = f"model.layers.{CONFIG['num_hidden_layers']}"
+    weights[f"{mtp}.eh_proj.weight"], scales[f"{mtp}.eh_proj.weight_scale_inv"] = \
+        quantize_blocks(torch.randn(64, 128))
+    weights[f"{mtp}.enorm.weight"] = torch.ones(64)
+    # scales in a shard of their own: the loader must find them across shards
+    save_file(weights, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file(scales, str(tmp_path / "model-00002-of-00002.safetensors"))
+    index = {name: "model-00001-of-00002.safetensors" for name in weights}
+    index.update({name: "model-00002-of-00002.safetensors" for name in scales})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    config = hf_model.config.to_dict()
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    config.pop("dtype", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    model, _ = ds.load_checkpoint(tmp_path, torch.float32)
+    params = dict(model.named_parameters())
+    for name, ref in reference.items():
+        if name.startswith("model.layers") and ".experts." in name and name[-1].isdigit():
+            stacked, _, e = name.rpartition(".")
+            got = params[stacked][int(e)]
+        else:
+            got = params[name]
+        assert torch.equal(got, ref), name
+        # and the fp8 weights are a close (not exact) copy of the originals
+    dense = params["model.layers.0.mlp.gate_proj.weight"]
+    original = hf_model.model.layers[0].mlp.gate_proj.weight
+    assert 0 < rel_err(dense, original) < 0.05
+
+    # the loaded model runs as transformers does with the dequantised weights
+    with torch.no_grad():
+        for name, ref in reference.items():
+            if ".experts." not in name:
+                hf_model.get_parameter(name).copy_(ref)
+        for layer in range(CONFIG["first_k_dense_replace"], CONFIG["num_hidden_layers"]):
+            ours = model.model.layers[layer].mlp.experts
+            theirs = hf_model.model.layers[layer].mlp.experts
+            theirs.gate_up_proj.copy_(torch.cat((ours.gate_proj, ours.up_proj), dim=1))
+            theirs.down_proj.copy_(ours.down_proj)
+        tokens = torch.randint(0, CONFIG["vocab_size"], (1, 9),
+                               generator=torch.Generator().manual_seed(6))
+        assert rel_err(model(tokens, torch.arange(9)), hf_model(tokens).logits) <= 1e-5
+    bf16, _ = ds.load_checkpoint(tmp_path)  # an fp8 checkpoint defaults to bfloat16
+    assert bf16.lm_head.weight.dtype == torch.bfloat16
+    assert bf16.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+
+
+# ---- bad checkpoints -------------------------------------------------------------------
+
+
+def test_experts_not_divisible_into_groups_is_a_clear_error(tmp_path):
+    import kiln.models
+
+    config = transformers.DeepseekV3Config(**{**CONFIG, "n_routed_experts": 6}).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ShapeError, match="n_routed_experts 6 is not divisible by n_group 4") \
+            as err:
+        kiln.models.load(tmp_path, random_weights=True)
+    assert "config.json" in err.value.where
+    with pytest.raises(ShapeError, match="exceeds n_group"):
+        DeepseekV3Config(n_group=2, topk_group=3, n_routed_experts=8)
+
+
+def test_a_missing_expert_is_a_checkpoint_error(tmp_path, checkpoint):
+    path, hf_model = checkpoint
+    cfg = ds.config_from_hf(hf_model.config.to_dict())
+    with torch.device("meta"):
+        model = ds.DeepseekV3(cfg)
+    found = ds.hf.read_headers(ds.hf.weight_files(path))
+    assert isinstance(model.model.layers[MOE_LAYER].mlp, MoE)
+    del found[f"model.layers.{MOE_LAYER}.mlp.experts.5.up_proj.weight"]
+    with pytest.raises(CheckpointError, match="missing"):
+        ds.tensor_map(model, found)
