@@ -8,8 +8,9 @@ produce KernelSpecs; the autotuner, the resource model and the runtime consume t
 
 A kernel may also ask for `Scratch` buffers: memory its programs share within one
 launch (a split reduction's partial results and arrival counters,
-kiln.codegen.templates.split_k). They are no region values: the launcher allocates them from size expressions
-(like the grid's) and passes them after the arguments, before the tunables.
+kiln.codegen.templates.split_k). They are no region values: the launcher allocates
+them from size expressions (like the grid's) and passes them after the arguments,
+before the tunables.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Building kernels: spec, source, compile, interpreter, launch, resources."""
