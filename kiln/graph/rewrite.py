@@ -15,20 +15,14 @@ import torch
 import torch.fx as fx
 
 from kiln.ir.graph import KilnGraph, infer_meta, shape_of
-from kiln.ir.ops import OpCategory, category, op_name
-from kiln.ir.symbolic import Bounds, Dim, as_dim, bounds_of
+from kiln.ir.ops import RESHAPES, OpCategory, category, op_name
+from kiln.ir.symbolic import Bounds, Dim, as_dim, bounds_of, same_dim
 
 aten = torch.ops.aten
 
 # Views whose meta is made directly (a contiguous value of the new shape): a fake `view`
 # of a non-contiguous value fails, and in kiln's value semantics a view is a reshape.
 _VIEW_AS_RESHAPE = {aten.view.default, aten._unsafe_view.default}
-
-# Ops whose result is not a function of their arguments: never merged or folded.
-IMPURE = {
-    "aten.rand.default", "aten.randn.default", "aten.bernoulli.p", "aten.native_dropout.default",
-    "aten.multinomial.default", "aten.empty.memory_format", "aten.empty_like.default",
-}
 
 
 def name_of(node) -> str:
@@ -62,16 +56,6 @@ def rank(node: fx.Node) -> int:
     return node.meta["val"].dim()
 
 
-def same_dim(a: Dim, b: Dim) -> bool:
-    """Are two dims equal for every value of the symbols?"""
-    a, b = as_dim(a), as_dim(b)  # constants become ints
-    if a == b:
-        return True
-    if isinstance(a, int) or isinstance(b, int):
-        return False  # a constant never equals an expression over free symbols
-    return sympy.expand(a - b) == 0
-
-
 def same_shape(a, b) -> bool:
     """Equal shapes; `a` and `b` are nodes or shape tuples."""
     sa = shape_of(a) if isinstance(a, fx.Node) else tuple(a)
@@ -99,10 +83,6 @@ def provably_le(a: Dim, b: Dim, symbols: Mapping[str, Bounds]) -> bool:
 def is_unit(d: Dim, symbols: Mapping[str, Bounds]) -> bool:
     """Is the dim 1 at every allowed size?"""
     return d == 1 if isinstance(d, int) else bounds_of(d, symbols) == Bounds(1, 1)
-
-
-def normalize_dim(d: int, r: int) -> int:
-    return d % r if r else 0
 
 
 def insert(kg: KilnGraph, before: fx.Node, target, args, kwargs=None,
@@ -207,8 +187,7 @@ def reshape_sizes(kg: KilnGraph, node: fx.Node) -> list | None:
     Reuses `node`'s own sizes when it has them (view / reshape), else builds them
     (unsqueeze / squeeze). None when a symbolic size cannot be built.
     """
-    if name_of(node) in ("aten.view.default", "aten._unsafe_view.default",
-                         "aten.reshape.default"):
+    if name_of(node) in RESHAPES:
         return list(node.args[1])
     return shape_args(kg, shape_of(node), node)
 
