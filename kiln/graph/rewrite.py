@@ -15,14 +15,11 @@ import torch
 import torch.fx as fx
 
 from kiln.ir.graph import KilnGraph, infer_meta, shape_of
-from kiln.ir.ops import RESHAPES, OpCategory, category, op_name
+from kiln.ir.ops import RESHAPES, STRICT_VIEWS, OpCategory, category, op_name
 from kiln.ir.symbolic import Bounds, Dim, as_dim, bounds_of, same_dim
 
 aten = torch.ops.aten
 
-# Views whose meta is made directly (a contiguous value of the new shape): a fake `view`
-# of a non-contiguous value fails, and in kiln's value semantics a view is a reshape.
-_VIEW_AS_RESHAPE = {aten.view.default, aten._unsafe_view.default}
 
 
 def name_of(node) -> str:
@@ -93,7 +90,9 @@ def insert(kg: KilnGraph, before: fx.Node, target, args, kwargs=None,
                                     name=_short_name(target))
     if like is not None and "stack_trace" in like.meta:
         node.meta["stack_trace"] = like.meta["stack_trace"]
-    if target in _VIEW_AS_RESHAPE:
+    # a view's meta is made directly (a contiguous value of the new shape): a fake `view`
+    # of a non-contiguous value fails, and in kiln's value semantics a view is a reshape.
+    if op_name(target) in STRICT_VIEWS:
         node.meta["val"] = _view_meta(kg, args[0].meta["val"], [_meta_arg(a) for a in args[1]])
     else:
         infer_meta(kg, node)
