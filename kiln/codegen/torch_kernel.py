@@ -13,12 +13,10 @@ import functools
 
 import torch
 
-from kiln.ir.ops import INPLACE_OF, resolve
+from kiln.ir.ops import INPLACE_OF, STRICT_VIEWS, resolve
 from kiln.ir.plan import Op, Ref, Region, Sym
 from kiln.ir.printer import print_region
 from kiln.ir.symbolic import evaluate
-
-_AS_RESHAPE = {"aten.view.default", "aten._unsafe_view.default"}
 
 
 @functools.cache
@@ -40,7 +38,7 @@ def out_overload(name: str):
 
 @functools.cache
 def callable_for(name: str):
-    return resolve("aten.reshape.default" if name in _AS_RESHAPE else name)
+    return resolve("aten.reshape.default" if name in STRICT_VIEWS else name)
 
 
 class TorchKernel:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from kiln.ir.ops import IDENTITY_OPS, OpCategory, category
+from kiln.ir.ops import IDENTITY_OPS, OpCategory, bind_args, category
 from kiln.ir.plan import DispatchPlan, Op, Ref, Region
 from kiln.ir.symbolic import Dim, numel
 
@@ -114,14 +114,14 @@ def _bytes_read(region: Region, plan: DispatchPlan, shapes: _Shapes) -> Dim:
 
 def _scattered(op: Op, shapes: _Shapes) -> Dim:
     """Elements an in-place scatter writes (not the whole destination)."""
-    args = op.args
-    if op.target in ("aten.index_copy.default", "aten.index_add.default") and len(args) > 3:
-        return shapes.numel(args[3])  # the source rows
-    if op.target.startswith(("aten.scatter.", "aten.scatter_add.")) and len(args) > 2:
-        return shapes.numel(args[2])  # one write per index element
-    if op.target == "aten.index_put.default" and len(args) > 2:
-        index = [shapes.numel(i) for i in args[1] if isinstance(i, Ref)]
-        return _max([shapes.numel(args[2]), *index])
+    if op.target in ("aten.index_copy.default", "aten.index_add.default"):
+        return shapes.numel(bind_args(op)["source"])  # the source rows
+    if op.target.startswith(("aten.scatter.", "aten.scatter_add.")):
+        return shapes.numel(bind_args(op)["index"])  # one write per index element
+    if op.target == "aten.index_put.default":
+        a = bind_args(op)
+        index = [shapes.numel(i) for i in a["indices"] if isinstance(i, Ref)]
+        return _max([shapes.numel(a["values"]), *index])
     return numel(op.shape)  # copy_ and anything else: the whole destination
 
 

@@ -18,18 +18,13 @@ import torch.utils._pytree as pytree
 from kiln.dispatch.grouping import Group, form_groups
 from kiln.errors import UnsupportedOpError
 from kiln.ir.graph import KilnGraph, where
-from kiln.ir.ops import op_name
+from kiln.ir.ops import SHAPE_ONLY_OPS, op_name
 from kiln.ir.plan import DispatchPlan, Op, Ref, Region, RegionKind, Role, Sym, TensorValue
 from kiln.ir.symbolic import as_dim
 from kiln.pipeline import as_pass
 
 log = logging.getLogger("kiln.dispatch")
 
-# Views after which a row-major tensor is still row-major with the same bytes.
-_ROW_MAJOR_VIEWS = {
-    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
-    "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default",
-}
 
 
 def _outputs_of(g: Group) -> list[fx.Node]:
@@ -175,7 +170,7 @@ class _Lowering:
         """
         chain = []
         src = node
-        while isinstance(src, fx.Node) and op_name(src.target) in _ROW_MAJOR_VIEWS:
+        while isinstance(src, fx.Node) and op_name(src.target) in SHAPE_ONLY_OPS:
             chain.append(src)
             src = src.args[0]
         if not chain or src.name not in plan.values:

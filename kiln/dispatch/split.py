@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import logging
 
-from kiln.ir.ops import OpCategory, category, resolve
+from kiln.ir.ops import OpCategory, bind_args, category
 from kiln.ir.plan import DispatchPlan, Op, Ref, Region, RegionKind, Role, TensorValue
 
 log = logging.getLogger("kiln.dispatch")
@@ -109,16 +109,13 @@ def split_prologue(plan: DispatchPlan, region: Region, operand: str, why: str) -
 
 def operand_role(anchor: Op, operand: str) -> str:
     """The schema name of the anchor argument `operand` ('query', 'key', 'attn_mask')."""
-    for k, v in anchor.kwargs.items():
+    try:
+        bound = bind_args(anchor)
+    except (AttributeError, ValueError):  # no ATen schema: positions stand in for names
+        bound = {**{f"arg{i}": a for i, a in enumerate(anchor.args)}, **anchor.kwargs}
+    for k, v in bound.items():
         if v == Ref(operand):
             return k
-    try:
-        schema = resolve(anchor.target)._schema.arguments
-    except (AttributeError, ValueError):
-        schema = []
-    for i, a in enumerate(anchor.args):
-        if a == Ref(operand):
-            return schema[i].name if i < len(schema) else f"arg{i}"
     return operand
 
 

@@ -33,7 +33,6 @@ from kiln.graph.rewrite import (
     is_tensor,
     is_unit,
     name_of,
-    normalize_dim,
     provably_le,
     rank,
     replace,
@@ -42,19 +41,12 @@ from kiln.graph.rewrite import (
     shape_args,
 )
 from kiln.ir.graph import KilnGraph, shape_of
+from kiln.ir.ops import IDENTITY_OPS, RESHAPES, SPLITS, SQUEEZES, bind_args, norm_axis
 from kiln.ir.symbolic import as_dim
 from kiln.pipeline import as_pass
 
-IDENTITY_OPS = {
-    "aten.clone.default", "aten.alias.default", "aten.detach.default",
-    "aten.lift_fresh_copy.default",
-}
-SAME_SHAPE_IDENTITY = {
-    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
-    "aten.expand.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default",
-}
-RESHAPES = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"}
-SPLITS = {"aten.split_with_sizes.default", "aten.split.Tensor", "aten.unbind.int"}
+# Ops that are an identity when their result has their input's shape (unsqueeze never).
+SAME_SHAPE_IDENTITY = RESHAPES | SQUEEZES | {"aten.expand.default"}
 
 
 def split_to_slices(kg: KilnGraph, node: fx.Node) -> bool:
@@ -64,9 +56,7 @@ def split_to_slices(kg: KilnGraph, node: fx.Node) -> bool:
         return False
     x = node.args[0]
     name = name_of(node)
-    dim_pos = 1 if name == "aten.unbind.int" else 2  # (x, dim) / (x, sizes, dim)
-    dim = node.args[dim_pos] if len(node.args) > dim_pos else node.kwargs.get("dim", 0)
-    dim = normalize_dim(dim, rank(x))
+    dim = norm_axis(bind_args(node)["dim"], rank(x))
     parts = node.meta["val"]
     starts, offset = [], 0
     for p in parts:
@@ -97,7 +87,7 @@ def to_permute(kg: KilnGraph, node: fx.Node) -> fx.Node | None:
             return None
         perm = [1, 0]
     else:
-        a, b = normalize_dim(node.args[1], r), normalize_dim(node.args[2], r)
+        a, b = norm_axis(node.args[1], r), norm_axis(node.args[2], r)
         perm[a], perm[b] = perm[b], perm[a]
     if perm == list(range(r)):
         return None
@@ -125,7 +115,7 @@ def unit_permute_as_view(kg: KilnGraph, node: fx.Node) -> fx.Node | None:
     """
     x = node.args[0]
     shape = shape_of(x)
-    perm = [normalize_dim(d, rank(x)) for d in node.args[1]]
+    perm = [norm_axis(d, rank(x)) for d in node.args[1]]
     moved = [d for d in perm if not is_unit(shape[d], kg.symbols)]
     if moved != sorted(moved) or perm == list(range(len(perm))):
         return None
@@ -147,7 +137,7 @@ def identity_source(kg: KilnGraph, node: fx.Node) -> fx.Node | None:
     if name in SAME_SHAPE_IDENTITY:
         return x if same_shape(x, node) else None
     if name == "aten.permute.default":
-        perm = [normalize_dim(d, rank(x)) for d in args[1]]
+        perm = [norm_axis(d, rank(x)) for d in args[1]]
         return x if perm == list(range(rank(x))) else None
     if name == "aten._to_copy.default":
         same = dtype(x) == dtype(node) and x.meta["val"].device == node.meta["val"].device
@@ -158,11 +148,9 @@ def identity_source(kg: KilnGraph, node: fx.Node) -> fx.Node | None:
 
 
 def _full_slice(kg: KilnGraph, node: fx.Node) -> bool:
-    x = node.args[0]
-    dim = normalize_dim(node.args[1] if len(node.args) > 1 else 0, rank(x))
-    start = node.args[2] if len(node.args) > 2 else None
-    end = node.args[3] if len(node.args) > 3 else None
-    step = node.args[4] if len(node.args) > 4 else 1
+    a = bind_args(node)
+    x, start, end, step = a["self"], a["start"], a["end"], a["step"]
+    dim = norm_axis(a["dim"], rank(x))
     if start not in (None, 0) or step != 1:
         return False
     if same_shape(x, node) or end is None:

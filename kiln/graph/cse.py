@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from kiln.graph.rewrite import IMPURE, is_sym, name_of
+from kiln.graph.rewrite import is_sym, name_of
 from kiln.ir.graph import KilnGraph
+from kiln.ir.ops import IMPURE_OPS
 from kiln.ir.symbolic import as_dim
 from kiln.pipeline import as_pass
 
@@ -42,7 +43,7 @@ def eliminate_common_subexpressions(kg: KilnGraph) -> int:
     seen: dict[tuple, fx.Node] = {}
     merged = 0
     for node in list(kg.graph.nodes):
-        if node.op != "call_function" or name_of(node) in IMPURE:
+        if node.op != "call_function" or name_of(node) in IMPURE_OPS:
             continue
         key = (node.target, _key(node.args), _key(dict(node.kwargs)))
         try:

@@ -27,9 +27,9 @@ import torch
 import torch.fx as fx
 
 from kiln.graph.dce import eliminate_dead_code
-from kiln.graph.rewrite import IMPURE, category_of, is_sym, is_tensor, name_of
+from kiln.graph.rewrite import category_of, is_sym, is_tensor, name_of
 from kiln.ir.graph import GraphInput, KilnGraph
-from kiln.ir.ops import OpCategory, resolve
+from kiln.ir.ops import IMPURE_OPS, STRICT_VIEWS, OpCategory, resolve
 from kiln.ir.symbolic import as_dim, is_static
 from kiln.pipeline import as_pass
 
@@ -68,7 +68,7 @@ def constant_nodes(kg: KilnGraph, weights: dict[fx.Node, torch.Tensor]) -> dict[
     """Constant call nodes -> whether they read a weight (transitively)."""
     const: dict[fx.Node, bool] = {}
     for node in kg.graph.nodes:
-        if node.op != "call_function" or name_of(node) in IMPURE or not _static(node):
+        if node.op != "call_function" or name_of(node) in IMPURE_OPS or not _static(node):
             continue
         if category_of(node) in _NOT_FOLDABLE or category_of(node) is None:
             continue
@@ -141,7 +141,7 @@ def evaluate(nodes: list[fx.Node], weights) -> dict[fx.Node, torch.Tensor]:
         args = fx.node.map_arg(n.args, values.__getitem__)
         kwargs = fx.node.map_arg(n.kwargs, values.__getitem__)
         target = n.target
-        if name_of(n) in ("aten.view.default", "aten._unsafe_view.default"):
+        if name_of(n) in STRICT_VIEWS:
             target = resolve("aten.reshape.default")
         values[n] = target(*args, **kwargs)
         return values[n]

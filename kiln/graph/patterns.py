@@ -27,22 +27,19 @@ from kiln.graph.rewrite import (
     category_of,
     is_op,
     is_tensor,
-    normalize_dim,
     rank,
-    same_dim,
     scalar_arg,
     strip,
 )
 from kiln.ir.graph import KilnGraph, shape_of
-from kiln.ir.ops import OpCategory
-from kiln.ir.symbolic import as_dim
+from kiln.ir.ops import MATMULS, OpCategory, bind_args, norm_axis
+from kiln.ir.symbolic import as_dim, same_dim
 from kiln.pipeline import as_pass
 
 log = logging.getLogger("kiln.graph")
 
 KEY = "kiln.pattern"
 CAST = "aten._to_copy.default"
-MATMULS = ("aten.mm.default", "aten.bmm.default", "aten.addmm.default")
 _VIEW_LIKE = ("aten.clone.default",)  # clone is a value-level no-op between views
 
 
@@ -142,12 +139,12 @@ def _slice_of(node, x_dim: int) -> tuple[fx.Node, object, object] | None:
     """(source, start, length) of a slice along `x_dim` with step 1."""
     if not is_op(node, "aten.slice.Tensor"):
         return None
-    src = node.args[0]
-    dim = normalize_dim(node.args[1] if len(node.args) > 1 else 0, rank(src))
-    step = node.args[4] if len(node.args) > 4 else 1
-    if dim != x_dim or step != 1:
+    a = bind_args(node)
+    src = a["self"]
+    dim = norm_axis(a["dim"], rank(src))
+    if dim != x_dim or a["step"] != 1:
         return None
-    start = node.args[2] if len(node.args) > 2 else 0
+    start = a["start"]
     start = as_dim(start.meta["val"]) if isinstance(start, fx.Node) else (start or 0)
     return src, start, shape_of(node)[dim]
 
@@ -155,7 +152,7 @@ def _slice_of(node, x_dim: int) -> tuple[fx.Node, object, object] | None:
 def match_rope(cat: fx.Node) -> list[fx.Node] | None:
     if not is_op(cat, "aten.cat.default") or len(cat.args[0]) != 2:
         return None
-    d = normalize_dim(cat.args[1] if len(cat.args) > 1 else 0, rank(cat))
+    d = norm_axis(bind_args(cat)["dim"], rank(cat))
     if d != rank(cat) - 1:
         return None
     neg, x1 = cat.args[0]

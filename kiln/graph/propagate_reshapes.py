@@ -31,7 +31,6 @@ from kiln.graph.rewrite import (
     insert,
     is_tensor,
     name_of,
-    normalize_dim,
     rank,
     replace,
     reshape_sizes,
@@ -39,8 +38,7 @@ from kiln.graph.rewrite import (
     same_shape,
 )
 from kiln.ir.graph import KilnGraph, shape_of
-from kiln.ir.ops import OpCategory
-from kiln.ir.reshape import RESHAPES
+from kiln.ir.ops import SHAPE_ONLY_OPS, OpCategory, norm_axis
 from kiln.pipeline import as_pass
 
 PERMUTE = "aten.permute.default"
@@ -53,7 +51,7 @@ MAX_REGION = 256
 
 
 def perm_of(node: fx.Node) -> list[int]:
-    return [normalize_dim(d, rank(node)) for d in node.args[1]]
+    return [norm_axis(d, rank(node)) for d in node.args[1]]
 
 
 def compose_permutes(kg: KilnGraph, node: fx.Node) -> bool:
@@ -102,10 +100,10 @@ class _ViewKind:
             return False
         if self.is_permute:
             return name_of(a) == PERMUTE and perm_of(a) == self.perm
-        return name_of(a) in RESHAPES and same_shape(a.args[0], self.source_shape)
+        return name_of(a) in SHAPE_ONLY_OPS and same_shape(a.args[0], self.source_shape)
 
     def is_exit(self, u: fx.Node) -> bool:
-        return name_of(u) == PERMUTE if self.is_permute else name_of(u) in RESHAPES
+        return name_of(u) == PERMUTE if self.is_permute else name_of(u) in SHAPE_ONLY_OPS
 
 
 def elementwise_region(seed: fx.Node, kind: _ViewKind) -> set[fx.Node] | None:
@@ -169,7 +167,7 @@ def move_views_through(kg: KilnGraph, seed: fx.Node) -> bool:
 
 
 def _seeds(node: fx.Node) -> bool:
-    return (name_of(node) == PERMUTE or name_of(node) in RESHAPES) and any(
+    return (name_of(node) == PERMUTE or name_of(node) in SHAPE_ONLY_OPS) and any(
         _elementwise(u) for u in node.users)
 
 

@@ -15,20 +15,11 @@ import torch
 import torch.fx as fx
 
 from kiln.ir.graph import KilnGraph, infer_meta, shape_of
-from kiln.ir.ops import OpCategory, category, op_name
-from kiln.ir.symbolic import Bounds, Dim, as_dim, bounds_of
+from kiln.ir.ops import RESHAPES, STRICT_VIEWS, OpCategory, category, op_name
+from kiln.ir.symbolic import Bounds, Dim, as_dim, bounds_of, same_dim
 
 aten = torch.ops.aten
 
-# Views whose meta is made directly (a contiguous value of the new shape): a fake `view`
-# of a non-contiguous value fails, and in kiln's value semantics a view is a reshape.
-_VIEW_AS_RESHAPE = {aten.view.default, aten._unsafe_view.default}
-
-# Ops whose result is not a function of their arguments: never merged or folded.
-IMPURE = {
-    "aten.rand.default", "aten.randn.default", "aten.bernoulli.p", "aten.native_dropout.default",
-    "aten.multinomial.default", "aten.empty.memory_format", "aten.empty_like.default",
-}
 
 
 def name_of(node) -> str:
@@ -62,16 +53,6 @@ def rank(node: fx.Node) -> int:
     return node.meta["val"].dim()
 
 
-def same_dim(a: Dim, b: Dim) -> bool:
-    """Are two dims equal for every value of the symbols?"""
-    a, b = as_dim(a), as_dim(b)  # constants become ints
-    if a == b:
-        return True
-    if isinstance(a, int) or isinstance(b, int):
-        return False  # a constant never equals an expression over free symbols
-    return sympy.expand(a - b) == 0
-
-
 def same_shape(a, b) -> bool:
     """Equal shapes; `a` and `b` are nodes or shape tuples."""
     sa = shape_of(a) if isinstance(a, fx.Node) else tuple(a)
@@ -101,10 +82,6 @@ def is_unit(d: Dim, symbols: Mapping[str, Bounds]) -> bool:
     return d == 1 if isinstance(d, int) else bounds_of(d, symbols) == Bounds(1, 1)
 
 
-def normalize_dim(d: int, r: int) -> int:
-    return d % r if r else 0
-
-
 def insert(kg: KilnGraph, before: fx.Node, target, args, kwargs=None,
            like: fx.Node | None = None) -> fx.Node:
     """Insert `target(*args, **kwargs)` before `before`, with meta and `like`'s stack trace."""
@@ -113,7 +90,9 @@ def insert(kg: KilnGraph, before: fx.Node, target, args, kwargs=None,
                                     name=_short_name(target))
     if like is not None and "stack_trace" in like.meta:
         node.meta["stack_trace"] = like.meta["stack_trace"]
-    if target in _VIEW_AS_RESHAPE:
+    # a view's meta is made directly (a contiguous value of the new shape): a fake `view`
+    # of a non-contiguous value fails, and in kiln's value semantics a view is a reshape.
+    if op_name(target) in STRICT_VIEWS:
         node.meta["val"] = _view_meta(kg, args[0].meta["val"], [_meta_arg(a) for a in args[1]])
     else:
         infer_meta(kg, node)
@@ -207,8 +186,7 @@ def reshape_sizes(kg: KilnGraph, node: fx.Node) -> list | None:
     Reuses `node`'s own sizes when it has them (view / reshape), else builds them
     (unsqueeze / squeeze). None when a symbolic size cannot be built.
     """
-    if name_of(node) in ("aten.view.default", "aten._unsafe_view.default",
-                         "aten.reshape.default"):
+    if name_of(node) in RESHAPES:
         return list(node.args[1])
     return shape_args(kg, shape_of(node), node)
 

@@ -6,6 +6,7 @@ compile what it knows how to place in a region and generate (or extern) code for
 
 from __future__ import annotations
 
+import functools
 import operator
 from enum import StrEnum
 
@@ -129,10 +130,34 @@ _register(
     ),
 )
 
+# Named sets of ops: each defined here once, named for exactly what it holds.
+
 # Ops that change no values at all in kiln's value semantics (every tensor is a value).
 IDENTITY_OPS = {
     "aten.clone.default", "aten.alias.default", "aten.lift_fresh_copy.default",
     "aten.detach.default",
+}
+# Logical row-major reshapes to a list of sizes (kiln reads a `view` as a reshape).
+RESHAPES = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"}
+# The reshapes torch runs only on stride-compatible input; eager kiln runs them as reshape.
+STRICT_VIEWS = {"aten.view.default", "aten._unsafe_view.default"}
+# Ops that drop unit dims (all of them, or the named ones that are unit).
+SQUEEZES = {"aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default"}
+# Ops that add or drop unit dims only.
+UNIT_DIM_OPS = SQUEEZES | {"aten.unsqueeze.default"}
+# Ops that change only the shape of row-major data (same bytes, same order).
+SHAPE_ONLY_OPS = RESHAPES | UNIT_DIM_OPS
+# Ops returning a tuple of pieces of their input along one dim (read through getitem).
+SPLITS = {"aten.split_with_sizes.default", "aten.split.Tensor", "aten.unbind.int"}
+MATMULS = {"aten.mm.default", "aten.bmm.default", "aten.addmm.default"}
+# Integer ramps: arange in its overloads.
+ARANGES = {"aten.arange.default", "aten.arange.start", "aten.arange.start_step"}
+# Functional scatters that write a slice / one index of a dim (per-element selectable).
+SLICE_SCATTERS = {"aten.slice_scatter.default", "aten.select_scatter.default"}
+# Ops whose result is not a function of their arguments: never merged or folded.
+IMPURE_OPS = {
+    "aten.rand.default", "aten.randn.default", "aten.bernoulli.p", "aten.native_dropout.default",
+    "aten.multinomial.default", "aten.empty.memory_format", "aten.empty_like.default",
 }
 
 # Frontend drops these: they assert facts kiln checks itself.
@@ -175,21 +200,47 @@ def resolve(name: str):
     return getattr(getattr(getattr(torch.ops, ns), op), overload)
 
 
+def norm_axis(d: int, rank: int) -> int:
+    """A dim index as torch reads it (negative counts from the end) in 0..rank-1; 0 for
+    a 0-d tensor, whose dim arguments (0 or -1) name no axis."""
+    return d % rank if rank else 0
+
+
+@functools.cache
+def _schema_args(name: str) -> tuple[tuple[str, object], ...]:
+    return tuple((a.name, a.default_value if a.has_default_value() else None)
+                 for a in resolve(name)._schema.arguments)
+
+
+def bind_call(name: str, args, kwargs) -> dict:
+    """The arguments of a call to op `name` by schema name, defaults filled in."""
+    out = {}
+    for i, (arg, default) in enumerate(_schema_args(name)):
+        out[arg] = args[i] if i < len(args) else kwargs.get(arg, default)
+    return out
+
+
+def bind_args(op) -> dict:
+    """bind_call for an op (a plan Op, whose target is a name, or an FX call node)."""
+    name = op.target if isinstance(op.target, str) else op_name(op.target)
+    return bind_call(name, op.args, op.kwargs)
+
+
+def arange_start_step(op) -> tuple:
+    """(start, step) of an op in ARANGES (0 and 1 for the overloads without them)."""
+    a = bind_args(op)
+    return a.get("start", 0), a.get("step", 1)
+
+
 def reduction_dims(name: str, args: tuple, kwargs: dict, rank: int) -> tuple[int, ...]:
     """Which input axes an op of category REDUCTION reduces (normalised, sorted)."""
-    if name in ("aten._softmax.default", "aten._log_softmax.default"):
-        dims = [args[1]]
-    elif name == "aten.native_layer_norm.default":
-        dims = list(range(rank - len(args[1]), rank))
-    elif name == "aten.linalg_vector_norm.default":  # (x, ord, dim, keepdim)
-        dims = kwargs.get("dim", args[2] if len(args) > 2 else None)
-        dims = list(range(rank)) if not dims else ([dims] if isinstance(dims, int) else dims)
-    elif name.endswith(".default") and len(args) < 2 and "dim" not in kwargs:
-        dims = list(range(rank))  # full reduction: sum.default, amax.default with dim=[]
+    a = bind_call(name, args, kwargs)
+    if name == "aten.native_layer_norm.default":
+        dims = list(range(rank - len(a["normalized_shape"]), rank))
     else:
-        dims = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        dims = a.get("dim")  # absent (sum.default), None or []: every axis
         if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
             dims = list(range(rank))
         elif isinstance(dims, int):
             dims = [dims]
-    return tuple(sorted({d % rank if rank else 0 for d in dims}))
+    return tuple(sorted({norm_axis(d, rank) for d in dims}))

@@ -2,8 +2,8 @@
 
 Shared by the collapse-dimensions pass and the verifier that forbids the
 collapse -> expand -> collapse round trip behind DESIGN.md's failure 1. A reshape
-here is any op that changes only the shape of row-major data: view, _unsafe_view,
-reshape, and unsqueeze / squeeze (which add or drop unit dims).
+here is any op that changes only the shape of row-major data (`ops.SHAPE_ONLY_OPS`):
+view, _unsafe_view, reshape, and unsqueeze / squeeze (which add or drop unit dims).
 """
 
 from __future__ import annotations
@@ -14,27 +14,13 @@ import sympy
 import torch.fx as fx
 
 from kiln.ir.graph import shape_of
-from kiln.ir.ops import op_name
-from kiln.ir.symbolic import Bounds, as_dim, bounds_of
-
-RESHAPES = {
-    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
-    "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default",
-}
+from kiln.ir.ops import SHAPE_ONLY_OPS, op_name
+from kiln.ir.symbolic import Bounds, bounds_of, same_dim
 
 
 def is_reshape(node) -> bool:
     return (isinstance(node, fx.Node) and node.op == "call_function"
-            and op_name(node.target) in RESHAPES)
-
-
-def _eq(a, b) -> bool:
-    a, b = as_dim(a), as_dim(b)  # constants become ints
-    if a == b:
-        return True
-    if isinstance(a, int) or isinstance(b, int):
-        return False  # a constant never equals an expression over free symbols
-    return sympy.expand(sympy.sympify(a) - sympy.sympify(b)) == 0
+            and op_name(node.target) in SHAPE_ONLY_OPS)
 
 
 def _is_unit(d) -> bool:
@@ -59,7 +45,7 @@ def groups(src, dst, symbols: Mapping[str, Bounds] | None = None
         gi, gj = [si[a]], [dj[b]]
         pi, pj = src[si[a]], dst[dj[b]]
         a, b = a + 1, b + 1
-        while not _eq(pi, pj):
+        while not same_dim(pi, pj):
             smaller = _smaller(pi, pj, symbols or {})
             if smaller is None:
                 return None
@@ -100,7 +86,7 @@ def _smaller(a, b, symbols: Mapping[str, Bounds]) -> bool | None:
 def kind(src, dst, symbols: Mapping[str, Bounds] | None = None) -> str:
     """'identity' (same shape), 'unit' (only unit dims added or dropped), 'collapse'
     (only merges), 'expand' (only splits), or 'mixed' (both, or undecidable)."""
-    if len(src) == len(dst) and all(_eq(x, y) for x, y in zip(src, dst)):
+    if len(src) == len(dst) and all(same_dim(x, y) for x, y in zip(src, dst)):
         return "identity"
     g = groups(src, dst, symbols)
     if g is None:

@@ -54,6 +54,18 @@ def as_dim(x) -> Dim:
     return int(x)
 
 
+def same_dim(a, b) -> bool:
+    """Are two dims (ints, sympy exprs, SymInts) equal for every value of the symbols?"""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    a, b = as_dim(a), as_dim(b)  # constants become ints
+    if a == b:
+        return True
+    if isinstance(a, int) and isinstance(b, int):
+        return False
+    return sympy.expand(a - b) == 0
+
+
 def is_static(d: Dim) -> bool:
     return isinstance(d, int)
 
@@ -93,7 +105,11 @@ def evaluate(expr: Dim, env: Mapping[str, int]) -> int:
 
 
 class _Printer(StrPrinter):
-    """Prints torch's integer functions by name so `parse` reads them back exactly."""
+    """Prints torch's integer functions by name so `parse` reads them back exactly.
+
+    Not an `IntArithPrinter`: its job is a round trip by name (`FloorDiv(a, b)`,
+    `Max(a, b)`), not code that computes the value.
+    """
 
     def _print(self, expr, **kwargs):
         # FloorDiv prints itself as `a//b` (its own _sympystr wins over _print_FloorDiv),
@@ -115,17 +131,30 @@ class _Printer(StrPrinter):
         return f"PythonMod({self._print(e.args[0])}, {self._print(e.args[1])})"
 
 
-class _PyPrinter(StrPrinter):
-    """Prints a dim expression as Python integer arithmetic over a dict `env`."""
+class IntArithPrinter(StrPrinter):
+    """A dim expression as integer arithmetic code (Python, a launch grid, Triton).
 
-    def _print_Symbol(self, e):
-        return f"env[{e.name!r}]"
+    torch's integer functions become `//`, `%` and calls; a language says only how it
+    spells what differs, through the hooks `ceil_div`, `extremum` and `power` (and
+    `_print_Symbol` for how a symbol is read). FloorDiv prints itself (torch's
+    `_sympystr`: `(a//b)`, operands through this printer), so it has no hook.
+    """
 
-    def _print_FloorDiv(self, e):
-        return f"(({self._print(e.args[0])}) // ({self._print(e.args[1])}))"
+    def ceil_div(self, a: str, b: str) -> str:
+        return f"(-((-({a})) // ({b})))"
+
+    def extremum(self, fn: str, args: list[str]) -> str:
+        """`fn` is "max" or "min"."""
+        return f"{fn}(" + ", ".join(args) + ")"
+
+    def power(self, base: str, exp) -> str:
+        """base ** exp for a sympy exponent: a product, so only natural exponents."""
+        if exp.is_Integer and exp > 0:
+            return "(" + " * ".join([f"({base})"] * int(exp)) + ")"
+        raise ValueError(f"cannot write {base} ** {exp} as integer code")
 
     def _print_CeilDiv(self, e):
-        return f"(-((-({self._print(e.args[0])})) // ({self._print(e.args[1])})))"
+        return self.ceil_div(self._print(e.args[0]), self._print(e.args[1]))
 
     def _print_ModularIndexing(self, e):
         a, b, c = (self._print(x) for x in e.args)
@@ -137,16 +166,25 @@ class _PyPrinter(StrPrinter):
     _print_PythonMod = _print_Mod
 
     def _print_Max(self, e):
-        return "max(" + ", ".join(self._print(a) for a in e.args) + ")"
+        return self.extremum("max", [self._print(a) for a in e.args])
 
     def _print_Min(self, e):
-        return "min(" + ", ".join(self._print(a) for a in e.args) + ")"
-
-    def _print_PowByNatural(self, e):
-        return f"(({self._print(e.args[0])}) ** ({self._print(e.args[1])}))"
+        return self.extremum("min", [self._print(a) for a in e.args])
 
     def _print_Pow(self, e):
-        return f"(({self._print(e.base)}) ** ({self._print(e.exp)}))"
+        return self.power(self._print(e.args[0]), e.args[1])
+
+    _print_PowByNatural = _print_Pow
+
+
+class _PyPrinter(IntArithPrinter):
+    """Python integer arithmetic over a dict `env` (compile_expr's code)."""
+
+    def _print_Symbol(self, e):
+        return f"env[{e.name!r}]"
+
+    def power(self, base: str, exp) -> str:
+        return f"(({base}) ** ({self._print(exp)}))"
 
     def _print_Rational(self, e):
         return f"({e.p} / {e.q})"

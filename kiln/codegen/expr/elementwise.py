@@ -11,30 +11,11 @@ interpreter form.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from kiln.codegen.expr.values import TL, CodegenUnsupported, OpEmitter, Val, literal, opmath
-from kiln.ir.ops import resolve
+from kiln.ir.ops import bind_args
 from kiln.ir.plan import Op, Ref, Sym
-
-
-@functools.cache
-def _schema_args(target: str):
-    return [(a.name, a.default_value if a.has_default_value() else None)
-            for a in resolve(target)._schema.arguments]
-
-
-def bind(op: Op) -> dict:
-    """The op's arguments by schema name, defaults filled in."""
-    out = {}
-    for i, (name, default) in enumerate(_schema_args(op.target)):
-        if i < len(op.args):
-            out[name] = op.args[i]
-        else:
-            out[name] = op.kwargs.get(name, default)
-    return out
 
 
 def _vars(*vals: Val) -> frozenset:
@@ -46,7 +27,7 @@ class _Ctx:
 
     def __init__(self, em: OpEmitter, op: Op, index, mask):
         self.em, self.op, self.index, self.mask = em, op, index, mask
-        self.a = bind(op)
+        self.a = bind_args(op)
 
     def raw(self, name: str):
         return self.a[name]

@@ -56,7 +56,14 @@ from kiln.codegen.expr.values import (
     opmath,
 )
 from kiln.codegen.expr.views import dim_value, is_view, source_index
-from kiln.ir.ops import IDENTITY_OPS, OpCategory, category
+from kiln.ir.ops import (
+    ARANGES,
+    IDENTITY_OPS,
+    SLICE_SCATTERS,
+    OpCategory,
+    arange_start_step,
+    category,
+)
 from kiln.ir.plan import DispatchPlan, Op, Ref, Region, Sym
 from kiln.ir.symbolic import Dim, numel
 from kiln.target import Target
@@ -244,21 +251,17 @@ class Emitter:
             return gather.emit_concat(self, op, index, mask)
         if cat == OpCategory.POINTWISE:
             return elementwise.emit(self, op, index, mask)
-        if op.target in ("aten.slice_scatter.default", "aten.select_scatter.default"):
+        if op.target in SLICE_SCATTERS:
             return gather.emit_scatter_select(self, op, index, mask)
         raise CodegenUnsupported(f"{op.target} (%{op.name}) cannot be computed per element here")
 
     def _create(self, op: Op, index: Index) -> Val:
         t = op.target
         a = op.args
-        if t in ("aten.arange.start_step", "aten.arange.start", "aten.arange.default"):
-            if t == "aten.arange.default":
-                start, step = 0, 1
-            else:
-                start = a[0]
-                step = a[2] if len(a) > 2 else op.kwargs.get("step", 1)
+        if t in ARANGES:
+            start, step = arange_start_step(op)
             return self._ramp(op, index[0], start, step)
-        if t == "aten.iota.default":
+        if t == "aten.iota.default":  # a prims op: no ATen schema to bind by
             return self._ramp(op, index[0], op.kwargs.get("start", 0), op.kwargs.get("step", 1))
         if t in ("aten.full.default", "aten.full_like.default"):
             return self._scalar(a[1], op.dtype)

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from kiln.codegen.expr.indexing import Index, Lin, broadcast_index, floordiv, norm, same
+from kiln.codegen.expr.indexing import Index, Lin, broadcast_index, floordiv, norm
 from kiln.codegen.expr.values import CodegenUnsupported, Cond, OpEmitter, Val, literal
-from kiln.codegen.expr.views import _slice_bounds, dim_value
+from kiln.codegen.expr.views import dim_value, select_index, slice_bounds
+from kiln.ir.ops import SLICE_SCATTERS, bind_args, norm_axis
 from kiln.ir.plan import Op, Ref
-
-
-def _axis(d: int, rank: int) -> int:
-    return d % rank if rank else 0
+from kiln.ir.symbolic import same_dim
 
 
 def _index_value(em: OpEmitter, ref: Ref, index: Index, mask, size, wrap: bool) -> Lin:
@@ -43,11 +41,11 @@ def emit_gather(em: OpEmitter, op: Op, index: Index, mask) -> Val:
         row = _index_value(em, ids, index[:lead], mask, sshape[0], wrap=False)
         return em.value(src, (row,) + tuple(index[lead:]), mask)
     if t == "aten.index_select.default":
-        d = _axis(a[1], len(sshape))
+        d = norm_axis(a[1], len(sshape))
         i = _index_value(em, a[2], (index[d],), mask, sshape[d], wrap=False)
         return em.value(src, index[:d] + (i,) + index[d + 1:], mask)
     if t == "aten.gather.default":
-        d = _axis(a[1], len(sshape))
+        d = norm_axis(a[1], len(sshape))
         i = _index_value(em, a[2], index, mask, sshape[d], wrap=True)
         return em.value(src, index[:d] + (i,) + index[d + 1:], mask)
     if t == "aten.index.Tensor":
@@ -95,7 +93,7 @@ def _broadcast(shapes) -> tuple:
     out = []
     for k in range(rank):
         dims = [s[len(s) - rank + k] for s in shapes if len(s) - rank + k >= 0]
-        non_unit = [d for d in dims if not same(d, 1)]
+        non_unit = [d for d in dims if not same_dim(d, 1)]
         out.append(non_unit[0] if non_unit else 1)
     return tuple(out)
 
@@ -133,10 +131,11 @@ def _select(em: OpEmitter, dtype: torch.dtype, pieces: list[tuple[list[Cond], Va
 
 
 def _cat(em: OpEmitter, op: Op, index: Index, mask) -> Val:
-    d = _axis(op.args[1] if len(op.args) > 1 else op.kwargs.get("dim", 0), len(op.shape))
+    a = bind_args(op)
+    d = norm_axis(a["dim"], len(op.shape))
     # torch.cat skips legacy empty 1-D pieces next to higher-rank ones
-    parts = [p for p in op.args[0]
-             if not (len(em.shape(p.name)) == 1 < len(op.shape) and same(em.shape(p.name)[0], 0))]
+    parts = [p for p in a["tensors"] if not (len(em.shape(p.name)) == 1 < len(op.shape)
+                                             and same_dim(em.shape(p.name)[0], 0))]
     if not parts:
         raise CodegenUnsupported("cat of nothing")
     i = index[d]
@@ -156,9 +155,10 @@ def _cat(em: OpEmitter, op: Op, index: Index, mask) -> Val:
 
 
 def _pad(em: OpEmitter, op: Op, index: Index, mask) -> Val:
-    src = op.args[0].name
-    pad = [dim_value(p) for p in op.args[1]]
-    value = op.args[2] if len(op.args) > 2 else op.kwargs.get("value", 0)
+    a = bind_args(op)
+    src = a["self"].name
+    pad = [dim_value(p) for p in a["pad"]]
+    value = a["value"]
     sshape = em.shape(src)
     rank = len(sshape)
     sidx = list(index)
@@ -176,30 +176,23 @@ def _pad(em: OpEmitter, op: Op, index: Index, mask) -> Val:
 def emit_scatter_select(em: OpEmitter, op: Op, index: Index, mask) -> Val:
     """A functional slice_scatter / select_scatter, per element of the result: the
     source where the element lies in the written slice, the destination elsewhere."""
-
-    dest, src = op.args[0].name, op.args[1].name
+    if op.target not in SLICE_SCATTERS:
+        raise CodegenUnsupported(f"{op.target} is not generated per element")
+    a = bind_args(op)
+    dest, src = a["self"].name, a["src"].name
     shape = em.shape(dest)
+    d = norm_axis(a["dim"], len(shape))
     if op.target == "aten.select_scatter.default":
-        d = _axis(op.args[2], len(shape))
-        k = dim_value(op.args[3])
-        if isinstance(k, int) and k < 0:
-            k = norm(k + shape[d])
+        k = select_index(a["index"], shape[d])
         conds = [Cond(f"{em.code(index[d])} == {em.dim(k)}", index[d].var_names())]
         sub = index[:d] + index[d + 1:]
-    elif op.target == "aten.slice_scatter.default":
-        args = list(op.args) + [None] * (6 - len(op.args))
-        dim = op.kwargs.get("dim", args[2] if args[2] is not None else 0)
-        d = _axis(dim, len(shape))
-        start, end, step = _slice_bounds(shape[d], op.kwargs.get("start", args[3]),
-                                         op.kwargs.get("end", args[4]),
-                                         op.kwargs.get("step", args[5] or 1))
+    else:
+        start, end, step = slice_bounds(a, shape[d])
         rel = index[d] - start
         conds = _between(em, index[d], start, end)
         if not (isinstance(step, int) and step == 1):
             conds.append(Cond(f"({em.code(rel)}) % {em.dim(step)} == 0", rel.var_names()))
         sub = index[:d] + (floordiv(rel, step),) + index[d + 1:]
-    else:
-        raise CodegenUnsupported(f"{op.target} is not generated per element")
     base = frozenset(mask or ())
     v = em.cast(em.value(src, sub, base | frozenset(conds)), op.dtype)
     old = em.cast(em.value(dest, index, base), op.dtype)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from kiln.ir.symbolic import Bounds, Dim, as_dim, upper_bound
+from kiln.ir.symbolic import Bounds, Dim, as_dim, same_dim, upper_bound
 
 INT32_MAX = 2**31 - 1
 # A block's lanes run up to one block past the last element before the mask cuts them;
@@ -53,10 +53,6 @@ def norm(c) -> Dim:
 
 def is_zero(c: Dim) -> bool:
     return norm(c) == 0
-
-
-def same(a: Dim, b: Dim) -> bool:
-    return norm(a) == norm(b) if not (isinstance(a, int) and isinstance(b, int)) else a == b
 
 
 def exact_div(c: Dim, d: Dim) -> Dim | None:
@@ -190,7 +186,7 @@ class ModIdx:
 
     def code(self, dim_code) -> str:
         inner = self.lin.code(dim_code)
-        if not same(self.d, 1):
+        if not same_dim(self.d, 1):
             inner = f"({inner}) // {dim_code(self.d)}"
         return f"({inner}) % {dim_code(self.m)}"
 
@@ -296,9 +292,9 @@ class Lin:
             neg = _negative(c)
             mag = norm(-sympy.sympify(c)) if neg else c
             atom = a.code(dim_code)
-            if isinstance(a, (Div, ModIdx)) and not same(mag, 1):
+            if isinstance(a, (Div, ModIdx)) and not same_dim(mag, 1):
                 atom = f"({atom})"
-            parts.append((neg, atom if same(mag, 1) else f"{dim_code(mag)} * {atom}"))
+            parts.append((neg, atom if same_dim(mag, 1) else f"{dim_code(mag)} * {atom}"))
         if not is_zero(self.const) or not parts:
             neg = _negative(self.const)
             mag = norm(-sympy.sympify(self.const)) if neg else self.const
@@ -328,7 +324,7 @@ def floordiv(lin, d: Dim) -> Lin:
     """floor(lin / d) for d > 0, simplified."""
     lin = Lin.of(lin)
     d = norm(d)
-    if same(d, 1):
+    if same_dim(d, 1):
         return lin
     quot: dict = {}
     rest: dict = {}
@@ -350,11 +346,11 @@ def floordiv(lin, d: Dim) -> Lin:
         (a, c), = r.terms
         inner = Lin.build({}, r.const)
         k = exact_div(d, c)
-        if k is not None and not same(c, 1) and inner.below(c):
+        if k is not None and not same_dim(c, 1) and inner.below(c):
             return q + _div_atom(Lin.of(a), k)  # floor((c*a + small) / (c*k)) = floor(a / k)
-        if same(c, 1) and is_zero(r.const) and isinstance(a, Div):
+        if same_dim(c, 1) and is_zero(r.const) and isinstance(a, Div):
             return q + _div_atom(a.lin, norm(a.d * d))  # floor(floor(L/a)/b) = floor(L/(ab))
-        if same(c, 1) and is_zero(r.const) and isinstance(a, ModIdx):
+        if same_dim(c, 1) and is_zero(r.const) and isinstance(a, ModIdx):
             k = exact_div(a.m, d)
             if k is not None:  # (L // a % (d*k)) // d = L // (a*d) % k
                 return q + modidx(a.lin, norm(a.d * d), k)
@@ -362,7 +358,7 @@ def floordiv(lin, d: Dim) -> Lin:
 
 
 def _div_atom(lin: Lin, d: Dim) -> Lin:
-    if same(d, 1):
+    if same_dim(d, 1):
         return lin
     if lin.below(d):
         return Lin()
@@ -373,7 +369,7 @@ def modidx(lin, d: Dim, m: Dim) -> Lin:
     """floor(lin / d) mod m, simplified (lin >= 0 on the lanes that matter)."""
     lin = Lin.of(lin)
     d, m = norm(d), norm(m)
-    if same(m, 1):
+    if same_dim(m, 1):
         return Lin()
     dm = norm(d * m)
     keep: dict = {}
@@ -390,16 +386,16 @@ def modidx(lin, d: Dim, m: Dim) -> Lin:
         (a, c), = r.terms
         inner = Lin.build({}, r.const)
         k = exact_div(d, c)
-        if k is not None and not same(c, 1) and inner.below(c):
+        if k is not None and not same_dim(c, 1) and inner.below(c):
             return modidx(Lin.of(a), k, m)  # (c*a + small) // (c*k) % m = a // k % m
         k = exact_div(c, d)
-        if k is not None and is_zero(r.const) and not (same(k, 1) and same(d, 1)):
+        if k is not None and is_zero(r.const) and not (same_dim(k, 1) and same_dim(d, 1)):
             mk = exact_div(m, k)
             if mk is not None:  # (k*d*a // d) % (k*mk) = k * (a % mk)
                 return modidx(Lin.of(a), 1, mk) * k
-        if isinstance(a, Div) and same(c, 1) and is_zero(r.const):
+        if isinstance(a, Div) and same_dim(c, 1) and is_zero(r.const):
             return modidx(a.lin, norm(a.d * d), m)
-        if isinstance(a, ModIdx) and same(c, 1) and is_zero(r.const):
+        if isinstance(a, ModIdx) and same_dim(c, 1) and is_zero(r.const):
             k = exact_div(a.m, dm)
             if k is not None:  # (L // a % (d*m*k)) // d % m = L // (a*d) % m
                 return modidx(a.lin, norm(a.d * d), m)
@@ -418,14 +414,14 @@ def _recombine(terms: dict, const: Dim) -> Lin:
             want = norm(c * a.m)
             outer_d = norm(a.d * a.m)
             for b, cb in list(terms.items()):
-                if b is a or not same(cb, want) or b.__class__ not in (Div, ModIdx):
+                if b is a or not same_dim(cb, want) or b.__class__ not in (Div, ModIdx):
                     continue
-                if b.lin != a.lin or not same(b.d, outer_d):
+                if b.lin != a.lin or not same_dim(b.d, outer_d):
                     continue
                 del terms[a]
                 del terms[b]
                 if isinstance(b, Div):
-                    merged = floordiv(a.lin, a.d) if not same(a.d, 1) else a.lin
+                    merged = floordiv(a.lin, a.d) if not same_dim(a.d, 1) else a.lin
                 else:
                     merged = modidx(a.lin, a.d, norm(a.m * b.m))
                 for ma, mc in merged.terms:
@@ -469,9 +465,9 @@ def delinearize(flat, shape: Sequence[Dim]) -> Index:
     out: list[Lin] = []
     st = strides(shape)
     for k, (size, s) in enumerate(zip(shape, st)):
-        if same(size, 1):
+        if same_dim(size, 1):
             out.append(Lin())
-        elif k == 0 or all(same(x, 1) for x in shape[:k]):
+        elif k == 0 or all(same_dim(x, 1) for x in shape[:k]):
             out.append(floordiv(flat, s))
         else:
             out.append(modidx(flat, s, size))
@@ -505,12 +501,12 @@ def broadcast_index(index: Index, shape: Sequence[Dim], operand: Sequence[Dim]) 
     """Index into an operand broadcast (numpy rules: align right) to `shape`."""
     lead = len(shape) - len(operand)
     assert lead >= 0, (shape, operand)
-    return tuple(Lin() if same(s, 1) else index[lead + k] for k, s in enumerate(operand))
+    return tuple(Lin() if same_dim(s, 1) else index[lead + k] for k, s in enumerate(operand))
 
 
 def index_vars(shape: Sequence[Dim], names: Sequence[str]) -> Index:
     """An index of `shape` whose dims are the kernel variables `names` (one per dim)."""
-    return tuple(Lin() if same(s, 1) else Lin.of(Var(n, s)) for n, s in zip(names, shape))
+    return tuple(Lin() if same_dim(s, 1) else Lin.of(Var(n, s)) for n, s in zip(names, shape))
 
 
 # ---------------------------------------------------------------- 64-bit indexing

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import sympy
 import torch
-from sympy.printing.str import StrPrinter
 
 from kiln.codegen.build.spec import KernelArg
-from kiln.ir.symbolic import Bounds, Dim, bounds_of, shape_str, to_str
+from kiln.ir.symbolic import Bounds, Dim, IntArithPrinter, bounds_of, shape_str, to_str
 
 INT32_MAX = 2**31 - 1
 
@@ -74,53 +73,25 @@ class KernelArgs:
         return lines
 
 
-class _KernelPrinter(StrPrinter):
+class _KernelPrinter(IntArithPrinter):
     """Integer dim expressions as Triton code over the symbol arguments."""
 
-    def _print_FloorDiv(self, e):
-        return f"(({self._print(e.args[0])}) // ({self._print(e.args[1])}))"
+    def ceil_div(self, a: str, b: str) -> str:
+        return f"tl.cdiv({a}, {b})"
 
-    def _print_CeilDiv(self, e):
-        return f"tl.cdiv({self._print(e.args[0])}, {self._print(e.args[1])})"
-
-    def _print_ModularIndexing(self, e):
-        a, b, c = (self._print(x) for x in e.args)
-        return f"((({a}) // ({b})) % ({c}))"
-
-    def _print_Mod(self, e):
-        return f"(({self._print(e.args[0])}) % ({self._print(e.args[1])}))"
-
-    _print_PythonMod = _print_Mod
-
-    def _print_Max(self, e):
-        out = self._print(e.args[0])
-        for a in e.args[1:]:
-            out = f"tl.maximum({out}, {self._print(a)})"
+    def extremum(self, fn: str, args: list[str]) -> str:
+        call = {"max": "tl.maximum", "min": "tl.minimum"}[fn]  # two operands each
+        out = args[0]
+        for a in args[1:]:
+            out = f"{call}({out}, {a})"
         return out
 
-    def _print_Min(self, e):
-        out = self._print(e.args[0])
-        for a in e.args[1:]:
-            out = f"tl.minimum({out}, {self._print(a)})"
-        return out
 
-    def _print_Pow(self, e):
-        if e.exp.is_Integer and e.exp > 0:
-            return "(" + " * ".join([f"({self._print(e.base)})"] * int(e.exp)) + ")"
-        raise ValueError(f"cannot write {e} as integer kernel code")
+class _GridPrinter(IntArithPrinter):
+    """Integer dim expressions as launch-grid Python (`cdiv` is in the grid's scope)."""
 
-    _print_PowByNatural = _print_Pow
-
-
-class _GridPrinter(_KernelPrinter):
-    def _print_CeilDiv(self, e):
-        return f"cdiv({self._print(e.args[0])}, {self._print(e.args[1])})"
-
-    def _print_Max(self, e):
-        return "max(" + ", ".join(self._print(a) for a in e.args) + ")"
-
-    def _print_Min(self, e):
-        return "min(" + ", ".join(self._print(a) for a in e.args) + ")"
+    def ceil_div(self, a: str, b: str) -> str:
+        return f"cdiv({a}, {b})"
 
 
 class SymbolicArgs(KernelArgs):

@@ -12,25 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kiln.codegen.expr.indexing import (
-    Dim,
-    Index,
-    Lin,
-    broadcast_index,
-    norm,
-    reshape_index,
-    same,
-)
+from kiln.codegen.expr.indexing import Dim, Index, Lin, broadcast_index, norm, reshape_index
 from kiln.codegen.expr.values import CodegenUnsupported
+from kiln.ir.ops import RESHAPES, SPLITS, SQUEEZES, UNIT_DIM_OPS, bind_args, norm_axis
 from kiln.ir.plan import Op, Ref, Sym
+from kiln.ir.symbolic import same_dim
 
-RESHAPES = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"}
-IDENTITY_VIEWS = {"aten.alias.default"}
-SPLITS = {"aten.split_with_sizes.default", "aten.split.Tensor", "aten.unbind.int"}
-VIEW_TARGETS = RESHAPES | IDENTITY_VIEWS | SPLITS | {
-    "aten.permute.default", "aten.transpose.int", "aten.t.default", "aten.expand.default",
-    "aten.unsqueeze.default", "aten.squeeze.default", "aten.squeeze.dim",
-    "aten.squeeze.dims", "aten.slice.Tensor", "aten.select.int", "getitem",
+VIEW_TARGETS = RESHAPES | UNIT_DIM_OPS | SPLITS | {
+    "aten.alias.default", "aten.permute.default", "aten.transpose.int", "aten.t.default",
+    "aten.expand.default", "aten.slice.Tensor", "aten.select.int", "getitem",
 }
 
 
@@ -41,10 +31,6 @@ def dim_value(x) -> Dim:
     if isinstance(x, bool) or not isinstance(x, int):
         raise CodegenUnsupported(f"size argument {x!r} is not an integer")
     return x
-
-
-def _axis(d, rank: int) -> int:
-    return d % rank if rank else 0
 
 
 def is_view(op: Op, ops: dict[str, Op]) -> bool:
@@ -65,10 +51,10 @@ def source_index(op: Op, index: Index, shape_of: Callable[[str], tuple],
     rank = len(shape)
     if t in RESHAPES:
         return src, reshape_index(index, out, shape)
-    if t in IDENTITY_VIEWS:
+    if t == "aten.alias.default":
         return src, index
     if t == "aten.permute.default":
-        dims = [_axis(d, rank) for d in op.args[1]]
+        dims = [norm_axis(d, rank) for d in op.args[1]]
         res: list[Lin | None] = [None] * rank
         for i, d in enumerate(dims):
             res[d] = index[i]
@@ -77,24 +63,23 @@ def source_index(op: Op, index: Index, shape_of: Callable[[str], tuple],
         d0, d1 = (op.args[1], op.args[2]) if t == "aten.transpose.int" else (0, 1)
         if rank < 2:
             return src, index
-        d0, d1 = _axis(d0, rank), _axis(d1, rank)
+        d0, d1 = norm_axis(d0, rank), norm_axis(d1, rank)
         res = list(index)
         res[d0], res[d1] = index[d1], index[d0]
         return src, tuple(res)
     if t == "aten.expand.default":
         return src, broadcast_index(index, out, shape)
     if t == "aten.unsqueeze.default":
-        d = _axis(op.args[1], rank + 1)
+        d = norm_axis(op.args[1], rank + 1)
         return src, tuple(index[:d] + index[d + 1:])
-    if t.startswith("aten.squeeze."):
+    if t in SQUEEZES:
         return src, _unsqueeze_back(op, index, shape)
     if t == "aten.slice.Tensor":
         return src, _slice(op, index, shape)
     if t == "aten.select.int":
-        d = _axis(op.args[1], rank)
-        i = dim_value(op.args[2])
-        if isinstance(i, int) and i < 0:
-            i = norm(i + shape[d])
+        a = bind_args(op)
+        d = norm_axis(a["dim"], rank)
+        i = select_index(a["index"], shape[d])
         return src, tuple(index[:d]) + (Lin.of(i),) + tuple(index[d:])
     raise CodegenUnsupported(f"view {t} has no index map in kiln's Triton codegen")
 
@@ -104,10 +89,10 @@ def _unsqueeze_back(op: Op, index: Index, shape: tuple) -> Index:
     if op.target == "aten.squeeze.default":
         dims = set(range(rank))
     elif op.target == "aten.squeeze.dim":
-        dims = {_axis(op.args[1], rank)}
+        dims = {norm_axis(op.args[1], rank)}
     else:
-        dims = {_axis(d, rank) for d in op.args[1]}
-    removed = [d for d in range(rank) if d in dims and same(shape[d], 1)]
+        dims = {norm_axis(d, rank) for d in op.args[1]}
+    removed = [d for d in range(rank) if d in dims and same_dim(shape[d], 1)]
     res, k = [], 0
     for d in range(rank):
         if d in removed:
@@ -118,8 +103,18 @@ def _unsqueeze_back(op: Op, index: Index, shape: tuple) -> Index:
     return tuple(res)
 
 
-def _slice_bounds(size: Dim, start, end, step) -> tuple[Dim, Dim, Dim]:
-    """A slice's (start, end, step) normalised like Python's: None and negative ends."""
+def select_index(i, size: Dim) -> Dim:
+    """A select's index argument in 0..size-1 (a negative one counts from the end)."""
+    i = dim_value(i)
+    if isinstance(i, int) and i < 0:
+        i = norm(i + size)
+    return i
+
+
+def slice_bounds(a: dict, size: Dim) -> tuple[Dim, Dim, Dim]:
+    """A slice's (start, end, step) from its bound arguments (`bind_args`), normalised
+    like Python's: None and negative ends."""
+    start, end, step = a["start"], a["end"], a["step"]
     out = []
     for v, default in ((start, 0), (end, size)):
         v = default if v is None else dim_value(v)
@@ -135,31 +130,27 @@ def _slice_bounds(size: Dim, start, end, step) -> tuple[Dim, Dim, Dim]:
 
 
 def _slice(op: Op, index: Index, shape: tuple) -> Index:
-    args = list(op.args) + [None] * (5 - len(op.args))
-    dim = op.kwargs.get("dim", args[1] if args[1] is not None else 0)
-    d = _axis(dim, len(shape))
-    start, _, step = _slice_bounds(shape[d], op.kwargs.get("start", args[2]),
-                                   op.kwargs.get("end", args[3]),
-                                   op.kwargs.get("step", args[4] or 1))
+    a = bind_args(op)
+    d = norm_axis(a["dim"], len(shape))
+    start, _, step = slice_bounds(a, shape[d])
     res = list(index)
     res[d] = Lin.of(start) + index[d] * step
     return tuple(res)
 
 
 def _split_piece(tup: Op, k: int, index: Index, shape_of) -> tuple[str, Index]:
-    src = tup.args[0].name
+    a = bind_args(tup)
+    src = a["self"].name
     shape = tuple(shape_of(src))
+    d = norm_axis(a["dim"], len(shape))
     if tup.target == "aten.unbind.int":
-        d = _axis(tup.args[1] if len(tup.args) > 1 else tup.kwargs.get("dim", 0), len(shape))
         return src, tuple(index[:d]) + (Lin.of(k),) + tuple(index[d:])
-    dim = tup.args[2] if len(tup.args) > 2 else tup.kwargs.get("dim", 0)
-    d = _axis(dim, len(shape))
     if tup.target == "aten.split_with_sizes.default":
         start: Dim = 0
-        for s in tup.args[1][:k]:
+        for s in a["split_sizes"][:k]:
             start = norm(start + dim_value(s))
     else:
-        start = norm(dim_value(tup.args[1]) * k)
+        start = norm(dim_value(a["split_size"]) * k)
     res = list(index)
     res[d] = index[d] + start
     return src, tuple(res)

@@ -19,18 +19,17 @@ import torch
 from kiln.codegen.build.spec import KernelSpec
 from kiln.codegen.expr.emit import Emitter, kernel_name, module_source, needs_int64
 from kiln.codegen.expr.gather import _index_value, advanced_index, indexed_shape
-from kiln.codegen.expr.indexing import Lin, Var, broadcast_index, delinearize, norm
+from kiln.codegen.expr.indexing import Lin, Var, broadcast_index, delinearize
 from kiln.codegen.expr.kernel_args import KernelArgs
 from kiln.codegen.expr.values import CodegenUnsupported, Cond, mask_of
-from kiln.codegen.expr.views import _slice_bounds, dim_value
+from kiln.codegen.expr.views import select_index, slice_bounds
 from kiln.codegen.templates.pointwise import pointwise_configs, pointwise_spec
 from kiln.codegen.templates.reduction.row_kernel import RowKernel
-from kiln.ir.ops import OpCategory, category
+from kiln.ir.ops import SLICE_SCATTERS, OpCategory, bind_args, category, norm_axis
 from kiln.ir.plan import DispatchPlan, Op, Ref, Region
 from kiln.ir.symbolic import numel, upper_bound
 from kiln.target import Target
 
-PER_ELEMENT = {"aten.slice_scatter.default", "aten.select_scatter.default"}
 ATOMIC_DTYPES = {torch.float32, torch.int32}
 
 
@@ -46,7 +45,7 @@ def generate_copy(region: Region, plan: DispatchPlan, target: Target) -> KernelS
         raise CodegenUnsupported("a copy region with several scatters")
     op = scatters[0]
     if op.name not in region.inplace:
-        if op.target in PER_ELEMENT:
+        if op.target in SLICE_SCATTERS:
             return pointwise_spec(region, plan, target, kind="copy")
         raise CodegenUnsupported(f"functional {op.target} (not written in place)")
     return scatter_spec(region, plan, target, op)
@@ -81,10 +80,6 @@ def scatter_spec(region: Region, plan: DispatchPlan, target: Target, op: Op) -> 
                       index_bits=64 if wide else 32)
 
 
-def _axis(d: int, rank: int) -> int:
-    return d % rank if rank else 0
-
-
 def _update_shape(em: Emitter, op: Op) -> tuple:
     """The shape of the elements the scatter writes (what the kernel walks)."""
     t = op.target
@@ -96,7 +91,7 @@ def _update_shape(em: Emitter, op: Op) -> tuple:
         return em.shape(a[3].name)
     if t in ("aten.scatter.src", "aten.scatter.value", "aten.scatter_add.default"):
         return em.shape(a[2].name)
-    if t in PER_ELEMENT:
+    if t in SLICE_SCATTERS:
         return em.shape(a[1].name)
     raise CodegenUnsupported(f"{t} is not generated")
 
@@ -113,19 +108,19 @@ def _destination(em: Emitter, op: Op, u, update, mask):
         return em.value(ref.name, broadcast_index(idx, update, em.shape(ref.name)), mask)
 
     if t == "aten.index_put.default":
-        accumulate = bool(a[3]) if len(a) > 3 else bool(op.kwargs.get("accumulate", False))
+        accumulate = bool(bind_args(op)["accumulate"])
         dest = advanced_index(em, dest_shape, a[1], update, u, mask)
         return dest, src_at(a[2], u), accumulate
     if t in ("aten.index_copy.default", "aten.index_add.default"):
-        d = _axis(a[1], len(dest_shape))
+        d = norm_axis(a[1], len(dest_shape))
         row = _index_value(em, a[2], (u[d],), mask, dest_shape[d], wrap=True)
         v = src_at(a[3], u)
-        alpha = a[4] if len(a) > 4 else op.kwargs.get("alpha", 1)
+        alpha = bind_args(op)["alpha"]
         if t == "aten.index_add.default" and alpha != 1:
             v = em.let(f"{v} * {alpha!r}", v.dtype, v.vars)
         return u[:d] + (row,) + u[d + 1:], v, t == "aten.index_add.default"
     if t in ("aten.scatter.src", "aten.scatter.value", "aten.scatter_add.default"):
-        d = _axis(a[1], len(dest_shape))
+        d = norm_axis(a[1], len(dest_shape))
         row = _index_value(em, a[2], u, mask, dest_shape[d], wrap=True)
         if t == "aten.scatter.value":
             from kiln.codegen.expr.values import literal
@@ -134,19 +129,14 @@ def _destination(em: Emitter, op: Op, u, update, mask):
         else:
             v = src_at(a[3], u)
         return u[:d] + (row,) + u[d + 1:], v, t == "aten.scatter_add.default"
-    if t == "aten.slice_scatter.default":
-        args = list(a) + [None] * (6 - len(a))
-        d = _axis(op.kwargs.get("dim", args[2] if args[2] is not None else 0), len(dest_shape))
-        start, _, step = _slice_bounds(dest_shape[d], op.kwargs.get("start", args[3]),
-                                       op.kwargs.get("end", args[4]),
-                                       op.kwargs.get("step", args[5] or 1))
-        return u[:d] + (Lin.of(start) + u[d] * step,) + u[d + 1:], src_at(a[1], u), False
-    if t == "aten.select_scatter.default":
-        d = _axis(a[2], len(dest_shape))
-        k = dim_value(a[3])
-        if isinstance(k, int) and k < 0:
-            k = norm(k + dest_shape[d])
-        return u[:d] + (Lin.of(k),) + u[d:], src_at(a[1], u), False
+    if t in SLICE_SCATTERS:
+        b = bind_args(op)
+        d = norm_axis(b["dim"], len(dest_shape))
+        if t == "aten.select_scatter.default":
+            k = select_index(b["index"], dest_shape[d])
+            return u[:d] + (Lin.of(k),) + u[d:], src_at(b["src"], u), False
+        start, _, step = slice_bounds(b, dest_shape[d])
+        return u[:d] + (Lin.of(start) + u[d] * step,) + u[d + 1:], src_at(b["src"], u), False
     raise CodegenUnsupported(f"{t} is not generated")
 
 

@@ -12,11 +12,11 @@ import triton
 
 from kiln.codegen.build.spec import Config, KernelSpec
 from kiln.codegen.expr.emit import Emitter, kernel_name, module_source, needs_int64
-from kiln.codegen.expr.indexing import Var, delinearize, same
+from kiln.codegen.expr.indexing import Var, delinearize
 from kiln.codegen.expr.kernel_args import KernelArgs
 from kiln.codegen.expr.values import CodegenUnsupported, Cond, mask_of
 from kiln.ir.plan import DispatchPlan, Region
-from kiln.ir.symbolic import numel, upper_bound
+from kiln.ir.symbolic import numel, same_dim, upper_bound
 from kiln.target import Target
 
 BLOCKS = (128, 256, 512, 1024, 2048)
@@ -33,7 +33,7 @@ def pointwise_spec(region: Region, plan: DispatchPlan, target: Target,
     """One flat kernel over the region's output (`kind` names it: pointwise or copy)."""
     shapes = [plan.values[o].shape for o in region.outputs]
     shape = shapes[0]
-    if any(len(s) != len(shape) or not all(same(a, b) for a, b in zip(s, shape))
+    if any(len(s) != len(shape) or not all(same_dim(a, b) for a, b in zip(s, shape))
            for s in shapes):
         raise CodegenUnsupported("outputs of different shapes")
     n = numel(shape)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import sympy
 
-from kiln.codegen.expr.indexing import same
+from kiln.ir.ops import ARANGES, RESHAPES, arange_start_step
 from kiln.ir.plan import Ref, Region
+from kiln.ir.symbolic import same_dim
 
 QI, KJ = sympy.Symbol("qi", integer=True), sympy.Symbol("kj", integer=True)
-_RAMPS = {"aten.arange.default", "aten.arange.start", "aten.arange.start_step"}
-_VIEWS = {"aten.unsqueeze.default", "aten.view.default", "aten.reshape.default",
-          "aten.expand.default", "aten.alias.default", "aten._unsafe_view.default"}
+# Views a ramp passes through on its way to the mask's [.., T, S] shape.
+_VIEWS = RESHAPES | {"aten.unsqueeze.default", "aten.expand.default", "aten.alias.default"}
 _CMP = {"le": "<=", "lt": "<", "ge": ">=", "gt": ">"}
 
 
@@ -30,13 +30,13 @@ def is_causal_mask(region: Region, name: str) -> bool:
     return sympy.expand(form[1] - (KJ - QI)) == 0
 
 
-def _axis(shape) -> sympy.Symbol | None:
-    """Which attention index a ramp of this (right-aligned) shape varies with."""
+def _ramp_index(shape) -> sympy.Symbol | None:
+    """Which attention index (qi or kj) a ramp of this (right-aligned) shape varies with."""
     if shape is None or not shape:
         return None
-    if len(shape) == 1 or same(shape[-2], 1):
-        return KJ if not same(shape[-1], 1) else None
-    return QI if same(shape[-1], 1) else None
+    if len(shape) == 1 or same_dim(shape[-2], 1):
+        return KJ if not same_dim(shape[-1], 1) else None
+    return QI if same_dim(shape[-1], 1) else None
 
 
 def _form(region: Region, arg):
@@ -49,19 +49,18 @@ def _form(region: Region, arg):
         return None
     op = region.op(arg.name)
     t = op.target
-    if t in _RAMPS:
-        a = list(op.args)
-        start, step = (0, 1) if t == "aten.arange.default" else (a[0], a[2] if len(a) > 2 else 1)
+    if t in ARANGES:
+        start, step = arange_start_step(op)
         if not (isinstance(start, int) and isinstance(step, int)):
             return None
-        axis = _axis(op.shape)
+        axis = _ramp_index(op.shape)
         return None if axis is None else start + step * axis
     if t in _VIEWS:
         inner = _form(region, op.args[0])
         if isinstance(inner, sympy.Expr) and inner.free_symbols:
             src = region.op(op.args[0].name) if op.args[0].name not in region.inputs else None
-            was = _axis(src.shape) if src is not None else None
-            now = _axis(op.shape)
+            was = _ramp_index(src.shape) if src is not None else None
+            now = _ramp_index(op.shape)
             if was is None or now is None:
                 return None
             return inner.subs(was, now) if was != now else inner

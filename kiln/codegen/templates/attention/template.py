@@ -35,7 +35,7 @@ import torch
 
 from kiln.codegen.build.spec import Config, KernelSpec
 from kiln.codegen.expr.emit import Emitter, kernel_name, module_source
-from kiln.codegen.expr.indexing import Lin, Var, floordiv, modidx, same
+from kiln.codegen.expr.indexing import Lin, Var, floordiv, modidx
 from kiln.codegen.expr.kernel_args import SymbolicArgs
 from kiln.codegen.expr.values import CodegenUnsupported, Cond, Val, mask_of
 from kiln.codegen.templates import split_k as split
@@ -43,7 +43,7 @@ from kiln.codegen.templates.attention.causal_mask import is_causal_mask
 from kiln.codegen.templates.matmul.configs import can_split
 from kiln.codegen.templates.matmul.template import dot_operand
 from kiln.ir.plan import DispatchPlan, Ref, Region
-from kiln.ir.symbolic import Dim, bounds_of
+from kiln.ir.symbolic import Dim, bounds_of, same_dim
 from kiln.target import Target
 
 SDPA = "aten.scaled_dot_product_attention.default"
@@ -120,7 +120,7 @@ def analyse(region: Region, plan: DispatchPlan) -> AttentionShape:
     if not (Hkv == H or Hkv == 1 or (a["enable_gqa"] and H % Hkv == 0)):
         raise CodegenUnsupported(f"{H} query heads over {Hkv} key heads")
     for x in (ks, vs):
-        if not (same(x[0], B) or same(x[0], 1)) or not same(x[2], S):
+        if not (same_dim(x[0], B) or same_dim(x[0], 1)) or not same_dim(x[2], S):
             raise CodegenUnsupported("key/value batch or length differs from the query's")
     mask, kind = None, None
     if a["attn_mask"] is not None:
@@ -216,7 +216,7 @@ class _AttentionSource:
         if self.three_d:
             dims = (b, row, col) if role == "mask" else (b, pos, feature)
         dims = dims[len(dims) - len(shape):]
-        return tuple(Lin() if same(n, 1) else i for i, n in zip(dims, shape))
+        return tuple(Lin() if same_dim(n, 1) else i for i, n in zip(dims, shape))
 
     def _head(self) -> Lin:
         s = self.s

@@ -35,11 +35,11 @@ from kiln.codegen.expr.kernel_args import SymbolicArgs
 from kiln.codegen.expr.values import CodegenUnsupported, Cond, Val, mask_of
 from kiln.codegen.templates import split_k as split
 from kiln.codegen.templates.matmul import configs as cfg
+from kiln.ir.ops import MATMULS, bind_args
 from kiln.ir.plan import DispatchPlan, Ref, Region
 from kiln.ir.symbolic import Dim, bounds_of
 from kiln.target import Target
 
-MATMULS = {"aten.mm.default", "aten.bmm.default", "aten.addmm.default"}
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 GEMV_MAX_M = 8  # rows up to which the GEMV form beats a padded tensor-core tile
 
@@ -86,8 +86,8 @@ def analyse(region: Region, plan: DispatchPlan) -> MatmulShape:
         bias = anchor.args[0] if isinstance(anchor.args[0], Ref) else None
         if bias is None:
             raise CodegenUnsupported("addmm with a non-tensor input")
-        alpha = float(anchor.kwargs.get("alpha", 1))
-        beta = float(anchor.kwargs.get("beta", 1))
+        a = bind_args(anchor)
+        alpha, beta = float(a["alpha"]), float(a["beta"])
     return MatmulShape(a_ref.name, b_ref.name, bias, alpha, beta, batched,
                        lead[0] if batched else 1, m, n, k, anchor.dtype)
 

@@ -17,6 +17,7 @@ import torch
 
 from kiln.codegen.expr.emit import Emitter
 from kiln.codegen.expr.values import TL, CodegenUnsupported, Val, literal, opmath
+from kiln.ir.ops import bind_args
 from kiln.ir.plan import Op, Ref
 
 # per element: (index, mask) -> Val
@@ -145,12 +146,11 @@ def _mean_then_squares(em: Emitter, n_code: str, x, dt) -> tuple[Sweep, Acc, Cal
 
 def _variance(op: Op, em: Emitter, n_code: str, outs, x, t: str) -> OpPlan:
     dt = opmath(op.dtype if op.dtype is not None else em.dtype(op.args[0].name))
+    a = bind_args(op)
     if t == "var.dim":
-        unbiased = op.args[2] if len(op.args) > 2 else op.kwargs.get("unbiased", True)
-        correction = 1 if unbiased else 0
+        correction = 1 if a["unbiased"] else 0
     else:
-        correction = op.kwargs.get("correction")
-        correction = 1 if correction is None else correction
+        correction = 1 if a["correction"] is None else a["correction"]
     first, ssd, mean = _mean_then_squares(em, n_code, x, dt)
 
     def var() -> Val:  # torch divides by max(0, N - correction)
@@ -234,10 +234,10 @@ def _softmax(op: Op, em: Emitter, outs, x, name: str, online: bool) -> OpPlan:
 def _layer_norm(op: Op, em: Emitter, n_code: str, outs, x) -> OpPlan:
     in_dtype = em.dtype(op.args[0].name)
     dt = opmath(in_dtype)
-    weight = op.args[2] if len(op.args) > 2 else None
-    bias = op.args[3] if len(op.args) > 3 else None
-    eps = op.args[4] if len(op.args) > 4 else op.kwargs.get("eps", 1e-5)
-    norm_rank = len(op.args[1])
+    a = bind_args(op)
+    weight, bias = a["weight"], a["bias"]
+    eps = 1e-5 if a["eps"] is None else a["eps"]
+    norm_rank = len(a["normalized_shape"])
     first, ssd, mean = _mean_then_squares(em, n_code, x, dt)
     box: list[Val] = []
 
@@ -271,8 +271,7 @@ def _layer_norm(op: Op, em: Emitter, n_code: str, outs, x) -> OpPlan:
 def _vector_norm(op: Op, em: Emitter, outs, x) -> OpPlan:
     """torch.linalg.vector_norm: max|x| (ord inf), min|x| (-inf), count of nonzeros (0),
     sum|x| (1), sqrt(sum x**2) (2), else (sum |x|**p) ** (1/p)."""
-    ord_ = op.args[1] if len(op.args) > 1 else op.kwargs.get("ord", 2)
-    ord_ = float(ord_)
+    ord_ = float(bind_args(op)["ord"])
     dt = opmath(op.dtype)
 
     def term(fmt: str) -> ElemFn:

@@ -28,7 +28,7 @@ import triton
 
 from kiln.codegen.build.spec import Config, KernelSpec
 from kiln.codegen.expr.emit import Emitter, indent, kernel_name, module_source, needs_int64
-from kiln.codegen.expr.indexing import Lin, Var, delinearize, linearize, same
+from kiln.codegen.expr.indexing import Lin, Var, delinearize, linearize
 from kiln.codegen.expr.kernel_args import KernelArgs
 from kiln.codegen.expr.values import CodegenUnsupported, Cond, Val, mask_of, opmath
 from kiln.codegen.templates.reduction.accumulate import Accumulators
@@ -41,7 +41,7 @@ from kiln.codegen.templates.reduction.forms import (
 from kiln.codegen.templates.reduction.reduce_ops import OpPlan, plan_op
 from kiln.ir.ops import OpCategory, category, reduction_dims
 from kiln.ir.plan import DispatchPlan, Op, Ref, Region
-from kiln.ir.symbolic import bounds_of, numel, upper_bound
+from kiln.ir.symbolic import bounds_of, numel, same_dim, upper_bound
 from kiln.target import Target
 
 # Sums and means whose partial results may be added atomically (the split form).
@@ -73,7 +73,7 @@ class RowKernel:
             shape = self._shape(r.args[0])
             dims = reduction_dims(r.target, r.args, r.kwargs, len(shape))
             if dims != self.dims or len(shape) != len(self.src_shape) or not all(
-                    same(a, b) for a, b in zip(shape, self.src_shape)):
+                    same_dim(a, b) for a, b in zip(shape, self.src_shape)):
                 raise CodegenUnsupported("reductions over different rows in one region")
         S = self.src_shape
         self.outer_dims = [d for d in range(len(S)) if d not in self.dims]
@@ -306,9 +306,9 @@ class RowKernel:
                 elem.append((o, full))
             elif self.row_index(shape) is not None:
                 row.append((o, self.row_index(shape)))
-            elif same(numel(shape), numel(S)):
+            elif same_dim(numel(shape), numel(S)):
                 elem.append((o, delinearize(linearize(full, S), shape)))
-            elif same(numel(shape), self.outer):
+            elif same_dim(numel(shape), self.outer):
                 row.append((o, delinearize(self.x, shape)))
             else:
                 raise CodegenUnsupported(f"output %{o} is neither per element nor per row")
@@ -378,4 +378,4 @@ class RowKernel:
 
 
 def _same_shape(a, b) -> bool:
-    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(same_dim(x, y) for x, y in zip(a, b))
