@@ -190,10 +190,10 @@ def test_llama3_8b_attention_block_fits_every_target(llama3_8b_attention, target
 GPU_TARGETS = ("rocm:gfx942", "cuda:sm_80", "cuda:sm_90")
 
 
-def _what_full_tuning_compiles(model, args, ds, target):
-    """The attention kernel's configs that `tune="full"` would compile for `target`: the
-    spec after fitting (and any split), as select_kernels makes it, less the configs the
-    pre-compile check rules out. Mirrors select_kernels.kernel_for and Tuner._compile."""
+def _what_tuning_compiles(model, args, ds, target, mode):
+    """The attention kernel's configs that tuning in `mode` would compile for `target`:
+    the spec after fitting (and any split), as select_kernels makes it, less the configs
+    the pre-compile check rules out. Mirrors select_kernels.kernel_for, Tuner._compile."""
     tgt = get_target(target)
     plan = kiln.compile(model, args, dynamic_shapes=ds, target=target, compile_to="dispatch")
     _load_generators()
@@ -201,21 +201,22 @@ def _what_full_tuning_compiles(model, args, ds, target):
     spec = fit.fitted_spec(region, plan, tgt, GENERATORS[RegionKind.ATTENTION])
     assert spec is not None, region.notes
     estimate = default_estimator()
-    configs = [c for c in candidates(spec, "full") if precheck(spec, c, tgt, estimate) is None]
+    configs = [c for c in candidates(spec, mode) if precheck(spec, c, tgt, estimate) is None]
     return spec, configs
 
 
-@pytest.mark.slow
-def test_every_config_full_tuning_may_pick_fits_the_llama3_8b_attention(llama3_8b_attention):
-    """Not just the default: every attention config the tuner would compile in full mode
-    is compiled (compile-only, in the tuner's worker pool) on every GPU target, and the
-    binary's real shared memory (Triton's metadata.shared) is within the target's limit.
-    ~260 compiles: minutes on a 2-core machine with a cold Triton cache."""
+@pytest.mark.parametrize("mode", ["fast", pytest.param("full", marks=pytest.mark.slow)])
+def test_every_config_tuning_may_pick_fits_the_llama3_8b_attention(llama3_8b_attention, mode):
+    """Not just the default: every attention config the tuner would compile (mode "fast",
+    the default, or "full") is compiled, compile-only and in the tuner's worker pool, for
+    every GPU target, and the binary's real shared memory (Triton's metadata.shared) is
+    within the target's limit. fast: ~20 compiles; full: ~260, minutes on 2 cores."""
     model, args, ds = llama3_8b_attention
     jobs = []
     for target in GPU_TARGETS:
-        spec, configs = _what_full_tuning_compiles(model, args, ds, target)
-        assert spec.default in configs and len(configs) > 20, (target, len(configs))
+        spec, configs = _what_tuning_compiles(model, args, ds, target, mode)
+        assert spec.default in configs, target
+        assert len(configs) == len(candidates(spec, mode)) > (20 if mode == "full" else 2)
         jobs += [Job(spec, c, get_target(target), "kiln.codegen.triton.compiler:compile_binary")
                  for c in configs]
     start = time.perf_counter()
@@ -229,7 +230,8 @@ def test_every_config_full_tuning_may_pick_fits_the_llama3_8b_attention(llama3_8
         if res.shared > job.target.shared_mem_per_block or not resources.fits(res, job.target):
             over.append(f"{job.target.name} [{job.config}]: {res.shared} B shared, "
                         f"{resources.violations(res, job.target)}")
-    print(f"{len(jobs)} attention configs compiled in {time.perf_counter() - start:.0f} s")
+    print(f"{len(jobs)} attention configs ({mode}) compiled in "
+          f"{time.perf_counter() - start:.0f} s")
     assert not failed, "configs the tuner would try do not compile:\n" + "\n".join(failed)
     assert not over, "configs the tuner may pick are over the target:\n" + "\n".join(over)
 
