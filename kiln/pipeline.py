@@ -17,7 +17,7 @@ from typing import Any
 
 from kiln.errors import KilnError, VerifierError
 from kiln.ir.printer import print_ir
-from kiln.ir.verify import verify
+from kiln.ir.verify import check_invariant_names, verify
 from kiln.progress import progress
 from kiln.settings import dump_ir_dir
 
@@ -31,6 +31,10 @@ class Pass:
     name: str
     fn: Callable[[Any, Context], Any]
     establishes: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        # At definition (usually import) time, so a typo'd invariant fails at once.
+        check_invariant_names(self.establishes, where=f"pass {self.name}")
 
     def __call__(self, ir, ctx):
         return self.fn(ir, ctx)

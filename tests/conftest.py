@@ -7,6 +7,12 @@ os.environ.setdefault("KILN_PROGRESS", "0")
 
 
 def pytest_collection_modifyitems(config, items):
+    # Minutes-long tests (e.g. compiling every tuning config) run only when asked for.
+    if os.environ.get("KILN_RUN_SLOW") != "1":
+        slow = pytest.mark.skip(reason="slow: set KILN_RUN_SLOW=1 to run it")
+        for item in items:
+            if item.get_closest_marker("slow") is not None:
+                item.add_marker(slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -68,7 +68,7 @@ def test_op_kiln_does_not_know_names_the_op_and_line():
         kiln.compile(Erfinv(), (torch.rand(4),))
     assert "aten.erfinv.default" in e.value.what
     assert f"{HERE}:{_line_of(Erfinv.forward, 'erfinv(y)')}" in _where(e.value)
-    assert e.value.hint
+    assert e.value.hint.startswith("rewrite this line with supported ops")
 
 
 class Branchy(torch.nn.Module):

@@ -2,7 +2,8 @@
 
 `verify(ir, invariants)` returns a list of problems (empty = fine). An invariant is
 named by the pass that establishes it (see pipeline.Pass.establishes); once
-established it is checked after every later pass.
+established it is checked after every later pass. A name the verifier does not know
+is an error, not a skip: a typo'd invariant would otherwise never be checked.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
+from kiln.errors import VerifierError
 from kiln.ir.graph import KilnGraph
 from kiln.ir.ops import OpCategory, category, op_name
 from kiln.ir.plan import DispatchPlan, RegionKind
@@ -20,17 +22,29 @@ from kiln.ir.symbolic import as_dim
 
 
 def verify(ir, invariants: set[str] = frozenset()) -> list[str]:
+    check_invariant_names(invariants, where="verify()")
     if isinstance(ir, KilnGraph):
         problems = _graph_structure(ir)
         for name in sorted(invariants):
-            check = GRAPH_INVARIANTS.get(name)
-            if check:
-                problems += check(ir)
+            problems += GRAPH_INVARIANTS[name](ir)
         return problems
     if isinstance(ir, DispatchPlan):
         return verify_plan(ir)
     own = getattr(ir, "verify", None)
     return own() if own else []
+
+
+def check_invariant_names(names, where: str) -> None:
+    """Raise VerifierError naming every invariant in `names` that the verifier cannot check."""
+    unknown = sorted(set(names) - set(GRAPH_INVARIANTS))
+    if unknown:
+        raise VerifierError(
+            f"unknown IR invariant{'s' if len(unknown) > 1 else ''} "
+            + ", ".join(repr(n) for n in unknown),
+            where=where,
+            hint="known invariants: " + ", ".join(sorted(GRAPH_INVARIANTS))
+            + "; add a check to kiln/ir/verify.py GRAPH_INVARIANTS for a new one",
+        )
 
 
 # ---- graph ------------------------------------------------------------------------
@@ -100,11 +114,17 @@ def _same_val(a: fx.Node, b: fx.Node) -> bool:
             and [as_dim(d) for d in va.shape] == [as_dim(d) for d in vb.shape])
 
 
+def _devices_assigned(kg: KilnGraph) -> list[str]:
+    return [f"%{n.name} has no device assigned" for n in kg.graph.nodes
+            if n.meta.get("device") is None]
+
+
 GRAPH_INVARIANTS: dict[str, Callable[[KilnGraph], list[str]]] = {
     "no-reshape-round-trip": _no_round_trip,
     "no-reshape-chains": _no_reshape_chain,
     "no-dead-code": _no_dead_code,
     "no-identity-views": _no_identity_views,
+    "devices-assigned": _devices_assigned,
 }
 
 

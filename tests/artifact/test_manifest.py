@@ -59,10 +59,14 @@ def test_unknown_argument_type_names_the_op():
         encode_arg(1 + 2j, "op %mul")
 
 
-@pytest.mark.parametrize("bad", [{"what": 1}, {"dtype": "not_a_dtype"}, {"layout": "float32"},
-                                 {"ref": "a", "sym": "b"}])
-def test_unreadable_argument_is_a_format_error(bad):
-    with pytest.raises(ManifestFormatError):
+@pytest.mark.parametrize("bad,why", [
+    ({"what": 1}, "unknown argument tag 'what'"),
+    ({"dtype": "not_a_dtype"}, "unknown torch dtype 'not_a_dtype'"),
+    ({"layout": "float32"}, "unknown torch layout 'float32'"),
+    ({"ref": "a", "sym": "b"}, "unreadable op argument"),
+])
+def test_unreadable_argument_is_a_format_error(bad, why):
+    with pytest.raises(ManifestFormatError, match=why):
         decode_arg(bad)
 
 

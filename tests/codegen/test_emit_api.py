@@ -91,5 +91,5 @@ def test_override_refusing_an_index_is_unsupported_not_wrong():
                  overrides={mm.name: lambda idx: None})
     out = region.outputs[0]
     idx = tuple(Lin.of(Var(f"i{k}", d)) for k, d in enumerate(plan.values[out].shape))
-    with pytest.raises(CodegenUnsupported):
+    with pytest.raises(CodegenUnsupported, match=f"%{mm.name} is not available at index"):
         em.value(out, idx)

@@ -3,19 +3,25 @@ builds (no GPU needed): estimates track Triton's figures, nothing over a target'
 is ever chosen, and a fused region that cannot fit is split (DESIGN.md failure 1)."""
 
 import dataclasses
+import os
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import kiln
+from kiln.codegen.autotune.candidates import candidates
+from kiln.codegen.autotune.worker_pool import OK, Job, get_pool
 from kiln.codegen.build import resources
 from kiln.codegen.build.compiler import Resources, compile_binary
+from kiln.codegen.build.resources import precheck
 from kiln.codegen.build.spec import Config
+from kiln.codegen.select_kernels import TEMPLATES
 from kiln.codegen.templates.attention import template as attention
 from kiln.codegen.templates.matmul import template as matmul
 from kiln.ir.plan import RegionKind
-from kiln.models.llama import PRESETS
+from kiln.models.llama import PRESETS, apply_rope
 from kiln.target import get_target
 from tests.codegen.test_attention import AttentionBlock, block_dynamic_shapes, block_inputs
 from tests.dispatch.test_split import Block, _plan
@@ -180,3 +186,92 @@ def test_llama3_8b_attention_block_fits_every_target(llama3_8b_attention, target
             res = kernel.binary.resources
             assert res.shared <= tgt.shared_mem_per_block, (r.name, res)
             assert resources.fits(res, tgt), resources.violations(res, tgt)
+
+
+GPU_TARGETS = ("rocm:gfx942", "cuda:sm_80", "cuda:sm_90")
+
+
+def _what_tuning_compiles(model, args, ds, target, mode):
+    """The attention kernel's configs that tuning in `mode` would compile for `target`:
+    the spec after fitting (and any split), as select_kernels makes it, less the configs
+    the pre-compile check rules out. Mirrors select_kernels.kernel_for, Tuner._compile."""
+    tgt = get_target(target)
+    plan = kiln.compile(model, args, dynamic_shapes=ds, target=target, compile_to="dispatch")
+    region = next(r for r in plan.regions if r.kind == RegionKind.ATTENTION)
+    spec = resources.fitted_spec(region, plan, tgt, TEMPLATES[RegionKind.ATTENTION])
+    assert spec is not None, region.notes
+    configs = [c for c in candidates(spec, mode) if precheck(spec, c, tgt) is None]
+    return spec, configs
+
+
+@pytest.mark.parametrize("mode", ["fast", pytest.param("full", marks=pytest.mark.slow)])
+def test_every_config_tuning_may_pick_fits_the_llama3_8b_attention(llama3_8b_attention, mode):
+    """Not just the default: every attention config the tuner would compile (mode "fast",
+    the default, or "full") is compiled, compile-only and in the tuner's worker pool, for
+    every GPU target, and the binary's real shared memory (Triton's metadata.shared) is
+    within the target's limit. fast: ~20 compiles; full: ~260, minutes on 2 cores."""
+    model, args, ds = llama3_8b_attention
+    jobs = []
+    for target in GPU_TARGETS:
+        spec, configs = _what_tuning_compiles(model, args, ds, target, mode)
+        assert spec.default in configs, target
+        assert len(configs) == len(candidates(spec, mode)) > (20 if mode == "full" else 2)
+        jobs += [Job(spec, c, get_target(target), "kiln.codegen.build.compiler:compile_binary")
+                 for c in configs]
+    start = time.perf_counter()
+    over, failed = [], []
+    for i, out in get_pool(os.cpu_count() or 2).run(jobs, timeout=600):
+        job = jobs[i]
+        if out.status != OK:
+            failed.append(f"{job.target.name} [{job.config}]: {out.status}: {out.reason}")
+            continue
+        res = out.binary.resources
+        if res.shared > job.target.shared_mem_per_block or not resources.fits(res, job.target):
+            over.append(f"{job.target.name} [{job.config}]: {res.shared} B shared, "
+                        f"{resources.violations(res, job.target)}")
+    print(f"{len(jobs)} attention configs ({mode}) compiled in "
+          f"{time.perf_counter() - start:.0f} s")
+    assert not failed, "configs the tuner would try do not compile:\n" + "\n".join(failed)
+    assert not over, "configs the tuner may pick are over the target:\n" + "\n".join(over)
+
+
+class RopeSdpa(torch.nn.Module):
+    """RoPE on Q and K, then causal GQA attention: the pattern fuses RoPE into attention."""
+
+    def forward(self, q, k, v, cos, sin):
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                              v.transpose(1, 2), is_causal=True,
+                                              enable_gqa=True)
+
+
+def test_kiln_compile_splits_attention_that_cannot_fit_and_explain_says_why():
+    """Through kiln.compile, not fitted_spec: gfx942 with its LDS cut below the smallest
+    attention config (the real 64 KiB needs a head dim of 2048 in fp32 to overflow,
+    minutes of compiling). Both RoPE prologues come out into regions of their own, in
+    split order (key first); the attention then runs extern, and explain names it all."""
+    lds = get_target("rocm:gfx942")
+    tight = dataclasses.replace(lds, name="rocm:gfx942-512B-lds", shared_mem_per_block=512)
+    q, k, v = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+    cos, sin = torch.randn(1, 8, 1, 16), torch.randn(1, 8, 1, 16)
+    unsplit = kiln.compile(RopeSdpa(), (q, k, v, cos, sin), compile_to="dispatch")
+    (attn,) = [r for r in unsplit.regions if r.kind == RegionKind.ATTENTION]
+    assert len(unsplit.regions) == 1, [r.name for r in unsplit.regions]  # RoPE is fused
+
+    cm = kiln.compile(RopeSdpa(), (q, k, v, cos, sin), target=tight, options={"tune": "none"})
+    regions = {r.name: r for r in cm.plan.regions}
+    assert list(regions) == [f"{attn.name}_key", f"{attn.name}_query", attn.name]
+    notes = regions[attn.name].notes
+    heads = ("split: the key's prologue", "split: the query's prologue", f"extern: on {tight}")
+    assert len(notes) == 3 and all(n.startswith(h) for n, h in zip(notes, heads)), notes
+    assert f"moved to region {attn.name}_key: on {tight}" in notes[0]
+    assert "B of shared memory, the target has 512 B" in notes[0]
+    for part in ("key", "query"):
+        assert regions[f"{attn.name}_{part}"].kind == RegionKind.POINTWISE
+        assert regions[f"{attn.name}_{part}"].notes[0].startswith(
+            f"split from region {attn.name} (the {part}'s prologue)")
+    report = cm.explain()
+    assert f"3 regions for {tight}" in report
+    for n in notes:
+        assert f"  note: {n}" in report
+    assert f"{attn.name}_key pointwise" in report and f"{attn.name}_query pointwise" in report

@@ -179,5 +179,6 @@ def test_a_failed_load_leaves_nothing_in_memory(checkpoints, monkeypatch):
     with pytest.raises(CheckpointError, match="Input/output error") as e:
         hf.load_checkpoint(path)
     assert len(reads) == 11
-    assert e.value is not None
+    assert e.value.what.startswith("cannot read tensor data from ")
+    assert e.value.where.endswith(".safetensors") and "download it again" in e.value.hint
     assert _live_llamas() <= before

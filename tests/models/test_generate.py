@@ -8,7 +8,9 @@ from kiln.errors import ArgumentError, ShapeError
 from kiln.models.decoding import TextStream, sample
 from kiln.models.tokenizer import ByteTokenizer
 
-FAMILY = "qwen2"
+# llama3.1's tiny model: qwen2's (tied embeddings) falls into a loop of one or two
+# tokens from these prompts, and a greedy run that repeats one token proves little.
+FAMILY = "llama3.1"
 
 
 def test_greedy_and_restricted_sampling():
@@ -55,6 +57,7 @@ def test_text_prompt_streams_the_final_text(llms):
     pieces = []
     out = llm.generate("hello world", max_new_tokens=20, ignore_eos=True,
                        on_text=pieces.append)
+    assert len(set(out.ids)) >= 8, out.ids
     assert out.ids == llm.generate(llm.tokenizer.encode("hello world"), max_new_tokens=20,
                                    ignore_eos=True).ids
     assert len(pieces) > 1 and "".join(pieces) == out.text
@@ -72,6 +75,7 @@ def test_stops_at_eos_and_at_stop_strings(llms, checkpoints):
     llm = llms(FAMILY)
     assert llm.stop_ids == {2}  # eos_token_id of config.json / generation_config.json
     full = llm.generate("one two", max_new_tokens=24, ignore_eos=True)
+    assert len(set(full.ids)) >= 8, full.ids
     eos = full.ids[6]
     saved = llm.stop_ids
     llm.stop_ids = {eos}
@@ -117,12 +121,13 @@ def test_bad_generation_arguments(llms):
 
 def test_cli_generate_on_a_checkpoint(checkpoints, llms, capsys):
     path, _ = checkpoints[FAMILY]
-    expected = llms(FAMILY).generate("the lazy dog", max_new_tokens=12, ignore_eos=True)
-    rc = main(["generate", "--model", str(path), "--prompt", "the lazy dog",
+    expected = llms(FAMILY).generate("kiln compiles", max_new_tokens=12, ignore_eos=True)
+    assert len(set(expected.ids)) >= 8, expected.ids
+    rc = main(["generate", "--model", str(path), "--prompt", "kiln compiles",
                "--max-new-tokens", "12", "--ignore-eos", "--dtype", "float32"])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    assert out == "the lazy dog" + expected.text + "\n"
+    assert out == "kiln compiles" + expected.text + "\n"
     assert "time to first token" in err and "tokens/s" in err and "generated 12" in err
 
 

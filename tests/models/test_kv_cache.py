@@ -48,6 +48,8 @@ def test_batched_generation_with_early_stops_matches_alone(cache, llms, paged_ll
     alone = [llm.generate(p, max_new_tokens=12, ignore_eos=True, stop=stop) for p in prompts]
     batched = llm.generate(prompts, max_new_tokens=12, ignore_eos=True, stop=stop)
     assert len(alone[0].ids) <= 5 and alone[0].finish_reason == "stop"
+    longest = max(alone, key=lambda a: len(a.ids))  # the row that runs to the end
+    assert longest.finish_reason == "length" and len(set(longest.ids)) >= 8, longest.ids
     assert [b.ids for b in batched] == [a.ids for a in alone]
     assert [b.finish_reason for b in batched] == [a.finish_reason for a in alone]
 
