@@ -283,8 +283,8 @@ def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
     return model.eval(), hf
 
 
-def random_model(cfg: LlamaConfig | Qwen3NextConfig, dtype: torch.dtype = torch.float32, device="cpu",
-                 seed: int = 0, std: float = 0.02) -> Llama | Qwen3Next:
+def random_model(cfg: LlamaConfig | Qwen3NextConfig, dtype: torch.dtype = torch.float32,
+                 device="cpu", seed: int = 0, std: float = 0.02) -> Llama | Qwen3Next:
     """A model with random weights (normal(0, std); norms 1, biases 0), made in place."""
     with torch.device("meta"):
         model = build_model(cfg)
