@@ -159,9 +159,21 @@ def _sequence_bounds(cu_seqlens: torch.Tensor, T: int) -> list[tuple[int, int]]:
     return list(zip(cu, cu[1:]))
 
 
+def _one_step(q, k, v, g, beta, state):
+    """A decode step (T = 1) straight from the recurrence: a chunk's solve would cost
+    more small ops than the step itself. Same tensors and result as _chunked."""
+    q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [B, HV, K or V]
+    S = state * g[:, :, 0].exp()[..., None, None]
+    u = beta[:, :, 0, None] * (v - (k[..., None] * S).sum(-2))
+    S = S + k[..., :, None] * u[..., None, :]
+    return (q[..., None] * S).sum(-2)[:, :, None], S
+
+
 def _chunked(q, k, v, g, beta, state):
     """The chunked form on [B, HV, T, .] fp32 tensors; (o [B, HV, T, V], final state)."""
     B, HV, T, K = q.shape
+    if T == 1:
+        return _one_step(q, k, v, g, beta, state)
     V = v.shape[-1]
     C = max(1, min(CHUNK, T))
     pad = -T % C

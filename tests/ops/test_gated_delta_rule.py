@@ -110,7 +110,7 @@ class DeltaLayer(torch.nn.Module):
         return self.out(o.reshape(B, T, -1)), new_state
 
 
-def test_compiles_for_the_cpu_with_a_dynamic_sequence():
+def test_compiles_for_the_cpu_with_a_dynamic_sequence(tmp_path):
     torch.manual_seed(0)
     model = DeltaLayer().eval()
     x, state = torch.randn(1, 12, 32), torch.randn(1, 4, 8, 8)
@@ -124,6 +124,10 @@ def test_compiles_for_the_cpu_with_a_dynamic_sequence():
     regions = [r for r in compiled.program.plan.regions
                if any(op.target == "kiln.gated_delta_rule.default" for op in r.ops)]
     assert len(regions) == 1 and regions[0].kind == "extern"
+    compiled.save(tmp_path / "delta.kiln")  # the op is found again by name when loaded
+    loaded = kiln.load(tmp_path / "delta.kiln")
+    for a, b in zip(loaded(x, state), compiled(x, state)):
+        assert torch.equal(a, b)
 
 
 def test_torch_export_keeps_the_op_whole():
