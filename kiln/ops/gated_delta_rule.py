@@ -133,7 +133,8 @@ def _gated_delta_rule_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                                beta[:, :, s:e], state[n:n + 1])
         o[:, :, s:e] = part
         finals.append(final)
-    return o.transpose(1, 2).to(out_dtype).contiguous(), torch.cat(finals)
+    final = torch.cat(finals) if finals else state.clone()  # cu_seqlens [0]: no sequences
+    return o.transpose(1, 2).to(out_dtype).contiguous(), final
 
 
 @_gated_delta_rule_op.register_fake

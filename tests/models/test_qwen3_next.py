@@ -103,3 +103,16 @@ def test_bad_config_and_paged_cache_are_refused(checkpoint, llm):
         config_from_hf({k: v for k, v in hf.items() if k != "linear_num_key_heads"})
     with pytest.raises(ArgumentError, match="contiguous cache"):
         llm.model.setup_cache(paged=True)
+
+
+def test_multi_token_prediction_weights_are_skipped_unknown_ones_refused(llm, tmp_path):
+    from kiln.models.hf import check_tensors
+
+    found = {n: (tmp_path / "model.safetensors", tuple(p.shape))
+             for n, p in llm.model.named_parameters()}
+    found["mtp.fc.weight"] = (tmp_path / "model.safetensors", (64, 128))
+    assert sorted(check_tensors(llm.model, found)) == sorted(
+        n for n, _ in llm.model.named_parameters())
+    found["model.layers.0.linear_attn.extra.weight"] = (tmp_path / "model.safetensors", (4,))
+    with pytest.raises(CheckpointError, match="tensor\\(s\\) the model lacks"):
+        check_tensors(llm.model, found)
