@@ -2,7 +2,7 @@
 
 from torch.export import Dim
 
-from kiln import errors
+from kiln import errors, ops
 from kiln.api import compile, load
 from kiln.compiled_module import CompiledModule
 from kiln.settings import setup_logging as _setup_logging
@@ -11,6 +11,6 @@ from kiln.target import Target, get_target
 from kiln.version import __version__ as __version__
 
 __all__ = ["compile", "load", "Dim", "targets", "Target", "get_target", "errors",
-           "CompiledModule"]
+           "CompiledModule", "ops"]
 
 _setup_logging()  # KILN_LOG works for library users too (kiln.settings)

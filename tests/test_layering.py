@@ -14,12 +14,12 @@ import ast
 from pathlib import Path
 
 KILN = Path(__file__).resolve().parent.parent / "kiln"
-# Lower number = earlier. Base modules (ir, target, errors, pipeline, progress, settings)
-# are 0.
+# Lower number = earlier. Base modules (ir, target, errors, pipeline, progress, settings,
+# ops) are 0.
 LEVEL = {
     "ir": 0, "target": 0, "errors": 0, "pipeline": 0, "progress": 0, "version": 0,
-    "settings": 0, "frontend": 1, "graph": 2, "parallel": 3, "dispatch": 4, "codegen": 5,
-    "runtime": 6, "artifact": 7, "explain": 8, "compiled_module": 9, "api": 10,
+    "settings": 0, "ops": 0, "frontend": 1, "graph": 2, "parallel": 3, "dispatch": 4,
+    "codegen": 5, "runtime": 6, "artifact": 7, "explain": 8, "compiled_module": 9, "api": 10,
     "models": 11, "cli": 12, "__init__": 13,
 }
 # Users of kiln's public API may import the package itself.

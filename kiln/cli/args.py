@@ -84,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser(
         "generate", help="generate text from a Hugging Face checkpoint",
         description="Load a Hugging Face checkpoint directory (Llama 2/3/3.1, Mistral, "
-        "Qwen2: config.json, *.safetensors, tokenizer.json), or a preset with random "
-        "weights, compile it with kiln and generate: text streams to stdout, a summary "
+        "Qwen2, Qwen3-Next: config.json, *.safetensors, tokenizer.json), or a preset with "
+        "random weights, compile it with kiln and generate: text streams to stdout, a summary "
         "(time to first token, tokens/s) goes to stderr. Several --prompt run as a batch.")
     g.add_argument("--model", help="checkpoint directory (config.json, *.safetensors, "
                    "tokenizer.json)")

@@ -2,6 +2,8 @@
 
 Anything not listed here is an UnsupportedOpError at import: kiln only promises to
 compile what it knows how to place in a region and generate (or extern) code for.
+kiln's own custom ops (`kiln::...`, kiln/ops) are listed too; importing kiln.ops here
+registers them, so `resolve` finds them even in a process that only loads an artifact.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import operator
 from enum import StrEnum
 
 import torch
+
+import kiln.ops  # noqa: F401  (registers the kiln:: custom ops resolve() may name)
 
 
 class OpCategory(StrEnum):
@@ -129,6 +133,8 @@ _register(
         "view_as_complex.default", "baddbmm.default", "_cdist_forward.default",
     ),
 )
+# kiln's custom ops (kiln/ops): opaque regions run by their PyTorch implementation.
+_register(OpCategory.EXTERN, ["kiln.gated_delta_rule.default"])
 
 # Named sets of ops: each defined here once, named for exactly what it holds.
 
@@ -193,7 +199,8 @@ def category(name: str) -> OpCategory | None:
 
 
 def resolve(name: str):
-    """The callable for an op name: torch.ops.aten.<op>.<overload>, or operator.getitem."""
+    """The callable for an op name: torch.ops.<namespace>.<op>.<overload> (aten, kiln),
+    or operator.getitem."""
     if name == "getitem":
         return operator.getitem
     ns, op, overload = name.split(".")

@@ -1,7 +1,8 @@
 """LLM families written once, readable top to bottom, compiled by kiln.
 
 `load(dir_or_preset, ...)` gives an LLM ready to generate: a Hugging Face checkpoint
-directory (Llama 2/3/3.1, Mistral, Qwen2, DeepSeek-V3), or a preset with random weights.
+directory (Llama 2/3/3.1, Mistral, Qwen2, Qwen3-Next, DeepSeek-V3), or a preset with
+random weights.
 `builtin(name)` gives the models the CLI can name without a file: a model, example
 args and dynamic shapes.
 """
@@ -39,8 +40,9 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
     """An LLM (kiln.models.generate.LLM), compiled for `target`, from `source`:
 
     - a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json):
-      Llama 2/3/3.1, Mistral, Qwen2, or DeepSeek-V3 (model_type "deepseek_v3", bf16 or
-      fp8 weights); with random_weights=True only its config.json is read;
+      Llama 2/3/3.1, Mistral, Qwen2, Qwen3-Next (model_type "qwen3_next"), or
+      DeepSeek-V3 (model_type "deepseek_v3", bf16 or fp8 weights); with
+      random_weights=True only its config.json is read;
     - a preset name (kiln.models.llama.PRESETS: tiny, llama3-8b, llama2-70b, ...):
       random weights and a byte tokenizer.
 

@@ -8,7 +8,9 @@
 (block_table only with the paged cache; W, its width, is dynamic too.) A batch of
 prompts of different lengths is prefilled right-padded: a pad sits after its row's
 last real token, so no real token attends to it, and decode overwrites it later
-(with the paged cache pads past the row's blocks land in block 0). Each row then
+(with the paged cache pads past the row's blocks land in block 0). A model with
+recurrent state (Qwen3-Next: `needs_seq_lens`) also gets each row's real length,
+seq_lens [B], in prefill, so that padding does not advance its state. Each row then
 decodes at its own position. With the contiguous cache a row keeps its cache row, so
 finished rows ride along (their output is ignored); the paged cache drops them.
 Choosing tokens (decoding.py) happens outside the compiled model.
@@ -88,6 +90,7 @@ class LLM:
         self.target = get_target(target)
         self.device = torch.device(self.target.torch_device)
         self.max_batch_size, self.paged = max_batch_size, paged
+        self.needs_seq_lens = getattr(model, "needs_seq_lens", False)
         model.setup_cache(max_batch_size=max_batch_size, paged=paged,
                           block_size=block_size, num_blocks=num_blocks)
         t0 = time.perf_counter()
@@ -130,6 +133,9 @@ class LLM:
             rows = Dim("logit_rows", min=1, max=self.max_seq_len)
             args["logits_at"] = torch.zeros(b, 2, dtype=torch.long, device=self.device)
             shapes["logits_at"] = {k: d for k, d in ((0, batch), (1, rows)) if d is not None}
+            if self.needs_seq_lens:
+                args["seq_lens"] = torch.full((b,), t, dtype=torch.long, device=self.device)
+                shapes["seq_lens"] = {0: batch} if batch is not None else None
         return kiln.compile(self.model, (), kwargs=args, dynamic_shapes=shapes,
                             target=self.target, options=self.compile_options)
 
@@ -166,9 +172,11 @@ class LLM:
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor,
                 block_table: torch.Tensor | None = None,
-                logits_at: torch.Tensor | None = None) -> torch.Tensor:
+                logits_at: torch.Tensor | None = None,
+                seq_lens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab] from the compiled prefill (T > 1) or decode (T = 1) module;
-        for T > 1, only at `logits_at` ([B, L] indices into T) when given.
+        for T > 1, only at `logits_at` ([B, L] indices into T) when given, and with
+        seq_lens [B] real tokens per row (the rest right padding; default all T).
 
         input_pos may be [T] (shared by the rows); inputs move to the model's device.
         """
@@ -184,6 +192,9 @@ class LLM:
             if logits_at is None:
                 logits_at = torch.arange(T).expand(B, T)
             args["logits_at"] = logits_at
+            if self.needs_seq_lens:
+                args["seq_lens"] = (seq_lens if seq_lens is not None
+                                    else torch.full((B,), T, dtype=torch.long))
         elif logits_at is not None:
             raise ArgumentError("logits_at is for prefill (more than one token)",
                                 hint="a decode step has logits at its one token only")
@@ -278,7 +289,9 @@ class LLM:
             width = math.ceil(T / alloc.block_size)
             table = alloc.block_table([s.row for s in seqs], width, self.device)
         last = (torch.tensor(lens) - 1)[:, None] if T > 1 else None  # T = 1: decode module
-        return self.forward(tokens, torch.arange(T), table, logits_at=last)[:, 0]
+        seq_lens = torch.tensor(lens) if T > 1 else None
+        return self.forward(tokens, torch.arange(T), table, logits_at=last,
+                            seq_lens=seq_lens)[:, 0]
 
     def _decode(self, batch: list[_Seq], alloc: BlockAllocator | None) -> torch.Tensor:
         """One decode step; a finished row (contiguous cache only) repeats its last step."""

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints: config.json -> LlamaConfig, *.safetensors -> a loaded Llama.
+"""Hugging Face checkpoints: config.json -> a model config (LlamaConfig, or
+Qwen3NextConfig), *.safetensors -> the loaded model (Llama or Qwen3Next).
 
 The model is built on the meta device (no memory) and every tensor is read from its
 safetensors file, converted to the requested dtype and device, and assigned into the
@@ -20,16 +21,18 @@ from safetensors import safe_open
 
 from kiln.errors import CheckpointError, KilnError, ShapeError
 from kiln.models.llama import ROPE_TYPES, Llama, LlamaConfig
+from kiln.models.qwen3_next import Qwen3Next, Qwen3NextConfig
 from kiln.progress import progress
 
 log = logging.getLogger("kiln.models")
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                 "Qwen2ForCausalLM": "qwen2"}
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3NextForCausalLM": "qwen3_next"}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_MAX_SEQ_LEN = 4096  # the KV cache's length unless the caller asks for more
 INDEX = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # old Llama checkpoints store RoPE tables
+IGNORED_PREFIXES = ("mtp.",)  # Qwen3-Next's multi-token-prediction head (kiln decodes 1)
 
 
 def read_json(path: Path) -> dict:
@@ -45,7 +48,8 @@ def read_json(path: Path) -> dict:
 
 
 def family(hf: dict, where: str) -> str:
-    """'llama' | 'mistral' | 'qwen2' from config.json's architectures (or model_type)."""
+    """'llama' | 'mistral' | 'qwen2' | 'qwen3_next' from config.json's architectures (or
+    model_type)."""
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
     if arch in ARCHITECTURES:
@@ -58,10 +62,24 @@ def family(hf: dict, where: str) -> str:
         hint=f"kiln loads {', '.join(ARCHITECTURES)} and DeepseekV3ForCausalLM checkpoints")
 
 
+def context_length(hf: dict, where: str, max_seq_len: int | None) -> int:
+    """The context kiln's caches cover: max_seq_len, within max_position_embeddings."""
+    max_pos = hf.get("max_position_embeddings", DEFAULT_MAX_SEQ_LEN)
+    if max_seq_len is None:
+        return min(max_pos, DEFAULT_MAX_SEQ_LEN)
+    if max_seq_len > max_pos:
+        raise ShapeError(f"max_seq_len {max_seq_len} exceeds the model's "
+                         f"max_position_embeddings {max_pos}", where=where)
+    return max_seq_len
+
+
 def config_from_hf(hf: dict, where: str = "config.json",
-                   max_seq_len: int | None = None) -> LlamaConfig:
-    """Map a Hugging Face config.json (dict) onto LlamaConfig; reject what kiln cannot run."""
+                   max_seq_len: int | None = None) -> LlamaConfig | Qwen3NextConfig:
+    """Map a Hugging Face config.json (dict) onto LlamaConfig (or Qwen3NextConfig for a
+    Qwen3-Next checkpoint); reject what kiln cannot run."""
     fam = family(hf, where)
+    if fam == "qwen3_next":
+        return Qwen3NextConfig.from_hf(hf, context_length(hf, where, max_seq_len), where)
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"hidden_act {act!r} is not supported", where=where,
@@ -77,12 +95,7 @@ def config_from_hf(hf: dict, where: str = "config.json",
         raise CheckpointError("partial rotary embeddings are not supported", where=where)
     if kind == "llama3" and "original_max_position_embeddings" not in rope:
         rope["original_max_position_embeddings"] = hf.get("max_position_embeddings", 8192)
-    max_pos = hf.get("max_position_embeddings", DEFAULT_MAX_SEQ_LEN)
-    if max_seq_len is None:
-        max_seq_len = min(max_pos, DEFAULT_MAX_SEQ_LEN)
-    elif max_seq_len > max_pos:
-        raise ShapeError(f"max_seq_len {max_seq_len} exceeds the model's "
-                         f"max_position_embeddings {max_pos}", where=where)
+    max_seq_len = context_length(hf, where, max_seq_len)
     attention_bias = bool(hf.get("attention_bias", False))
     window, sliding_layers = None, None
     if fam == "mistral":
@@ -117,6 +130,11 @@ def config_from_hf(hf: dict, where: str = "config.json",
         )
     except KeyError as e:
         raise CheckpointError(f"config.json lacks {e.args[0]!r}", where=where) from None
+
+
+def build_model(cfg: LlamaConfig | Qwen3NextConfig) -> Llama | Qwen3Next:
+    """The model class the config describes (on the current default device)."""
+    return Qwen3Next(cfg) if isinstance(cfg, Qwen3NextConfig) else Llama(cfg)
 
 
 def checkpoint_dtype(hf: dict) -> torch.dtype | None:
@@ -174,7 +192,7 @@ def read_headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
     return found
 
 
-def check_tensors(model: Llama, found: dict) -> list[str]:
+def check_tensors(model: nn.Module, found: dict) -> list[str]:
     """The names to load; raises for a missing tensor or a wrong shape."""
     want = {n: tuple(p.shape) for n, p in model.named_parameters()}  # tied ones once
     missing = [n for n in want if n not in found]
@@ -189,6 +207,7 @@ def check_tensors(model: Llama, found: dict) -> list[str]:
             raise ShapeError(f"tensor {name} in {f.name} has shape {list(got)}, config.json "
                              f"implies {list(shape)}", where=str(f))
     extra = [n for n in found if n not in want and not n.endswith(IGNORED_SUFFIXES)
+             and not n.startswith(IGNORED_PREFIXES)
              and not (n == "lm_head.weight" and model.cfg.tie_word_embeddings)]
     if extra:
         raise CheckpointError(
@@ -203,7 +222,7 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     setattr(model.get_submodule(owner), attr, nn.Parameter(tensor, requires_grad=False))
 
 
-def load_weights(model: Llama, files: list[Path], dtype: torch.dtype, device) -> None:
+def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device) -> None:
     """Read every tensor of the checkpoint into `model` (built on the meta device)."""
     found = read_headers(files)
     names = check_tensors(model, found)
@@ -242,7 +261,7 @@ def free_partial(model: nn.Module, exc: BaseException) -> None:
 
 
 def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
-                    max_seq_len: int | None = None) -> tuple[Llama, dict]:
+                    max_seq_len: int | None = None) -> tuple[Llama | Qwen3Next, dict]:
     """(model, config.json) for a Hugging Face checkpoint directory; weights loaded lazily."""
     path = Path(path)
     if not path.is_dir():
@@ -252,7 +271,7 @@ def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
     files = weight_files(path)
     dtype = dtype or checkpoint_dtype(hf) or torch.float32
     with torch.device("meta"):
-        model = Llama(cfg)
+        model = build_model(cfg)
     try:
         load_weights(model, files, dtype, device)
     except BaseException as e:
@@ -264,11 +283,11 @@ def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
     return model.eval(), hf
 
 
-def random_model(cfg: LlamaConfig, dtype: torch.dtype = torch.float32, device="cpu",
-                 seed: int = 0, std: float = 0.02) -> Llama:
+def random_model(cfg: LlamaConfig | Qwen3NextConfig, dtype: torch.dtype = torch.float32,
+                 device="cpu", seed: int = 0, std: float = 0.02) -> Llama | Qwen3Next:
     """A model with random weights (normal(0, std); norms 1, biases 0), made in place."""
     with torch.device("meta"):
-        model = Llama(cfg)
+        model = build_model(cfg)
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
     gen = torch.Generator(device=device).manual_seed(seed)

@@ -18,6 +18,10 @@ position of each of the S entries; attention masks what lies after the query.
 - ContiguousLatentCache / PagedLatentCache: the same two layouts for multi-head latent
   attention (DeepSeek-V3), which caches one row per token shared by every head (the
   compressed kv latent and the rotary key) instead of keys and values per head.
+- LinearAttentionState: what a linear-attention layer (Qwen3-Next's gated delta rule)
+  keeps instead of keys and values: per cache row, the recurrent state [HV, K, V] in
+  fp32 and the last kernel - 1 inputs of its causal convolution. Its size does not
+  grow with the sequence; a row is reset by any call whose first position is 0.
 """
 
 from __future__ import annotations
@@ -168,3 +172,36 @@ class PagedLatentCache(nn.Module):
         self.latent_cache[slots] = latent
         blocks = self.latent_cache.view(self.num_blocks, bs, latent.shape[-1])
         return blocks[block_table].flatten(1, 2)
+
+
+class LinearAttentionState(nn.Module):
+    """Per-row recurrent and convolution state of one linear-attention layer.
+
+    Like the contiguous KV cache, row b of a call's batch is cache row b. A call reads
+    the state its rows left (zeros for a row starting at position 0) and writes the
+    state after its tokens.
+    """
+
+    def __init__(self, max_batch_size: int, conv_channels: int, conv_kernel: int,
+                 state_shape: tuple[int, int, int], dtype: torch.dtype):
+        super().__init__()
+        self.max_batch_size = max_batch_size
+        self.register_buffer(
+            "conv", torch.zeros(max_batch_size, conv_kernel - 1, conv_channels, dtype=dtype),
+            persistent=False)
+        self.register_buffer(
+            "recurrent", torch.zeros(max_batch_size, *state_shape, dtype=torch.float32),
+            persistent=False)
+
+    def read(self, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv [B, kernel - 1, C], recurrent [B, HV, K, V]) for rows 0..B-1."""
+        B = input_pos.shape[0]
+        fresh = (input_pos[:, 0] == 0)[:, None, None]
+        conv = torch.where(fresh, 0, self.conv[:B])
+        recurrent = torch.where(fresh[..., None], 0, self.recurrent[:B])
+        return conv, recurrent
+
+    def write(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        rows = torch.arange(conv.shape[0], device=conv.device)
+        self.conv[rows] = conv.to(self.conv.dtype)
+        self.recurrent[rows] = recurrent

@@ -1,0 +1,10 @@
+"""kiln's own ops: operations models call that torch.export keeps whole.
+
+Each is a torch.library custom op in the `kiln` namespace with a PyTorch
+implementation that defines it (and runs it on the CPU target) and a fake
+implementation for export. Importing this package registers them.
+"""
+
+from kiln.ops.gated_delta_rule import gated_delta_rule
+
+__all__ = ["gated_delta_rule"]
