@@ -49,21 +49,11 @@ def config_from_hf(hf_cfg: dict, where: str = "config.json",
     if scoring != "sigmoid":
         raise CheckpointError(f"scoring_func {scoring!r} is not supported", where=where,
                               hint="DeepSeek-V3 routes with sigmoid scores")
-    # transformers >= 5 writes rope_parameters; DeepSeek's own config rope_theta + rope_scaling.
-    rope = dict(hf_cfg.get("rope_parameters") or hf_cfg.get("rope_scaling") or {})
-    theta = rope.pop("rope_theta", hf_cfg.get("rope_theta", 10000.0))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise CheckpointError(f"RoPE type {kind!r} is not supported", where=where,
-                              hint=f"supported: {', '.join(ROPE_TYPES)}")
+    theta, kind, rope = hf.rope_from_hf(hf_cfg, where, ROPE_TYPES)
     max_pos = hf_cfg.get("max_position_embeddings", hf.DEFAULT_MAX_SEQ_LEN)
     if kind == "yarn" and rope.get("factor") is None:  # the reference's default
         rope["factor"] = max_pos / rope["original_max_position_embeddings"]
-    if max_seq_len is None:
-        max_seq_len = min(max_pos, hf.DEFAULT_MAX_SEQ_LEN)
-    elif max_seq_len > max_pos:
-        raise ShapeError(f"max_seq_len {max_seq_len} exceeds the model's "
-                         f"max_position_embeddings {max_pos}", where=where)
+    max_seq_len = hf.context_length(hf_cfg, where, max_seq_len)
     kv_heads = hf_cfg.get("num_key_value_heads")
     if kv_heads is not None and kv_heads != hf_cfg.get("num_attention_heads"):
         raise CheckpointError("num_key_value_heads differs from num_attention_heads",
@@ -286,17 +276,8 @@ def random_model(cfg: DeepseekV3Config, dtype: torch.dtype = torch.float32, devi
     score correction 0)."""
     with torch.device("meta"):
         model = DeepseekV3(cfg)
-    model = model.to(dtype).to_empty(device=device)
-    model.tie_weights()
-    gen = torch.Generator(device=device).manual_seed(seed)
+    model = hf.init_random(model, dtype, device, seed, std)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, std, generator=gen)
-            elif name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.zero_()
         for layer in model.model.layers:
             gate = getattr(layer.mlp, "gate", None)
             if gate is not None:

@@ -84,13 +84,7 @@ def config_from_hf(hf: dict, where: str = "config.json",
     if act != "silu":
         raise CheckpointError(f"hidden_act {act!r} is not supported", where=where,
                               hint="kiln's Llama family uses SwiGLU (silu)")
-    # transformers >= 5 writes rope_parameters; older configs rope_theta + rope_scaling.
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise CheckpointError(f"RoPE type {kind!r} is not supported", where=where,
-                              hint=f"supported: {', '.join(ROPE_TYPES)}")
+    theta, kind, rope = rope_from_hf(hf, where, ROPE_TYPES)
     if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise CheckpointError("partial rotary embeddings are not supported", where=where)
     if kind == "llama3" and "original_max_position_embeddings" not in rope:
@@ -135,6 +129,19 @@ def config_from_hf(hf: dict, where: str = "config.json",
 def build_model(cfg: LlamaConfig | Qwen3NextConfig) -> Llama | Qwen3Next:
     """The model class the config describes (on the current default device)."""
     return Qwen3Next(cfg) if isinstance(cfg, Qwen3NextConfig) else Llama(cfg)
+
+
+def rope_from_hf(hf: dict, where: str, supported) -> tuple[float, str, dict]:
+    """(theta, RoPE type, its parameters) from a config.json; an unsupported type is an
+    error. transformers >= 5 writes rope_parameters; older configs rope_theta +
+    rope_scaling."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in supported:
+        raise CheckpointError(f"RoPE type {kind!r} is not supported", where=where,
+                              hint=f"supported: {', '.join(supported)}")
+    return theta, kind, rope
 
 
 def checkpoint_dtype(hf: dict) -> torch.dtype | None:
@@ -288,6 +295,16 @@ def random_model(cfg: LlamaConfig | Qwen3NextConfig, dtype: torch.dtype = torch.
     """A model with random weights (normal(0, std); norms 1, biases 0), made in place."""
     with torch.device("meta"):
         model = build_model(cfg)
+    model = init_random(model, dtype, device, seed, std)
+    model.init_rope(device)
+    return model.eval()
+
+
+def init_random(model: torch.nn.Module, dtype: torch.dtype, device, seed: int,
+                std: float) -> torch.nn.Module:
+    """`model` (built on the meta device) materialised on `device` in `dtype` with random
+    weights: matrices normal(0, std), norms 1, other vectors 0. Every model's random
+    weights follow this one rule, so a seed means the same thing for each family."""
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -299,5 +316,4 @@ def random_model(cfg: LlamaConfig | Qwen3NextConfig, dtype: torch.dtype = torch.
                 p.fill_(1.0)
             else:
                 p.zero_()
-    model.init_rope(device)
-    return model.eval()
+    return model
