@@ -25,7 +25,8 @@ to the real figures of compile-only builds for sm_80, sm_90 and gfx942:
   with one stage, operands converted one after another share a buffer;
 - a loop-invariant operand (attention's Q tile) is staged once;
 - without wgmma, attention's P tile goes through shared memory to become a dot
-  operand; with wgmma it stays in registers;
+  operand (laid out for at least 64 rows of fp32 when the tile has fewer); with
+  wgmma it stays in registers;
 - on CUDA the pipeliner also stages the loop's other loads (a mask tile, the loads of
   a prologue fused into K: RoPE's partner half, cos and sin), one copy per extra
   stage; AMD's stages only dot operands (and the mask).
@@ -120,6 +121,11 @@ def _attention(spec: KernelSpec, c: Config, target: Target, threads: int):
     else:  # cp.async pipelining stages every load of the loop, prologue loads included
         staged = _staged(target, wgmma, s)
         shared = q + staged * (2 * kv + mask) + (s - 1) * prologue + (0 if wgmma else p)
+        if not wgmma and bm < 64:
+            # Tiles of fewer than 64 query rows convert P through a buffer laid out for
+            # 64 rows of fp32: measured on sm_90 with RoPE fused (16 or 32 rows x 64 or
+            # 128 keys, 2 stages), the figures exceed the terms above by 4 * bn * (64 - bm).
+            shared += 4 * bn * (64 - bm)
     acc = bm * d / threads
     scores = 3 * bm * bn / threads  # the scores, their exponentials, the fp16 copy
     q_frag = bm * d * e / 4 / threads
