@@ -10,6 +10,7 @@ the same class (and exception type, target and stage) is kept.
 
 from __future__ import annotations
 
+import hashlib
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -28,11 +29,15 @@ from tests.fuzz.graph import (
 
 
 def failure_key(signature: str) -> str:
-    """What must stay the same while shrinking: class, target, stage kind, exception type
-    (crash), or mismatch kind; not the op set, which shrinking changes on purpose."""
+    """What must stay the same while shrinking: the class and target, and for a crash its
+    stage, exception type and normalised message, for a fallback its region kind and
+    reason, for a mismatch its kind (values, state, dtype, shape); not the op set,
+    which shrinking changes on purpose."""
     parts = signature.split("|")
     if parts[0] == "crash":
-        return "|".join(parts[:2] + [parts[2].split("@")[0], parts[3]])
+        return "|".join(parts[:2] + [parts[2].split("@")[0]] + parts[3:])
+    if parts[0] == "fallback":
+        return signature
     return "|".join(parts[:3])
 
 
@@ -148,6 +153,7 @@ def _size(spec: GraphSpec) -> tuple:
 
 
 REPRO = '''\
+# ruff: noqa
 """kiln fuzzer repro (seed {seed}): {signature}
 
 {detail}
@@ -228,7 +234,8 @@ def write_repro(spec: GraphSpec, directory: str | Path, signature: str, detail: 
                 target: str, options: dict | None = None) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    name = f"repro_seed{spec.seed}_{signature.split('|')[0]}.py"
+    tag = hashlib.sha1(signature.encode()).hexdigest()[:6]  # two classes of one seed
+    name = f"repro_seed{spec.seed}_{signature.split('|')[0]}_{tag}.py"
     inputs = [(tuple(t.shape), t.dtype, t.high) for t in spec.inputs]
     body = REPRO.format(
         seed=spec.seed, signature=signature, name=name,

@@ -47,6 +47,7 @@ class GraphResult:
     seed: int
     ops: list[str]
     outcomes: list[Outcome] = field(default_factory=list)
+    aten: set[str] = field(default_factory=set)  # the ops kiln's plan ran (coverage)
 
     @property
     def worst(self) -> Outcome:
@@ -169,7 +170,8 @@ def check(spec: GraphSpec, cfg: Config) -> GraphResult:
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     example = make_args(spec, spec.call_sizes()[0], 0)
     for target in cfg.targets:
-        result.outcomes.append(_check_target(spec, cfg, model, state, example, target))
+        result.outcomes.append(_check_target(spec, cfg, model, state, example, target,
+                                             result.aten))
         _restore(dict(model.named_buffers()), state)
     for target in cfg.gpu:
         result.outcomes.append(_check_gpu(spec, cfg, model, example, target))
@@ -177,13 +179,15 @@ def check(spec: GraphSpec, cfg: Config) -> GraphResult:
     return result
 
 
-def _check_target(spec, cfg, model, state, example, target) -> Outcome:
+def _check_target(spec, cfg, model, state, example, target, aten: set) -> Outcome:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             exe = _compile(cfg, model, example, spec, target)
     except Exception as e:  # noqa: BLE001
         return _exc_outcome(e, target, "compile", compiled=False)
+    plan = getattr(exe, "plan", None)
+    aten.update(op.target for r in getattr(plan, "regions", ()) for op in r.ops)
     _restore(dict(model.named_buffers()), state)
     bad = _compare(spec, model, state, _runner(exe, state), target, "call")
     if bad is not None or not cfg.save_load:

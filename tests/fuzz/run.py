@@ -52,7 +52,7 @@ def fuzz_one(seed: int, index: int, plan: Plan) -> dict:
     start = time.monotonic()
     result = check(spec, plan.config_for(index))
     return {"seed": seed, "ops": result.ops, "seconds": round(time.monotonic() - start, 2),
-            "worst": result.worst.cls,
+            "worst": result.worst.cls, "aten": sorted(result.aten),
             "outcomes": [asdict(o) for o in result.outcomes]}
 
 
@@ -141,11 +141,23 @@ def report(results: list[dict], classes: dict[str, dict], counts: Counter,
     for s, c in sorted(fails.items(), key=lambda kv: -kv[1]["count"]):
         tag = "known" if is_known(s) else "NEW"
         lines.append(f"  [{tag}] x{c['count']} seed {c['seed']}: {s}")
+    lines.append(coverage(results))
     refusals = {s: c for s, c in classes.items() if c["cls"] == "refused"}
     lines.append(f"{len(refusals)} distinct refusals (clean KilnErrors):")
     for s, c in sorted(refusals.items(), key=lambda kv: -kv[1]["count"])[:15]:
         lines.append(f"  x{c['count']} seed {c['seed']}: {s}")
     return "\n".join(lines)
+
+
+def coverage(results: list[dict]) -> str:
+    """Which ops of kiln's table (kiln.ir.ops) the compiled plans ran: when kiln learns an
+    op, it shows up here as never exercised until the catalogue (ops.py) grows too."""
+    from kiln.ir.ops import _TABLE
+
+    seen = {a for r in results for a in r.get("aten", ())}
+    never = sorted(n for n in _TABLE if n not in seen)
+    return (f"coverage: {len(set(_TABLE) & seen)} of {len(_TABLE)} ops in kiln's table ran "
+            f"in a compiled plan; never: {', '.join(n[5:] for n in never)}")
 
 
 def minimise_all(classes: dict[str, dict], plan: Plan, directory: str,
