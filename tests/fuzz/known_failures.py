@@ -33,8 +33,17 @@ BITOR = ('torch.minimum (NaN-propagating form) emits a bitwise or on fp32 values
 RESHAPE = ("bool -> bf16 cast of a transposed comparison: the interpreter's bf16 "
     'emulation reshapes a buffer of the wrong byte size (repro seed100308)')
 VERIFY = ('form_regions leaves a region reading %clamp: torch.clamp(x, min=x) consumed '
-    'by a reshape and a transpose that are both outputs (repro seed241; every '
-    'target)')
+    'by a reshape and a transpose that are both outputs (repro seed241; a '
+    'dispatch pass, seen on cpu)')
+VERIFY2 = ('form_regions drops a plan output: a chunk of a bool tensor returned both as '
+    'itself and reshaped (repro seed200028; a dispatch pass, seen on cpu)')
+GEMVCAT = ('F.linear of a vector (6,) with W (1,6), concatenated with a (1,) tensor: the '
+    'interpret target returns garbage (4.6e29; reads memory it never wrote; repro '
+    'seed200108)')
+BF16BOOL = ("bf16 matmul with N=1, cast to bool, torch.where, permute: the interpreter's "
+    'bf16 emulation reshapes a buffer of the wrong size (repro seed200231)')
+SDPA1 = ('scaled_dot_product_attention with one query, one key and head dim 1, then a '
+    'linear: tl.dot gets operands of rank < 2 (repro seed200399)')
 I64BF16 = ("int64 -> bf16 cast on the interpret target returns the integers' bits, not "
     'their values (3 -> 2.8e-40; repros seed100202, seed100334)')
 
@@ -44,6 +53,8 @@ KNOWN: dict[str, str] = {
     ('fallback|cuda:sm_90|matmul|error: CompilationError: acc = tl.dot(tN, tN, acc'
      ', input_precision="ieee", out_dtype=tl.floatN) ^ accumulator shape is incomp'
      'atible'): ACC,
+    ("crash|interpret|call|InterpreterError|ValueError('cannot reshape array of si"
+     "ze N into shape (N,N)')"): BF16BOOL,
     ('crash|interpret|call|InterpreterError|TypeError("ufunc \'bitwise_and\' not sup'
      'ported for the input types, and the inputs could not be safely coerced to an'
      'y supported types according to the casting rul'): BITAND,
@@ -56,6 +67,9 @@ KNOWN: dict[str, str] = {
      "r of rank N')"): GEMV,
     ('fallback|cuda:sm_90|matmul|error: CompilationError: part = tl.sum(tN.to(tl.f'
      'loatN)[:, None] * w, N) ^ too many indices for tensor of rank N'): GEMV,
+    'mismatch|interpret|values|cat+clamp_t+layer_norm+linear+mul+tanh': GEMVCAT,
+    ('mismatch|interpret|values|add+affine+argmax+atan2+cast+exp+gelu+log_abs+mul+'
+     'slice+squeeze+where'): I64BF16,
     ('mismatch|interpret|values|amax+arange_add+cast+cat+clamp_t+cumsum+le+logical'
      '_and+max_dim+prod+sub+sum_all+unsqueeze'): I64BF16,
     ('mismatch|interpret|values|argmax+argmin+cast+expand+logical_or+matmul_w+mean'
@@ -84,8 +98,12 @@ KNOWN: dict[str, str] = {
     ('fallback|cuda:sm_90|reduction|error: CompilationError: tl.store(out_ptrN + ('
      'N), tN, xmask) ^ Value argument cannot be block type if pointer argument is '
      'not a block'): SCALARSTORE,
+    ("crash|interpret|call|InterpreterError|AssertionError('input and other must h"
+     "ave equal ranks >= N')"): SDPA1,
     ('crash|cpu|compile|VerifierError|IR verification failed after pass dispatch/f'
      'orm_regions: region # reads unknown value %clamp'): VERIFY,
+    ('crash|cpu|compile|VerifierError|IR verification failed after pass dispatch/f'
+     'orm_regions: plan output %slice_N is never produced'): VERIFY2,
 }
 
 

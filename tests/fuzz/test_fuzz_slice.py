@@ -8,12 +8,15 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+
 from tests.fuzz.run import Plan, fuzz, report, summarise, unknown_failures
 
 SEEDS = range(0, 300)
 SLICE = Plan(targets=("cpu", "interpret"), interpret_every=10, save_load_every=5)
 
 
+@pytest.mark.slow
 def test_fuzz_slice_finds_no_new_failure_class(tmp_path):
     start = time.monotonic()
     jobs = max(1, min(2, os.cpu_count() or 1))
