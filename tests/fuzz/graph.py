@@ -1,95 +1,35 @@
-"""A random graph as plain data (GraphSpec), its Python source, and the module built from it.
+"""A GraphSpec (spec.py) as Python source, as the module built from it, and as values.
 
-Why data, not a live module: the same spec renders as the module kiln compiles, as the
-float64 reference (every float dtype spelled float64), and as a standalone repro file,
-and the minimiser edits it (cut a node, drop an output, make the dynamic dim static)
-and renders again. Shapes and dtypes are never written down by hand: `infer_meta`
-runs the spec eagerly at two sizes of the dynamic dim and reads them off, so an op
-whose output size depends on the dim in any way but "equals it" is caught there.
+The same spec renders as the module kiln compiles, as the float64 reference (every
+float dtype spelled float64), and as a standalone repro file; the minimiser edits the
+spec (cut a node, drop an output, make the dynamic dim static) and renders again.
+Shapes and dtypes are never written down by hand: `infer_meta` runs the spec eagerly
+at two sizes of the dynamic dim and reads them off, so an op whose output size
+depends on the dim in any way but "equals it" is caught there.
 """
 
 from __future__ import annotations
 
-import copy
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
-          "i64": torch.int64, "bool": torch.bool}
-FLOATS = ("f32", "f16", "bf16")
-DYN = "D"  # a shape entry that is the dynamic dim
-
-
-def dtype_key(dt: torch.dtype) -> str:
-    for k, v in DTYPES.items():
-        if v == dt:
-            return k
-    if dt == torch.float64:
-        return "f32"
-    raise ValueError(f"unsupported dtype {dt}")
-
-
-@dataclass
-class TensorSpec:
-    """A graph input, parameter or buffer: shape entries are ints or DYN."""
-
-    name: str
-    shape: tuple
-    dtype: str
-    high: int = 0  # i64 inputs: values in [0, high)
-
-
-@dataclass
-class Node:
-    """One op: out = RENDER[op](ins, p). `stmts` ops (buffer writes) are statements."""
-
-    out: str
-    op: str
-    ins: list[str]
-    p: dict = field(default_factory=dict)
-
-
-@dataclass
-class GraphSpec:
-    seed: int
-    inputs: list[TensorSpec]
-    params: list[TensorSpec] = field(default_factory=list)
-    buffers: list[TensorSpec] = field(default_factory=list)
-    nodes: list[Node] = field(default_factory=list)
-    outputs: list[str] = field(default_factory=list)
-    dyn: tuple | None = None  # (min, max, example, [other call sizes])
-
-    def clone(self) -> GraphSpec:
-        return copy.deepcopy(self)
-
-    def ops(self) -> list[str]:
-        return sorted({n.op for n in self.nodes})
-
-    def call_sizes(self) -> list[int | None]:
-        if self.dyn is None:
-            return [None]
-        return [self.dyn[2], *self.dyn[3]]
-
-
-class Spelling:
-    """How dtypes are written: as themselves, or every float as float64 (the reference)."""
-
-    def __init__(self, f64: bool = False):
-        self.f64 = f64
-
-    def dt(self, key: str) -> str:
-        if self.f64 and key in FLOATS:
-            return "torch.float64"
-        return "torch." + str(DTYPES[key]).split(".")[1]
+from tests.fuzz.ops import RENDER
+from tests.fuzz.spec import (  # noqa: F401 - the spec's names, re-exported for callers
+    DTYPES,
+    DYN,
+    FLOATS,
+    GraphSpec,
+    Node,
+    Spelling,
+    TensorSpec,
+    dtype_key,
+)
 
 
 def render_node(node: Node, sp: Spelling) -> list[str]:
-    from tests.fuzz.ops import RENDER
-
     text = RENDER[node.op](node.ins, node.p, sp)
     lines = text if isinstance(text, list) else [text]
     return lines[:-1] + [f"{node.out} = {lines[-1]}"]
