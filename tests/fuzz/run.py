@@ -8,7 +8,8 @@ runs on `cpu`; `interpret`, the save/load round trip and compile-only GPU target
 on a deterministic share of the graphs (their --*-every options), since they cost
 more. Prints a summary (graphs, ok, refused, crashes, mismatches, fallbacks) and each
 distinct failure class with its count and first seed, marked known or NEW against
-tests/fuzz/known_failures.py.
+tests/fuzz/known_failures.py; exits 1 when there is a NEW one. --minimise DIR writes a
+minimised standalone repro of the first graph of every failure class into DIR.
 """
 
 from __future__ import annotations
