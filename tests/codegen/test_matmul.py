@@ -175,3 +175,61 @@ def test_static_single_row_epilogue_uses_the_gemv_template():
     assert [k.spec.meta["form"] for k in kernels] == ["gemv", "gemv"]
     x = torch.randn(1, 1, 64)
     torch.testing.assert_close(exe(x), mlp(x), rtol=1e-5, atol=1e-5)
+
+
+class MatMul(torch.nn.Module):
+    def forward(self, a, b):
+        return a @ b
+
+
+class BatchedMatMul(torch.nn.Module):
+    def forward(self, a, b):
+        return torch.bmm(a, b)
+
+
+class ProductMinusInput(torch.nn.Module):
+    """The epilogue broadcasts the product: [M, 1] - [M, K] is [M, K]."""
+
+    def forward(self, x, w):
+        return (x @ w) - x
+
+
+# size-1 M, N or K: the index maps read such a dim at the constant 0, so the template
+# must broadcast the operands to whole tiles and widen the store (GEMV and tiled forms)
+SIZE_ONE = {
+    "n1_gemv": (MatMul, [(2, 3, 4), (4, 1)]),
+    "n1_tiled": (MatMul, [(37, 4), (4, 1)]),
+    "k1_through_a_view": (MatMul, [(3, 4, 1), (1, 6)]),
+    "m1_n1": (MatMul, [(1, 3), (3, 1)]),
+    "bmm_n1": (BatchedMatMul, [(3, 5, 4), (3, 4, 1)]),
+    "linear_n1_bias": (lambda: torch.nn.Linear(6, 1), [(40, 6)]),
+    "broadcast_epilogue": (ProductMinusInput, [(1, 5), (5, 1)]),
+    "broadcast_epilogue_tiled": (ProductMinusInput, [(20, 5), (5, 1)]),
+}
+
+
+@pytest.mark.parametrize("case", SIZE_ONE)
+def test_size_one_dims_match_eager(case):
+    make, shapes = SIZE_ONE[case]
+    model = make()
+    exe = kiln.compile(model, tuple(torch.randn(s) for s in shapes), target="interpret")
+    assert [k.kind for k in _kernels(exe)] == ["triton"]
+    args = tuple(torch.randn(s) for s in shapes)
+    with torch.no_grad():
+        assert rel_err(exe(*args), model(*args)) <= 1e-5
+
+
+@pytest.mark.parametrize("case", SIZE_ONE)
+def test_size_one_dims_compile_for_sm90_without_fallback(case):
+    import warnings
+
+    from kiln.codegen.autotune.tuner import TuningWarning
+
+    make, shapes = SIZE_ONE[case]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TuningWarning)
+        exe = kiln.compile(make(), tuple(torch.randn(s) for s in shapes),
+                           target="cuda:sm_90", options={"tune": "none"})
+    (region,) = [r for r in exe.plan.regions if r.kind == RegionKind.MATMUL]
+    assert not any(n.startswith("extern") for n in region.notes), region.notes
+    assert exe.program.kplan.kernels[region.name].kind == "triton"

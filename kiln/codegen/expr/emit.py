@@ -210,12 +210,15 @@ class Emitter:
         return self.let(f"tl.load({ptr} + ({self.code(off)}){tail})", dtype, used)
 
     def store(self, name: str, index, v: Val, mask: Mask | None, like: str | None = None,
-              dest: str | None = None, atomic_add: bool = False) -> None:
+              dest: str | None = None, atomic_add: bool = False, span: tuple = ()) -> None:
         """Write `v` as element `index` of region output `name` (or of value `dest`).
 
         `like` names a block variable of the kernel (e.g. `xindex`): a store whose offset
-        is a constant is widened to its shape so it can carry the mask. `atomic_add`
-        adds `v` to the element instead (relaxed: the kernel's end orders it).
+        is a constant is widened to its shape so it can carry the mask. `span` names the
+        block variables a tile's store covers: an offset lacking some (a size-1 dim is
+        read at the constant 0) is widened by them, so the pointer block has the value's
+        and the mask's shape. `atomic_add` adds `v` to the element instead (relaxed: the
+        kernel's end orders it).
         """
         target = dest or name
         shape = self.plan.values[target].shape if target in self.plan.values else self.shape(name)
@@ -226,6 +229,8 @@ class Emitter:
         offc = self.code(off)
         if not off.block and like:
             offc = f"{offc} + 0 * {like}"
+        for var in (x for x in span if x not in off.var_names()):
+            offc = f"{offc} + 0 * {var}"
         m = mask_code(mask)
         if atomic_add:
             self.lines.append(f"tl.atomic_add({ptr} + ({offc}), {v.code}"

@@ -20,6 +20,14 @@ GPU (kiln.codegen.templates.split_k; the count is chosen at launch, up to the co
 SPLIT_K): the last program of a tile sums the parts and alone runs the epilogue.
 K is loaded unmasked when every config's BLOCK_K divides it. Configs and the default
 choice: kiln.codegen.templates.matmul.configs.
+
+Size-1 dims: an index map reads a dim of size 1 at the constant 0, so a value read
+through one lacks that block dim (a [BLOCK_M, 1] operand when N = 1). tl.dot needs
+whole tiles and tl.store a pointer block of the value's shape, so such operands are
+broadcast to the tile (zeroed past K) and such stores widened; ordinary shapes emit
+the same code as before. An epilogue may broadcast the product (`(x @ w) - x` with
+N = 1): the tile then walks the output, and each lane computes the product at its
+broadcast source (rows and columns wrap modulo M and N).
 """
 
 from __future__ import annotations
@@ -30,14 +38,22 @@ import torch
 
 from kiln.codegen.build.spec import KernelSpec
 from kiln.codegen.expr.emit import Emitter, kernel_name, module_source
-from kiln.codegen.expr.indexing import Lin, Opaque, Var, broadcast_index, reshape_index
+from kiln.codegen.expr.indexing import (
+    Lin,
+    Opaque,
+    Var,
+    broadcast_index,
+    delinearize,
+    modidx,
+    reshape_index,
+)
 from kiln.codegen.expr.kernel_args import SymbolicArgs
 from kiln.codegen.expr.values import CodegenUnsupported, Cond, Val, mask_of
 from kiln.codegen.templates import split_k as split
 from kiln.codegen.templates.matmul import configs as cfg
 from kiln.ir.ops import MATMULS, bind_args
 from kiln.ir.plan import DispatchPlan, Ref, Region
-from kiln.ir.symbolic import Dim, bounds_of
+from kiln.ir.symbolic import Dim, bounds_of, numel, same_dim
 from kiln.target import Target
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -104,34 +120,46 @@ def _shape(region: Region, plan: DispatchPlan, name: str) -> tuple:
 
 def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     """The matmul (or GEMV) kernel of `region`; raises CodegenUnsupported saying why not."""
-    shape = analyse(region, plan)
-    m_hi = bounds_of(shape.m, plan.symbols).hi
-    gemv = m_hi is not None and m_hi <= GEMV_MAX_M
-    return _MatmulSource(region, plan, target, shape, m_hi, gemv).spec()
+    return _MatmulSource(region, plan, target, analyse(region, plan)).spec()
 
 
 class _MatmulSource:
-    def __init__(self, region, plan, target, shape: MatmulShape, m_hi, gemv: bool):
+    def __init__(self, region, plan, target, shape: MatmulShape):
         self.region, self.plan, self.s = region, plan, shape
-        self.m_hi, self.gemv = m_hi, gemv
         self.p = SymbolicArgs(plan.symbols)
         self.anchor = region.anchor()
-        self.tile = self._tile()
+        self.rows, self.cols, self.out_index, self.at = self._layout()
+        self.m_hi = bounds_of(self.rows, plan.symbols).hi
+        self.gemv = self.m_hi is not None and self.m_hi <= GEMV_MAX_M
         self.em = Emitter(region, plan, self.p, target,
                           overrides={self.anchor.name: self._acc_at})
-        self.name = kernel_name("gemv" if gemv else "matmul", region)
+        self.name = kernel_name("gemv" if self.gemv else "matmul", region)
 
-    def _tile(self):
-        """The product's index as the kernel's variables: (batch,) rows, cols."""
-        rows = Lin.of(Var("rm2", self.s.m))
-        cols = Lin.of(Var("rn2", self.s.n))
-        if self.s.batched:
-            return (Lin.of(Var("pid_b", self.s.batch, block=False)), rows, cols)
-        return (rows, cols)
+    def _layout(self):
+        """The tile's extents (rows, cols), the output element each lane stores, and the
+        product element it computes. Usually the output is the product or a reshape of it
+        and the tile walks the product. When the epilogue broadcasts the product, the tile
+        walks the output (rows over its leading dims, a bmm's batch kept) and a lane
+        computes the product at its own row and column modulo M and N: the broadcast
+        source. `_acc_at` checks that the epilogue reads exactly that element."""
+        s = self.s
+        product = tuple(self.anchor.shape)
+        out = tuple(self.plan.values[self.region.outputs[0]].shape)
+        if same_dim(numel(out), numel(product)):
+            tile = self._batch() + (Lin.of(Var("rm2", s.m)), Lin.of(Var("rn2", s.n)))
+            return s.m, s.n, reshape_index(tile, product, out), tile
+        if not out or (s.batched and (len(out) != 3 or not same_dim(out[0], s.batch))):
+            raise CodegenUnsupported(f"an epilogue output {list(out)} that is neither a "
+                                     f"reshape nor a broadcast of the product {list(product)}")
+        lead = out[1:-1] if s.batched else out[:-1]
+        rows, cols = Var("rm2", numel(lead)), Var("rn2", out[-1])
+        index = self._batch() + delinearize(Lin.of(rows), lead) + (Lin.of(cols),)
+        at = self._batch() + (modidx(rows, 1, s.m), modidx(cols, 1, s.n))
+        return rows.size, cols.size, index, at
 
     def _acc_at(self, index):
         # A size-1 dim is read at index 0 by broadcasting ops: the same element as the tile's.
-        if all(d == 1 or a.equals(b) for a, b, d in zip(index, self.tile, self.anchor.shape)):
+        if all(d == 1 or a.equals(b) for a, b, d in zip(index, self.at, self.anchor.shape)):
             return self.product
         return None  # the epilogue reads the product elsewhere: not this template's
 
@@ -142,19 +170,19 @@ class _MatmulSource:
         s, p, target = self.s, self.p, self.em.target
         for v in list(self.region.inputs) + list(self.region.outputs):
             p.check_extent(self.plan.values[v].numel)
-        p.check_extent(s.batch * s.m * s.n)
+        p.check_extent(s.batch * self.rows * self.cols)
         k, batch = p.grid(s.k), p.grid(s.batch)
         if self.gemv:
             tunables = ["BLOCK_N", "BLOCK_K", "SPLIT_K"]
-            configs = cfg.gemv_configs(s.n, s.k)
-            tiles = f"cdiv({p.grid(s.n)}, BLOCK_N)"
+            configs = cfg.gemv_configs(self.cols, s.k)
+            tiles = f"cdiv({p.grid(self.cols)}, BLOCK_N)"
             fill, least = cfg.GEMV_FILL, cfg.MIN_GEMV_BLOCKS
             part = f"{cfg.pow2(self.m_hi)} * BLOCK_N"
         else:
             tunables = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K"]
-            configs = cfg.tiled_configs(s.m, self.m_hi, s.n, s.k, s.batch, _name(s.dtype),
-                                        target)
-            tiles = f"cdiv({p.grid(s.m)}, BLOCK_M) * cdiv({p.grid(s.n)}, BLOCK_N)"
+            configs = cfg.tiled_configs(self.rows, self.m_hi, self.cols, s.k, s.batch,
+                                        _name(s.dtype), target)
+            tiles = f"cdiv({p.grid(self.rows)}, BLOCK_M) * cdiv({p.grid(self.cols)}, BLOCK_N)"
             fill, least = cfg.TILED_FILL, cfg.MIN_SPLIT_BLOCKS
             part = "BLOCK_M * BLOCK_N"
         # K needs no mask when every config's BLOCK_K divides it (splits are whole blocks)
@@ -182,10 +210,20 @@ class _MatmulSource:
         ieee = ', input_precision="ieee"' if self.s.dtype == torch.float32 else ""
         return f"tl.dot({x}, {w}, acc{ieee}, out_dtype=tl.float32)"
 
-    def _load(self, name: str, index, mask) -> tuple[list[str], str]:
-        """Lines loading operand `name` at `index` (through its views), and the value."""
+    def _load(self, name: str, index, mask, span: tuple, shape: str,
+              k_var: str, k_ok: str | None) -> tuple[list[str], str]:
+        """Lines loading operand `name` at `index` (through its views), and the value as
+        a whole `shape` block over the variables `span`. A value lacking some of them (a
+        size-1 dim read at 0, a broadcast) is broadcast; lacking K's, it was read
+        unmasked, so the lanes past K (`k_ok` false) are zeroed first."""
         with self.em.block() as lines:
             v = self.em.value(name, index, mask)
+            if set(span) <= v.vars:
+                return lines, v.code
+            code = self.em.tensor(v).code
+            if k_ok is not None and k_var not in v.vars:
+                code = f"tl.where({k_ok}, {code}, 0)"
+            v = self.em.let(f"tl.broadcast_to({code}, {shape})", v.dtype, frozenset(span))
         return lines, v.code
 
     def _wide(self) -> str:
@@ -202,13 +240,14 @@ class _MatmulSource:
     def _tiled_body(self) -> list[str]:
         s, p = self.s, self.p
         m, n, k, wide = p.dim(s.m), p.dim(s.n), p.dim(s.k), self._wide()
+        rows, cols = p.dim(self.rows), p.dim(self.cols)
         head = [
             f"pid_b = tl.program_id(1){wide}",
             "pid = tl.program_id(0)",
             "pid_s = tl.program_id(2)",
             "n_split = tl.num_programs(2)",
-            f"grid_m = tl.cdiv({m}, BLOCK_M)",
-            f"grid_n = tl.cdiv({n}, BLOCK_N)",
+            f"grid_m = tl.cdiv({rows}, BLOCK_M)",
+            f"grid_n = tl.cdiv({cols}, BLOCK_N)",
             "width = GROUP_M * grid_n",  # GROUP_M row tiles share B tiles in L2
             "first_m = (pid // width) * GROUP_M",
             "group_rows = tl.minimum(grid_m - first_m, GROUP_M)",
@@ -227,17 +266,20 @@ class _MatmulSource:
         kk_a, kk_b = Var("ka2", s.k), Var("kb2", s.k)
         a_idx = self._batch() + (Lin.of(Var("ra2", s.m)), Lin.of(kk_a))
         b_idx = self._batch() + (Lin.of(kk_b), Lin.of(Var("rb2", s.n)))
-        a_lines, a = self._load(s.a, a_idx, mask_of(self._k_mask("ka_ok", "ka2")))
-        b_lines, b = self._load(s.b, b_idx, mask_of(self._k_mask("kb_ok", "kb2")))
+        ka_ok, kb_ok = self._k_mask("ka_ok", "ka2"), self._k_mask("kb_ok", "kb2")
+        a_lines, a = self._load(s.a, a_idx, mask_of(ka_ok), ("ra2", "ka2"),
+                                "[BLOCK_M, BLOCK_K]", "ka2", ka_ok and ka_ok.code)
+        b_lines, b = self._load(s.b, b_idx, mask_of(kb_ok), ("kb2", "rb2"),
+                                "[BLOCK_K, BLOCK_N]", "kb2", kb_ok and kb_ok.code)
         loop = ["kk = k0 + rk", "ka2 = kk[None, :]", "kb2 = kk[:, None]"]
         if not self.even_k:
             loop += [f"ka_ok = ka2 < {k}", f"kb_ok = kb2 < {k}"]
         loop += [*a_lines, *b_lines, f"acc = {self._dot(a, b)}"]
-        tail = ["rm2 = rm[:, None]", "rn2 = rn[None, :]", f"m_ok = rm2 < {m}",
-                f"n_ok = rn2 < {n}"]
+        tail = ["rm2 = rm[:, None]", "rn2 = rn[None, :]", f"m_ok = rm2 < {rows}",
+                f"n_ok = rn2 < {cols}"]
         offs = "tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]"
         tail += self._combine("pid_b * (grid_m * grid_n) + pid", "[BLOCK_M, BLOCK_N]",
-                              "BLOCK_M * BLOCK_N", offs, n)
+                              "BLOCK_M * BLOCK_N", offs, cols)
         return head + ["    " + x for x in loop] + tail + self._finish()
 
     def _combine(self, tile: str, shape: str, numel: str, offs: str, n: str) -> list[str]:
@@ -253,6 +295,7 @@ class _MatmulSource:
     def _gemv_body(self) -> list[str]:
         s, p = self.s, self.p
         m, n, k, wide = p.dim(s.m), p.dim(s.n), p.dim(s.k), self._wide()
+        rows, cols = p.dim(self.rows), p.dim(self.cols)
         mp = cfg.pow2(self.m_hi)
         head = [
             f"pid_b = tl.program_id(1){wide}",
@@ -267,28 +310,34 @@ class _MatmulSource:
         # Rows past M read row M - 1 (valid memory, one mask-free vector load per row);
         # only the store is masked.
         static_rows = isinstance(s.m, int) and s.m >= mp
+        wrap = not same_dim(self.rows, s.m)  # a broadcast product: row mi reads mi mod M
         for mi in range(mp):
-            if not static_rows:
+            if wrap:
+                head.append(f"row{mi} = {mi} % {m}")
+            elif not static_rows:
                 head.append(f"row{mi} = tl.minimum({mi}, {m} - 1)")
         head += [*self._k_range(k), "for k0 in range(lo, hi, BLOCK_K):"]
         kk_b, kk_a = Var("kb2", s.k), Var("kk", s.k)
         b_idx = self._batch() + (Lin.of(kk_b), Lin.of(Var("rb2", s.n)))
-        b_lines, w = self._load(s.b, b_idx, mask_of(self._k_mask("kb_ok", "kb2")))
+        kb_ok = self._k_mask("kb_ok", "kb2")
+        b_lines, w = self._load(s.b, b_idx, mask_of(kb_ok), ("kb2", "rb2"),
+                                "[BLOCK_K, BLOCK_N]", "kb2", kb_ok and kb_ok.code)
         loop = [f"kk = k0 + tl.arange(0, BLOCK_K){wide}", "kb2 = kk[:, None]"]
         if not self.even_k:
             loop += [f"k_ok = kk < {k}", f"kb_ok = kb2 < {k}"]
         loop += [*b_lines, f"w = {w}.to(tl.float32)"]
         for mi in range(mp):  # rows unrolled: the weight tile is loaded once for all
             row = Lin.of(mi) if static_rows else Lin.of(Opaque(f"row{mi}", s.m))
-            a_lines, x = self._load(s.a, self._batch() + (row, Lin.of(kk_a)),
-                                    mask_of(self._k_mask("k_ok", "kk")))
+            k_ok = self._k_mask("k_ok", "kk")
+            a_lines, x = self._load(s.a, self._batch() + (row, Lin.of(kk_a)), mask_of(k_ok),
+                                    ("kk",), "[BLOCK_K]", "kk", k_ok and k_ok.code)
             loop += [*a_lines, f"part = tl.sum({x}.to(tl.float32)[:, None] * w, 0)",
                      f"acc += tl.where(rm[:, None] == {mi}, part[None, :], 0.0)"]
-        tail = ["rm2 = rm[:, None]", "rn2 = rn[None, :]", f"m_ok = rm2 < {m}",
-                f"n_ok = rn2 < {n}"]
+        tail = ["rm2 = rm[:, None]", "rn2 = rn[None, :]", f"m_ok = rm2 < {rows}",
+                f"n_ok = rn2 < {cols}"]
         offs = f"tl.arange(0, {mp})[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]"
         tail += self._combine("pid_b * tl.num_programs(0) + pid_n", f"[{mp}, BLOCK_N]",
-                              f"{mp} * BLOCK_N", offs, n)
+                              f"{mp} * BLOCK_N", offs, cols)
         return head + ["    " + x for x in loop] + tail + self._finish()
 
     def _finish(self) -> list[str]:
@@ -300,14 +349,14 @@ class _MatmulSource:
             em.lines.append(f"acc = acc * {s.alpha!r}")
         if s.bias is not None:
             bshape = _shape(self.region, self.plan, s.bias.name)
-            bidx = broadcast_index(self.tile, self.anchor.shape, bshape)
+            bidx = broadcast_index(self.at, self.anchor.shape, bshape)
             bias = em.value(s.bias.name, bidx, mask)
             scale = f" * {s.beta!r}" if s.beta != 1.0 else ""
             em.lines.append(f"acc = acc + {bias}.to(tl.float32){scale}")
         # the product in its own dtype, rounded as eager rounds it (the emitter's cast)
         self.product = em.cast(Val("acc", torch.float32, frozenset({"rm2", "rn2"})), s.dtype)
-        out = self.region.outputs[0]
-        idx = reshape_index(self.tile, self.anchor.shape, self.plan.values[out].shape)
-        em.store(out, idx, em.value(out, idx, mask), mask)
+        out, idx = self.region.outputs[0], self.out_index
+        # a size-1 dim's index is constant: the pointer block still spans the whole tile
+        em.store(out, idx, em.value(out, idx, mask), mask, span=("rm2", "rn2"))
         self._epilogue_loads = sum("tl.load(" in x for x in em.lines)
         return list(em.lines)
