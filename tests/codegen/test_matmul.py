@@ -233,3 +233,24 @@ def test_size_one_dims_compile_for_sm90_without_fallback(case):
     (region,) = [r for r in exe.plan.regions if r.kind == RegionKind.MATMUL]
     assert not any(n.startswith("extern") for n in region.notes), region.notes
     assert exe.program.kplan.kernels[region.name].kind == "triton"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", SIZE_ONE)
+def test_size_one_dims_on_the_gpu(case, dtype):
+    """The same shapes on real kernels, generated ones forced (tune none: no extern
+    candidate can win and hide a wrong kernel); outputs poisoned by fresh inputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    make, shapes = SIZE_ONE[case]
+    model = make().to("cuda", dtype)
+    exe = kiln.compile(model, tuple(torch.randn(s, device="cuda", dtype=dtype) for s in shapes),
+                       target="cuda", options={"tune": "none"})
+    assert [k.kind for k in _kernels(exe)] == ["triton"]
+    for _ in range(2):
+        args = tuple(torch.randn(s, device="cuda", dtype=dtype) for s in shapes)
+        with torch.no_grad():
+            ref = model(*args)
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            assert rel_err(exe(*args).double(), ref.double()) <= tol
