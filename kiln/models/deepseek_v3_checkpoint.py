@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-from kiln.errors import CheckpointError, KilnError, ShapeError
+from kiln.errors import CheckpointError, ShapeError
 from kiln.models import hf
 from kiln.models.deepseek_v3 import ROPE_TYPES, DeepseekV3, DeepseekV3Config
 from kiln.progress import progress
@@ -222,7 +222,7 @@ def load_weights(model: DeepseekV3, files: list[Path], dtype: torch.dtype, devic
             return handles[f]
 
         for f, names in by_file.items():
-            try:
+            with hf.reading(f):
                 for n in names:
                     t = opened(f).get_tensor(n)
                     bar.update(t.nbytes)
@@ -235,12 +235,6 @@ def load_weights(model: DeepseekV3, files: list[Path], dtype: torch.dtype, devic
                                               where=str(f))
                     _place(model, *mapping[n], t, dtype, device)
                     del t
-            except KilnError:
-                raise
-            except Exception as e:
-                raise CheckpointError(f"cannot read tensor data from {f.name}: {e}",
-                                      where=str(f), hint="the file may be truncated or "
-                                      "corrupt: download it again") from None
     model.tie_weights()
 
 

@@ -10,6 +10,7 @@ bad checkpoint fails fast; if reading still fails, the partial module is freed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import traceback
@@ -239,20 +240,27 @@ def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device
     total = sum(f.stat().st_size for f in by_file)
     with progress(total=total, desc="loading weights", unit="B", unit_scale=True) as bar:
         for f, file_names in by_file.items():
-            try:
-                with safe_open(str(f), framework="pt") as st:
-                    for n in file_names:
-                        t = st.get_tensor(n)
-                        bar.update(t.nbytes)
-                        _assign(model, n, t.to(device=device, dtype=dtype))
-                        del t
-            except KilnError:
-                raise
-            except Exception as e:
-                raise CheckpointError(f"cannot read tensor data from {f.name}: {e}",
-                                      where=str(f), hint="the file may be truncated or "
-                                      "corrupt: download it again") from None
+            with reading(f), safe_open(str(f), framework="pt") as st:
+                for n in file_names:
+                    t = st.get_tensor(n)
+                    bar.update(t.nbytes)
+                    _assign(model, n, t.to(device=device, dtype=dtype))
+                    del t
     model.tie_weights()
+
+
+@contextlib.contextmanager
+def reading(f: Path):
+    """Reading tensor data from shard `f`: a failure that is not already a KilnError
+    becomes a CheckpointError naming the file (a truncated download, a bad header)."""
+    try:
+        yield
+    except KilnError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"cannot read tensor data from {f.name}: {e}", where=str(f),
+                              hint="the file may be truncated or corrupt: download it "
+                              "again") from None
 
 
 def free_partial(model: nn.Module, exc: BaseException) -> None:
