@@ -19,6 +19,8 @@ from kiln.dispatch.reinplace import reinplace
 from kiln.frontend.import_pass import ModelSource, import_pass
 from kiln.graph import GRAPH_PASSES
 from kiln.parallel.assign_devices import assign_devices
+from kiln.parallel.config import parse_parallel
+from kiln.parallel.tensor_parallel import tensor_parallel
 from kiln.pipeline import Context, PassManager, Stage
 from kiln.runtime.program import Program
 from kiln.runtime.schedule import schedule
@@ -32,7 +34,7 @@ def build_pipeline(dump_dir: str | None = None) -> PassManager:
         [
             Stage("import", [import_pass]),
             Stage("graph", list(GRAPH_PASSES)),
-            Stage("parallel", [assign_devices]),
+            Stage("parallel", [tensor_parallel, assign_devices]),
             Stage("dispatch", [form_regions, reinplace, bind_example_sizes]),
             Stage("codegen", [select_kernels]),
             Stage("schedule", [schedule]),
@@ -51,13 +53,19 @@ def compile(  # noqa: A001 - mirrors torch.compile
     compile_to: str | None = None,
     dump_ir: str | None = None,
     options: dict | None = None,
+    parallel: dict | None = None,
 ):
-    """Compile `model` for `target`; returns a CompiledModule (or an IR with compile_to)."""
+    """Compile `model` for `target`; returns a CompiledModule (or an IR with compile_to).
+
+    `parallel={"tp": T, "pp": P}` compiles this process's part of a T x P plan: every
+    rank (torchrun's RANK, or `"rank"` in the dict) calls compile with the same model.
+    """
     setup_logging()
     tgt = get_target(target)
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     kwargs = dict(kwargs or {})
     ctx = Context(target=tgt, options=dict(options or {}))
+    ctx.options["parallel"] = parse_parallel(parallel, rank=_world_rank())
     ctx.options["example_leaves"] = pytree.tree_leaves((args, kwargs))
     src = ModelSource(model, args, kwargs, dynamic_shapes)
     result = build_pipeline(dump_ir).run(src, ctx, compile_to=compile_to)
@@ -65,6 +73,18 @@ def compile(  # noqa: A001 - mirrors torch.compile
         return result
     return CompiledModule(result, state_for_target(result, ctx.options["state"], tgt),
                           example_sizes=ctx.options.get("example_env"))
+
+
+def _world_rank() -> int | None:
+    """This process's rank: the initialised process group's, else torchrun's RANK."""
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    rank = os.environ.get("RANK")
+    return int(rank) if rank is not None and rank.isdigit() else None
 
 
 def load(path, target: str | Target | None = None) -> CompiledModule:

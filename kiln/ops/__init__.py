@@ -5,6 +5,7 @@ implementation that defines it (and runs it on the CPU target) and a fake
 implementation for export. Importing this package registers them.
 """
 
+import kiln.ops.collectives  # noqa: F401
 from kiln.ops.gated_delta_rule import gated_delta_rule
 
 __all__ = ["gated_delta_rule"]

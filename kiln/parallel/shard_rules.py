@@ -1,0 +1,308 @@
+"""Per-op sharding rules: from the inputs' shardings, what each input must be and what
+the output is.
+
+A rule returns a Decision: `wants` (input node -> the sharding the op needs it in; the
+pass gets it there, for free when the input is a weight not yet cut, else with a local
+slice or a collective) and `out`. Ops without a rule take every input replicated and
+produce a replicated output: always correct, only slower, so an op nobody taught kiln
+about never breaks a tensor-parallel plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from kiln.ir.ops import (
+    SPLITS,
+    OpCategory,
+    bind_args,
+    category,
+    norm_axis,
+    op_name,
+    reduction_dims,
+)
+from kiln.parallel.sharding import PARTIAL, REPLICATE, Sharding, divides, shard
+from kiln.parallel.view_axes import VIEW_TARGETS, map_sharding
+
+
+@dataclass
+class Decision:
+    out: Sharding | list[Sharding]
+    wants: dict[fx.Node, Sharding] = field(default_factory=dict)
+    rewrite: str | None = None  # a rewrite the pass applies ("vocab_parallel_embedding")
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    return [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def shape(node: fx.Node) -> tuple:
+    return tuple(node.meta["val"].shape)
+
+
+def slice_span(node: fx.Node, size: int) -> tuple[int, int]:
+    """(start, end) of a step-1 slice of an axis of `size`, defaults and clamping applied."""
+    args = bind_args(node)
+    start, end = args.get("start") or 0, args.get("end")
+    end = size if end is None else min(end, size)
+    return (start + size if start < 0 else start, end + size if end < 0 else end)
+
+
+def segment_piece(node: fx.Node, s: Sharding) -> Sharding | None:
+    """A slice taking whole segments of a fused axis: sharded like one projection."""
+    args = bind_args(node)
+    rank = len(shape(node.args[0]))
+    if norm_axis(args["dim"], rank) != s.axis or args.get("step", 1) != 1:
+        return None
+    bounds, pos = [], 0
+    for n in s.segments:
+        bounds.append((pos, pos + n))
+        pos += n
+    start, end = slice_span(node, pos)
+    run = [b for b in bounds if b[0] >= start and b[1] <= end]
+    if not run or run[0][0] != start or run[-1][1] != end:
+        return None
+    segs = tuple(b - a for a, b in run)
+    return Sharding("shard", s.axis, s.parts, segs if len(segs) > 1 else None)
+
+
+def replicated(node: fx.Node) -> Decision:
+    val = node.meta.get("val")
+    out = [REPLICATE] * len(val) if isinstance(val, (tuple, list)) else REPLICATE
+    return Decision(out, {a: REPLICATE for a in tensor_inputs(node)})
+
+
+class Rules:
+    """The rules, reading the current shardings through `get(node)` (None: a weight or
+    buffer not yet cut, which takes whatever its first consumer asks for)."""
+
+    def __init__(self, get, tp: int, column_parts):
+        self.get = get
+        self.tp = tp
+        self.column_parts = column_parts  # (mm node) -> (parts, segments) for its output
+
+    def decide(self, node: fx.Node) -> Decision:
+        name = op_name(node.target)
+        ins = tensor_inputs(node)
+        if any(self.get(a) == PARTIAL for a in ins) and name not in VIEW_TARGETS:
+            return replicated(node)  # a partial sum is all-reduced before any math on it
+        if name in VIEW_TARGETS:
+            return self.view(node, name)
+        if name in SPLITS:
+            return self.split(node)
+        if name == "getitem":
+            src = self.get(node.args[0])
+            return Decision(src[node.args[1]] if isinstance(src, list) else REPLICATE)
+        if name in ("aten.mm.default", "aten.addmm.default"):
+            return self.mm(node)
+        if name == "aten.bmm.default":
+            return self.bmm(node)
+        if name == "aten.embedding.default":
+            return self.embedding(node)
+        if name == "aten.scaled_dot_product_attention.default":
+            return self.attention(node)
+        if name in ("aten.index_put.default",):
+            return self.index_put(node)
+        if name in ("aten.index_copy.default", "aten.slice_scatter.default",
+                    "aten.copy.default"):
+            return self.same_axes_write(node, name)
+        if name == "aten.cat.default":
+            return self.cat(node)
+        cat = category(name)
+        if cat == OpCategory.POINTWISE:
+            return self.pointwise(node)
+        if cat == OpCategory.REDUCTION:
+            return self.reduction(node, name)
+        return replicated(node)
+
+    # -- helpers -------------------------------------------------------------------
+
+    def committed(self, node: fx.Node) -> Sharding:
+        s = self.get(node)
+        return REPLICATE if s is None else s
+
+    def conform(self, node: fx.Node, target: Sharding, out_rank: int) -> Sharding:
+        """What an operand broadcast into an output sharded as `target` must be."""
+        if not target.is_shard:
+            return REPLICATE
+        dims = shape(node)
+        axis = target.axis - (out_rank - len(dims))
+        if axis < 0 or dims[axis] == 1:
+            return REPLICATE  # broadcast along the sharded axis: every rank needs all of it
+        return Sharding("shard", axis, target.parts, target.segments)
+
+    # -- rules ---------------------------------------------------------------------
+
+    def view(self, node: fx.Node, name: str) -> Decision:
+        src = node.args[0]
+        s = self.get(src)
+        if s is None:
+            return Decision(None)  # a view of an uncut weight stays uncut
+        if s == PARTIAL:
+            ok = name in VIEW_TARGETS - {"aten.slice.Tensor", "aten.select.int",
+                                         "aten._to_copy.default"}
+            return Decision(PARTIAL) if ok else Decision(REPLICATE, {src: REPLICATE})
+        if name == "aten.slice.Tensor" and s.is_shard and s.segments:
+            piece = segment_piece(node, s)
+            if piece is not None:
+                return Decision(piece)
+        out = map_sharding(node, s)
+        if out is None:
+            return Decision(REPLICATE, {src: REPLICATE})
+        return Decision(out)
+
+    def split(self, node: fx.Node) -> Decision:
+        src = node.args[0]
+        s = self.committed(src)
+        n_out = len(node.meta["val"])
+        args = bind_args(node)
+        rank = len(shape(src))
+        dim = norm_axis(args.get("dim", 0), rank)
+        if not s.is_shard or s == PARTIAL:
+            return Decision([REPLICATE] * n_out, {src: REPLICATE})
+        if s.axis != dim:
+            keep = s.axis - (op_name(node.target) == "aten.unbind.int" and s.axis > dim)
+            return Decision([Sharding("shard", keep, s.parts, s.segments)] * n_out)
+        sizes = [v.shape[dim] for v in node.meta["val"]]
+        if s.segments and tuple(sizes) == s.segments:
+            return Decision([shard(dim, s.parts)] * n_out)
+        return Decision([REPLICATE] * n_out, {src: REPLICATE})
+
+    def mm(self, node: fx.Node) -> Decision:
+        a, b = (node.args[1], node.args[2]) if len(node.args) == 3 else node.args[:2]
+        sa, sb = self.committed(a), self.get(b)
+        if sa.is_shard and sa.axis == 1:  # contraction split: row parallel
+            k = shape(a)[1]
+            parts = self.tp if not sa.segments and divides(k, shard(1, self.tp)) else 0
+            if not parts:
+                return Decision(REPLICATE, {a: REPLICATE, b: REPLICATE})
+            return Decision(PARTIAL, {a: shard(1, parts), b: shard(0, parts)})
+        if sa.is_shard and sa.axis == 0:  # rows split (sequence): weights replicated
+            return Decision(sa, {b: REPLICATE})
+        if sb is None:
+            parts, segs = self.column_parts(node)
+            want = shard(1, parts, segs) if parts > 1 else REPLICATE
+            return Decision(want, {a: REPLICATE, b: want})
+        if sb.is_shard and sb.axis == 1:
+            return Decision(sb, {a: REPLICATE})
+        if sb.is_shard and sb.axis == 0 and sb.parts == self.tp and not sb.segments:
+            return Decision(PARTIAL, {a: shard(1, self.tp)})
+        return Decision(REPLICATE, {a: REPLICATE, b: REPLICATE})
+
+    def bmm(self, node: fx.Node) -> Decision:
+        a, b = node.args[:2]
+        sa, sb = self.committed(a), self.committed(b)
+        if sa.is_shard and sa.axis == 0 and not sa.segments:
+            return Decision(sa, {b: sa})
+        if sb.is_shard and sb.axis == 0 and not sb.segments:
+            return Decision(sb, {a: sb})
+        return replicated(node)
+
+    def embedding(self, node: fx.Node) -> Decision:
+        weight, ids = node.args[:2]
+        s = self.get(weight)
+        vocab_cut = shard(0, self.tp)
+        if s is None and divides(shape(weight)[0], vocab_cut):
+            s = vocab_cut
+        if s == vocab_cut:
+            return Decision(PARTIAL, {weight: vocab_cut, ids: REPLICATE},
+                            rewrite="vocab_parallel_embedding")
+        return replicated(node)
+
+    def attention(self, node: fx.Node) -> Decision:
+        args = bind_args(node)
+        q, k, v, mask = args["query"], args["key"], args["value"], args.get("attn_mask")
+        sq = self.committed(q)
+        if not (sq.is_shard and sq.axis == len(shape(q)) - 3 and not sq.segments):
+            return replicated(node)
+        head_axis, heads_kv = sq.axis, shape(k)[sq.axis]
+        kv_parts = sq.parts
+        if args.get("enable_gqa") and heads_kv != shape(q)[head_axis]:
+            if heads_kv % sq.parts and sq.parts % heads_kv == 0:
+                kv_parts = heads_kv  # fewer KV heads than ranks: each serves several ranks
+            elif heads_kv % sq.parts:
+                return replicated(node)
+        wants = {q: sq, k: shard(head_axis, kv_parts), v: shard(head_axis, kv_parts)}
+        if isinstance(mask, fx.Node):
+            wants[mask] = self.conform(mask, sq, len(shape(q)))
+        return Decision(sq, wants)
+
+    def index_put(self, node: fx.Node) -> Decision:
+        dest, indices, values = node.args[:3]
+        nd_dest, nd_values = len(shape(dest)), len(shape(values))
+        lead = len(indices)
+        idx_rank = max(len(shape(i)) for i in indices if isinstance(i, fx.Node))
+        result_rank = idx_rank + nd_dest - lead
+        wants = {i: REPLICATE for i in indices if isinstance(i, fx.Node)}
+        sv, sd = self.committed(values), self.get(dest)
+
+        def dest_axis(values_axis):
+            ra = values_axis + result_rank - nd_values
+            return lead + ra - idx_rank if ra >= idx_rank else None
+
+        target = None
+        if sd is not None and sd.is_shard:
+            target = sd
+        elif sv.is_shard and dest_axis(sv.axis) is not None:
+            target = Sharding("shard", dest_axis(sv.axis), sv.parts, sv.segments)
+        if target is None:
+            return Decision(REPLICATE, {**wants, dest: REPLICATE, values: REPLICATE})
+        vaxis = target.axis - lead + idx_rank - result_rank + nd_values
+        want_v = (Sharding("shard", vaxis, target.parts, target.segments)
+                  if vaxis >= 0 and shape(values)[vaxis] != 1 else REPLICATE)
+        return Decision(target, {**wants, dest: target, values: want_v})
+
+    def same_axes_write(self, node: fx.Node, name: str) -> Decision:
+        dest = node.args[0]
+        src = node.args[3] if name == "aten.index_copy.default" else node.args[1]
+        dim = None
+        if name != "aten.copy.default":
+            dim = norm_axis(node.args[1] if name == "aten.index_copy.default"
+                            else bind_args(node)["dim"], len(shape(dest)))
+        s = self.get(dest) or self.committed(src)
+        if not s.is_shard or s.axis == dim or len(shape(src)) != len(shape(dest)):
+            return replicated(node)
+        wants = {dest: s, src: s}
+        if name == "aten.index_copy.default":
+            wants[node.args[2]] = REPLICATE
+        return Decision(s, wants)
+
+    def cat(self, node: fx.Node) -> Decision:
+        parts = node.args[0]
+        rank = len(shape(node))
+        dim = norm_axis(node.args[1] if len(node.args) > 1 else 0, rank)
+        first = next((self.committed(p) for p in parts if self.committed(p).is_shard), None)
+        if first is None or first.axis == dim or first.segments:
+            return replicated(node)
+        return Decision(first, {p: self.conform(p, first, rank) for p in parts})
+
+    def pointwise(self, node: fx.Node) -> Decision:
+        ins = tensor_inputs(node)
+        rank = len(shape(node))
+        target = REPLICATE
+        for a in ins:
+            s = self.get(a)
+            if s is not None and s.is_shard:
+                lifted = s.axis + rank - len(shape(a))
+                target = Sharding("shard", lifted, s.parts, s.segments)
+                break
+        return Decision(target, {a: self.conform(a, target, rank) for a in ins})
+
+    def reduction(self, node: fx.Node, name: str) -> Decision:
+        src = node.args[0]
+        s = self.committed(src)
+        val = node.meta["val"]
+        if not s.is_shard or isinstance(val, (tuple, list)):
+            return replicated(node)
+        rank = len(shape(src))
+        args = bind_args(node)
+        dims = reduction_dims(name, node.args, node.kwargs, rank)
+        if s.axis in dims:
+            return replicated(node)
+        keep = args.get("keepdim", False) or name in ("aten._softmax.default",
+                                                      "aten._log_softmax.default")
+        axis = s.axis if keep else s.axis - sum(d < s.axis for d in dims)
+        return Decision(Sharding("shard", axis, s.parts, s.segments), {src: s})
