@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from kiln.errors import ShapeError
+from kiln.ir.graph import where
 from kiln.ir.ops import SPLITS, bind_args, norm_axis, op_name
 from kiln.parallel.shard_rules import segment_piece, shape, slice_span
 from kiln.parallel.sharding import Sharding, divides
-from kiln.parallel.view_axes import VIEW_TARGETS, map_sharding
+from kiln.parallel.view_axes import VIEW_TARGETS, map_axis, map_sharding
 
 _MAX_DEPTH = 16  # views between a projection and the op that uses its heads
 
@@ -48,35 +50,55 @@ def fused_segments(node: fx.Node, axis: int, depth: int = 0) -> tuple[int, ...] 
     return None
 
 
-def survives(node: fx.Node, s: Sharding, depth: int = 0) -> bool:
-    """Does every view downstream of `node` keep the cut `s` (whole heads per part)?"""
+def blocking_size(node: fx.Node, s: Sharding, depth: int = 0) -> int | None:
+    """None if every view downstream of `node` keeps the cut `s` (whole heads per
+    part); else the size of the axis that cannot be cut that way (a head count)."""
     if depth > _MAX_DEPTH:
-        return True
+        return None
     for u in node.users:
         name = op_name(u.target)
         if name in SPLITS:
             if _split_dim(u) == s.axis:
                 sizes = tuple(v.shape[s.axis] for v in u.meta["val"])
                 if s.segments != sizes:
-                    return False
+                    return min(sizes)
             continue
         if name not in VIEW_TARGETS:
             continue
-        if name == "aten.slice.Tensor" and s.segments:
-            nxt = segment_piece(u, s)
-        else:
-            nxt = map_sharding(u, s)
-        if nxt is None or not survives(u, nxt, depth + 1):
-            return False
-    return True
+        nxt = segment_piece(u, s) if name == "aten.slice.Tensor" and s.segments \
+            else map_sharding(u, s)
+        if nxt is None:
+            axis = map_axis(u, s.axis)
+            return shape(u)[axis] if axis is not None else shape(node)[s.axis]
+        found = blocking_size(u, nxt, depth + 1)
+        if found is not None:
+            return found
+    return None
 
 
 def column_parts(mm: fx.Node, tp: int) -> tuple[int, tuple[int, ...] | None]:
-    """(parts, segments) for cutting the output features (axis 1) of matmul `mm`."""
+    """(parts, segments) for cutting the output features (axis 1) of matmul `mm`.
+
+    Fewer parts than ranks only when there are fewer heads than ranks and the ranks
+    divide evenly among them (KV heads under a large T); a head count or width that
+    T does not divide is the user's error, not a silent replication.
+    """
     segs = fused_segments(mm, 1)
     size = shape(mm)[1]
-    for parts in sorted((d for d in range(1, tp + 1) if tp % d == 0), reverse=True):
-        s = Sharding("shard", 1, parts, segs if parts > 1 else None)
-        if parts == 1 or (divides(size, s) and survives(mm, s)):
-            return (parts, s.segments)
+    full = Sharding("shard", 1, tp, segs)
+    blocked = blocking_size(mm, full)
+    if blocked is None and divides(size, full):
+        return (tp, segs)
+    if blocked is None:
+        blocked = next(n for n in (segs or (size,)) if n % tp)
+    if not isinstance(blocked, int) or blocked >= tp or tp % blocked:
+        raise ShapeError(
+            f"tensor parallelism over {tp} ranks cannot cut the {size} output features of "
+            f"this projection: {blocked} (heads or width) is not divisible by {tp}",
+            where=where(mm),
+            hint=f"choose a tp that divides {blocked} (only key/value heads may be fewer "
+            "than tp, when tp is a multiple of them)")
+    s = Sharding("shard", 1, blocked, segs)
+    if divides(size, s) and blocking_size(mm, s) is None:
+        return (blocked, segs)
     return (1, None)

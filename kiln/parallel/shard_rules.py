@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from kiln.errors import ShapeError
+from kiln.ir.graph import where
 from kiln.ir.ops import (
     SPLITS,
     OpCategory,
@@ -67,6 +69,18 @@ def segment_piece(node: fx.Node, s: Sharding) -> Sharding | None:
         return None
     segs = tuple(b - a for a, b in run)
     return Sharding("shard", s.axis, s.parts, segs if len(segs) > 1 else None)
+
+
+def indexed_axes(rank: int, indices) -> list[int | None]:
+    """For `dest[indices]` (advanced indexing, None for a full slice): the dest axis of
+    each result axis, None where the broadcast index tensors' axes stand."""
+    used = [i for i, x in enumerate(indices) if x is not None]
+    idx_rank = max(len(x.meta["val"].shape) for x in indices if x is not None)
+    rest = [a for a in range(rank) if a not in used]
+    if used == list(range(used[0], used[-1] + 1)):  # adjacent: the index dims stay in place
+        before = [a for a in rest if a < used[0]]
+        return before + [None] * idx_rank + [a for a in rest if a > used[0]]
+    return [None] * idx_rank + rest
 
 
 def replicated(node: fx.Node) -> Decision:
@@ -218,6 +232,11 @@ class Rules:
         sq = self.committed(q)
         if not (sq.is_shard and sq.axis == len(shape(q)) - 3 and not sq.segments):
             return replicated(node)
+        if sq.parts != self.tp:
+            raise ShapeError(
+                f"tensor parallelism over {self.tp} ranks needs the {shape(q)[sq.axis]} "
+                f"query heads of this attention to divide among them",
+                where=where(node), hint="choose a tp that divides the number of heads")
         head_axis, heads_kv = sq.axis, shape(k)[sq.axis]
         kv_parts = sq.parts
         if args.get("enable_gqa") and heads_kv != shape(q)[head_axis]:
@@ -232,25 +251,19 @@ class Rules:
 
     def index_put(self, node: fx.Node) -> Decision:
         dest, indices, values = node.args[:3]
-        nd_dest, nd_values = len(shape(dest)), len(shape(values))
-        lead = len(indices)
-        idx_rank = max(len(shape(i)) for i in indices if isinstance(i, fx.Node))
-        result_rank = idx_rank + nd_dest - lead
+        nd_values = len(shape(values))
+        axes = indexed_axes(len(shape(dest)), indices)  # result axis -> dest axis or None
         wants = {i: REPLICATE for i in indices if isinstance(i, fx.Node)}
         sv, sd = self.committed(values), self.get(dest)
-
-        def dest_axis(values_axis):
-            ra = values_axis + result_rank - nd_values
-            return lead + ra - idx_rank if ra >= idx_rank else None
-
+        lift = len(axes) - nd_values  # values broadcast into the result from the right
         target = None
         if sd is not None and sd.is_shard:
             target = sd
-        elif sv.is_shard and dest_axis(sv.axis) is not None:
-            target = Sharding("shard", dest_axis(sv.axis), sv.parts, sv.segments)
+        elif sv.is_shard and sv.axis + lift >= 0 and axes[sv.axis + lift] is not None:
+            target = Sharding("shard", axes[sv.axis + lift], sv.parts, sv.segments)
         if target is None:
             return Decision(REPLICATE, {**wants, dest: REPLICATE, values: REPLICATE})
-        vaxis = target.axis - lead + idx_rank - result_rank + nd_values
+        vaxis = axes.index(target.axis) - lift
         want_v = (Sharding("shard", vaxis, target.parts, target.segments)
                   if vaxis >= 0 and shape(values)[vaxis] != 1 else REPLICATE)
         return Decision(target, {**wants, dest: target, values: want_v})

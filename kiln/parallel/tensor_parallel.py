@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from kiln.errors import VerifierError
 from kiln.ir.graph import KilnGraph, infer_meta, where
-from kiln.ir.ops import SPLITS, bind_args, norm_axis, op_name
+from kiln.ir.ops import SPLITS, STRICT_VIEWS, bind_args, norm_axis, op_name
 from kiln.ops.collectives import declare_group_size
 from kiln.parallel.column_split import column_parts
 from kiln.parallel.shard_rules import Decision, Rules, shape, slice_span
@@ -273,7 +273,7 @@ class _Rewriter:
         for node in self.kg.graph.nodes:
             if node.op == "call_function":
                 try:
-                    infer_meta(self.kg, node)
+                    self.infer(node)
                 except Exception as e:  # noqa: BLE001 - reported as the kiln bug it is
                     raise VerifierError(
                         f"tensor parallelism left {node.name} ({op_name(node.target)}) with "
@@ -281,6 +281,19 @@ class _Rewriter:
                         where=where(node),
                         hint="this is a kiln bug; rerun with KILN_DUMP_IR=<dir> and report "
                         "the dumps") from e
+
+    def infer(self, node: fx.Node) -> None:
+        """Shapes from the op; a kiln `view` is a logical reshape (strides are kiln's to
+        choose), so it is inferred as one."""
+        if op_name(node.target) not in STRICT_VIEWS:
+            infer_meta(self.kg, node)
+            return
+        target = node.target
+        node.target = _aten.reshape.default
+        try:
+            infer_meta(self.kg, node)
+        finally:
+            node.target = target
 
     def check_local_sizes(self) -> None:
         """No global size survives: each value is its global shape, cut as its sharding says."""

@@ -33,5 +33,6 @@ def state_for_target(program: Program, named: dict[str, torch.Tensor],
         if t is None:
             raise ArgumentError(f"the compiled plan reads {v.target}, which the model lacks")
         t = t.detach()
-        state[v.target] = t if t.device.type == device.type else t.to(device)
+        keep = t.device.type in (device.type, "meta")  # meta: a plan built for its shapes
+        state[v.target] = t if keep else t.to(device)
     return state
