@@ -125,6 +125,8 @@ class Rules:
             return self.same_axes_write(node, name)
         if name == "aten.cat.default":
             return self.cat(node)
+        if name in ("aten.index.Tensor", "aten.index_select.default"):
+            return self.index(node, name)
         cat = category(name)
         if cat == OpCategory.POINTWISE:
             return self.pointwise(node)
@@ -267,6 +269,24 @@ class Rules:
         want_v = (Sharding("shard", vaxis, target.parts, target.segments)
                   if vaxis >= 0 and shape(values)[vaxis] != 1 else REPLICATE)
         return Decision(target, {**wants, dest: target, values: want_v})
+
+    def index(self, node: fx.Node, name: str) -> Decision:
+        """Gathering along other axes keeps a cut (a paged KV cache read by block)."""
+        src = node.args[0]
+        s = self.committed(src)
+        rank = len(shape(src))
+        if name == "aten.index.Tensor":
+            indices = node.args[1]
+            axes = indexed_axes(rank, indices)
+        else:
+            dim = norm_axis(node.args[1], rank)
+            indices = [node.args[2]]
+            axes = [a if a != dim else None for a in range(rank)]
+        wants = {i: REPLICATE for i in indices if isinstance(i, fx.Node)}
+        if not s.is_shard or s.axis not in axes:
+            return Decision(REPLICATE, {**wants, src: REPLICATE})
+        return Decision(Sharding("shard", axes.index(s.axis), s.parts, s.segments),
+                        {**wants, src: s})
 
     def same_axes_write(self, node: fx.Node, name: str) -> Decision:
         dest = node.args[0]
