@@ -22,6 +22,7 @@ from kiln.parallel.assign_devices import assign_devices
 from kiln.parallel.config import parse_parallel
 from kiln.parallel.tensor_parallel import tensor_parallel
 from kiln.pipeline import Context, PassManager, Stage
+from kiln.runtime.distributed import join_world
 from kiln.runtime.program import Program
 from kiln.runtime.schedule import schedule
 from kiln.runtime.state import state_for_target
@@ -65,7 +66,9 @@ def compile(  # noqa: A001 - mirrors torch.compile
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     kwargs = dict(kwargs or {})
     ctx = Context(target=tgt, options=dict(options or {}))
-    ctx.options["parallel"] = parse_parallel(parallel, rank=_world_rank())
+    ctx.options["parallel"] = cfg = parse_parallel(parallel, rank=_world_rank())
+    if not cfg.is_single and compile_to is None:
+        join_world(cfg.tp, cfg.pp, tgt.torch_device)
     ctx.options["example_leaves"] = pytree.tree_leaves((args, kwargs))
     src = ModelSource(model, args, kwargs, dynamic_shapes)
     result = build_pipeline(dump_ir).run(src, ctx, compile_to=compile_to)

@@ -56,6 +56,10 @@ class DeviceError(KilnError):
     """A device is used but not declared, or a tensor is on the wrong device."""
 
 
+class DistributedError(KilnError):
+    """A multi-process run went wrong: no process group, a peer gone, a timeout."""
+
+
 class TargetError(KilnError):
     """An unknown target, or a target that cannot be used on this machine."""
 

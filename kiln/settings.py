@@ -23,6 +23,8 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
                       "is a terminal)"),
     "KILN_TUNE": ("fast", "none|fast|full: the autotuner's default mode (kiln.compile's "
                   "options={'tune': ...} and `kiln compile --tune` override it)"),
+    "KILN_DIST_TIMEOUT": ("300", "seconds a rank waits on its peers (a collective, a "
+                          "transfer) before a dead or stuck peer is a DistributedError"),
 }
 
 
@@ -62,6 +64,11 @@ def progress_enabled() -> bool:
 def tune_mode() -> str | None:
     """KILN_TUNE, or None when unset (the tuner then uses its own default)."""
     return _get("KILN_TUNE") or None
+
+
+def dist_timeout_s() -> float:
+    """KILN_DIST_TIMEOUT: how long a collective may wait for a peer, in seconds."""
+    return float(_get("KILN_DIST_TIMEOUT") or SETTINGS["KILN_DIST_TIMEOUT"][0])
 
 
 def setup_logging(verbose: bool = False) -> None:

@@ -1,0 +1,57 @@
+"""Joining the ranks of a multi-device plan: the process group and kiln's groups.
+
+kiln adds no launcher: torchrun (or kiln's spawner for one machine, or the user's own
+init_process_group) starts the processes and sets RANK / WORLD_SIZE / MASTER_ADDR;
+this module joins that world, makes the tensor-parallel groups (consecutive ranks)
+and pipeline groups (every tp-th rank) the same way on every rank, as torch requires,
+and binds them to the logical names the plan's collectives use. A timeout
+(KILN_DIST_TIMEOUT) turns a dead peer into an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch.distributed as dist
+
+from kiln.errors import DistributedError
+from kiln.ops.collectives import bind_group
+from kiln.settings import dist_timeout_s
+
+_joined: tuple[int, int, object] | None = None  # (tp, pp, the default group) groups made for
+
+
+def _launched() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def join_world(tp: int, pp: int, device_type: str = "cpu") -> bool:
+    """Join (or start, from torchrun's environment) the process group of a tp x pp plan
+    and bind "tp", "pp" and "world". False when there is no world to join (a plan made
+    compile-only in one process); its module then cannot run."""
+    if not dist.is_initialized():
+        if not _launched():
+            return False
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=dist_timeout_s()))
+    world = dist.get_world_size()
+    if world != tp * pp:
+        raise DistributedError(
+            f"the plan has tp={tp} x pp={pp} = {tp * pp} ranks, but {world} processes joined",
+            hint=f"launch exactly {tp * pp} processes: torchrun --nproc-per-node {tp * pp}")
+    global _joined
+    if _joined == (tp, pp, dist.group.WORLD):
+        return True  # the groups exist: a second module of the same plan reuses them
+    rank = dist.get_rank()
+    for p in range(pp):  # every rank makes every group, in the same order
+        group = dist.new_group(list(range(p * tp, (p + 1) * tp)))
+        if rank // tp == p:
+            bind_group("tp", group)
+    for t in range(tp):
+        group = dist.new_group(list(range(t, tp * pp, tp)))
+        if rank % tp == t:
+            bind_group("pp", group)
+    bind_group("world", dist.group.WORLD)
+    _joined = (tp, pp, dist.group.WORLD)
+    return True

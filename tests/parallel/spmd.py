@@ -1,0 +1,95 @@
+"""Run a function on N CPU processes joined by gloo, the way torchrun would start them.
+
+Each process gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT) so kiln joins the world as it would under torchrun; `nodes` > 1 gives
+LOCAL_RANK per node, as a multi-node torchrun does. A rank's exception comes back to
+the test with its traceback; a run past `timeout` is killed and fails.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, nodes, port, fn, args, env, results):
+    per_node = world // nodes
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_node),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        results.put((rank, True, fn(rank, world, *args)))
+    except BaseException:  # noqa: BLE001 - sent back to the test whatever it was
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class Died:
+    """What run_spmd returns for a rank that exited without a result."""
+
+    def __init__(self, exitcode):
+        self.exitcode = exitcode
+
+    def __repr__(self) -> str:
+        return f"Died(exitcode={self.exitcode})"
+
+
+def run_spmd(fn, world: int, *args, nodes: int = 1, timeout: float = 120, env=None,
+             may_die=()) -> list:
+    """fn(rank, world, *args) on `world` processes; the per-rank results, in rank order.
+
+    A rank in `may_die` that exits without a result gives Died(exitcode); any other
+    failure, or a run past `timeout`, fails the test.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, nodes, port, fn, args,
+                                               dict(env or {}), results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) + len(errors) < world:
+            if time.monotonic() > deadline:
+                missing = [r for r in range(world) if r not in out]
+                raise AssertionError(f"ranks {missing} did not finish within {timeout} s")
+            try:
+                rank, ok, value = results.get(timeout=0.5)
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if r not in out and not p.is_alive() and r in may_die:
+                        out[r] = Died(p.exitcode)
+                continue
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"rank {rank} failed:\n{value}")
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [out[r] for r in range(world)]

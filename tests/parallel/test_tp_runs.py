@@ -1,0 +1,143 @@
+"""Tensor-parallel modules run on CPU processes joined by gloo, against one device.
+
+Every rank compiles the same model with parallel={"tp": T} (torchrun's environment
+tells it its rank) and must return the single-device output. Kept tiny: spawning a
+process costs seconds on CI's two cores.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.helpers import rel_err
+from tests.parallel.spmd import Died, run_spmd
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _tiny_tp(rank, world, overrides):
+    import kiln
+    from kiln.models.llama import example_inputs, tiny_llama
+
+    model, eager = tiny_llama(**overrides), tiny_llama(**overrides)
+    args, ds = example_inputs(model.cfg, seq_len=5)
+    module = kiln.compile(model, args, dynamic_shapes=ds, parallel={"tp": world})
+    errs = []
+    torch.manual_seed(1)
+    pos = 0
+    for length in (5, 3, 1, 1):  # prefills of two lengths, then decode steps
+        tokens = torch.randint(0, model.cfg.vocab_size, (1, length))
+        input_pos = torch.arange(pos, pos + length)
+        with torch.no_grad():
+            errs.append(rel_err(module(tokens, input_pos), eager(tokens, input_pos)))
+        pos += length
+    token = torch.tensor([[3]])
+    ours, theirs = [], []
+    for _ in range(4):  # greedy decoding from the same state: identical tokens
+        with torch.no_grad():
+            a = module(token, torch.tensor([pos]))[0, -1].argmax()
+            b = eager(token, torch.tensor([pos]))[0, -1].argmax()
+        ours.append(int(a))
+        theirs.append(int(b))
+        token, pos = a.view(1, 1), pos + 1
+    return max(errs), ours, theirs
+
+
+@pytest.mark.parametrize("tp,overrides", [
+    (2, {}),
+    (4, {}),  # 2 KV heads over 4 ranks: pairs of ranks share a KV head
+    (8, {"n_heads": 8, "n_kv_heads": 2}),
+])
+def test_tiny_llama_tp_matches_one_device(tp, overrides):
+    for err, ours, theirs in run_spmd(_tiny_tp, tp, overrides, timeout=300):
+        assert err <= 1e-5
+        assert ours == theirs
+
+
+def _hf_family(name):
+    import transformers
+
+    cls, cfg_cls = {"llama": ("LlamaForCausalLM", "LlamaConfig"),
+                    "mistral": ("MistralForCausalLM", "MistralConfig"),
+                    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config")}[name]
+    cfg = getattr(transformers, cfg_cls)(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=name == "qwen2")
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(cfg).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):  # Qwen2's q/k/v biases start at 0: make them count
+                p.normal_(0.0, 0.1)
+
+    class Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids):
+            return self.m(input_ids=ids, use_cache=False).logits
+
+    return Logits(model)
+
+
+def _models_without_kiln(rank, world):
+    """transformers' own Llama, Mistral and Qwen2 classes and a gpt-fast-style decoder."""
+    import kiln
+    from tests.parallel.gpt_fast_model import gpt_fast
+
+    errs = {}
+    torch.manual_seed(2)
+    for name in ("llama", "mistral", "qwen2"):
+        model = _hf_family(name)
+        ids = torch.randint(0, 128, (1, 7))
+        seq = torch.export.Dim("seq", min=2, max=32)
+        module = kiln.compile(model, (ids,), dynamic_shapes=({1: seq},),
+                              parallel={"tp": world})
+        with torch.no_grad():
+            errs[name] = max(rel_err(module(x), model(x))
+                             for x in (ids, torch.randint(0, 128, (1, 4))))
+    model, eager = gpt_fast(), gpt_fast()
+    seq = torch.export.Dim("seq", min=1, max=32)
+    args = (torch.randint(0, 128, (1, 6)), torch.arange(6))
+    module = kiln.compile(model, args, dynamic_shapes=({1: seq}, {0: seq}),
+                          parallel={"tp": world})
+    with torch.no_grad():
+        prefill = rel_err(module(*args), eager(*args))
+        step = (torch.randint(0, 128, (1, 1)), torch.tensor([6]))
+        errs["gpt-fast"] = max(prefill, rel_err(module(*step), eager(*step)))
+    return errs
+
+
+def test_models_written_without_kiln_tp2():
+    pytest.importorskip("transformers")
+    for errs in run_spmd(_models_without_kiln, 2, timeout=400):
+        assert all(e <= 1e-5 for e in errs.values()), errs
+
+
+def _dies_mid_run(rank, world):
+    import kiln
+    from kiln.errors import DistributedError
+    from kiln.models.llama import example_inputs, tiny_llama
+
+    model = tiny_llama()
+    args, ds = example_inputs(model.cfg, seq_len=4)
+    module = kiln.compile(model, args, dynamic_shapes=ds, parallel={"tp": world})
+    if rank == 1:
+        os._exit(3)  # a rank that dies mid-run
+    try:
+        module(*args)
+    except DistributedError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_dead_rank_is_an_error_not_a_hang():
+    out = run_spmd(_dies_mid_run, 2, timeout=120, env={"KILN_DIST_TIMEOUT": "10"},
+                   may_die=(1,))
+    assert isinstance(out[1], Died)
+    assert "all_reduce on the 'tp' group failed" in out[0]
