@@ -55,11 +55,16 @@ def compile(  # noqa: A001 - mirrors torch.compile
     dump_ir: str | None = None,
     options: dict | None = None,
     parallel: dict | None = None,
+    devices: int | list[int] | None = None,
+    device_map: dict[int, int] | None = None,
 ):
     """Compile `model` for `target`; returns a CompiledModule (or an IR with compile_to).
 
     `parallel={"tp": T, "pp": P}` compiles this process's part of a T x P plan: every
     rank (torchrun's RANK, or `"rank"` in the dict) calls compile with the same model.
+    `devices` declares the devices the plan may use (a count or indices; by default its
+    ranks) and `device_map` puts logical devices (ranks, `cuda:N` in the model's code)
+    onto declared ones; a device needed but not declared is a DeviceError.
     """
     setup_logging()
     tgt = get_target(target)
@@ -67,6 +72,10 @@ def compile(  # noqa: A001 - mirrors torch.compile
     kwargs = dict(kwargs or {})
     ctx = Context(target=tgt, options=dict(options or {}))
     ctx.options["parallel"] = cfg = parse_parallel(parallel, rank=_world_rank())
+    if devices is not None:
+        ctx.options["devices"] = devices
+    if device_map is not None:
+        ctx.options["device_map"] = device_map
     if not cfg.is_single and compile_to is None:
         join_world(cfg.tp, cfg.pp, tgt.torch_device)
     ctx.options["example_leaves"] = pytree.tree_leaves((args, kwargs))

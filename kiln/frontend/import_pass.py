@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from kiln.frontend.export import import_model
-from kiln.ir.graph import KilnGraph
+from kiln.ir.graph import KilnGraph, named_devices
 from kiln.pipeline import Context, Pass
 
 
@@ -29,6 +29,7 @@ def _import(src: ModelSource, ctx: Context) -> KilnGraph:
     kg = import_model(src.model, src.args, src.kwargs, src.dynamic_shapes)
     # The weights leave the IR here; kiln.compile hands them to the CompiledModule.
     ctx.options["state"] = kg.state
+    kg.devices_named = named_devices(kg)
     return kg
 
 

@@ -45,6 +45,9 @@ class KilnGraph:
     mutable: set[str] = field(default_factory=set)  # state names the model updates
     # size symbol -> the user's torch.export.Dim name ("s17" -> "seq"), for messages
     dim_names: dict[str, str] = field(default_factory=dict)
+    # device index the model's own code names (cuda:3) -> [(node, source line)], recorded
+    # at import: constant folding may erase the ops that named them
+    devices_named: dict[int, list[tuple[str, str | None]]] = field(default_factory=dict)
 
     @property
     def graph(self) -> fx.Graph:
@@ -86,6 +89,20 @@ def is_tensor_node(node) -> bool:
 def where(node: fx.Node) -> str | None:
     """The user's source line that created `node`, for error messages."""
     return user_frame(node.meta.get("stack_trace"))
+
+
+def named_devices(kg: KilnGraph) -> dict[int, list[tuple[str, str | None]]]:
+    """Accelerator device indices the model's code names in `device=` arguments
+    (`.to("cuda:3")`, `torch.ones(..., device="cuda:3")`), with the nodes."""
+    used: dict[int, list[tuple[str, str | None]]] = {}
+    for node in kg.graph.nodes:
+        devs = [v for v in (*node.args, *node.kwargs.values()) if isinstance(v, torch.device)]
+        for dev in devs:
+            if dev.type not in ("cpu", "meta") and dev.index is not None:
+                entries = used.setdefault(dev.index, [])
+                if all(n != node.name for n, _ in entries):
+                    entries.append((node.name, where(node)))
+    return used
 
 
 def infer_meta(kg: KilnGraph, node: fx.Node) -> None:
