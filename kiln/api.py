@@ -84,7 +84,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
     if not isinstance(result, Program):
         return result
     return CompiledModule(result, state_for_target(result, ctx.options["state"], tgt),
-                          example_sizes=ctx.options.get("example_env"))
+                          example_sizes=ctx.options.get("example_env"),
+                          parallel=None if cfg.is_single else cfg)
 
 
 def _world_rank() -> int | None:
@@ -102,7 +103,16 @@ def _world_rank() -> int | None:
 def load(path, target: str | Target | None = None) -> CompiledModule:
     """Load a module saved with CompiledModule.save, without recompiling."""
     from kiln.artifact.load import load as _load
+    from kiln.artifact.ranks import read_parallel_manifest, this_rank
 
     setup_logging()
-    art = _load(path, target)
-    return CompiledModule(art.program, art.state, example_sizes=art.example_sizes)
+    ranks = read_parallel_manifest(path)
+    if ranks is None:
+        art = _load(path, target)
+        return CompiledModule(art.program, art.state, example_sizes=art.example_sizes)
+    rank = _world_rank()
+    art = _load(this_rank(ranks, rank, path), target)
+    cfg = parse_parallel({"tp": ranks["tp"], "pp": ranks["pp"], "rank": rank})
+    join_world(cfg.tp, cfg.pp, art.program.kplan.target.torch_device)
+    return CompiledModule(art.program, art.state, example_sizes=art.example_sizes,
+                          parallel=cfg)

@@ -31,12 +31,13 @@ class CompiledModule:
     """
 
     def __init__(self, program: Program, state: dict[str, torch.Tensor], *,
-                 example_sizes: dict[str, int] | None = None):
+                 example_sizes: dict[str, int] | None = None, parallel=None):
         self.program = program
         self.plan = program.plan
         self.state = state
         self.target = program.kplan.target
         self.example_sizes = dict(example_sizes or {})
+        self.parallel = parallel  # the ParallelConfig of a multi-device plan's rank
         self._in_spec = pytree.treespec_loads(self.plan.in_spec)
         self._out_spec = pytree.treespec_loads(self.plan.out_spec)
         self._graphs = None
@@ -129,9 +130,16 @@ class CompiledModule:
         return pytree.tree_unflatten(outs, self._out_spec)
 
     def save(self, path) -> None:
+        """Write the module to `path`; each rank of a multi-device plan saves its part."""
+        from kiln.artifact.ranks import rank_dir, write_parallel_manifest
         from kiln.artifact.save import save
 
-        save(self, path)
+        if self.parallel is None or self.parallel.world_size == 1:
+            save(self, path)
+            return
+        save(self, rank_dir(path, self.parallel.rank))
+        if self.parallel.rank == 0:
+            write_parallel_manifest(path, self.parallel.tp, self.parallel.pp)
 
     def describe(self) -> str:
         return self.program.describe()

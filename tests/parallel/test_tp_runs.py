@@ -141,3 +141,38 @@ def test_a_dead_rank_is_an_error_not_a_hang():
                    may_die=(1,))
     assert isinstance(out[1], Died)
     assert "all_reduce on the 'tp' group failed" in out[0]
+
+
+def _save_then_load(rank, world, path):
+    import torch.distributed as dist
+
+    import kiln
+    from kiln.models.llama import example_inputs, tiny_llama
+
+    model = tiny_llama()
+    args, ds = example_inputs(model.cfg, seq_len=4)
+    module = kiln.compile(model, args, dynamic_shapes=ds, parallel={"tp": world})
+    want = module(*args)
+    module.save(path)
+    dist.barrier()
+    loaded = kiln.load(path)
+    model.setup_cache()  # the loaded module has its own cache: start both from empty
+    got = loaded(*args)
+    weights = sum(t.numel() for t in loaded.state.values())
+    return rel_err(got, want), weights, loaded.parallel.rank
+
+
+def test_save_and_load_a_tp_module_per_rank(tmp_path):
+    import kiln
+    from kiln.errors import DistributedError
+    from kiln.models.llama import tiny_llama
+
+    path = tmp_path / "tp2.kiln"
+    out = run_spmd(_save_then_load, 2, str(path), timeout=300)
+    assert [o[2] for o in out] == [0, 1]
+    assert all(err <= 1e-6 for err, _, _ in out)
+    full = sum(t.numel() for t in tiny_llama().state_dict().values())
+    assert all(w < 0.6 * full for _, w, _ in out)  # each rank stored only its slices
+    assert sorted(p.name for p in path.iterdir()) == ["parallel.json", "rank0", "rank1"]
+    with pytest.raises(DistributedError, match="torchrun --nproc-per-node 2"):
+        kiln.load(path)  # not one of the ranks
