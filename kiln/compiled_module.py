@@ -146,7 +146,8 @@ class CompiledModule:
 
     def explain(self, kernels: bool = False) -> str:
         """The `kiln explain` report: regions, shapes, bounds, bytes, flops, memory."""
-        return explain(self.program, self.example_sizes, kernels=kernels)
+        return explain(self.program, self.example_sizes, kernels=kernels,
+                       parallel=self.parallel)
 
     def __repr__(self) -> str:
         return (f"CompiledModule(target={self.target}, regions={len(self.plan.regions)}, "

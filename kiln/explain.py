@@ -21,7 +21,7 @@ from kiln.ir.symbolic import Bounds, Dim, bounds_of, evaluate, to_str
 
 
 def explain(program, example_sizes: dict[str, int] | None = None,
-            kernels: bool = False) -> str:
+            kernels: bool = False, parallel=None) -> str:
     plan: DispatchPlan = program.plan
     example = _full_env(plan, example_sizes or {})
     upper = _upper_env(plan.symbols)
@@ -30,6 +30,8 @@ def explain(program, example_sizes: dict[str, int] | None = None,
     out = [f"kiln explain: {len(plan.regions)} regions for {program.kplan.target} ("
            + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + ")"]
     out += _symbols(plan.symbols, example, plan.dim_names)
+    if parallel is not None:
+        out += _device(plan, parallel, example)
     out.append("")
     for r in plan.regions:
         out += _region(r, plan, costs[r.name], example, kernels and program.kplan.kernels)
@@ -143,6 +145,26 @@ def _weights(plan: DispatchPlan) -> list[str]:
                 if all(isinstance(d, int) for d in v.shape))
     state = sum(1 for v in weights if v.role == Role.STATE)
     return [f"weights: {len(weights)} tensors ({state} updated in place), {human_bytes(fixed)}"]
+
+
+def _device(plan: DispatchPlan, parallel, example) -> list[str]:
+    """This rank's share of a multi-device plan: its weights and its collectives."""
+    lines = [f"device: rank {parallel.rank} of tp={parallel.tp} x pp={parallel.pp} "
+             f"(tp rank {parallel.tp_rank}, pipeline stage {parallel.pp_rank})",
+             "  " + _weights(plan)[0]]
+    colls = [(i, r) for i, r in enumerate(plan.regions)
+             if r.kind.value == "extern" and r.anchor().target.startswith("kiln.all_")]
+    lines.append(f"  collectives: {len(colls)}" + (" (in schedule order)" if colls else ""))
+    for i, r in colls:
+        op = r.anchor()
+        v = plan.values[r.outputs[0]]
+        nbytes = (human_bytes(evaluate(v.numel, example) * v.itemsize)
+                  if example is not None else to_str(v.numel) + " elements")
+        group = op.args[-1]
+        where = f" at {op.where}" if op.where else ""
+        lines.append(f"    #{i} {r.name}: {op.target.split('.')[1]} on {group!r}, "
+                     f"{type_str(v.shape, v.dtype)}, {nbytes}{where}")
+    return lines
 
 
 def _memory(mem, example, upper) -> list[str]:

@@ -148,3 +148,15 @@ def test_tp8_plan_time_grows_linearly_with_layers():
     stage_time(2)  # warm caches
     small, large = stage_time(4), stage_time(16)
     assert large < 4 * small * 2.5, (small, large)
+
+
+def test_explain_shows_a_ranks_weights_and_collectives():
+    model, args = _llama70b(layers=2)
+    module = kiln.compile(model, args, target="cuda:sm_90", parallel={"tp": 8, "rank": 3},
+                          options={"tune": "none"})
+    text = module.explain()
+    assert "device: rank 3 of tp=8 x pp=1" in text
+    assert "weights: 27 tensors (4 updated in place), 536 MiB" in text  # an eighth
+    assert "collectives: 6 (in schedule order)" in text
+    assert text.count("all_reduce on 'tp', f16[1, 2048, 8192], 32 MiB") == 5
+    assert "all_gather on 'tp', f16[1, 2048, 32000], 125 MiB at " in text
