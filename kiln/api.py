@@ -85,7 +85,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
         return result
     return CompiledModule(result, state_for_target(result, ctx.options["state"], tgt),
                           example_sizes=ctx.options.get("example_env"),
-                          parallel=None if cfg.is_single else cfg)
+                          parallel=None if cfg.is_single else cfg,
+                          weight_slices=ctx.options.get("weight_cuts"))
 
 
 def _world_rank() -> int | None:

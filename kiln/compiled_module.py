@@ -31,13 +31,17 @@ class CompiledModule:
     """
 
     def __init__(self, program: Program, state: dict[str, torch.Tensor], *,
-                 example_sizes: dict[str, int] | None = None, parallel=None):
+                 example_sizes: dict[str, int] | None = None, parallel=None,
+                 weight_slices: dict | None = None):
         self.program = program
         self.plan = program.plan
         self.state = state
         self.target = program.kplan.target
         self.example_sizes = dict(example_sizes or {})
         self.parallel = parallel  # the ParallelConfig of a multi-device plan's rank
+        # state name -> (axis, [(start, end), ...]) for the weights this rank holds a
+        # slice of: what a loader reads from a checkpoint for this rank
+        self.weight_slices = dict(weight_slices or {})
         self._in_spec = pytree.treespec_loads(self.plan.in_spec)
         self._out_spec = pytree.treespec_loads(self.plan.out_spec)
         self._graphs = None

@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+from tests.models.support import FAMILIES, make_checkpoint
+
 os.environ.setdefault("KILN_PROGRESS", "0")
 
 
@@ -37,3 +39,29 @@ def _isolated_cache(request, tmp_path, monkeypatch, _gpu_cache):
     # them); GPU tests share one, so a kernel met in many tests is tuned once.
     gpu = request.node.get_closest_marker("gpu") is not None
     monkeypatch.setenv("KILN_CACHE_DIR", str(_gpu_cache if gpu else tmp_path / "kiln-cache"))
+
+
+# Tiny HF checkpoints and the kiln LLMs compiled from them: shared by tests/models and
+# tests/parallel (compiling is the slow part, so once per session).
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """family -> (checkpoint dir, the transformers model saved there)."""
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("hf")
+    return {f: (root / f, make_checkpoint(root / f, f)) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def llms(checkpoints):
+    """family -> a kiln LLM (contiguous cache, batches of up to 3), compiled on first use."""
+    import kiln.models
+
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            cache[family] = kiln.models.load(checkpoints[family][0], max_batch_size=3,
+                                             dtype=torch.float32)
+        return cache[family]
+
+    return get

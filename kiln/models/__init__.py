@@ -36,7 +36,8 @@ def builtin(name: str):
 def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="cpu",
          max_seq_len: int | None = None, max_batch_size: int = 1, paged: bool = False,
          block_size: int = 16, num_blocks: int | None = None,
-         random_weights: bool = False, seed: int = 0, cuda_graphs: bool | None = None):
+         random_weights: bool = False, seed: int = 0, cuda_graphs: bool | None = None,
+         tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
     """An LLM (kiln.models.generate.LLM), compiled for `target`, from `source`:
 
     - a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json):
@@ -50,6 +51,10 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
     GPU). max_seq_len bounds the context (prompt and generated tokens); paged=True uses
     a paged KV cache of `block_size`-token blocks instead of a contiguous one.
     cuda_graphs (default: on for GPU targets) replays decode steps as CUDA graphs.
+
+    tensor_parallel_size / pipeline_parallel_size > 1: this process is one rank of a
+    multi-device plan, started by torchrun (every rank calls load with the same
+    arguments); a checkpoint's weights are read as this rank's slices only.
     """
     from kiln.errors import CheckpointError, KilnError
     from kiln.models import hf
@@ -60,6 +65,9 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
 
     tgt = get_target(target)
     device = tgt.torch_device
+    parallel = ({"tp": tensor_parallel_size, "pp": pipeline_parallel_size}
+                if tensor_parallel_size * pipeline_parallel_size > 1 else None)
+    read_weights = None
     if isinstance(dtype, str):
         if dtype not in hf.DTYPES:
             raise KilnError(f"unknown dtype {dtype!r}", hint=f"one of {', '.join(hf.DTYPES)}")
@@ -75,6 +83,12 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
             cfg = loader.config_from_hf(config, str(path / "config.json"), max_seq_len)
             model = loader.random_model(cfg, dtype or hf.checkpoint_dtype(config)
                                         or torch.float32, device, seed)
+        elif parallel and loader is hf:
+            model, config = hf.load_checkpoint(path, dtype, device, max_seq_len, weights=False)
+            files, wdtype = hf.weight_files(path), model.lm_head.weight.dtype
+
+            def read_weights(wanted):
+                return hf.read_parts(model, files, wanted, wdtype, device)
         else:
             model, config = loader.load_checkpoint(path, dtype, device, max_seq_len)
         tokenizer = load_tokenizer(path)
@@ -95,4 +109,4 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
                               hint=f"presets: {', '.join(PRESETS)}")
     return LLM(model, tokenizer, stop_ids, target=tgt, max_batch_size=max_batch_size,
                paged=paged, block_size=block_size, num_blocks=num_blocks, name=str(source),
-               cuda_graphs=cuda_graphs)
+               cuda_graphs=cuda_graphs, parallel=parallel, read_weights=read_weights)

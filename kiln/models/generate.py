@@ -83,9 +83,13 @@ class LLM:
     def __init__(self, model: Llama, tokenizer=None, stop_ids=(), *, target="cpu",
                  max_batch_size: int = 1, paged: bool = False, block_size: int = 16,
                  num_blocks: int | None = None, name: str = "",
-                 cuda_graphs: bool | None = None, compile_options: dict | None = None):
+                 cuda_graphs: bool | None = None, compile_options: dict | None = None,
+                 parallel: dict | None = None, read_weights=None):
         self.model, self.cfg, self.name = model, model.cfg, name
         self.compile_options = compile_options  # kiln.compile's options (e.g. tune)
+        # {"tp": T, "pp": P}: this process is one rank (under torchrun) of a multi-device
+        # plan; read_weights(wanted) then reads its parts of a model built on meta
+        self.parallel = parallel
         self.tokenizer, self.stop_ids = tokenizer, set(stop_ids)
         self.target = get_target(target)
         self.device = torch.device(self.target.torch_device)
@@ -96,6 +100,8 @@ class LLM:
         t0 = time.perf_counter()
         self.prefill_module = self._compile(seq_len=None)
         self.decode_module = self._compile(seq_len=1)
+        if read_weights is not None:
+            self._materialize(read_weights)
         self.compile_s = time.perf_counter() - t0
         self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch_size]
         self.buckets.append(max_batch_size)
@@ -108,6 +114,37 @@ class LLM:
         self._warm_prefill()
         self.load_s = time.perf_counter() - t0
 
+    def _materialize(self, read_weights) -> None:
+        """Give both modules real tensors for the weights left on the meta device: this
+        rank's slices (or whole replicated weights) read once, shared by both; buffers
+        the model updates (KV caches) start as zeros."""
+        modules = (self.prefill_module, self.decode_module)
+        self.model.init_rope(self.device)  # tables computed, not read
+        params = dict(self.model.named_parameters(remove_duplicate=False))  # tied too
+        own_buffers = dict(self.model.named_buffers())
+        wanted, buffers = {}, {}
+        for m in modules:
+            for name, t in m.state.items():
+                if t.device.type != "meta":
+                    continue
+                if name in params:
+                    wanted[name] = m.weight_slices.get(name)
+                elif name in own_buffers:
+                    buffers[name] = t
+                else:
+                    raise ArgumentError(
+                        f"the compiled plan reads {name}, computed from weights that were "
+                        "not loaded yet", hint="load the checkpoint whole (no tensor "
+                        "parallelism) for this model, and report it")
+        real = read_weights(wanted)
+        own_buffers = dict(self.model.named_buffers())
+        for name, t in buffers.items():
+            mine = own_buffers[name]
+            real[name] = (mine if mine.device.type != "meta"  # the RoPE tables
+                          else torch.zeros(t.shape, dtype=t.dtype, device=self.device))
+        for m in modules:
+            m.state.update({n: real[n] for n in m.state if n in real})
+
     @property
     def max_seq_len(self) -> int:
         return self.cfg.max_seq_len
@@ -115,29 +152,34 @@ class LLM:
     def _compile(self, seq_len: int | None):
         """Compile for T = seq_len (decode), or for a dynamic T in [1, max_seq_len] with
         logits at L dynamic positions per row (prefill: L = 1, the last prompt token)."""
+        # a model still on the meta device (its weights are read after compiling) is
+        # exported with meta examples: one device for every tensor export sees
+        meta = self.model.lm_head.weight.device.type == "meta"
+        dev = torch.device("meta") if meta else self.device
         b = min(2, self.max_batch_size)  # an example of 1 would pin the batch dim to 1
         t = seq_len or min(8, self.max_seq_len)
         batch = Dim("batch", min=1, max=self.max_batch_size) if b > 1 else None
         seq = Dim("seq", min=1, max=self.max_seq_len) if seq_len is None and t > 1 else None
         dims = {k: d for k, d in ((0, batch), (1, seq)) if d is not None}
-        args = {"tokens": torch.zeros(b, t, dtype=torch.long, device=self.device),
-                "input_pos": torch.arange(t, device=self.device).expand(b, t).contiguous()}
+        args = {"tokens": torch.zeros(b, t, dtype=torch.long, device=dev),
+                "input_pos": torch.arange(t, device=dev).expand(b, t).contiguous()}
         shapes = {"tokens": dims, "input_pos": dims}
         if self.paged:
             cache = self.model.cache
             w = min(max(2, math.ceil(t / cache.block_size)), cache.blocks_per_seq)
             width = Dim("blocks", min=1, max=cache.blocks_per_seq) if w > 1 else None
-            args["block_table"] = torch.zeros(b, w, dtype=torch.long, device=self.device)
+            args["block_table"] = torch.zeros(b, w, dtype=torch.long, device=dev)
             shapes["block_table"] = {k: d for k, d in ((0, batch), (1, width)) if d is not None}
         if seq is not None:
             rows = Dim("logit_rows", min=1, max=self.max_seq_len)
-            args["logits_at"] = torch.zeros(b, 2, dtype=torch.long, device=self.device)
+            args["logits_at"] = torch.zeros(b, 2, dtype=torch.long, device=dev)
             shapes["logits_at"] = {k: d for k, d in ((0, batch), (1, rows)) if d is not None}
             if self.needs_seq_lens:
-                args["seq_lens"] = torch.full((b,), t, dtype=torch.long, device=self.device)
+                args["seq_lens"] = torch.full((b,), t, dtype=torch.long, device=dev)
                 shapes["seq_lens"] = {0: batch} if batch is not None else None
         return kiln.compile(self.model, (), kwargs=args, dynamic_shapes=shapes,
-                            target=self.target, options=self.compile_options)
+                            target=self.target, options=self.compile_options,
+                            parallel=self.parallel)
 
     def _capture_buckets(self) -> None:
         """Capture every bucket's decode graph now, so no request pays for a capture.

@@ -249,6 +249,36 @@ def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device
     model.tie_weights()
 
 
+def read_parts(model: nn.Module, files: list[Path], wanted: dict, dtype: torch.dtype,
+               device) -> dict[str, torch.Tensor]:
+    """The tensors a rank of a multi-device plan holds, read from the checkpoint: for
+    each state name in `wanted`, `(axis, [(start, end), ...])` reads only those ranges
+    of that axis (this rank's slices, via safetensors' lazy slices), None the whole
+    tensor. Never reads the whole model into one process."""
+    found = read_headers(files)
+    check_tensors(model, found)
+    tied = {n: "model.embed_tokens.weight" for n in ("lm_head.weight",)
+            if getattr(model.cfg, "tie_word_embeddings", False)}
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in wanted:
+        by_file.setdefault(found[tied.get(name, name)][0], []).append(name)
+    for f, names in by_file.items():
+        with reading(f), safe_open(str(f), framework="pt") as st:
+            for name in names:
+                part = st.get_slice(tied.get(name, name))
+                cut = wanted[name]
+                if cut is None:
+                    t = part[:]
+                else:
+                    axis, ranges = cut
+                    lead = (slice(None),) * axis
+                    pieces = [part[(*lead, slice(a, b))] for a, b in ranges]
+                    t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, axis)
+                out[name] = t.to(device=device, dtype=dtype).contiguous()
+    return out
+
+
 @contextlib.contextmanager
 def reading(f: Path):
     """Reading tensor data from shard `f`: a failure that is not already a KilnError
@@ -276,8 +306,13 @@ def free_partial(model: nn.Module, exc: BaseException) -> None:
 
 
 def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
-                    max_seq_len: int | None = None) -> tuple[Llama | Qwen3Next, dict]:
-    """(model, config.json) for a Hugging Face checkpoint directory; weights loaded lazily."""
+                    max_seq_len: int | None = None, weights: bool = True
+                    ) -> tuple[Llama | Qwen3Next, dict]:
+    """(model, config.json) for a Hugging Face checkpoint directory; weights loaded lazily.
+
+    weights=False leaves the weights on the meta device (a multi-device plan reads each
+    rank's slices later, with read_parts); the model is in `dtype` already.
+    """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist", where=str(path))
@@ -287,6 +322,10 @@ def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
     dtype = dtype or checkpoint_dtype(hf) or torch.float32
     with torch.device("meta"):
         model = build_model(cfg)
+    if not weights:  # shapes only, RoPE tables too: every tensor on one device for export
+        model = model.to(dtype)
+        model.init_rope("meta")
+        return model.eval(), hf
     try:
         load_weights(model, files, dtype, device)
     except BaseException as e:

@@ -18,10 +18,13 @@ makes sure no global size survives. Collectives are `kiln::all_reduce` /
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.fx as fx
 
 from kiln.errors import VerifierError
+from kiln.graph.canonicalize import identity_source
 from kiln.ir.graph import KilnGraph, infer_meta, where
 from kiln.ir.ops import SPLITS, STRICT_VIEWS, bind_args, norm_axis, op_name
 from kiln.ops.collectives import declare_group_size
@@ -52,6 +55,8 @@ class _Rewriter:
         self.global_shape = {n: shape(n) for n in kg.graph.nodes
                              if isinstance(n.meta.get("val"), torch.Tensor)}
         self.resharded: dict[tuple[fx.Node, Sharding], fx.Node] = {}
+        # state name -> (axis, [(start, end), ...]): the ranges of its axis this rank holds
+        self.cut: dict[str, tuple[int, list[tuple[int, int]]]] = {}
         self.rules = Rules(self.sh.get, tp, lambda mm: column_parts(mm, tp))
 
     # -- walking -------------------------------------------------------------------
@@ -240,9 +245,10 @@ class _Rewriter:
             s = self.sh.get(node)
             if node.op == "placeholder" and node.name in targets and s.is_shard:
                 name = targets[node.name]
-                t = local_tensor(self.kg.state[name], s, self.tp, self.rank)
-                if name in self.kg.mutable and t.data_ptr() == self.kg.state[name].data_ptr():
-                    t = t.clone()
+                t = rank_part(self.kg.state[name], s, self.tp, self.rank,
+                              private=name in self.kg.mutable)
+                size = self.global_shape[node][s.axis]
+                self.cut[name] = (s.axis, local_ranges(size, s, self.tp, self.rank))
                 self.kg.state[name] = t
                 node.meta["val"] = self.kg.fake_mode().from_tensor(t)
 
@@ -314,6 +320,41 @@ class _Rewriter:
                     hint="this is a kiln bug; rerun with KILN_DUMP_IR=<dir> and report")
 
 
+# A model's tensor -> {(sharding, tp, rank): this rank's part}. Modules compiled from one
+# model (an LLM's prefill and decode) share the parts: one copy of the weights, and one
+# KV cache that both read and write.
+_parts: dict[int, tuple[weakref.ref, dict]] = {}  # id(tensor) -> (its weakref, parts)
+
+
+def rank_part(t: torch.Tensor, s: Sharding, tp: int, rank: int, private: bool) -> torch.Tensor:
+    """This rank's part of `t`, the same tensor for every module compiled from `t`;
+    `private` (a buffer the plan writes) never shares memory with the model's own."""
+    key = id(t)
+    entry = _parts.get(key)
+    if entry is None or entry[0]() is not t:
+        entry = (weakref.ref(t, lambda _: _parts.pop(key, None)), {})
+        _parts[key] = entry
+    per = entry[1]
+    part_key = (s, tp, rank)
+    if part_key not in per:
+        part = local_tensor(t, s, tp, rank)
+        shared = t.device.type != "meta" and (
+            part.untyped_storage().data_ptr() == t.untyped_storage().data_ptr())
+        per[part_key] = part.clone() if private and shared else part
+    return per[part_key]
+
+
+def _drop_identities(kg: KilnGraph) -> None:
+    """Views that local sizes made identities (one KV head of [.., 1, D] viewed as
+    itself) go, as canonicalize would have removed them (`no-identity-views`)."""
+    for node in list(kg.graph.nodes):
+        if node.op == "call_function":
+            src = identity_source(kg, node)
+            if src is not None:
+                node.replace_all_uses_with(src)
+                kg.graph.erase_node(node)
+
+
 def _finer(have: Sharding, want: Sharding) -> bool:
     return (have.axis == want.axis and have.segments == want.segments
             and want.parts % have.parts == 0)
@@ -348,8 +389,8 @@ def tensor_parallel(kg: KilnGraph, ctx) -> KilnGraph:
     rewriter.localize()
     rewriter.infer_shapes()
     rewriter.check_local_sizes()
-    ctx.options["tp_shardings"] = {n.name: s for n, s in rewriter.sh.items()
-                                   if isinstance(s, Sharding)}
+    _drop_identities(kg)
+    ctx.options["weight_cuts"] = dict(rewriter.cut)
     kg.recompile()
     return kg
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.support import FAMILIES, make_checkpoint
-
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
@@ -19,30 +17,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory):
-    """family -> (checkpoint dir, the transformers model saved there)."""
-    pytest.importorskip("transformers")
-    root = tmp_path_factory.mktemp("hf")
-    return {f: (root / f, make_checkpoint(root / f, f)) for f in FAMILIES}
-
-
-@pytest.fixture(scope="session")
-def llms(checkpoints):
-    """family -> a kiln LLM (contiguous cache, batches of up to 3), compiled on first use."""
-    import kiln.models
-
-    cache = {}
-
-    def get(family: str):
-        if family not in cache:
-            cache[family] = kiln.models.load(checkpoints[family][0], max_batch_size=3,
-                                             dtype=torch.float32)
-        return cache[family]
-
-    return get
 
 
 @pytest.fixture(scope="session")

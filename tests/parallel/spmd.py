@@ -9,6 +9,7 @@ the test with its traceback; a run past `timeout` is killed and fails.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -31,7 +32,8 @@ def _entry(rank, world, nodes, port, fn, args, env, results):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
-        results.put((rank, True, fn(rank, world, *args)))
+        # pickled here, by value: tensors sent as shared memory die with this process
+        results.put((rank, True, pickle.dumps(fn(rank, world, *args))))
     except BaseException:  # noqa: BLE001 - sent back to the test whatever it was
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -82,7 +84,7 @@ def run_spmd(fn, world: int, *args, nodes: int = 1, timeout: float = 120, env=No
                         out[r] = Died(p.exitcode)
                 continue
             if ok:
-                out[rank] = value
+                out[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
     finally:

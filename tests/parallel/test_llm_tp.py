@@ -1,0 +1,43 @@
+"""kiln.models.load(..., tensor_parallel_size=2) on every rank of a gloo world: each
+rank reads only its slices of the checkpoint and generates what one device does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import rel_err
+from tests.parallel.spmd import run_spmd
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _load_and_generate(rank, world, path, prompt, steps):
+    import kiln.models
+    from tests.models.support import run_alone
+
+    llm = kiln.models.load(path, dtype=torch.float32, tensor_parallel_size=world)
+    logits = run_alone(llm, torch.tensor(prompt), torch.tensor(steps))
+    params = dict(llm.model.named_parameters(remove_duplicate=False))
+    weights = {n: t for m in (llm.prefill_module, llm.decode_module)
+               for n, t in m.state.items() if n in params}
+    held = sum(t.numel() for t in weights.values())
+    tokens = llm.generate(prompt, max_new_tokens=6).ids
+    return logits, tokens, held
+
+
+@pytest.mark.parametrize("family", ["llama3.1", "mistral", "qwen2"])
+def test_tp2_llm_from_a_checkpoint_matches_one_device(family, checkpoints, llms):
+    from tests.models.support import run_alone
+
+    path, hf_model = checkpoints[family]
+    prompt, steps = [1, 5, 9, 13, 2, 7, 30], [4, 8, 15]
+    single = llms(family)
+    want = run_alone(single, torch.tensor(prompt), torch.tensor(steps))
+    want_tokens = single.generate(prompt, max_new_tokens=6).ids
+    full = sum(p.numel() for p in hf_model.parameters())
+    for logits, tokens, held in run_spmd(_load_and_generate, 2, str(path), prompt, steps,
+                                         timeout=400):
+        assert max(rel_err(a, b) for a, b in zip(logits, want)) <= 1e-5
+        assert tokens == want_tokens
+        assert held < 0.6 * full  # its slices and the (replicated) norms, no more
