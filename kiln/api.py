@@ -16,6 +16,7 @@ from kiln.compiled_module import CompiledModule
 from kiln.dispatch.example_sizes import bind_example_sizes
 from kiln.dispatch.form_regions import form_regions
 from kiln.dispatch.reinplace import reinplace
+from kiln.errors import ArgumentError
 from kiln.frontend.import_pass import ModelSource, import_pass
 from kiln.graph import GRAPH_PASSES
 from kiln.parallel.assign_devices import assign_devices
@@ -72,6 +73,9 @@ def compile(  # noqa: A001 - mirrors torch.compile
     kwargs = dict(kwargs or {})
     ctx = Context(target=tgt, options=dict(options or {}))
     ctx.options["parallel"] = cfg = parse_parallel(parallel, rank=_world_rank())
+    if cfg.pp > 1:
+        raise ArgumentError("pipeline parallelism (parallel={'pp': P > 1}) is not supported "
+                            "yet", hint="use tensor parallelism ({'tp': T}) for now")
     if devices is not None:
         ctx.options["devices"] = devices
     if device_map is not None:

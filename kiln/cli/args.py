@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context length (default: the model's, at most 4096)")
     g.add_argument("--cache", choices=["contiguous", "paged"], default="contiguous")
     g.add_argument("--block-size", type=int, default=16, help="paged cache block size")
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="T",
+                   help="split the model over T devices (tensor parallelism); kiln starts "
+                   "the T processes itself unless run under torchrun")
+    g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1, metavar="P",
+                   help="split the layers into P pipeline stages (not yet supported)")
     g.add_argument("--no-cuda-graphs", action="store_true",
                    help="GPU: run decode steps without CUDA graphs (default: graphs on)")
     g.add_argument("-v", "--verbose", action="store_true", help="log every stage")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -25,7 +26,12 @@ def cmd_generate(args) -> int:
     llm = load(source, dtype=args.dtype, target=args.target, max_seq_len=args.max_seq_len,
                max_batch_size=len(args.prompt), paged=args.cache == "paged",
                block_size=args.block_size, random_weights=args.random_weights,
-               seed=args.seed, cuda_graphs=False if args.no_cuda_graphs else None)
+               seed=args.seed, cuda_graphs=False if args.no_cuda_graphs else None,
+               tensor_parallel_size=args.tensor_parallel_size,
+               pipeline_parallel_size=args.pipeline_parallel_size)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun: rank 0 prints for all
+        _generate_quietly(llm, args)
+        return 0
     print(f"loaded {source} and compiled for {llm.target} in "
           f"{time.perf_counter() - t0:.2f} s", file=sys.stderr)
     stop = list(args.stop) + list(args.stop_id)
@@ -44,6 +50,15 @@ def cmd_generate(args) -> int:
     for r in results:
         print(r.summary(), file=sys.stderr)
     return 0
+
+
+def _generate_quietly(llm, args) -> None:
+    """Another rank's part of the same generation (every rank makes every call)."""
+    stop = list(args.stop) + list(args.stop_id)
+    prompts = args.prompt if len(args.prompt) > 1 else args.prompt[0]
+    llm.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=stop,
+                 ignore_eos=args.ignore_eos)
 
 
 def _stream(text: str) -> None:

@@ -52,9 +52,10 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
     a paged KV cache of `block_size`-token blocks instead of a contiguous one.
     cuda_graphs (default: on for GPU targets) replays decode steps as CUDA graphs.
 
-    tensor_parallel_size / pipeline_parallel_size > 1: this process is one rank of a
-    multi-device plan, started by torchrun (every rank calls load with the same
-    arguments); a checkpoint's weights are read as this rank's slices only.
+    tensor_parallel_size / pipeline_parallel_size > 1: a multi-device plan. Under
+    torchrun this process is one rank (every rank calls load with the same arguments);
+    elsewhere kiln spawns the other ranks on this machine (kiln.models.spawn) and returns
+    rank 0's LLM. A checkpoint's weights are read as each rank's slices only.
     """
     from kiln.errors import CheckpointError, KilnError
     from kiln.models import hf
@@ -67,6 +68,17 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
     device = tgt.torch_device
     parallel = ({"tp": tensor_parallel_size, "pp": pipeline_parallel_size}
                 if tensor_parallel_size * pipeline_parallel_size > 1 else None)
+    if parallel is not None:
+        from kiln.models.spawn import spawn_llm, under_launcher
+
+        if not under_launcher():
+            return spawn_llm(dict(
+                source=str(source), dtype=dtype, target=target, max_seq_len=max_seq_len,
+                max_batch_size=max_batch_size, paged=paged, block_size=block_size,
+                num_blocks=num_blocks, random_weights=random_weights, seed=seed,
+                cuda_graphs=cuda_graphs, tensor_parallel_size=tensor_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size),
+                tensor_parallel_size * pipeline_parallel_size)
     read_weights = None
     if isinstance(dtype, str):
         if dtype not in hf.DTYPES:

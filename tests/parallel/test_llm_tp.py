@@ -41,3 +41,23 @@ def test_tp2_llm_from_a_checkpoint_matches_one_device(family, checkpoints, llms)
         assert max(rel_err(a, b) for a, b in zip(logits, want)) <= 1e-5
         assert tokens == want_tokens
         assert held < 0.6 * full  # its slices and the (replicated) norms, no more
+
+
+def _cli_generate(*extra):
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-c", "import sys; from kiln.cli import main; sys.exit(main())",
+           "generate", "--random-weights", "--config", "tiny", "--prompt", "hello",
+           "--max-new-tokens", "6", *extra]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_cli_generate_spawns_its_tensor_parallel_ranks():
+    """`kiln generate -tp 2` outside torchrun starts the second rank itself, and prints
+    what one device prints."""
+    assert _cli_generate("-tp", "2") == _cli_generate()
