@@ -81,7 +81,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     if device_map is not None:
         ctx.options["device_map"] = device_map
     if not cfg.is_single and compile_to is None:
-        join_world(cfg.tp, cfg.pp, tgt.torch_device)
+        join_world(cfg.tp, cfg.pp, tgt.torch_device, ctx.options.get("device_map"))
     ctx.options["example_leaves"] = pytree.tree_leaves((args, kwargs))
     src = ModelSource(model, args, kwargs, dynamic_shapes)
     result = build_pipeline(dump_ir).run(src, ctx, compile_to=compile_to)

@@ -9,6 +9,7 @@ args and dynamic shapes.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,6 +72,8 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
     if parallel is not None:
         from kiln.models.spawn import spawn_llm, under_launcher
 
+        if tgt.is_gpu and torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before any weight
         if not under_launcher():
             return spawn_llm(dict(
                 source=str(source), dtype=dtype, target=target, max_seq_len=max_seq_len,

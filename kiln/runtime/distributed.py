@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 
+import torch
 import torch.distributed as dist
 
 from kiln.errors import DistributedError
@@ -26,10 +27,23 @@ def _launched() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def join_world(tp: int, pp: int, device_type: str = "cpu") -> bool:
+def local_device(rank: int, device_map: dict | None) -> int:
+    """This rank's GPU: device_map's choice, else torchrun's LOCAL_RANK (per node)."""
+    if device_map and rank in device_map:
+        return int(device_map[rank])
+    return int(os.environ.get("LOCAL_RANK", rank))
+
+
+def join_world(tp: int, pp: int, device_type: str = "cpu",
+               device_map: dict | None = None) -> bool:
     """Join (or start, from torchrun's environment) the process group of a tp x pp plan
     and bind "tp", "pp" and "world". False when there is no world to join (a plan made
-    compile-only in one process); its module then cannot run."""
+    compile-only in one process); its module then cannot run. On GPUs, the rank's own
+    device becomes the current one before anything is allocated on it."""
+    if device_type == "cuda" and torch.cuda.is_available() and (
+            dist.is_initialized() or _launched()):
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
+        torch.cuda.set_device(local_device(rank, device_map))
     if not dist.is_initialized():
         if not _launched():
             return False
