@@ -250,7 +250,7 @@ class _Rewriter:
                 size = self.global_shape[node][s.axis]
                 self.cut[name] = (s.axis, local_ranges(size, s, self.tp, self.rank))
                 self.kg.state[name] = t
-                node.meta["val"] = self.kg.fake_mode().from_tensor(t)
+                node.meta["val"] = self.kg.fake_mode().from_tensor(t, static_shapes=True)
 
     def local_args(self, node: fx.Node, s: Sharding) -> None:
         name = op_name(node.target)
