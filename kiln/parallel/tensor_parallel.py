@@ -18,6 +18,7 @@ makes sure no global size survives. Collectives are `kiln::all_reduce` /
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -27,6 +28,7 @@ from kiln.errors import VerifierError
 from kiln.graph.canonicalize import identity_source
 from kiln.ir.graph import KilnGraph, infer_meta, where
 from kiln.ir.ops import SPLITS, STRICT_VIEWS, bind_args, norm_axis, op_name
+from kiln.ir.symbolic import as_dim
 from kiln.ops.collectives import declare_group_size
 from kiln.parallel.column_split import column_parts
 from kiln.parallel.shard_rules import Decision, Rules, shape, slice_span
@@ -276,6 +278,22 @@ class _Rewriter:
             node.args = (node.args[0], [n // src.parts for n in node.args[1]], *node.args[2:])
 
     def infer_shapes(self) -> None:
+        """Every op's shapes again, from the local inputs. Guards are suppressed: a fake
+        op comparing a size symbol with its example value must not specialise the
+        sequence dim (torch 2.11's do), since the symbols were already checked at export."""
+        env = self.kg.fake_mode().shape_env
+        before = dict(env.replacements) if env is not None else {}
+        with env.suppress_guards() if env is not None else contextlib.nullcontext():
+            self.infer_all()
+        if env is not None:
+            fixed = {s: v for s, v in env.replacements.items()
+                     if before.get(s) != v and getattr(v, "is_number", False)}
+            if fixed:
+                raise VerifierError(
+                    f"tensor parallelism specialised size symbols {fixed} on rank {self.rank}",
+                    hint="this is a kiln bug; rerun with KILN_DUMP_IR=<dir> and report")
+
+    def infer_all(self) -> None:
         for node in self.kg.graph.nodes:
             if node.op == "call_function":
                 try:
@@ -310,7 +328,7 @@ class _Rewriter:
             expect = list(want)
             if s.is_shard:
                 expect[s.axis] = want[s.axis] // s.parts
-            got = list(shape(node))
+            got = [as_dim(d) for d in shape(node)]  # symbolic compare: no guards
             if len(got) != len(expect) or any(
                     isinstance(e, int) and g != e for g, e in zip(got, expect)):
                 raise VerifierError(
