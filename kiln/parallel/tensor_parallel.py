@@ -307,35 +307,35 @@ class _Rewriter:
                         "the dumps") from e
 
     def infer(self, node: fx.Node) -> None:
-        """Shapes from the op; a kiln `view` is a logical reshape (strides are kiln's to
-        choose), so it is inferred as one."""
-        if op_name(node.target) not in STRICT_VIEWS:
-            infer_meta(self.kg, node)
-            return
+        """Shapes from the op (a kiln `view` is a logical reshape, so it is inferred as
+        one), checked against the value's global shape cut as its sharding says: a
+        static size that differs is a global size that survived. The value then gets
+        that expected shape, symbolic sizes included, whatever the fake op concluded."""
         target = node.target
-        node.target = _aten.reshape.default
+        if op_name(target) in STRICT_VIEWS:
+            node.target = _aten.reshape.default
         try:
             infer_meta(self.kg, node)
         finally:
             node.target = target
-
-    def check_local_sizes(self) -> None:
-        """No global size survives: each value is its global shape, cut as its sharding says."""
-        for node, want in self.global_shape.items():
-            s = self.sh.get(node)
-            if node.graph is not self.kg.graph or not isinstance(s, Sharding):
-                continue
-            expect = list(want)
-            if s.is_shard:
-                expect[s.axis] = want[s.axis] // s.parts
-            got = [as_dim(d) for d in shape(node)]  # symbolic compare: no guards
-            if len(got) != len(expect) or any(
-                    isinstance(e, int) and g != e for g, e in zip(got, expect)):
-                raise VerifierError(
-                    f"{node.name} on rank {self.rank} has shape {got}; sharded as {s} it "
-                    f"should be {expect} (a global size survived)",
-                    where=where(node),
-                    hint="this is a kiln bug; rerun with KILN_DUMP_IR=<dir> and report")
+        s = self.sh.get(node)
+        val = node.meta["val"]
+        if node not in self.global_shape or not isinstance(s, Sharding) \
+                or not isinstance(val, torch.Tensor):
+            return
+        want = list(self.global_shape[node])
+        if s.is_shard:
+            want[s.axis] = want[s.axis] // s.parts
+        got = [as_dim(d) for d in val.shape]  # symbolic compare: no guards
+        if len(got) != len(want) or any(isinstance(w, int) and isinstance(g, int) and g != w
+                                         for g, w in zip(got, want)):
+            raise VerifierError(
+                f"{node.name} on rank {self.rank} has shape {got}; sharded as {s} it "
+                f"should be {[as_dim(w) for w in want]} (a global size survived)",
+                where=where(node),
+                hint="this is a kiln bug; rerun with KILN_DUMP_IR=<dir> and report")
+        with self.kg.fake_mode():
+            node.meta["val"] = torch.empty(want, dtype=val.dtype, device=val.device)
 
 
 # A model's tensor -> {(sharding, tp, rank): this rank's part}. Modules compiled from one
@@ -406,7 +406,6 @@ def tensor_parallel(kg: KilnGraph, ctx) -> KilnGraph:
     rewriter.run()
     rewriter.localize()
     rewriter.infer_shapes()
-    rewriter.check_local_sizes()
     _drop_identities(kg)
     ctx.options["weight_cuts"] = dict(rewriter.cut)
     kg.recompile()
