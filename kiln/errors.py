@@ -56,6 +56,10 @@ class DeviceError(KilnError):
     """A device is used but not declared, or a tensor is on the wrong device."""
 
 
+class AffinityError(KilnError):
+    """Placements that cannot all hold: one value pinned to two devices."""
+
+
 class DistributedError(KilnError):
     """A multi-process run went wrong: no process group, a peer gone, a timeout."""
 
