@@ -69,3 +69,44 @@ def join_world(tp: int, pp: int, device_type: str = "cpu",
     bind_group("world", dist.group.WORLD)
     _joined = (tp, pp, dist.group.WORLD)
     return True
+
+
+def _peer_failed(op: str, peer: int, error: Exception) -> DistributedError:
+    return DistributedError(
+        f"{op} with rank {peer} failed: it died, or did not get there within the timeout "
+        f"({error})",
+        hint="look for the first error in the other ranks' output; KILN_DIST_TIMEOUT sets "
+        "the timeout in seconds")
+
+
+def send_tensors(tensors: list, dst: int) -> None:
+    """Send to world rank `dst`, in order (a pipeline stage's activations)."""
+    try:
+        for t in tensors:
+            dist.send(t.contiguous(), dst)
+    except RuntimeError as e:
+        raise _peer_failed("sending activations", dst, e) from e
+
+
+def recv_tensors(specs: list[tuple[list[int], torch.dtype]], src: int, device) -> list:
+    """Receive tensors of these (shape, dtype) from world rank `src`, in order."""
+    out = []
+    try:
+        for shape, dtype in specs:
+            t = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(t, src)
+            out.append(t)
+    except RuntimeError as e:
+        raise _peer_failed("receiving activations", src, e) from e
+    return out
+
+
+def broadcast_tensors(tensors: list, src: int, group_name: str = "pp") -> None:
+    """Every rank of `group_name` gets world rank `src`'s tensors (in place)."""
+    from kiln.ops.collectives import bound_group
+
+    try:
+        for t in tensors:
+            dist.broadcast(t, src, group=bound_group(group_name))
+    except RuntimeError as e:
+        raise _peer_failed("broadcasting the outputs", src, e) from e
