@@ -46,13 +46,14 @@ def _tiny_tp(rank, world, overrides):
     return max(errs), ours, theirs
 
 
-@pytest.mark.parametrize("tp,overrides", [
-    (2, {}),
-    (4, {}),  # 2 KV heads over 4 ranks: pairs of ranks share a KV head
-    (8, {"n_heads": 8, "n_kv_heads": 2}),
+@pytest.mark.parametrize("tp,overrides,nodes", [
+    (2, {}, 1),
+    (4, {}, 2),  # two "nodes" of 2 processes (LOCAL_RANK 0, 1 twice), as torchrun runs
+    # them; 2 KV heads over 4 ranks: pairs of ranks share a KV head
+    (8, {"n_heads": 8, "n_kv_heads": 2}, 1),
 ])
-def test_tiny_llama_tp_matches_one_device(tp, overrides):
-    for err, ours, theirs in run_spmd(_tiny_tp, tp, overrides, timeout=300):
+def test_tiny_llama_tp_matches_one_device(tp, overrides, nodes):
+    for err, ours, theirs in run_spmd(_tiny_tp, tp, overrides, nodes=nodes, timeout=300):
         assert err <= 1e-5
         assert ours == theirs
 
