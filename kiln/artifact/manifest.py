@@ -149,7 +149,7 @@ def _region(r: Region) -> dict:
 
 
 def plan_to_json(plan: DispatchPlan) -> dict:
-    return {
+    j = {
         "symbols": {k: b.to_json() for k, b in plan.symbols.items()},
         "dim_names": dict(plan.dim_names),
         "devices": list(plan.devices),
@@ -164,6 +164,10 @@ def plan_to_json(plan: DispatchPlan) -> dict:
         "values": {n: _value(v) for n, v in plan.values.items()},
         "regions": [_region(r) for r in plan.regions],
     }
+    if plan.recv or plan.send:  # a pipeline stage; single-device manifests stay as they were
+        j["recv"] = [[name, src] for name, src in plan.recv]
+        j["send"] = [[name, list(dsts)] for name, dsts in plan.send]
+    return j
 
 
 def plan_from_json(j: dict) -> DispatchPlan:
@@ -197,4 +201,6 @@ def plan_from_json(j: dict) -> DispatchPlan:
         out_spec=json.dumps(j["out_spec"]) if j["out_spec"] is not None else "",
         devices=list(j["devices"]),
         dim_names={str(k): str(v) for k, v in j.get("dim_names", {}).items()},
+        recv=[(str(name), int(src)) for name, src in j.get("recv", [])],
+        send=[(str(name), tuple(int(d) for d in dsts)) for name, dsts in j.get("send", [])],
     )

@@ -108,7 +108,8 @@ class _Lowering:
             if spec.kind == "user_const":
                 continue
             val = placeholders[spec.name].meta["val"]
-            roles = {"user": Role.INPUT, "param": Role.WEIGHT, "constant": Role.WEIGHT}
+            roles = {"user": Role.INPUT, "recv": Role.INPUT, "param": Role.WEIGHT,
+                     "constant": Role.WEIGHT}
             role = roles.get(spec.kind)
             if spec.kind == "buffer":
                 role = Role.STATE if spec.target in kg.mutable else Role.WEIGHT
@@ -139,6 +140,7 @@ class _Lowering:
             in_spec=pytree.treespec_dumps(kg.in_spec),
             out_spec=pytree.treespec_dumps(kg.out_spec),
         )
+        plan.recv = [(i.name, i.stage) for i in kg.inputs if i.kind == "recv"]
         self._outputs(plan)
         return plan
 
@@ -159,6 +161,9 @@ class _Lowering:
             if spec.kind == "user":
                 plan.values[name].role = Role.OUTPUT
                 plan.outputs.append(name)
+            elif spec.kind == "send":  # fresh each call, like a user output
+                plan.values[name].role = Role.OUTPUT
+                plan.send.append((name, tuple(spec.stages)))
             else:
                 plan.state_writes[spec.target] = name
 

@@ -21,16 +21,18 @@ from kiln.ir.symbolic import Bounds, Dim, as_dim
 @dataclass
 class GraphInput:
     name: str  # placeholder name
-    kind: str  # "user" | "user_const" | "param" | "buffer" | "constant"
+    kind: str  # "user" | "user_const" | "param" | "buffer" | "constant" | "recv"
     target: str | None = None  # state-dict name for param/buffer/constant
     value: object = None  # for "user_const": a non-tensor argument export specialised on
+    stage: int | None = None  # for "recv": the pipeline stage that sends it
 
 
 @dataclass
 class GraphOutput:
     name: str  # node name of the returned value
-    kind: str  # "user" | "buffer_mutation"
+    kind: str  # "user" | "buffer_mutation" | "send"
     target: str | None = None  # the buffer a mutation writes
+    stages: tuple[int, ...] = ()  # for "send": the later pipeline stages that receive it
 
 
 @dataclass
@@ -48,6 +50,8 @@ class KilnGraph:
     # device index the model's own code names (cuda:3) -> [(node, source line)], recorded
     # at import: constant folding may erase the ops that named them
     devices_named: dict[int, list[tuple[str, str | None]]] = field(default_factory=dict)
+    # this rank's pipeline stage (kiln.parallel.pipeline_stages.StageIO); None: one stage
+    stage_io: object = None
 
     @property
     def graph(self) -> fx.Graph:

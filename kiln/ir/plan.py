@@ -148,6 +148,10 @@ class DispatchPlan:
     devices: list[int] = field(default_factory=lambda: [0])
     # size symbol -> the user's torch.export.Dim name, so errors say `dim "seq"`
     dim_names: dict[str, str] = field(default_factory=dict)
+    # pipeline stage boundaries: values received before a call (from the stage that
+    # produces them) and sent after it (to the later stages that read them)
+    recv: list[tuple[str, int]] = field(default_factory=list)
+    send: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
 
     def region(self, name: str) -> Region:
         for r in self.regions:

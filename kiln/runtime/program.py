@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kiln.codegen.kernel_plan import KernelPlan
+from kiln.errors import ArgumentError
 from kiln.ir.plan import Role
 from kiln.ir.symbolic import evaluate
 from kiln.runtime.guards import bind_symbols
@@ -44,10 +45,26 @@ class Program:
     def run(self, args: list[torch.Tensor], state: dict[str, torch.Tensor],
             env: dict[str, int] | None = None, arena: Arena | None = None) -> list[torch.Tensor]:
         """Run every region; `arena` overrides the program's own (CUDA graphs own theirs)."""
+        return self._run(args, (), state, env, arena)[0]
+
+    def run_stage(self, args: list[torch.Tensor], received: list[torch.Tensor],
+                  state: dict[str, torch.Tensor], env: dict[str, int] | None = None,
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One pipeline stage: user inputs and the values received (in `plan.recv` order)
+        in, the user outputs (the last stage's only) and the values to send (`plan.send`
+        order) out. Sizes bind from the user inputs, which every rank gets."""
+        if len(received) != len(self.plan.recv):
+            raise ArgumentError(f"this pipeline stage receives {len(self.plan.recv)} values, "
+                                f"got {len(received)}",
+                                hint="pass the values the earlier stages sent, in plan.recv order")
+        return self._run(args, received, state, env, None)
+
+    def _run(self, args, received, state, env, arena):
         if env is None:
             env = self.bind(args)
         values: dict[str, torch.Tensor] = {n: state[t] for n, t in self._weights.items()}
         values.update(zip(self.plan.user_inputs, args))
+        values.update(zip((name for name, _ in self.plan.recv), received))
         planned = (arena or self.arena).views(env)
         for kernel, inputs, outputs in self._steps:
             outs = {}
@@ -63,7 +80,7 @@ class Program:
             values.update(outs)
         for target, v in self.plan.state_writes.items():
             state[target].copy_(values[v])
-        return [values[o] for o in self.plan.outputs]
+        return [values[o] for o in self.plan.outputs], [values[o] for o, _ in self.plan.send]
 
     def describe(self) -> str:
         lines = [self.kplan.describe().rstrip(), "memory slots:"]

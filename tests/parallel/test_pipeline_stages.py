@@ -1,0 +1,130 @@
+"""Pipeline stages compiled one rank at a time in one process, chained by hand.
+
+Each stage's Program runs with the values the earlier stages sent; the last stage's
+logits and every stage's KV cache must match the single-device eager model.
+"""
+
+import pytest
+import torch
+
+from kiln.api import build_pipeline
+from kiln.errors import ArgumentError
+from kiln.frontend.import_pass import ModelSource
+from kiln.models.llama import example_inputs, tiny_llama
+from kiln.parallel.config import ParallelConfig
+from kiln.parallel.pipeline_stages import pipeline_stages, split_layers
+from kiln.pipeline import Context
+from kiln.runtime.state import state_for_target
+from kiln.target import get_target
+from tests.helpers import rel_err
+
+
+def compile_stage(model, args, ds, cfg: ParallelConfig, compile_to=None, kwargs=None):
+    pm = build_pipeline()
+    next(s for s in pm.stages if s.name == "parallel").passes.insert(0, pipeline_stages)
+    tgt = get_target("cpu")
+    ctx = Context(target=tgt, options={"parallel": cfg})
+    out = pm.run(ModelSource(model, args, kwargs or {}, ds), ctx, compile_to=compile_to)
+    if compile_to is not None:
+        return out
+    return out, state_for_target(out, ctx.options["state"], tgt)
+
+
+def run_chain(stages, args):
+    """Run every stage in order; a send to stage d becomes one of d's received values."""
+    mailbox: dict[tuple[int, str], torch.Tensor] = {}
+    outputs = None
+    for s, (prog, state) in enumerate(stages):
+        received = [mailbox[(s, name)] for name, _ in prog.plan.recv]
+        outputs, sent = prog.run_stage(list(args), received, state)
+        for (name, dsts), value in zip(prog.plan.send, sent):
+            for d in dsts:
+                # the receiver names it recv_<name>; keyed by that name here
+                mailbox[(d, f"recv_{name}")] = value
+        if s < len(stages) - 1:
+            assert outputs == []
+    return outputs
+
+
+@pytest.mark.parametrize("layers,pp", [(2, 2), (4, 4)])
+def test_pipeline_stages_match_single_device(layers, pp):
+    ref = tiny_llama(n_layers=layers)
+    model = tiny_llama(n_layers=layers)
+    args, ds = example_inputs(model.cfg, 6)
+    stages = [compile_stage(model, args, ds, ParallelConfig(pp=pp, rank=r)) for r in range(pp)]
+    caches = [dict(state) for _, state in stages]
+    gen = torch.Generator().manual_seed(3)
+    pos = 0
+    for n in (6, 3, 1):  # two prefills of different lengths, then a decode step
+        tokens = torch.randint(0, model.cfg.vocab_size, (1, n), generator=gen)
+        input_pos = torch.arange(pos, pos + n)
+        pos += n
+        with torch.no_grad():
+            want = ref(tokens, input_pos)
+        (got,) = run_chain(stages, (tokens, input_pos))
+        assert rel_err(got, want) <= 1e-5, (n, rel_err(got, want))
+        buffers = dict(ref.named_buffers())
+        for state in caches:
+            held = [k for k in state if "kv_cache" in k]
+            assert held
+            for k in held:
+                assert rel_err(state[k], buffers[k]) <= 1e-5, (n, k)
+    held = [{k for k in s if "kv_cache" in k} for s in caches]
+    assert sum(len(h) for h in held) == len(set().union(*held)) == 2 * layers
+
+
+def test_stage_weights_are_disjoint_except_floating_buffers():
+    model = tiny_llama(n_layers=4)
+    args, ds = example_inputs(model.cfg, 4)
+    graphs = [compile_stage(model, args, ds, ParallelConfig(pp=2, rank=r), "parallel")
+              for r in range(2)]
+    first, second = (set(g.state) for g in graphs)
+    assert first & second == {"rope_cos", "rope_sin"}  # each stage holds its own table copy
+    assert "model.embed_tokens.weight" in first and "lm_head.weight" in second
+    assert {k.split(".")[2] for k in first if k.startswith("model.layers.")} == {"0", "1"}
+    io = graphs[0].stage_io
+    assert io.layers == [["model.layers.0", "model.layers.1"], ["model.layers.2", "model.layers.3"]]
+    assert graphs[0].stage_io.send and not graphs[0].stage_io.recv
+    assert [n for n, _ in graphs[1].stage_io.recv] == [f"recv_{n}" for n, _ in io.send]
+    assert all(s == 0 for _, s in graphs[1].stage_io.recv)
+    assert not [o for o in graphs[0].outputs if o.kind == "user"]
+    assert [o.kind for o in graphs[1].outputs].count("user") == 1
+
+
+def test_split_balances_bytes_and_pp_split_overrides():
+    assert split_layers([10, 10, 10, 30], 2) == [3, 1]
+    assert split_layers([1, 1, 1, 1], 4) == [1, 1, 1, 1]
+    assert split_layers([50, 1, 1, 1, 1, 50], 3) == [1, 4, 1]
+    model = tiny_llama(n_layers=4)
+    args, ds = example_inputs(model.cfg, 4)
+    kg = compile_stage(model, args, ds, ParallelConfig(pp=2, rank=0, pp_split=(1, 3)), "parallel")
+    assert kg.stage_io.layers == [["model.layers.0"], ["model.layers.1", "model.layers.2",
+                                                        "model.layers.3"]]
+    assert kg.stage_io.weight_bytes[0] < kg.stage_io.weight_bytes[1]
+
+
+def test_more_stages_than_layers_is_an_argument_error():
+    model = tiny_llama()
+    args, ds = example_inputs(model.cfg, 4)
+    with pytest.raises(ArgumentError, match="at least 3 layers, the model has 2") as e:
+        compile_stage(model, args, ds, ParallelConfig(pp=3, rank=0), "parallel")
+    assert "pp=2" in e.value.hint
+
+
+def test_stage_graph_of_a_transformers_llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (1, 5))
+    seq = torch.export.Dim("seq", min=2, max=32)
+    graphs = [compile_stage(hf, (ids,), {"input_ids": {1: seq}, "use_cache": None},
+                            ParallelConfig(pp=2, rank=r), "parallel", {"use_cache": False})
+              for r in range(2)]
+    first, second = (set(g.state) for g in graphs)
+    assert "model.embed_tokens.weight" in first and "lm_head.weight" in second
+    assert not any(k.startswith("model.layers.1.") for k in first)
+    assert not any(k.startswith("model.layers.0.") for k in second)
+    assert graphs[0].stage_io.send and graphs[1].stage_io.recv
