@@ -40,6 +40,7 @@ def explain(program, example_sizes: dict[str, int] | None = None,
     out.append("total")
     out += _cost_lines(total, plan.symbols, example, indent="  ")
     out += _weights(plan)
+    out += _stage_io(plan, example)
     out += _memory(program.mem, example, upper)
     return "\n".join(out) + "\n"
 
@@ -164,6 +165,21 @@ def _device(plan: DispatchPlan, parallel, example) -> list[str]:
         where = f" at {op.where}" if op.where else ""
         lines.append(f"    #{i} {r.name}: {op.target.split('.')[1]} on {group!r}, "
                      f"{type_str(v.shape, v.dtype)}, {nbytes}{where}")
+    return lines
+
+
+def _stage_io(plan: DispatchPlan, example) -> list[str]:
+    """A pipeline stage's boundary: what it receives before a call and sends after."""
+    if not plan.recv and not plan.send:
+        return []
+    lines = ["pipeline stage boundary (per call, in transfer order):"]
+    moves = [("recv", n, f"from stage {src}") for n, src in plan.recv]
+    moves += [("send", n, "to stage" + ("s " if len(d) > 1 else " ") + ", ".join(map(str, d)))
+              for n, d in plan.send]
+    for kind, name, peer in moves:
+        v = plan.values[name]
+        size = _at(v.numel * v.itemsize, plan.symbols, example, human_bytes)
+        lines.append(f"  {kind} %{name} {type_str(v.shape, v.dtype)} {peer}: {size}")
     return lines
 
 

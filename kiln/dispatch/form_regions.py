@@ -113,8 +113,9 @@ class _Lowering:
             role = roles.get(spec.kind)
             if spec.kind == "buffer":
                 role = Role.STATE if spec.target in kg.mutable else Role.WEIGHT
+            target = None if spec.kind == "recv" else spec.target  # a recv is no state
             values[spec.name] = TensorValue(
-                spec.name, tuple(as_dim(d) for d in val.shape), val.dtype, role, spec.target
+                spec.name, tuple(as_dim(d) for d in val.shape), val.dtype, role, target
             )
         regions: list[Region] = []
         for g in self.groups:

@@ -22,7 +22,7 @@ from kiln.ir.symbolic import Bounds, Dim, as_dim
 class GraphInput:
     name: str  # placeholder name
     kind: str  # "user" | "user_const" | "param" | "buffer" | "constant" | "recv"
-    target: str | None = None  # state-dict name for param/buffer/constant
+    target: str | None = None  # state-dict name for param/buffer/constant; "recv": sender's value
     value: object = None  # for "user_const": a non-tensor argument export specialised on
     stage: int | None = None  # for "recv": the pipeline stage that sends it
 

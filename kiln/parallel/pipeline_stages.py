@@ -32,7 +32,11 @@ _NUMBER = re.compile(r"^\d+$")
 
 @dataclass
 class StageIO:
-    """This rank's part of a pipeline: its stage, what it receives and what it sends."""
+    """This rank's part of a pipeline: its stage, what it receives and what it sends.
+
+    Both lists are in graph order, so the values stage a sends to stage d (in `send`
+    order) are the values d receives from a (in `recv` order): p2p needs no names.
+    """
 
     stage: int
     num_stages: int
@@ -238,7 +242,7 @@ def pipeline_stages(kg: KilnGraph, ctx) -> KilnGraph:
         ph.meta["val"] = a.meta["val"]
         last_ph = ph
         recvs[a] = ph
-        new_inputs.append(GraphInput(ph.name, "recv", stage=stage[a]))
+        new_inputs.append(GraphInput(ph.name, "recv", target=a.name, stage=stage[a]))
         a.replace_all_uses_with(ph, delete_user_cb=lambda u: u in keep)
     # outputs: this stage's mutations, then its sends, then (last stage) the user outputs
     out_node = kg.output_node()

@@ -4,9 +4,13 @@ Each stage's Program runs with the values the earlier stages sent; the last stag
 logits and every stage's KV cache must match the single-device eager model.
 """
 
+import json
+import re
+
 import pytest
 import torch
 
+import kiln
 from kiln.api import build_pipeline
 from kiln.errors import ArgumentError
 from kiln.frontend.import_pass import ModelSource
@@ -31,18 +35,19 @@ def compile_stage(model, args, ds, cfg: ParallelConfig, compile_to=None, kwargs=
 
 
 def run_chain(stages, args):
-    """Run every stage in order; a send to stage d becomes one of d's received values."""
-    mailbox: dict[tuple[int, str], torch.Tensor] = {}
+    """Run every stage in order, as p2p would: stage a's sends to stage d, in plan.send
+    order, are d's receives from a, in plan.recv order (a FIFO per pair of stages)."""
+    queues: dict[tuple[int, int], list[torch.Tensor]] = {}
     outputs = None
     for s, (prog, state) in enumerate(stages):
-        received = [mailbox[(s, name)] for name, _ in prog.plan.recv]
+        received = [queues[(src, s)].pop(0) for _, src in prog.plan.recv]
         outputs, sent = prog.run_stage(list(args), received, state)
-        for (name, dsts), value in zip(prog.plan.send, sent):
+        for (_, dsts), value in zip(prog.plan.send, sent):
             for d in dsts:
-                # the receiver names it recv_<name>; keyed by that name here
-                mailbox[(d, f"recv_{name}")] = value
+                queues.setdefault((s, d), []).append(value)
         if s < len(stages) - 1:
             assert outputs == []
+    assert not any(queues.values())  # every value sent was received
     return outputs
 
 
@@ -128,3 +133,27 @@ def test_stage_graph_of_a_transformers_llama():
     assert not any(k.startswith("model.layers.1.") for k in first)
     assert not any(k.startswith("model.layers.0.") for k in second)
     assert graphs[0].stage_io.send and graphs[1].stage_io.recv
+
+
+def test_stage_plan_explains_and_round_trips_through_an_artifact(tmp_path):
+    from kiln.artifact.manifest import plan_from_json, plan_to_json
+    from kiln.compiled_module import CompiledModule
+
+    model = tiny_llama()
+    args, ds = example_inputs(model.cfg, 4)
+    stages = [compile_stage(model, args, ds, ParallelConfig(pp=2, rank=r)) for r in range(2)]
+    first, second = (prog.plan for prog, _ in stages)
+    text = CompiledModule(stages[0][0], stages[0][1]).explain()
+    (name, dsts), = first.send[:1]
+    assert re.search(rf"send %{name} f32\[1, \w+, 64\] to stage 1: ", text), text
+    assert "recv %" in CompiledModule(stages[1][0], stages[1][1]).explain()
+    for plan in (first, second):
+        back = plan_from_json(json.loads(json.dumps(plan_to_json(plan))))
+        assert (back.recv, back.send) == (plan.recv, plan.send)
+    single = compile_stage(model, args, ds, ParallelConfig(), "dispatch")
+    assert "recv" not in plan_to_json(single) and not single.recv and not single.send
+    assert "pipeline stage" not in kiln.compile(model, args, dynamic_shapes=ds).explain()
+    path = tmp_path / "stage1"
+    CompiledModule(stages[1][0], stages[1][1]).save(path)
+    loaded = kiln.load(path)
+    assert (loaded.program.plan.recv, loaded.program.plan.send) == (second.recv, second.send)
