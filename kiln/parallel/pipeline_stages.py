@@ -166,14 +166,30 @@ class _Stages:
         return stage
 
 
-def _needed_on(kg: KilnGraph, stage: dict, consumers: dict[fx.Node, set[int]]) -> None:
-    """Walk backward: a floating node is needed on every stage that reads it."""
+def _movable(kg: KilnGraph, stage: dict) -> set[fx.Node]:
+    """Nodes a stage may compute (or hold) for itself: floating ones (no stage), and the
+    static ones (weights, and ops that read only weights and constants, such as a
+    transposed tied embedding). Weights are cloned to the stages that read them, not sent."""
+    kinds = {s.name: s for s in kg.inputs}
+    static: set[fx.Node] = set()
+    for node in kg.graph.nodes:
+        if node.op == "placeholder":
+            spec = kinds[node.name]
+            if spec.kind in _WEIGHT_KINDS and spec.target not in kg.mutable:
+                static.add(node)
+        elif node.op != "output" and all(a in static for a in node.all_input_nodes):
+            static.add(node)
+    return static | {n for n in kg.graph.nodes if n.op != "output" and stage[n] is None}
+
+
+def _needed_on(kg: KilnGraph, stage: dict, movable: set, consumers: dict) -> None:
+    """Walk backward: a movable node is needed on every stage that reads it."""
     for node in reversed(kg.graph.nodes):
         if node.op == "output":
             continue
-        here = {stage[node]} if stage[node] is not None else consumers.get(node, set())
+        here = consumers.get(node, set()) if node in movable else {stage[node]}
         for a in node.all_input_nodes:
-            if stage[a] is None:
+            if a in movable:
                 consumers.setdefault(a, set()).update(here)
 
 
@@ -191,11 +207,12 @@ def pipeline_stages(kg: KilnGraph, ctx) -> KilnGraph:
     for spec, node in zip(kg.outputs, outs):
         s = stage.get(node) if isinstance(node, fx.Node) else None
         out_stage.append(last if spec.kind == "user" else (s if s is not None else 0))
+    movable = _movable(kg, stage)
     floating_uses: dict[fx.Node, set[int]] = {}
     for node, s in zip(outs, out_stage):
-        if isinstance(node, fx.Node) and stage[node] is None:
+        if isinstance(node, fx.Node) and node in movable:
             floating_uses.setdefault(node, set()).add(s)
-    _needed_on(kg, stage, floating_uses)
+    _needed_on(kg, stage, movable, floating_uses)
     for spec in kg.inputs:  # a KV cache is state: one stage holds it
         if spec.target in kg.mutable:
             node = kg.placeholders()[spec.name]
@@ -209,19 +226,21 @@ def pipeline_stages(kg: KilnGraph, ctx) -> KilnGraph:
         if n.op == "placeholder" and n.name in plan.specs and plan.specs[n.name].kind in (
                 "user", "user_const"):
             return True
-        return stage[n] == me or (stage[n] is None and me in floating_uses.get(n, set()))
+        if n in movable:
+            return me in floating_uses.get(n, set())
+        return stage[n] == me
 
     keep = {n for n in kg.graph.nodes if n.op != "output" and kept(n)}
     # consumers on later stages (and outputs they own) of values produced here
     dsts: dict[fx.Node, set[int]] = {}
     for n in kg.graph.nodes:
-        if n.op in ("placeholder", "output") or stage[n] is None:
+        if n.op == "output" or n in movable:
             continue
         for a in n.all_input_nodes:
-            if stage[a] is not None and stage[a] < stage[n]:
+            if a not in movable and stage[a] < stage[n]:
                 dsts.setdefault(a, set()).add(stage[n])
     for node, s in zip(outs, out_stage):
-        if isinstance(node, fx.Node) and stage[node] is not None and stage[node] < s:
+        if isinstance(node, fx.Node) and node not in movable and stage[node] < s:
             dsts.setdefault(node, set()).add(s)
 
     graph = kg.graph

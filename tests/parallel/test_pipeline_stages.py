@@ -51,13 +51,16 @@ def run_chain(stages, args):
     return outputs
 
 
-@pytest.mark.parametrize("layers,pp", [(2, 2), (4, 4)])
-def test_pipeline_stages_match_single_device(layers, pp):
-    ref = tiny_llama(n_layers=layers)
-    model = tiny_llama(n_layers=layers)
+@pytest.mark.parametrize("layers,pp,tied", [(2, 2, False), (4, 4, False), (2, 2, True)])
+def test_pipeline_stages_match_single_device(layers, pp, tied):
+    ref = tiny_llama(n_layers=layers, tie_word_embeddings=tied)
+    model = tiny_llama(n_layers=layers, tie_word_embeddings=tied)
     args, ds = example_inputs(model.cfg, 6)
     stages = [compile_stage(model, args, ds, ParallelConfig(pp=pp, rank=r)) for r in range(pp)]
     caches = [dict(state) for _, state in stages]
+    if tied:  # the embedding is the LM head too: the last stage holds its own copy
+        shared = set(caches[0]) & set(caches[-1])
+        assert len(shared - {"rope_cos", "rope_sin"}) == 1, shared
     gen = torch.Generator().manual_seed(3)
     pos = 0
     for n in (6, 3, 1):  # two prefills of different lengths, then a decode step
