@@ -16,11 +16,11 @@ from kiln.compiled_module import CompiledModule
 from kiln.dispatch.example_sizes import bind_example_sizes
 from kiln.dispatch.form_regions import form_regions
 from kiln.dispatch.reinplace import reinplace
-from kiln.errors import ArgumentError
 from kiln.frontend.import_pass import ModelSource, import_pass
 from kiln.graph import GRAPH_PASSES
 from kiln.parallel.assign_devices import assign_devices
 from kiln.parallel.config import parse_parallel
+from kiln.parallel.pipeline_stages import pipeline_stages
 from kiln.parallel.tensor_parallel import tensor_parallel
 from kiln.pipeline import Context, PassManager, Stage
 from kiln.runtime.distributed import join_world
@@ -36,7 +36,7 @@ def build_pipeline(dump_dir: str | None = None) -> PassManager:
         [
             Stage("import", [import_pass]),
             Stage("graph", list(GRAPH_PASSES)),
-            Stage("parallel", [tensor_parallel, assign_devices]),
+            Stage("parallel", [pipeline_stages, tensor_parallel, assign_devices]),
             Stage("dispatch", [form_regions, reinplace, bind_example_sizes]),
             Stage("codegen", [select_kernels]),
             Stage("schedule", [schedule]),
@@ -58,6 +58,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     parallel: dict | None = None,
     devices: int | list[int] | None = None,
     device_map: dict[int, int] | None = None,
+    pins: dict[str, int] | None = None,
 ):
     """Compile `model` for `target`; returns a CompiledModule (or an IR with compile_to).
 
@@ -65,7 +66,9 @@ def compile(  # noqa: A001 - mirrors torch.compile
     rank (torchrun's RANK, or `"rank"` in the dict) calls compile with the same model.
     `devices` declares the devices the plan may use (a count or indices; by default its
     ranks) and `device_map` puts logical devices (ranks, `cuda:N` in the model's code)
-    onto declared ones; a device needed but not declared is a DeviceError.
+    onto declared ones; a device needed but not declared is a DeviceError. `pins`
+    ({state name: device}) names a weight's home device; a weight read on other devices
+    is cloned to them.
     """
     setup_logging()
     tgt = get_target(target)
@@ -73,13 +76,12 @@ def compile(  # noqa: A001 - mirrors torch.compile
     kwargs = dict(kwargs or {})
     ctx = Context(target=tgt, options=dict(options or {}))
     ctx.options["parallel"] = cfg = parse_parallel(parallel, rank=_world_rank())
-    if cfg.pp > 1:
-        raise ArgumentError("pipeline parallelism (parallel={'pp': P > 1}) is not supported "
-                            "yet", hint="use tensor parallelism ({'tp': T}) for now")
     if devices is not None:
         ctx.options["devices"] = devices
     if device_map is not None:
         ctx.options["device_map"] = device_map
+    if pins is not None:
+        ctx.options["pins"] = dict(pins)
     if not cfg.is_single and compile_to is None:
         join_world(cfg.tp, cfg.pp, tgt.torch_device, ctx.options.get("device_map"))
     ctx.options["example_leaves"] = pytree.tree_leaves((args, kwargs))

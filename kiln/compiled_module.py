@@ -46,6 +46,11 @@ class CompiledModule:
         self._out_spec = pytree.treespec_loads(self.plan.out_spec)
         self._graphs = None
         self._graph_when = None
+        self._stages = None  # a pipeline stage's runner (recv, run, send, broadcast)
+        if parallel is not None and parallel.pp > 1:
+            from kiln.runtime.stage_runner import StageRunner
+
+            self._stages = StageRunner(program, parallel, self._out_spec.num_leaves)
         # Most modules take plain positional tensors: those calls skip pytree entirely.
         n = len(self.plan.user_inputs)
         self._flat_in = not self.plan.const_args and self._in_spec == pytree.tree_structure(
@@ -65,6 +70,9 @@ class CompiledModule:
         """
         from kiln.runtime.cuda_graphs import GraphRunner
 
+        if self._stages is not None:
+            raise ArgumentError("CUDA graphs of a pipeline stage are not supported yet",
+                                hint="run pipeline-parallel modules without cuda_graphs()")
         self._graphs = GraphRunner(self.program, max_graphs=max_graphs)
         self._graph_when = when
         return self
@@ -125,7 +133,9 @@ class CompiledModule:
         flat = self._flatten(args, kwargs)
         env = self.program.bind(flat, self.plan.user_inputs)
         with torch.no_grad():
-            if self._graphs is not None and (self._graph_when is None or self._graph_when(*flat)):
+            if self._stages is not None:
+                outs = self._stages.run(flat, self.state, env)
+            elif self._graphs is not None and (self._graph_when is None or self._graph_when(*flat)):
                 outs = self._graphs.run(flat, self.state, env)
             else:
                 outs = self.program.run(flat, self.state, env)

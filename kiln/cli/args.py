@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split the model over T devices (tensor parallelism); kiln starts "
                    "the T processes itself unless run under torchrun")
     g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1, metavar="P",
-                   help="split the layers into P pipeline stages (not yet supported)")
+                   help="split the layers into P pipeline stages")
     g.add_argument("--no-cuda-graphs", action="store_true",
                    help="GPU: run decode steps without CUDA graphs (default: graphs on)")
     g.add_argument("-v", "--verbose", action="store_true", help="log every stage")

@@ -105,7 +105,9 @@ class LLM:
         self.compile_s = time.perf_counter() - t0
         self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch_size]
         self.buckets.append(max_batch_size)
-        self.cuda_graphs = self.target.is_gpu if cuda_graphs is None else cuda_graphs
+        staged = bool(parallel) and parallel.get("pp", 1) > 1  # no CUDA graphs of stages yet
+        self.cuda_graphs = (self.target.is_gpu and not staged) if cuda_graphs is None \
+            else cuda_graphs
         if self.cuda_graphs:
             if not self.target.is_gpu:
                 raise ArgumentError("CUDA graphs need a GPU target", hint="target='cuda'")

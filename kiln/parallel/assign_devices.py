@@ -62,7 +62,10 @@ def assign_devices(kg: KilnGraph, ctx) -> KilnGraph:
         lines.append(f"  devices {ranks}: ranks of the tp={cfg.tp} x pp={cfg.pp} plan; each "
                      f"runs its share of every op and joins the collectives, e.g.\n"
                      + _ops(needs))
-    pinned = {d: nodes for d, nodes in sorted(kg.devices_named.items()) if absent(d)}
+    named = {d: list(nodes) for d, nodes in kg.devices_named.items()}
+    for target, d in (ctx.options.get("pins") or {}).items():  # the user's pins
+        named.setdefault(d, []).append((f"pins[{target!r}]", None))
+    pinned = {d: nodes for d, nodes in sorted(named.items()) if absent(d)}
     for d, nodes in pinned.items():
         first = first or nodes[0][1]
         lines.append(f"  device {d}: named by the model's code in\n" + _ops(nodes[:_SHOWN]))

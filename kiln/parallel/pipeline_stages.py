@@ -24,6 +24,7 @@ import torch.fx as fx
 
 from kiln.errors import ArgumentError, UnsupportedOpError
 from kiln.ir.graph import GraphInput, GraphOutput, KilnGraph, where
+from kiln.parallel.affinity import affinity
 from kiln.pipeline import as_pass
 
 _WEIGHT_KINDS = ("param", "buffer", "constant")
@@ -208,6 +209,10 @@ def pipeline_stages(kg: KilnGraph, ctx) -> KilnGraph:
         s = stage.get(node) if isinstance(node, fx.Node) else None
         out_stage.append(last if spec.kind == "user" else (s if s is not None else 0))
     movable = _movable(kg, stage)
+    # which stages need each value: weights cloned to each, pins checked (affinity.py)
+    placement = {n: (None if n in movable else stage[n]) for n in kg.graph.nodes
+                 if n.op == "call_function"}
+    ctx.options["affinity"] = affinity(kg, placement, ctx.options.get("pins"))
     floating_uses: dict[fx.Node, set[int]] = {}
     for node, s in zip(outs, out_stage):
         if isinstance(node, fx.Node) and node in movable:
@@ -292,7 +297,8 @@ def pipeline_stages(kg: KilnGraph, ctx) -> KilnGraph:
         spec.name = node.name
     kg.outputs = specs
     targets = {s.target for s in kg.inputs if s.kind in _WEIGHT_KINDS}
-    kg.state = {k: v for k, v in kg.state.items() if k in targets}
+    for k in [k for k in kg.state if k not in targets]:  # in place: kiln.compile holds it
+        del kg.state[k]
     kg.mutable = {m for m in kg.mutable if m in targets}
     kg.stage_io = StageIO(me, cfg.pp, plan.stage_layers, plan.stage_bytes,
                           [(recvs[a].name, stage[a]) for a in wanted], send)

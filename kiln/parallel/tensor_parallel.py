@@ -133,7 +133,7 @@ class _Rewriter:
         values = list(node.args[0])
         for i, (v, kind) in enumerate(zip(values, kinds)):
             s = self.sh.get(v, REPLICATE) or REPLICATE
-            if kind == "user" and s != REPLICATE:
+            if kind in ("user", "send") and s != REPLICATE:  # a receiver expects it whole
                 values[i] = self.reshard(v, s, REPLICATE, node)
         node.args = (tuple(values),)
 

@@ -80,10 +80,12 @@ def _peer_failed(op: str, peer: int, error: Exception) -> DistributedError:
 
 
 def send_tensors(tensors: list, dst: int) -> None:
-    """Send to world rank `dst`, in order (a pipeline stage's activations)."""
+    """Send to world rank `dst`, in order (a pipeline stage's activations); all are
+    posted before any is waited on."""
     try:
-        for t in tensors:
-            dist.send(t.contiguous(), dst)
+        works = [dist.isend(t.contiguous(), dst) for t in tensors]
+        for w in works:
+            w.wait()
     except RuntimeError as e:
         raise _peer_failed("sending activations", dst, e) from e
 
