@@ -83,6 +83,8 @@ def random_reader(model: Llama):
 def run(args) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    pp = args.pp
+    tp = world // pp
     if world > 1:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     cfg = PRESETS[args.preset].with_(max_seq_len=args.context + 64)
@@ -94,7 +96,8 @@ def run(args) -> None:
     t0 = time.perf_counter()
     llm = LLM(model, None, target="cuda", max_batch_size=args.batch,
               cuda_graphs=not args.no_cuda_graphs,
-              parallel={"tp": world} if world > 1 else None, read_weights=random_reader(model))
+              parallel={"tp": tp, "pp": pp} if world > 1 else None,
+              read_weights=random_reader(model))
     compile_s = time.perf_counter() - t0
     held = {n: t for m in (llm.prefill_module, llm.decode_module) for n, t in m.state.items()}
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -117,49 +120,58 @@ def run(args) -> None:
     decode_ms = bench(lambda: llm.forward(step, ctx_pos))
     tokens = llm.generate(prompt[0].tolist(), max_new_tokens=16).ids
     bw = copy_bandwidth()
-    kv_bytes = (2 * cfg.n_layers * B * args.context * max(cfg.n_kv_heads // world, 1)
-                * cfg.head_dim * 2)
+    kv_bytes = (2 * cfg.n_layers * B * args.context * max(cfg.n_kv_heads // tp, 1)
+                * cfg.head_dim * 2) // pp
+    if pp > 1:  # stages run one after another: a token reads every stage's bytes in turn
+        total = torch.tensor([weight_bytes + kv_bytes], dtype=torch.float64, device="cuda")
+        dist.all_reduce(total)
+        weight_bytes, kv_bytes = int(total.item()) // tp, 0
     act = torch.randn(B, cfg.dim, dtype=torch.float16, device="cuda")
-    if world > 1:
+    if tp > 1:
         allreduce_ms = bench(lambda: dist.all_reduce(act), iters=50) * (2 * cfg.n_layers + 1)
     else:
         allreduce_ms = 0.0
     floor_ms = (weight_bytes + kv_bytes) / bw * 1e3 + allreduce_ms
-    result = dict(tp=world, rank=rank, preset=args.preset, layers=cfg.n_layers, batch=B,
+    result = dict(tp=tp, pp=pp, rank=rank, preset=args.preset, layers=cfg.n_layers, batch=B,
                   prefill=T, context=args.context, compile_s=round(compile_s, 1),
                   prefill_ms=prefill_ms, decode_ms=decode_ms, floor_ms=floor_ms,
                   floor_over_decode=floor_ms / decode_ms, allreduce_ms=allreduce_ms,
                   weight_gib=weight_bytes / 2**30, copy_tbs=bw / 1e12, tokens=tokens,
-                  cuda_graphs=not args.no_cuda_graphs,
+                  cuda_graphs=llm.cuda_graphs,
                   device=torch.cuda.get_device_name())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    label = f"tp{tp}" + (f"pp{pp}" if pp > 1 else "")
     if rank == 0:
         torch.save({"prefill": logits_prefill, "decode": logits_decode},
-                   out / f"logits-tp{world}-b{B}.pt")
-        (out / f"tp{world}-b{B}.json").write_text(json.dumps(result, indent=1))
+                   out / f"logits-{label}-b{B}.pt")
+        (out / f"{label}-b{B}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "tokens"}), flush=True)
 
 
 def compare(out: Path) -> None:
     rows = [json.loads(p.read_text()) for p in sorted(out.glob("tp*-b*.json"))]
-    base = {r["batch"]: r for r in rows if r["tp"] == 1}
-    print("| TP | batch | prefill ms | decode ms | floor ms | floor/decode | speed-up vs TP1 "
+    for r in rows:
+        r.setdefault("pp", 1)
+    base = {r["batch"]: r for r in rows if r["tp"] == 1 and r.get("pp", 1) == 1}
+    print("| TP | PP | batch | prefill ms | decode ms | floor ms | floor/decode | speed-up vs TP1 "
           "(prefill, decode) | rel err vs TP1 (prefill, decode) | greedy tokens = TP1 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: (r["batch"], r["tp"])):
         b = base.get(r["batch"])
         errs = ("", "")
         same = ""
         if b is not None:
-            mine = torch.load(out / f"logits-tp{r['tp']}-b{r['batch']}.pt")
+            label = f"tp{r['tp']}" + (f"pp{r['pp']}" if r.get("pp", 1) > 1 else "")
+            mine = torch.load(out / f"logits-{label}-b{r['batch']}.pt")
             ref = torch.load(out / f"logits-tp1-b{r['batch']}.pt")
             errs = tuple(f"{((mine[k] - ref[k]).norm() / ref[k].norm()).item():.1e}"
                          for k in ("prefill", "decode"))
             same = str(r["tokens"] == b["tokens"])
         speed = (f"{b['prefill_ms'] / r['prefill_ms']:.2f}x, {b['decode_ms'] / r['decode_ms']:.2f}x"
                  if b else "")
-        print(f"| {r['tp']} | {r['batch']} | {r['prefill_ms']:.2f} | {r['decode_ms']:.3f} | "
+        print(f"| {r['tp']} | {r['pp']} | {r['batch']} | {r['prefill_ms']:.2f} | "
+              f"{r['decode_ms']:.3f} | "
               f"{r['floor_ms']:.3f} | {r['floor_over_decode']:.2f} | {speed} | "
               f"{errs[0]}, {errs[1]} | {same} |")
 
@@ -174,6 +186,7 @@ def main() -> None:
     p.add_argument("--out", default="tp-results")
     p.add_argument("--compare", action="store_true", help="tabulate the runs in --out")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (of WORLD_SIZE ranks)")
     args = p.parse_args()
     if args.compare:
         compare(Path(args.out))
