@@ -95,7 +95,7 @@ def run(args) -> None:
     model.init_rope("meta")
     t0 = time.perf_counter()
     llm = LLM(model, None, target="cuda", max_batch_size=args.batch,
-              cuda_graphs=not args.no_cuda_graphs,
+              cuda_graphs=False if args.no_cuda_graphs else None,
               parallel={"tp": tp, "pp": pp} if world > 1 else None,
               read_weights=random_reader(model))
     compile_s = time.perf_counter() - t0
