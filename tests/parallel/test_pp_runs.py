@@ -61,3 +61,26 @@ def test_a_stage_receives_its_inputs_and_holds_its_clone_of_a_pinned_table():
                       parallel={"pp": 2, "rank": 1}, pins={"rope_cos": 0})
     assert [s.kind for s in kg.inputs].count("recv") >= 1
     assert tuple(kg.state["rope_cos"].shape) == (128, 16)
+
+
+def _save_then_load(rank, world, path):
+    import torch.distributed as dist
+
+    import kiln
+    from kiln.models.llama import example_inputs, tiny_llama
+
+    model = tiny_llama()
+    args, ds = example_inputs(model.cfg, seq_len=4)
+    module = kiln.compile(model, args, dynamic_shapes=ds, parallel={"pp": world})
+    want = module(*args)
+    module.save(path)
+    dist.barrier()
+    loaded = kiln.load(path)
+    return rel_err(loaded(*args), want), loaded.parallel.pp_rank, sorted(loaded.state)
+
+
+def test_save_and_load_a_pipeline_module_per_stage(tmp_path):
+    out = run_spmd(_save_then_load, 2, str(tmp_path / "pp2.kiln"), timeout=300)
+    assert [o[1] for o in out] == [0, 1]
+    assert all(err <= 1e-6 for err, _, _ in out)
+    assert "lm_head.weight" in out[1][2] and "lm_head.weight" not in out[0][2]
