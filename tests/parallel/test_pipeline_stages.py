@@ -16,7 +16,7 @@ from kiln.errors import ArgumentError
 from kiln.frontend.import_pass import ModelSource
 from kiln.models.llama import example_inputs, tiny_llama
 from kiln.parallel.config import ParallelConfig
-from kiln.parallel.pipeline_stages import pipeline_stages, split_layers
+from kiln.parallel.pipeline_stages import split_layers
 from kiln.pipeline import Context
 from kiln.runtime.state import state_for_target
 from kiln.target import get_target
@@ -24,8 +24,7 @@ from tests.helpers import rel_err
 
 
 def compile_stage(model, args, ds, cfg: ParallelConfig, compile_to=None, kwargs=None):
-    pm = build_pipeline()
-    next(s for s in pm.stages if s.name == "parallel").passes.insert(0, pipeline_stages)
+    pm = build_pipeline()  # the parallel stage runs pipeline_stages first
     tgt = get_target("cpu")
     ctx = Context(target=tgt, options={"parallel": cfg})
     out = pm.run(ModelSource(model, args, kwargs or {}, ds), ctx, compile_to=compile_to)
