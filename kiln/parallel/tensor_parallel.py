@@ -19,7 +19,6 @@ makes sure no global size survives. Collectives are `kiln::all_reduce` /
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import torch
 import torch.fx as fx
@@ -31,6 +30,7 @@ from kiln.ir.ops import SPLITS, STRICT_VIEWS, bind_args, norm_axis, op_name
 from kiln.ir.symbolic import as_dim
 from kiln.ops.collectives import declare_group_size
 from kiln.parallel.column_split import column_parts
+from kiln.parallel.rank_parts import rank_part
 from kiln.parallel.shard_rules import Decision, Rules, shape, slice_span
 from kiln.parallel.sharding import (
     PARTIAL,
@@ -39,7 +39,6 @@ from kiln.parallel.sharding import (
     block,
     divides,
     local_ranges,
-    local_tensor,
 )
 from kiln.parallel.view_axes import RESHAPE_TARGETS, map_sharding
 from kiln.pipeline import as_pass
@@ -336,30 +335,6 @@ class _Rewriter:
                 hint="this is a kiln bug; rerun with KILN_DUMP_IR=<dir> and report")
         with self.kg.fake_mode():
             node.meta["val"] = torch.empty(want, dtype=val.dtype, device=val.device)
-
-
-# A model's tensor -> {(sharding, tp, rank): this rank's part}. Modules compiled from one
-# model (an LLM's prefill and decode) share the parts: one copy of the weights, and one
-# KV cache that both read and write.
-_parts: dict[int, tuple[weakref.ref, dict]] = {}  # id(tensor) -> (its weakref, parts)
-
-
-def rank_part(t: torch.Tensor, s: Sharding, tp: int, rank: int, private: bool) -> torch.Tensor:
-    """This rank's part of `t`, the same tensor for every module compiled from `t`;
-    `private` (a buffer the plan writes) never shares memory with the model's own."""
-    key = id(t)
-    entry = _parts.get(key)
-    if entry is None or entry[0]() is not t:
-        entry = (weakref.ref(t, lambda _: _parts.pop(key, None)), {})
-        _parts[key] = entry
-    per = entry[1]
-    part_key = (s, tp, rank)
-    if part_key not in per:
-        part = local_tensor(t, s, tp, rank)
-        shared = t.device.type != "meta" and (
-            part.untyped_storage().data_ptr() == t.untyped_storage().data_ptr())
-        per[part_key] = part.clone() if private and shared else part
-    return per[part_key]
 
 
 def _drop_identities(kg: KilnGraph) -> None:
