@@ -11,6 +11,7 @@ import contextlib
 import inspect
 import io
 import logging
+import re
 import sys
 import traceback
 import warnings
@@ -18,7 +19,14 @@ import warnings
 import torch
 import torch.fx as fx
 
-from kiln.errors import ExportError, KilnError, ShapeError, UnsupportedOpError, user_frame
+from kiln.errors import (
+    AffinityError,
+    ExportError,
+    KilnError,
+    ShapeError,
+    UnsupportedOpError,
+    user_frame,
+)
 from kiln.frontend.dim_names import dim_names
 from kiln.ir.graph import GraphInput, GraphOutput, KilnGraph, where
 from kiln.ir.ops import ASSERT_OPS, category, op_name
@@ -77,6 +85,17 @@ def _export_error(e: Exception) -> KilnError:
             hint="compute with tensors instead of Python decisions on them (torch.where or "
             "masks; torch.cond for real branches) and avoid .item()/.tolist()/int(tensor) in "
             "forward." + said,
+        )
+    if name == "FakeTensorDeviceMismatchError" or "found at least two devices" in text:
+        where = user_frame("".join(traceback.format_tb(e.__traceback__)))
+        found = re.search(r"devices?, (\S+) and (\S+?)!?$", text.splitlines()[-1])
+        devices = f"{found.group(1)} and {found.group(2)}" if found else "two devices"
+        return AffinityError(
+            f"one op reads tensors pinned to {devices}: the model's own placements "
+            "contradict each other",
+            where=where or _first_line(text),
+            hint="move one operand with .to(...) before the op, or create both on one "
+            "device; kiln transfers a value only where the model says so." + said,
         )
     if "structure of `inputs` and `dynamic_shapes`" in text:
         return ShapeError(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kiln
-from kiln.errors import ArgumentError, DeviceError
+from kiln.errors import AffinityError, ArgumentError, DeviceError
 from tests.parallel.test_tensor_parallel import _llama70b
 
 
@@ -58,3 +58,18 @@ def test_llama2_70b_tp8_plan_with_one_device_declared():
 def test_bad_devices_argument(devices):
     with pytest.raises(ArgumentError, match="devices="):
         kiln.compile(torch.nn.Linear(4, 4), (torch.randn(2, 4),), devices=devices)
+
+
+class MixesDevices(torch.nn.Module):
+    def forward(self, x):
+        a = torch.ones(4, device="cuda:0")
+        b = torch.ones(4, device="cuda:1")
+        return x + (a + b).to("cpu")  # one op reading tensors pinned to two devices
+
+
+def test_contradictory_pins_in_the_models_code_are_an_affinity_error():
+    with pytest.raises(AffinityError) as info:
+        kiln.compile(MixesDevices(), (torch.randn(4),))
+    text = str(info.value)
+    assert "pinned to cuda:0 and cuda:1" in text
+    assert "test_device_checks.py" in text and "(a + b)" in text  # the user's line
