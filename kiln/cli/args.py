@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from kiln.bench.runners import RUNNERS
+from kiln.cli.bench import cmd_bench
 from kiln.cli.compile import cmd_compile
 from kiln.cli.explain import cmd_explain
 from kiln.cli.generate import cmd_generate
@@ -132,4 +134,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also print each region's kernel (the Triton source of Triton kernels)")
     _add_tune(e)
     e.set_defaults(fn=cmd_explain)
+
+    b = sub.add_parser(
+        "bench", help="time kiln beside eager PyTorch and torch.compile, with the floors",
+        description="Measure kiln, eager PyTorch and torch.compile on one gpt-fast-style "
+        "Llama (random weights) in one run: prefill and decode at several lengths and batch "
+        "sizes, kiln's decode throughput sweep, and the floors measured in the same run "
+        "(copy bandwidth, a large matmul). Writes bench.txt, bench.json and bench.png; "
+        "--check BASELINE exits 1 when a kiln figure is slower than the stored one.")
+    b.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    b.add_argument("--preset", choices=["llama3-8b", "tiny"], default="llama3-8b")
+    b.add_argument("--layers", type=int, default=None,
+                   help="layers of the model (default: the preset's)")
+    b.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
+                   help="default: float16 on cuda, float32 on cpu")
+    b.add_argument("--prefill", metavar="N,N", help="prompt lengths (8b: 128,2048)")
+    b.add_argument("--contexts", metavar="N,N", help="decode contexts (8b: 128,2048)")
+    b.add_argument("--batches", metavar="B,B", help="batch sizes of every runner (8b: 1,4)")
+    b.add_argument("--sweep", metavar="B,B",
+                   help="kiln's decode throughput batch sizes (8b: 1,4,16,64; '' for none)")
+    b.add_argument("--runners", default=",".join(RUNNERS),
+                   help=f"which of {', '.join(RUNNERS)} to run (default: all)")
+    b.add_argument("--iters", type=int, default=20, help="timed calls per figure")
+    b.add_argument("--out", default="kiln-bench", metavar="DIR",
+                   help="where to write bench.txt / .json / .png (default: kiln-bench)")
+    b.add_argument("--check", metavar="BASELINE.json",
+                   help="exit 1 if a kiln figure is more than --tolerance slower than here")
+    b.add_argument("--tolerance", type=float, default=0.05)
+    b.add_argument("-v", "--verbose", action="store_true", help="log every stage")
+    b.set_defaults(fn=cmd_bench)
     return p

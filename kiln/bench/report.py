@@ -1,0 +1,120 @@
+"""What `kiln bench` writes: a table, a JSON file, a chart, and the baseline check.
+
+The JSON is also the baseline format: `--check` compares kiln's milliseconds row by row
+(rows are keyed "phase tokens bB") with a stored run and fails on any row more than the
+tolerance slower, so a slowdown like the ones DESIGN.md's failure 3 describes stops a
+change instead of shipping.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from kiln.bench.sweep import Result
+
+PEERS = ("eager", "torch.compile")
+
+
+def to_json(result: Result) -> dict:
+    p, f = result.plan, result.floors
+    return {
+        "device": result.device_name, "torch": torch.__version__,
+        "preset": p.preset, "layers": p.shape().layers, "dtype": str(p.dtype).split(".")[-1],
+        "floors": {"copy_GBps": f.copy_bytes_per_s / 1e9,
+                   "matmul_TFLOPs": f.matmul_flops_per_s / 1e12},
+        "compile_s": result.compile_s,
+        "rows": [{"key": r.key, "phase": r.phase, "tokens": r.tokens, "batch": r.batch,
+                  "floor_ms": r.floor_ms, "ms": r.ms, "rel_err": r.rel_err}
+                 for r in result.rows],
+    }
+
+
+def table(data: dict) -> str:
+    """Milliseconds per runner and kiln's ratios to the floor and to each peer."""
+    lines = [f"kiln bench: {data['preset']} ({data['layers']} layers, {data['dtype']}) on "
+             f"{data['device']}, torch {data['torch']}",
+             f"floors: copy {data['floors']['copy_GBps']:.0f} GB/s, matmul "
+             f"{data['floors']['matmul_TFLOPs']:.1f} TFLOP/s",
+             f"{'row':<18}{'floor':>9}{'eager':>9}{'t.compile':>10}{'kiln':>9}"
+             f"{'kiln/floor':>11}{'kiln/tc':>8}{'kiln/eager':>11}{'tok/s':>9}{'max err':>9}"]
+    for r in data["rows"]:
+        ms = r["ms"]
+        kiln = ms.get("kiln")
+
+        toks = r["batch"] * (r["tokens"] if r["phase"] == "prefill" else 1)
+        err = max(r["rel_err"].values(), default=None)
+        lines.append(f"{r['key']:<18}{cell(r['floor_ms'], 9)}{cell(ms.get('eager'), 9)}"
+                     f"{cell(ms.get('torch.compile'), 10)}{cell(kiln, 9)}"
+                     f"{cell(kiln / r['floor_ms'] if kiln else None, 11, '.2f')}"
+                     f"{cell(_ratio(kiln, ms.get('torch.compile')), 8, '.2f')}"
+                     f"{cell(_ratio(kiln, ms.get('eager')), 11, '.2f')}"
+                     f"{cell(toks / kiln * 1e3 if kiln else None, 9, '.0f')}"
+                     f"{cell(err, 9, '.1e')}")
+    if data["compile_s"]:
+        lines.append("first call (compile) s: " + ", ".join(
+            f"{k} {v:.1f}" for k, v in data["compile_s"].items()))
+    return "\n".join(lines)
+
+
+def cell(value: float | None, width: int, fmt: str = ".3f") -> str:
+    return f"{value:>{width}{fmt}}" if value is not None else f"{'-':>{width}}"
+
+
+def _ratio(kiln: float | None, peer: float | None) -> float | None:
+    return kiln / peer if kiln and peer else None
+
+
+def write_chart(data: dict, path: Path) -> str | None:
+    """A bar chart of each runner's time over the row's floor; None if no matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no chart: matplotlib is not installed (pip install matplotlib)"
+    rows = data["rows"]
+    names = [n for n in (*PEERS, "kiln") if any(n in r["ms"] for r in rows)]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = [j + i * width for j, r in enumerate(rows) if name in r["ms"]]
+        ys = [r["ms"][name] / r["floor_ms"] for r in rows if name in r["ms"]]
+        ax.bar(xs, ys, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8, label="floor")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
+    ax.set_xticklabels([r["key"] for r in rows], rotation=30, ha="right")
+    ax.set_ylabel("time / floor (lower is better)")
+    ax.set_title(f"{data['preset']} ({data['layers']} layers, {data['dtype']}) on "
+                 f"{data['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def check(data: dict, baseline: dict, tolerance: float = 0.05) -> list[str]:
+    """One line per kiln figure more than `tolerance` slower than the baseline's."""
+    now = {r["key"]: r["ms"].get("kiln") for r in data["rows"]}
+    slower = []
+    for r in baseline.get("rows", []):
+        was, key = r["ms"].get("kiln"), r["key"]
+        if was is None or now.get(key) is None:
+            continue
+        if now[key] > was * (1 + tolerance):
+            slower.append(f"{key}: kiln {now[key]:.3f} ms, baseline {was:.3f} ms "
+                          f"({now[key] / was - 1:+.1%}, tolerance {tolerance:.0%})")
+    return slower
+
+
+def save(data: dict, out: Path) -> list[str]:
+    """bench.json, bench.txt and bench.png under `out`; returns notes for the user."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / "bench.txt").write_text(table(data) + "\n")
+    note = write_chart(data, out / "bench.png")
+    return [note] if note else []

@@ -1,0 +1,135 @@
+"""The phases `kiln bench` measures, in one process: prefill at each length, decode at
+each context, for each batch size, every runner on the same module; then kiln's decode
+throughput over a sweep of batch sizes. Each row carries its floor and the runners'
+errors against eager, so a fast wrong answer cannot pass unnoticed.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.bench import subject
+from kiln.bench.floors import Floors, measure
+from kiln.bench.runners import RUNNERS, Runner
+from kiln.bench.timing import median_ms
+
+
+@dataclass
+class Plan:
+    device: str = "cpu"
+    preset: str = "tiny"
+    dtype: torch.dtype = torch.float32
+    layers: int | None = None
+    prefill: tuple[int, ...] = (16, 64)
+    contexts: tuple[int, ...] = (16, 64)
+    batches: tuple[int, ...] = (1, 2)
+    sweep: tuple[int, ...] = ()
+    runners: tuple[str, ...] = RUNNERS
+    iters: int = 20
+
+    def shape(self) -> subject.Shape:
+        s = subject.PRESETS[self.preset]
+        return s.with_(layers=self.layers) if self.layers else s
+
+
+@dataclass
+class Row:
+    phase: str  # "prefill" or "decode"
+    tokens: int  # prompt length, or the decode step's context
+    batch: int
+    floor_ms: float
+    ms: dict[str, float] = field(default_factory=dict)
+    rel_err: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return f"{self.phase} {self.tokens} b{self.batch}"
+
+
+@dataclass
+class Result:
+    plan: Plan
+    floors: Floors
+    rows: list[Row] = field(default_factory=list)
+    compile_s: dict[str, float] = field(default_factory=dict)  # "runner phase bB" -> s
+    device_name: str = ""
+
+
+def run(plan: Plan, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> Result:
+    s = plan.shape()
+    too_long = [n for n in (*plan.prefill, *plan.contexts) if n >= s.max_len]
+    if too_long:
+        raise ValueError(f"lengths {too_long} do not fit the cache of {s.max_len} positions")
+    device_name = (torch.cuda.get_device_name() if plan.device == "cuda"
+                   else "cpu")
+    dtype = str(plan.dtype).removeprefix("torch.")
+    log(f"kiln bench: {plan.preset} ({s.layers} layers, {dtype}) on {device_name}")
+    floors = measure(plan.device, plan.dtype, small=plan.device != "cuda")
+    log(f"  floors: copy {floors.copy_bytes_per_s / 1e9:.0f} GB/s, matmul "
+        f"{floors.matmul_flops_per_s / 1e12:.1f} TFLOP/s")
+    result = Result(plan, floors, device_name=device_name)
+    base = subject.build(s, plan.dtype, plan.device)
+    for batch in dict.fromkeys(plan.batches + plan.sweep):
+        runners = plan.runners if batch in plan.batches else ("kiln",)
+        contexts = plan.contexts if batch in plan.batches else plan.contexts[:1]
+        prefill = plan.prefill if batch in plan.batches else ()
+        _batch(result, subject.with_batch(base, batch), batch, runners, prefill, contexts,
+               log)
+        gc.collect()
+        if plan.device == "cuda":
+            torch.cuda.empty_cache()
+    return result
+
+
+def _batch(result: Result, model, batch: int, names, prefill, contexts, log) -> None:
+    plan, s, floors = result.plan, result.plan.shape(), result.floors
+    runners = [Runner(n, model, plan.device) for n in names]
+    gen = torch.Generator(device="cpu").manual_seed(batch)
+    cases = [("prefill", t) for t in prefill] + [("decode", c) for c in contexts]
+    for phase, tokens in cases:
+        if phase == "prefill":
+            ids = torch.randint(0, s.vocab, (batch, tokens), generator=gen)
+            pos = torch.arange(tokens)
+            floor = max(floors.flops_ms(subject.matmul_flops(s, batch, tokens)),
+                        floors.bytes_ms(subject.weight_bytes(model, batch)))
+        else:
+            ids = torch.randint(0, s.vocab, (batch, 1), generator=gen)
+            pos = torch.tensor([tokens])
+            floor = floors.bytes_ms(subject.weight_bytes(model, batch)
+                                    + subject.kv_bytes(s, batch, tokens, plan.dtype))
+        ids, pos = ids.to(plan.device), pos.to(plan.device)
+        row = Row(phase, tokens, batch, floor)
+        ref = None
+        for r in runners:
+            with torch.no_grad():
+                out = _first_call(r, phase, ids, pos, result.compile_s, batch)
+                if r.name == "eager":
+                    ref = out.float()
+                elif ref is not None:
+                    row.rel_err[r.name] = float((out.float() - ref).norm() / ref.norm())
+                row.ms[r.name] = _time(r.step(phase), ids, pos, plan)
+        result.rows.append(row)
+        log("  " + row.key + ": " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in row.ms.items())
+            + f" (floor {floor:.3f} ms)")
+
+
+def _time(step, ids, pos, plan: Plan) -> float:
+    return median_ms(lambda: step(ids, pos), plan.device, iters=plan.iters)
+
+
+def _first_call(r: Runner, phase: str, ids, pos, compile_s: dict, batch: int):
+    """Run once; a runner's first call of a phase (its compile) is timed into compile_s."""
+    key = f"{r.name} {phase} b{batch}"
+    first = key not in compile_s
+    t0 = time.perf_counter()
+    out = r.step(phase)(ids, pos)
+    if first:
+        if r.device == "cuda":
+            torch.cuda.synchronize()
+        compile_s[key] = time.perf_counter() - t0
+    return out

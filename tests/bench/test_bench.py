@@ -1,0 +1,92 @@
+"""`kiln bench`: the CPU smoke run CI can afford, the baseline check, bad flags."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kiln.bench import report, subject
+from kiln.cli import main
+
+SMOKE = ["bench", "--device", "cpu", "--preset", "tiny", "--runners", "eager,kiln",
+         "--prefill", "12", "--contexts", "20", "--batches", "1,2", "--sweep", "3",
+         "--iters", "2"]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    assert main(SMOKE + ["--out", str(out)]) == 0
+    return out, json.loads((out / "bench.json").read_text())
+
+
+def test_smoke_run_measures_every_row_and_matches_eager(smoke):
+    out, data = smoke
+    keys = [r["key"] for r in data["rows"]]
+    # every runner at batches 1 and 2; the sweep's batch 3 is kiln's decode only
+    assert keys == ["prefill 12 b1", "decode 20 b1", "prefill 12 b2", "decode 20 b2",
+                    "decode 20 b3"]
+    for r in data["rows"][:4]:
+        assert set(r["ms"]) == {"eager", "kiln"} and all(v > 0 for v in r["ms"].values())
+        assert r["rel_err"]["kiln"] < 1e-5
+        assert r["floor_ms"] > 0
+    assert set(data["rows"][4]["ms"]) == {"kiln"}
+    assert data["floors"]["copy_GBps"] > 0 and data["floors"]["matmul_TFLOPs"] > 0
+    text = (out / "bench.txt").read_text()
+    assert "kiln/floor" in text and "decode 20 b3" in text
+
+
+def test_check_passes_itself_and_fails_a_faster_baseline(smoke, tmp_path, capsys):
+    _, data = smoke
+    assert report.check(data, data) == []
+    faster = json.loads(json.dumps(data))
+    faster["rows"][1]["ms"]["kiln"] /= 2
+    slower = report.check(data, faster)
+    assert len(slower) == 1 and slower[0].startswith("decode 20 b1: kiln")
+    # kiln's own figures are the checked ones; a slower peer is not a regression
+    peers = json.loads(json.dumps(data))
+    peers["rows"][0]["ms"]["eager"] /= 2
+    assert report.check(data, peers) == []
+
+
+def test_check_exits_nonzero_on_a_slowdown(tmp_path, capsys):
+    base = tmp_path / "base.json"
+    rows = [{"key": "decode 20 b1", "ms": {"kiln": 1e-6}}]
+    base.write_text(json.dumps({"device": "cpu", "rows": rows}))
+    argv = SMOKE[:] + ["--out", str(tmp_path / "o"), "--check", str(base), "--batches", "1",
+                       "--sweep", "", "--prefill", "4"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "slower: decode 20 b1" in err and "1 slower" in err
+
+
+def test_bad_flags_are_refused_before_measuring(tmp_path, capsys):
+    out = str(tmp_path / "o")
+    assert main(SMOKE + ["--out", out, "--check", str(tmp_path / "missing.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(SMOKE + ["--out", out, "--runners", "eager,tvm"]) == 2
+    assert "unknown runner(s) tvm" in capsys.readouterr().err
+    assert main(SMOKE + ["--out", out, "--contexts", "96"]) == 2
+    assert "do not fit" in capsys.readouterr().err
+    assert main(SMOKE + ["--out", out, "--prefill", "12,x"]) == 2
+    assert "comma-separated integers" in capsys.readouterr().err
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("{not json")
+    assert main(SMOKE + ["--out", out, "--check", str(garbage)]) == 2
+    assert "not a kiln bench JSON" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_batched_subject_shares_weights_and_matches_batch_one():
+    s = subject.PRESETS["tiny"]
+    base = subject.build(s, torch.float32, "cpu")
+    two = subject.with_batch(base, 2)
+    assert two.layers[0].wqkv.weight is base.layers[0].wqkv.weight
+    assert two.layers[0].k_cache.shape[0] == 2 and base.layers[0].k_cache.shape[0] == 1
+    ids = torch.randint(0, s.vocab, (2, 5))
+    with torch.no_grad():
+        both = two(ids, torch.arange(5))
+        first = base(ids[:1], torch.arange(5))
+    torch.testing.assert_close(both[:1], first)
