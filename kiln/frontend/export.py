@@ -18,6 +18,7 @@ import warnings
 
 import torch
 import torch.fx as fx
+from torch._decomp import decomposition_table
 
 from kiln.errors import (
     AffinityError,
@@ -158,7 +159,15 @@ def _tail(text: str, n: int = 25) -> str:
 
 
 def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Lower to core ATen; an op kiln does not know that torch can decompose (e.g. the
+    fused RMSNorm that nn.RMSNorm becomes on a GPU since torch 2.9, which export's
+    default table keeps) is decomposed too, into ops kiln fuses."""
     table = torch.export.default_decompositions()
+    for node in ep.graph.nodes:
+        op = node.target
+        if (node.op == "call_function" and isinstance(op, torch._ops.OpOverload)
+                and category(op_name(op)) is None and op in decomposition_table):
+            table[op] = decomposition_table[op]
     for op in KEEP_WHOLE:
         if op in table:
             del table[op]
