@@ -28,6 +28,7 @@ from kiln.errors import (
     UnsupportedOpError,
     user_frame,
 )
+from kiln.frontend.decompositions import KILN_DECOMPOSITIONS
 from kiln.frontend.dim_names import dim_names
 from kiln.ir.graph import GraphInput, GraphOutput, KilnGraph, where
 from kiln.ir.ops import ASSERT_OPS, category, op_name
@@ -160,14 +161,17 @@ def _tail(text: str, n: int = 25) -> str:
 
 def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """Lower to core ATen; an op kiln does not know that torch can decompose (e.g. the
-    fused RMSNorm that nn.RMSNorm becomes on a GPU since torch 2.9, which export's
-    default table keeps) is decomposed too, into ops kiln fuses."""
+    fused RMSNorm that nn.RMSNorm becomes on a GPU, which torch 2.11's export keeps) is
+    decomposed too, by torch's table or kiln's own (decompositions.py)."""
     table = torch.export.default_decompositions()
     for node in ep.graph.nodes:
         op = node.target
-        if (node.op == "call_function" and isinstance(op, torch._ops.OpOverload)
-                and category(op_name(op)) is None and op in decomposition_table):
-            table[op] = decomposition_table[op]
+        if (node.op != "call_function" or not isinstance(op, torch._ops.OpOverload)
+                or category(op_name(op)) is not None or op in table):
+            continue
+        known = decomposition_table.get(op) or KILN_DECOMPOSITIONS.get(op)
+        if known is not None:
+            table[op] = known
     for op in KEEP_WHOLE:
         if op in table:
             del table[op]

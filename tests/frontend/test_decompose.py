@@ -31,3 +31,16 @@ def test_an_op_the_export_table_keeps_is_decomposed(monkeypatch):
     for target in ("cpu", "interpret"):
         out = kiln.compile(model, (x,), target=target)(x)
         assert torch.allclose(out, model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_kilns_own_decomposition_when_torch_has_none(monkeypatch):
+    from torch._decomp import decomposition_table
+
+    monkeypatch.delitem(decomposition_table, torch.ops.aten._fused_rms_norm.default)
+    test_an_op_the_export_table_keeps_is_decomposed(monkeypatch)
+    model = FusedNorm()
+    x = torch.randn(2, 3, 8, dtype=torch.float16)
+    out = kiln.compile(model.half(), (x,))(x)
+    assert out.dtype == torch.float16
+    ref = model.float()(x.float())
+    assert ((out.float() - ref).norm() / ref.norm()) < 1e-3
