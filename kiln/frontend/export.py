@@ -164,6 +164,10 @@ def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     fused RMSNorm that nn.RMSNorm becomes on a GPU, which torch 2.11's export keeps) is
     decomposed too, by torch's table or kiln's own (decompositions.py)."""
     table = torch.export.default_decompositions()
+    # ops that appear only while decomposing (rms_norm -> _fused_rms_norm) are not in
+    # ep.graph yet: kiln's own entries go in whether or not the graph shows them
+    for op, fn in KILN_DECOMPOSITIONS.items():
+        table.setdefault(op, decomposition_table.get(op, fn))
     for node in ep.graph.nodes:
         op = node.target
         if (node.op != "call_function" or not isinstance(op, torch._ops.OpOverload)

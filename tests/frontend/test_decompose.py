@@ -1,46 +1,57 @@
 """Ops kiln does not know but torch can decompose are decomposed, whatever torch's
-export table keeps: torch 2.11 keeps aten._fused_rms_norm, what nn.RMSNorm becomes on a
-GPU, and kiln must still compile every model using nn.RMSNorm there."""
+export table keeps: torch 2.11's keeps aten._fused_rms_norm, what nn.RMSNorm becomes on a
+GPU, and has no Python decomposition of it; kiln must still compile every model using
+nn.RMSNorm there."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch._decomp import decomposition_table
 
 import kiln
+
+FUSED = torch.ops.aten._fused_rms_norm.default
 
 
 class FusedNorm(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.w = torch.nn.Parameter(torch.randn(8))
+        self.norm = torch.nn.RMSNorm(8)
 
     def forward(self, x):
-        return torch.ops.aten._fused_rms_norm(x, [8], self.w, 1e-5)[0] * 2
+        return self.norm(torch.ops.aten._fused_rms_norm(x, [8], self.w, 1e-5)[0] * 2)
 
 
-def test_an_op_the_export_table_keeps_is_decomposed(monkeypatch):
+def _without_fused_rms_norm(monkeypatch, torch_has_one: bool) -> None:
     full = torch.export.default_decompositions
 
     def like_torch_2_11():
         table = full()
-        table.pop(torch.ops.aten._fused_rms_norm.default, None)
+        if FUSED in table:
+            table.pop(FUSED)
         return table
 
     monkeypatch.setattr(torch.export, "default_decompositions", like_torch_2_11)
+    if not torch_has_one:
+        monkeypatch.delitem(decomposition_table, FUSED)
+
+
+@pytest.mark.parametrize("torch_has_one", [True, False])
+def test_fused_rms_norm_compiles_when_exports_table_keeps_it(monkeypatch, torch_has_one):
+    _without_fused_rms_norm(monkeypatch, torch_has_one)
     model, x = FusedNorm(), torch.randn(3, 8)
     for target in ("cpu", "interpret"):
         out = kiln.compile(model, (x,), target=target)(x)
         assert torch.allclose(out, model(x), rtol=1e-5, atol=1e-5)
 
 
-def test_kilns_own_decomposition_when_torch_has_none(monkeypatch):
-    from torch._decomp import decomposition_table
-
-    monkeypatch.delitem(decomposition_table, torch.ops.aten._fused_rms_norm.default)
-    test_an_op_the_export_table_keeps_is_decomposed(monkeypatch)
-    model = FusedNorm()
+def test_kilns_own_decomposition_keeps_half_precision(monkeypatch):
+    _without_fused_rms_norm(monkeypatch, torch_has_one=False)
+    model = FusedNorm().half()
     x = torch.randn(2, 3, 8, dtype=torch.float16)
-    out = kiln.compile(model.half(), (x,))(x)
+    out = kiln.compile(model, (x,))(x)
     assert out.dtype == torch.float16
     ref = model.float()(x.float())
     assert ((out.float() - ref).norm() / ref.norm()) < 1e-3
