@@ -163,25 +163,30 @@ def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """Lower to core ATen; an op kiln does not know that torch can decompose (e.g. the
     fused RMSNorm that nn.RMSNorm becomes on a GPU, which torch 2.11's export keeps) is
     decomposed too, by torch's table or kiln's own (decompositions.py)."""
-    table = torch.export.default_decompositions()
-    # ops that appear only while decomposing (rms_norm -> _fused_rms_norm) are not in
-    # ep.graph yet: kiln's own entries go in whether or not the graph shows them
-    for op, fn in KILN_DECOMPOSITIONS.items():
-        table.setdefault(op, decomposition_table.get(op, fn))
-    for node in ep.graph.nodes:
-        op = node.target
-        if (node.op != "call_function" or not isinstance(op, torch._ops.OpOverload)
-                or category(op_name(op)) is not None or op in table):
-            continue
-        known = decomposition_table.get(op) or KILN_DECOMPOSITIONS.get(op)
-        if known is not None:
-            table[op] = known
+    table = _plain(torch.export.default_decompositions())
+    # kiln's entries go in up front: some ops appear only while decomposing
+    needed = set(KILN_DECOMPOSITIONS)
+    needed |= {n.target for n in ep.graph.nodes if n.op == "call_function"
+               and isinstance(n.target, torch._ops.OpOverload)
+               and category(op_name(n.target)) is None}
+    for op in needed:
+        if table.get(op) is None:
+            known = decomposition_table.get(op) or KILN_DECOMPOSITIONS.get(op)
+            if known is not None:
+                table[op] = known
     for op in KEEP_WHOLE:
         if op in table:
             del table[op]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         return ep.run_decompositions(table)
+
+
+def _plain(table) -> dict:
+    """export's table as a plain dict: its CustomDecompTable keeps entries set through
+    dict methods it does not override (setdefault) out of what it hands to export."""
+    materialize = getattr(table, "materialize", None)
+    return dict(materialize() if materialize else table)
 
 
 def _drop_asserts(gm: fx.GraphModule) -> None:
