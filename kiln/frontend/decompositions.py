@@ -1,9 +1,10 @@
 """Decompositions kiln supplies itself, for ops some torch versions keep whole.
 
-torch's own tables differ between versions: torch 2.11's has no Python decomposition of
-aten._fused_rms_norm, which nn.RMSNorm dispatches to on a GPU, so every model using
-nn.RMSNorm failed to import there. torch's entry wins where it exists; these are the
-definitions kiln falls back on, in ops kiln fuses.
+torch's own tables differ between versions and devices: on a GPU, torch 2.11 decomposes
+aten.rms_norm (what nn.RMSNorm calls) into aten._fused_rms_norm, a fused kernel with no
+Python decomposition there, so every model using nn.RMSNorm failed to import.
+OVERRIDES replace torch's entry (its result would be an op kiln cannot compile);
+FALLBACKS are used where torch has none. Both are written in ops kiln fuses.
 """
 
 from __future__ import annotations
@@ -27,4 +28,10 @@ def fused_rms_norm(x: torch.Tensor, normalized_shape: list[int], weight: torch.T
     return out.to(x.dtype), rstd
 
 
-KILN_DECOMPOSITIONS = {aten._fused_rms_norm.default: fused_rms_norm}
+def rms_norm(x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor | None = None,
+             eps: float | None = None) -> torch.Tensor:
+    return fused_rms_norm(x, normalized_shape, weight, eps)[0]
+
+
+OVERRIDES = {aten.rms_norm.default: rms_norm}
+FALLBACKS = {aten._fused_rms_norm.default: fused_rms_norm}

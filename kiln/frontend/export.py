@@ -28,7 +28,7 @@ from kiln.errors import (
     UnsupportedOpError,
     user_frame,
 )
-from kiln.frontend.decompositions import KILN_DECOMPOSITIONS
+from kiln.frontend.decompositions import FALLBACKS, OVERRIDES
 from kiln.frontend.dim_names import dim_names
 from kiln.ir.graph import GraphInput, GraphOutput, KilnGraph, where
 from kiln.ir.ops import ASSERT_OPS, category, op_name
@@ -160,18 +160,18 @@ def _tail(text: str, n: int = 25) -> str:
 
 
 def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """Lower to core ATen; an op kiln does not know that torch can decompose (e.g. the
-    fused RMSNorm that nn.RMSNorm becomes on a GPU, which torch 2.11's export keeps) is
-    decomposed too, by torch's table or kiln's own (decompositions.py)."""
-    table = _plain(torch.export.default_decompositions())
-    # kiln's entries go in up front: some ops appear only while decomposing
-    needed = set(KILN_DECOMPOSITIONS)
+    """Lower to core ATen; an op kiln does not know that torch can decompose is
+    decomposed too, and kiln's own decompositions (decompositions.py) cover what some
+    torch versions leave whole (nn.RMSNorm on a GPU with torch 2.11)."""
+    table = _plain(torch.export.default_decompositions()) | OVERRIDES
+    # the fallbacks go in up front: some ops appear only while decomposing
+    needed = set(FALLBACKS)
     needed |= {n.target for n in ep.graph.nodes if n.op == "call_function"
                and isinstance(n.target, torch._ops.OpOverload)
                and category(op_name(n.target)) is None}
     for op in needed:
         if table.get(op) is None:
-            known = decomposition_table.get(op) or KILN_DECOMPOSITIONS.get(op)
+            known = decomposition_table.get(op) or FALLBACKS.get(op)
             if known is not None:
                 table[op] = known
     for op in KEEP_WHOLE:

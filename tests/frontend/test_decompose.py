@@ -10,6 +10,7 @@ import torch
 from torch._decomp import decomposition_table
 
 import kiln
+from kiln.frontend.export import decompose
 
 FUSED = torch.ops.aten._fused_rms_norm.default
 
@@ -55,3 +56,17 @@ def test_kilns_own_decomposition_keeps_half_precision(monkeypatch):
     assert out.dtype == torch.float16
     ref = model.float()(x.float())
     assert ((out.float() - ref).norm() / ref.norm()) < 1e-3
+
+
+def test_rms_norm_is_decomposed_by_kiln_on_every_device(monkeypatch):
+    """On a GPU torch 2.11 turns rms_norm into _fused_rms_norm while decomposing; kiln
+    decomposes rms_norm itself so no fused op ever reaches the graph."""
+    _without_fused_rms_norm(monkeypatch, torch_has_one=False)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RMSNorm(8, eps=1e-6))
+    x = torch.randn(4, 8)
+    ep = decompose(torch.export.export(model, (x,)))
+    ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert not any("rms_norm" in op for op in ops), ops
+    for target in ("cpu", "interpret"):
+        out = kiln.compile(model, (x,), target=target)(x)
+        assert torch.allclose(out, model(x), rtol=1e-5, atol=1e-5)
