@@ -8,6 +8,8 @@ pass lives in its stage's package; this module only puts them in order.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.utils._pytree as pytree
 
@@ -16,6 +18,8 @@ from kiln.compiled_module import CompiledModule
 from kiln.dispatch.example_sizes import bind_example_sizes
 from kiln.dispatch.form_regions import form_regions
 from kiln.dispatch.reinplace import reinplace
+from kiln.errors import ArgumentError
+from kiln.frontend.export import FALLBACK_MODES, fallback_warning
 from kiln.frontend.import_pass import ModelSource, import_pass
 from kiln.graph import GRAPH_PASSES
 from kiln.parallel.assign_devices import assign_devices
@@ -59,6 +63,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
     devices: int | list[int] | None = None,
     device_map: dict[int, int] | None = None,
     pins: dict[str, int] | None = None,
+    fallback: str = "allow",
+    allow_train: bool = False,
 ):
     """Compile `model` for `target`; returns a CompiledModule (or an IR with compile_to).
 
@@ -68,13 +74,22 @@ def compile(  # noqa: A001 - mirrors torch.compile
     ranks) and `device_map` puts logical devices (ranks, `cuda:N` in the model's code)
     onto declared ones; a device needed but not declared is a DeviceError. `pins`
     ({state name: device}) names a weight's home device; a weight read on other devices
-    is cloned to them.
+    is cloned to them. An op kiln has no kernel for runs as PyTorch's own op (a
+    KilnWarning names each); `fallback="error"` refuses them instead, all listed at once.
+    A model whose train mode changes what it computes (dropout, batch statistics) is
+    refused unless `allow_train=True`: kiln compiles for inference.
     """
     setup_logging()
     tgt = get_target(target)
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     kwargs = dict(kwargs or {})
+    if fallback not in FALLBACK_MODES:
+        raise ArgumentError(f"fallback={fallback!r} is not one of {', '.join(FALLBACK_MODES)}",
+                            hint='fallback="allow" runs ops kiln has no kernel for as '
+                            'PyTorch\'s own; fallback="error" refuses them')
     ctx = Context(target=tgt, options=dict(options or {}))
+    ctx.options["fallback"] = fallback
+    ctx.options["allow_train"] = allow_train
     ctx.options["parallel"] = cfg = parse_parallel(parallel, rank=_world_rank())
     if devices is not None:
         ctx.options["devices"] = devices
@@ -87,6 +102,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
     ctx.options["example_leaves"] = pytree.tree_leaves((args, kwargs))
     src = ModelSource(model, args, kwargs, dynamic_shapes)
     result = build_pipeline(dump_ir).run(src, ctx, compile_to=compile_to)
+    if ctx.options.get("fallback_ops"):
+        warnings.warn(fallback_warning(ctx.options["fallback_ops"]), stacklevel=2)
     if not isinstance(result, Program):
         return result
     return CompiledModule(result, state_for_target(result, ctx.options["state"], tgt),

@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 
 from kiln.errors import ArgumentError, TargetError
 from kiln.explain import explain
+from kiln.ir import treespec
 from kiln.runtime.program import Program
 from kiln.runtime.state import device_present
 
@@ -42,8 +43,8 @@ class CompiledModule:
         # state name -> (axis, [(start, end), ...]) for the weights this rank holds a
         # slice of: what a loader reads from a checkpoint for this rank
         self.weight_slices = dict(weight_slices or {})
-        self._in_spec = pytree.treespec_loads(self.plan.in_spec)
-        self._out_spec = pytree.treespec_loads(self.plan.out_spec)
+        self._in_spec = treespec.loads(self.plan.in_spec)
+        self._out_spec = treespec.loads(self.plan.out_spec)
         self._graphs = None
         self._graph_when = None
         self._stages = None  # a pipeline stage's runner (recv, run, send, broadcast)

@@ -32,6 +32,16 @@ class KilnError(Exception):
         return "\n".join(parts)
 
 
+class KilnWarning(UserWarning):
+    """Something a user should know that does not stop the compile (an op kiln falls
+    back on PyTorch for). `warnings.simplefilter("error", KilnWarning)` makes it stop.
+    `cli_hint` says what to do in the command line's own words."""
+
+    def __init__(self, what: str, hint: str | None = None, cli_hint: str | None = None):
+        self.what, self.hint, self.cli_hint = what, hint, cli_hint or hint
+        super().__init__(what + (f" {hint}" if hint else ""))
+
+
 class UnsupportedOpError(KilnError):
     """The model uses an operation kiln cannot compile."""
 

@@ -186,8 +186,11 @@ def test_model_file_with_a_syntax_error(tmp_path, capsys):
     assert "SyntaxError" in err and "bad.py:1" in err
 
 
-def test_unsupported_op_in_the_model(model_file, capsys):
-    err = _fails(capsys, "compile", f"{model_file}:weird")
+def test_unsupported_op_in_the_model(model_file, capsys, tmp_path):
+    rc, _, err = _run(capsys, "compile", f"{model_file}:weird", "-o", tmp_path / "w.kiln")
+    assert rc == 0 and "kiln: warning: kiln generates no kernel for aten.erfinv" in err
+    assert "net.py:" in err
+    err = _fails(capsys, "compile", f"{model_file}:weird", "--fallback", "error")
     assert "erfinv" in err and "net.py:" in err
 
 
@@ -246,3 +249,16 @@ def test_python_m_kiln_cli():
     r = subprocess.run([sys.executable, "-m", "kiln.cli", "generate"], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("kiln: error: name a checkpoint"), r.stderr
+
+
+def test_version_did_you_mean_and_context_note(capsys):
+    from kiln.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("kiln 0.")
+    assert main(["run", "tiny-lama"]) == 2
+    assert "did you mean 'tiny-llama'?" in capsys.readouterr().err
+    assert main(["run", "tiny-llama", "--prompt-len", "124", "--steps", "9"]) == 0
+    out = capsys.readouterr().out
+    assert "note: stopped after 5 of 9 tokens" in out and "128 positions" in out

@@ -14,6 +14,7 @@ from kiln.errors import (
     ArtifactError,
     ExportError,
     KilnError,
+    KilnWarning,
     ShapeError,
     TargetError,
     UnsupportedOpError,
@@ -65,10 +66,13 @@ def test_data_dependent_size_names_the_op_and_line(model, op, line):
 
 def test_op_kiln_does_not_know_names_the_op_and_line():
     with pytest.raises(UnsupportedOpError) as e:
-        kiln.compile(Erfinv(), (torch.rand(4),))
+        kiln.compile(Erfinv(), (torch.rand(4),), fallback="error")
     assert "aten.erfinv.default" in e.value.what
     assert f"{HERE}:{_line_of(Erfinv.forward, 'erfinv(y)')}" in _where(e.value)
-    assert e.value.hint.startswith("rewrite this line with supported ops")
+    assert e.value.hint.startswith("drop fallback=")
+    with pytest.warns(KilnWarning, match="aten.erfinv.default") as w:
+        kiln.compile(Erfinv(), (torch.rand(4),))  # by default it runs as PyTorch's op
+    assert f"{HERE}:{_line_of(Erfinv.forward, 'erfinv(y)')}" in str(w[0].message)
 
 
 class Branchy(torch.nn.Module):

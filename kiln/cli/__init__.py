@@ -13,9 +13,10 @@ flags, model_spec.py names and loads models, inputs.py draws random arguments.
 from __future__ import annotations
 
 import sys
+import warnings
 
 from kiln.cli.args import build_parser
-from kiln.errors import KilnError
+from kiln.errors import KilnError, KilnWarning
 from kiln.settings import setup_logging
 
 
@@ -23,10 +24,22 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(verbose=args.verbose)
     try:
-        return args.fn(args)
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", KilnWarning)
+            warnings.showwarning = _show
+            return args.fn(args)
     except KilnError as e:
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kiln: interrupted", file=sys.stderr)
         return 130
+
+
+def _show(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings as the command's own lines: `kiln: warning: ...`, hints in CLI words."""
+    if isinstance(message, KilnWarning):
+        text = message.what + (f"\n  hint: {message.cli_hint}" if message.cli_hint else "")
+    else:
+        text = f"{category.__name__}: {message}"
+    print(f"kiln: warning: {text}", file=sys.stderr)

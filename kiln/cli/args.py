@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from kiln.bench.runners import RUNNERS
 from kiln.cli.bench import cmd_bench
 from kiln.cli.compile import cmd_compile
@@ -11,9 +13,18 @@ from kiln.cli.explain import cmd_explain
 from kiln.cli.generate import cmd_generate
 from kiln.cli.run import cmd_run
 from kiln.pipeline import STAGES
+from kiln.version import __version__
 
 EPILOG = ("models: path/to/file.py:factory, or a built-in (tiny-llama); run and explain "
           "also take an artifact directory written by `kiln compile`")
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "not installed"
+    return triton.__version__
 
 
 def _size(text: str) -> tuple[str, int]:
@@ -31,6 +42,9 @@ def _add_model(sp, artifacts: bool) -> None:
     sp.add_argument("--target", default=None,
                     help="cpu, cuda (this GPU), cuda:sm_80|86|89|90|100, rocm:gfx942, interpret "
                     "(default: cpu for a model; the artifact's own target for an artifact)")
+    sp.add_argument("--fallback", choices=["allow", "error"], default="allow",
+                    help="ops kiln has no kernel for: allow = run them as PyTorch's own ops "
+                    "(a warning names each; default), error = refuse the model, listing them")
     sp.add_argument("-v", "--verbose", action="store_true",
                     help="log every stage to stderr (same as KILN_LOG=all)")
 
@@ -47,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kiln", epilog=EPILOG,
         description="kiln: an ahead-of-time compiler and runtime for LLM inference. "
         "Compile a PyTorch model to an artifact, run it, or explain what was compiled.")
+    p.add_argument("--version", action="version",
+                   version=f"kiln {__version__} (torch {torch.__version__}, "
+                   f"triton {_triton_version()})")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     c = sub.add_parser(

@@ -13,6 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from kiln.errors import ShapeError
+from kiln.ir import treespec
 from kiln.ir.ops import OpCategory, category
 from kiln.ir.plan import DispatchPlan, Ref, Region
 from kiln.ir.symbolic import evaluate
@@ -74,7 +75,7 @@ def random_inputs(module, env: dict[str, int], seed: int = 0) -> tuple[tuple, di
     n = len(tensors) + len(plan.const_args)
     it = iter(tensors)
     leaves = [plan.const_args[i] if i in plan.const_args else next(it) for i in range(n)]
-    args, kwargs = pytree.tree_unflatten(leaves, pytree.treespec_loads(plan.in_spec))
+    args, kwargs = pytree.tree_unflatten(leaves, treespec.loads(plan.in_spec))
     return tuple(args), dict(kwargs)
 
 

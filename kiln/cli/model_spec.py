@@ -8,6 +8,7 @@ artifact directory. User code that fails becomes a KilnError at the user's line.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import sys
 import time
@@ -41,8 +42,10 @@ def load_model_spec(spec: str) -> ModelSpec:
         return _as_model_spec(spec, BUILTINS[spec]())
     path, _, factory = spec.partition(":")
     if not factory or not path.endswith(".py"):
+        close = difflib.get_close_matches(spec, list(BUILTINS), n=1)
         raise KilnError(
-            f"cannot read the model name {spec!r}",
+            f"cannot read the model name {spec!r}"
+            + (f": did you mean {close[0]!r}?" if close else ""),
             hint="name a model as path/to/file.py:factory, a built-in "
             f"({', '.join(BUILTINS)}), or (run/explain) an artifact directory",
         )
@@ -122,7 +125,8 @@ def compile_model(args, spec: ModelSpec | None = None, **kw):
     options = compile_options(args)
     t0 = time.perf_counter()
     exe = kiln.compile(spec.model, spec.args, spec.kwargs, dynamic_shapes=spec.dynamic_shapes,
-                       target=args.target or "cpu", options=options, **kw)
+                       target=args.target or "cpu", options=options,
+                       fallback=getattr(args, "fallback", None) or "allow", **kw)
     return exe, time.perf_counter() - t0
 
 

@@ -44,6 +44,10 @@ def run_llm(args, spec: ModelSpec) -> int:
     tokens = result.ids
     print(f"prompt ({args.prompt_len} tokens): {prompt[0].tolist()}")
     print(f"generated ({len(tokens)} tokens): {tokens}")
+    if result.finish_reason == "context":
+        print(f"note: stopped after {len(tokens)} of {args.steps} tokens: the model's context "
+              f"is {llm.max_seq_len} positions (--prompt-len {args.prompt_len} + --steps "
+              f"{args.steps} exceeds it)")
     per_tok = result.decode_s / max(len(tokens) - 1, 1)
     print(f"first call: {t_first * 1e3:.2f} ms   "
           f"prefill: {result.time_to_first_token_s * 1e3:.2f} ms   "

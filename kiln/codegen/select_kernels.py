@@ -25,6 +25,7 @@ from kiln.codegen.templates.attention import template as attention
 from kiln.codegen.templates.matmul import template as matmul
 from kiln.codegen.templates.reduction import row_kernel as reduction
 from kiln.codegen.torch_kernel import TorchKernel
+from kiln.ir.ops import is_fallback
 from kiln.ir.plan import DispatchPlan, Region, RegionKind
 from kiln.pipeline import as_pass
 from kiln.target import Target
@@ -63,6 +64,13 @@ def kernel_for(region: Region, plan: DispatchPlan, target: Target, ctx):
     return choose(region, spec, target, ctx, plan)
 
 
+def _complex_values(region: Region, plan: DispatchPlan) -> list[str]:
+    """Values of a complex dtype the region reads or makes (an FFT's, view_as_complex's)."""
+    dtypes = [(v, plan.values[v].dtype) for v in region.inputs]
+    dtypes += [(op.name, op.dtype) for op in region.ops]
+    return [v for v, d in dtypes if d is not None and d.is_complex]
+
+
 @as_pass
 def select_kernels(plan: DispatchPlan, ctx) -> KernelPlan:
     target = ctx.target
@@ -70,7 +78,16 @@ def select_kernels(plan: DispatchPlan, ctx) -> KernelPlan:
     pending = list(plan.regions)
     while pending:
         region = pending.pop(0)
-        if target.uses_triton:
+        fallen = sorted({op.target for op in region.ops if is_fallback(op.target)})
+        if fallen:
+            region.notes.append(f"fallback: kiln has no kernel for {', '.join(fallen)}; "
+                                "runs as PyTorch's own op")
+        complex_ = _complex_values(region, plan)
+        if complex_ and target.uses_triton:
+            region.notes.append(f"extern: Triton has no complex dtypes (%{complex_[0]})")
+        if (fallen or complex_) and target.uses_triton:
+            kp.kernels[region.name] = TorchKernel(region, target.torch_device)
+        elif target.uses_triton:
             kp.kernels[region.name] = kernel_for(region, plan, target, ctx)
         else:
             kp.kernels[region.name] = TorchKernel(region, target.torch_device)

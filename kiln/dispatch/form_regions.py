@@ -13,10 +13,10 @@ import logging
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from kiln.dispatch.grouping import Group, form_groups
 from kiln.errors import UnsupportedOpError
+from kiln.ir import treespec
 from kiln.ir.graph import KilnGraph, where
 from kiln.ir.ops import SHAPE_ONLY_OPS, op_name
 from kiln.ir.plan import DispatchPlan, Op, Ref, Region, RegionKind, Role, Sym, TensorValue
@@ -138,8 +138,8 @@ class _Lowering:
             user_inputs=[i.name for i in kg.inputs if i.kind == "user"],
             const_args=_const_args(kg),
             outputs=[],
-            in_spec=pytree.treespec_dumps(kg.in_spec),
-            out_spec=pytree.treespec_dumps(kg.out_spec),
+            in_spec=treespec.dumps(kg.in_spec),
+            out_spec=treespec.dumps(kg.out_spec),
         )
         plan.recv = [(i.name, i.stage) for i in kg.inputs if i.kind == "recv"]
         self._outputs(plan)

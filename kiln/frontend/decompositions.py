@@ -5,6 +5,10 @@ aten.rms_norm (what nn.RMSNorm calls) into aten._fused_rms_norm, a fused kernel 
 Python decomposition there, so every model using nn.RMSNorm failed to import.
 OVERRIDES replace torch's entry (its result would be an op kiln cannot compile);
 FALLBACKS are used where torch has none. Both are written in ops kiln fuses.
+
+DECOMPOSE lists ops export keeps whole whose torch decomposition is plain elementwise
+math and gathers: decomposed, they fuse with their neighbours instead of running as
+PyTorch's own op. Not every decomposition qualifies (bucketize's loops over data).
 """
 
 from __future__ import annotations
@@ -33,5 +37,32 @@ def rms_norm(x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor 
     return fused_rms_norm(x, normalized_shape, weight, eps)[0]
 
 
-OVERRIDES = {aten.rms_norm.default: rms_norm}
+def eval_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                    running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Eval-mode BatchNorm as an affine map per channel (dim 1), in fp32 at least; the
+    saved statistics, which only training uses, are empty as in ATen. (torch's own
+    decomposition calls the training op, which export refuses as non-functional.)"""
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    wide = torch.promote_types(x.dtype, torch.float32)
+    scale = torch.rsqrt(running_var.to(wide) + eps)
+    if weight is not None:
+        scale = scale * weight.to(wide)
+    shift = -running_mean.to(wide) * scale
+    if bias is not None:
+        shift = shift + bias.to(wide)
+    out = x.to(wide) * scale.reshape(shape) + shift.reshape(shape)
+    empty = x.new_zeros(0, dtype=wide)
+    return out.to(x.dtype), empty, empty.clone()
+
+
+OVERRIDES = {
+    aten.rms_norm.default: rms_norm,
+    aten._native_batch_norm_legit_no_training.default: eval_batch_norm,
+}
+DECOMPOSE = {
+    aten.upsample_bilinear2d.vec, aten.upsample_bilinear2d.default,
+    aten.upsample_nearest2d.default, aten.upsample_nearest1d.default,
+    aten.upsample_nearest3d.default,
+}
 FALLBACKS = {aten._fused_rms_norm.default: fused_rms_norm}

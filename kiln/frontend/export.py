@@ -24,14 +24,17 @@ from kiln.errors import (
     AffinityError,
     ExportError,
     KilnError,
+    KilnWarning,
     ShapeError,
     UnsupportedOpError,
     user_frame,
 )
-from kiln.frontend.decompositions import FALLBACKS, OVERRIDES
+from kiln.frontend.decompositions import DECOMPOSE, FALLBACKS, OVERRIDES
 from kiln.frontend.dim_names import dim_names
+from kiln.frontend.train_mode import check_inference_mode
+from kiln.ir import treespec
 from kiln.ir.graph import GraphInput, GraphOutput, KilnGraph, where
-from kiln.ir.ops import ASSERT_OPS, category, op_name
+from kiln.ir.ops import ASSERT_OPS, fallback_problem, is_known, op_name
 from kiln.ir.symbolic import Bounds
 
 log = logging.getLogger("kiln.frontend")
@@ -43,17 +46,34 @@ KEEP_WHOLE = [torch.ops.aten.scaled_dot_product_attention.default]
 def export_model(model: torch.nn.Module, args: tuple, kwargs=None, dynamic_shapes=None):
     """torch.export with kiln's error messages."""
     _check_dim_axes(model, args, kwargs or {}, dynamic_shapes)
-    try:
-        with warnings.catch_warnings(), _quiet_failure():
-            warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecations
-            return torch.export.export(
-                model, tuple(args), kwargs=kwargs or {}, dynamic_shapes=dynamic_shapes,
-                strict=False,
-            )
-    except KilnError:
-        raise
-    except Exception as e:  # torch raises many types; all mean "could not capture"
-        raise _export_error(e) from None
+    registered: set[str] = set()
+    while True:
+        try:
+            with warnings.catch_warnings(), _quiet_failure():
+                warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecations
+                return torch.export.export(
+                    model, tuple(args), kwargs=kwargs or {}, dynamic_shapes=dynamic_shapes,
+                    strict=False,
+                )
+        except KilnError:
+            raise
+        except Exception as e:  # torch raises many types; all mean "could not capture"
+            cls = _unknown_dataclass(str(e))
+            if cls is None or cls in registered:
+                raise _export_error(e) from None
+            registered.add(cls)  # a dataclass of tensors: a pytree node, then try again
+
+
+def _unknown_dataclass(text: str) -> str | None:
+    """The dataclass torch.export found in the inputs or outputs and did not know, now
+    registered as a pytree node (treespec.register_dataclass); else None."""
+    found = re.search(r"Found <class '([\w.<>]+)'> in (?:output|input)", text)
+    if not found:
+        return None
+    module, _, name = found.group(1).rpartition(".")
+    cls = getattr(sys.modules.get(module), name, None)
+    path = f"{module}:{name}"
+    return path if treespec.register_dataclass(cls, path) else None
 
 
 @contextlib.contextmanager
@@ -118,6 +138,23 @@ def _export_error(e: Exception) -> KilnError:
             hint="torch.export's suggestion follows; adjust Dim(min=, max=) or mark the "
             "dim static:\n" + _tail(text),
         )
+    unknown = re.search(r"Found <class '([\w.]+)'> in (output|input)", text)
+    if unknown and "cache_utils" in unknown.group(1):
+        cache = unknown.group(1).rpartition(".")[2]
+        return ExportError(
+            f"the model {'returns' if unknown.group(2) == 'output' else 'takes'} a "
+            f"transformers {cache}, which a compiled module cannot carry",
+            where=user_frame("".join(traceback.format_tb(e.__traceback__))),
+            hint="pass use_cache=False (kiln.compile(model, args, kwargs={'use_cache': "
+            "False}), or set model.config.use_cache = False) to compile the forward pass "
+            "without it; for generation with a KV cache use kiln.models.load(checkpoint)")
+    if unknown:
+        return ExportError(
+            f"the model's {unknown.group(2)} holds a {unknown.group(1)}, a type torch.export "
+            "cannot take apart",
+            where=user_frame("".join(traceback.format_tb(e.__traceback__))),
+            hint="return tensors, or tuples, lists, dicts, namedtuples or dataclasses of "
+            "them; or register the type with torch.utils._pytree.register_pytree_node")
     return ExportError(
         f"torch.export could not capture the model ({name})",
         where=user_frame("".join(traceback.format_tb(e.__traceback__))) or _first_line(text),
@@ -151,8 +188,12 @@ def _check_dim_axes(model, args: tuple, kwargs: dict, dynamic_shapes) -> None:
                 )
 
 
-def _first_line(text: str) -> str:
-    return text.splitlines()[0][:300] if text else ""
+def _first_line(text: str, limit: int = 300) -> str:
+    """torch's first line, cut at a word boundary when longer than `limit`."""
+    line = text.splitlines()[0] if text else ""
+    if len(line) <= limit:
+        return line
+    return line[:limit].rpartition(" ")[0] + " ..."
 
 
 def _tail(text: str, n: int = 25) -> str:
@@ -160,16 +201,14 @@ def _tail(text: str, n: int = 25) -> str:
 
 
 def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """Lower to core ATen; an op kiln does not know that torch can decompose is
-    decomposed too, and kiln's own decompositions (decompositions.py) cover what some
-    torch versions leave whole (nn.RMSNorm on a GPU with torch 2.11)."""
+    """Lower to core ATen, and further where kiln knows better (decompositions.py):
+    its own decompositions of what some torch versions leave whole (nn.RMSNorm on a GPU
+    with torch 2.11), and torch's for ops kiln would otherwise run unfused (eval
+    BatchNorm, bilinear upsampling), so they fuse with their neighbours."""
     table = _plain(torch.export.default_decompositions()) | OVERRIDES
-    # the fallbacks go in up front: some ops appear only while decomposing
-    needed = set(FALLBACKS)
-    needed |= {n.target for n in ep.graph.nodes if n.op == "call_function"
-               and isinstance(n.target, torch._ops.OpOverload)
-               and category(op_name(n.target)) is None}
-    for op in needed:
+    # up front, not only when the exported graph shows them: some ops appear only
+    # while decomposing (batch_norm -> _native_batch_norm_legit_no_training)
+    for op in set(FALLBACKS) | DECOMPOSE:
         if table.get(op) is None:
             known = decomposition_table.get(op) or FALLBACKS.get(op)
             if known is not None:
@@ -195,7 +234,15 @@ def _drop_asserts(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(node)
 
 
-def _check_supported(gm: fx.GraphModule) -> None:
+FALLBACK_MODES = ("allow", "error")
+
+
+def check_supported(gm: fx.GraphModule, fallback: str = "allow") -> dict[str, list[str]]:
+    """Every op kiln does not know: {op: [where...]} of those that fall back to PyTorch's
+    own op, or one UnsupportedOpError listing them all (`fallback="error"`, or ops that
+    cannot run blindly: in-place, random, ...)."""
+    fallen: dict[str, list[str]] = {}
+    refused: list[str] = []
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -203,14 +250,52 @@ def _check_supported(gm: fx.GraphModule) -> None:
         val = node.meta.get("val")
         if isinstance(val, torch.SymInt | int) or name.startswith("aten.sym_"):
             continue  # size arithmetic: becomes a symbolic expression
-        if category(name) is None and not _is_symint_op(node):
-            raise UnsupportedOpError(
-                f"kiln cannot compile the operation {name}",
-                where=where(node) or node.name,
-                hint="rewrite this line with supported ops (elementwise math, reductions, "
-                "matmul, scaled_dot_product_attention, views, cat, index/embedding), "
-                "or run that part of the model outside kiln",
-            )
+        if is_known(name) or _is_symint_op(node):
+            continue
+        problem = fallback_problem(name)
+        at = location(node)
+        if problem is None and fallback != "error":
+            fallen.setdefault(name, []).append(at)
+        else:
+            refused.append(f"{name} at {at}" + (f" ({problem})" if problem else ""))
+    if refused:
+        many = len(refused) > 1
+        raise UnsupportedOpError(
+            f"kiln cannot compile {len(refused)} operation{'s' if many else ''}: "
+            + "; ".join(refused),
+            where=refused[0].partition(" at ")[2],
+            hint=("drop fallback=\"error\" to run the ops kiln has no kernel for as PyTorch's "
+                  "own ops" if fallback == "error" else
+                  "rewrite these lines with supported ops (elementwise math, reductions, "
+                  "matmul, scaled_dot_product_attention, views, cat, index/embedding), "
+                  "or run that part of the model outside kiln"))
+    return fallen
+
+
+def fallback_warning(fallen: dict[str, list[str]]) -> KilnWarning:
+    """One warning naming each fallback op once, with where the model uses it."""
+    return KilnWarning(
+        "kiln generates no kernel for " + "; ".join(
+            f"{op} (at {', '.join(dict.fromkeys(at))})" for op, at in fallen.items())
+        + ": each runs as PyTorch's own op.",
+        hint='Pass fallback="error" to refuse instead.',
+        cli_hint="use --fallback error to refuse instead")
+
+
+def location(node: fx.Node) -> str:
+    """The user's source line of `node`, else the module it ran in (model.layers.3.mlp),
+    else its graph name: models built from nn.Sequential or library code have no user
+    frame."""
+    at = where(node)
+    if at:
+        return at
+    stack = node.meta.get("nn_module_stack") or {}
+    if stack:
+        path = list(stack.values())[-1][0]
+        path = re.sub(r"^L\['self'\]\.?", "", path).replace("._modules['", ".") \
+            .replace("']", "")
+        return f"module model.{path}" if path else "the model's forward"
+    return node.name
 
 
 def _is_symint_op(node: fx.Node) -> bool:
@@ -283,19 +368,22 @@ def to_kiln_graph(ep: torch.export.ExportedProgram) -> KilnGraph:
     )
 
 
-def import_model(model, args, kwargs=None, dynamic_shapes=None) -> KilnGraph:
+def import_model(model, args, kwargs=None, dynamic_shapes=None,
+                 fallback: str = "allow", allow_train: bool = False) -> KilnGraph:
     """The whole import stage, as one pass of the pipeline."""
     if not isinstance(model, torch.nn.Module):
         raise ExportError(
             f"kiln.compile takes a torch.nn.Module, got {type(model).__name__}",
             hint="wrap a plain function in an nn.Module whose forward calls it",
         )
+    check_inference_mode(model, allow_train)
     ep = export_model(model, args, kwargs, dynamic_shapes)
     ep = decompose(ep)
     _check_no_unbacked(ep)
     _drop_asserts(ep.graph_module)
-    _check_supported(ep.graph_module)
+    fallen = check_supported(ep.graph_module, fallback)
     kg = to_kiln_graph(ep)
+    kg.fallback_ops = fallen
     kg.dim_names = dim_names(ep, model, tuple(args), kwargs or {}, dynamic_shapes)
     kg.recompile()
     log.info("imported %d nodes, symbols %s", len(kg.graph.nodes), kg.symbols)

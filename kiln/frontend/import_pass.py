@@ -26,10 +26,13 @@ class ModelSource:
 
 
 def _import(src: ModelSource, ctx: Context) -> KilnGraph:
-    kg = import_model(src.model, src.args, src.kwargs, src.dynamic_shapes)
+    kg = import_model(src.model, src.args, src.kwargs, src.dynamic_shapes,
+                      fallback=ctx.options.get("fallback", "allow"),
+                      allow_train=ctx.options.get("allow_train", False))
     # The weights leave the IR here; kiln.compile hands them to the CompiledModule.
     ctx.options["state"] = kg.state
     kg.devices_named = named_devices(kg)
+    ctx.options["fallback_ops"] = kg.fallback_ops
     return kg
 
 

@@ -50,6 +50,8 @@ class KilnGraph:
     # device index the model's own code names (cuda:3) -> [(node, source line)], recorded
     # at import: constant folding may erase the ops that named them
     devices_named: dict[int, list[tuple[str, str | None]]] = field(default_factory=dict)
+    # ops kiln has no kernel for that run as PyTorch's own op -> where each is used
+    fallback_ops: dict[str, list[str]] = field(default_factory=dict)
     # this rank's pipeline stage (kiln.parallel.pipeline_stages.StageIO); None: one stage
     stage_io: object = None
 

@@ -1,7 +1,9 @@
 """The ATen ops kiln understands, each with the category that decides how it is fused.
 
-Anything not listed here is an UnsupportedOpError at import: kiln only promises to
-compile what it knows how to place in a region and generate (or extern) code for.
+An ATen op not listed here falls back: it is an EXTERN op (its own region, run as
+PyTorch's own op on every target) when that is safe to do blindly: it writes none of
+its arguments, is not random, and returns tensors (`fallback_problem`). Others are an
+UnsupportedOpError at import, as is every unlisted op under `fallback="error"`.
 kiln's own custom ops (`kiln::...`, kiln/ops) are listed too; importing kiln.ops here
 registers them, so `resolve` finds them even in a process that only loads an artifact.
 """
@@ -196,7 +198,43 @@ def op_name(target) -> str:
 def category(name: str) -> OpCategory | None:
     if name == "getitem":
         return OpCategory.TUPLE
-    return _TABLE.get(name)
+    known = _TABLE.get(name)
+    if known is None and is_fallback(name):
+        return OpCategory.EXTERN
+    return known
+
+
+def is_known(name: str) -> bool:
+    """Listed in kiln's table (fused or generated, or a deliberate extern)."""
+    return name == "getitem" or name in _TABLE
+
+
+def is_fallback(name: str) -> bool:
+    """An unlisted op kiln runs as PyTorch's own op (see fallback_problem)."""
+    return not is_known(name) and fallback_problem(name) is None
+
+
+@functools.cache
+def fallback_problem(name: str) -> str | None:
+    """Why an unlisted op cannot simply run as PyTorch's own op, or None if it can."""
+    if not name.startswith("aten."):
+        return "it is not an ATen op"
+    try:
+        op = resolve(name)
+    except (AttributeError, ValueError):
+        return "torch has no such op"
+    schema = op._schema
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return "it writes its arguments in place"
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        return "it draws random numbers"
+    for r in schema.returns:
+        kind = str(r.type)
+        if kind not in ("Tensor", "Tensor[]", "Tensor?"):
+            return f"it returns a {kind}, not tensors"
+    if not schema.returns:
+        return "it returns nothing"
+    return None
 
 
 def resolve(name: str):
