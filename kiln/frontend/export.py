@@ -40,7 +40,11 @@ from kiln.ir.symbolic import Bounds
 log = logging.getLogger("kiln.frontend")
 
 # Ops kept whole instead of decomposed: LLM building blocks kiln fuses as a unit.
-KEEP_WHOLE = [torch.ops.aten.scaled_dot_product_attention.default]
+# Recurrent layers stay one op too: cuDNN / oneDNN run a whole sequence fused, and the
+# per-step ops export would decompose them into were 7-12x slower than eager on an H100.
+KEEP_WHOLE = [torch.ops.aten.scaled_dot_product_attention.default,
+              torch.ops.aten.lstm.input, torch.ops.aten.gru.input,
+              torch.ops.aten.rnn_tanh.input, torch.ops.aten.rnn_relu.input]
 
 
 def export_model(model: torch.nn.Module, args: tuple, kwargs=None, dynamic_shapes=None):

@@ -133,6 +133,7 @@ _register(
         "max_pool2d_with_indices.default", "upsample_nearest2d.vec", "rand.default",
         "randn.default", "bernoulli.p", "native_dropout.default", "polar.default",
         "view_as_complex.default", "baddbmm.default", "_cdist_forward.default",
+        "lstm.input", "gru.input", "rnn_tanh.input", "rnn_relu.input",
     ),
 )
 # kiln's custom ops (kiln/ops): opaque regions run by their PyTorch implementation.
