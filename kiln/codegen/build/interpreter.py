@@ -4,6 +4,15 @@ Triton's own jit'd library functions (tl.max, tl.sum, tl.zeros, ...) were built 
 triton was imported, without the interpreter; while an interpreted kernel runs they
 are swapped for interpreted twins (`_interpreted_stdlib`), and put back after, so
 GPU compiles in the same process see the originals.
+
+The interpreter also labels a comparison's result with its operands' type: a scalar
+`x != 0` on fp16 became an fp16 0/1 once broadcast against a block, and `&` with a
+real boolean then failed (the fuzzer's logical_and / minimum crashes). While a kernel
+runs, comparisons are labelled int1 (`_boolean_comparisons`), as on a GPU; and casts
+between bf16 (stored as uint16 bits) and integers or booleans go through fp32, as
+its fp32 <-> bf16 cast does, instead of converting the bits (3 -> 2.8e-40), and
+anything -> bf16 rounds to nearest even, as a GPU and eager PyTorch do (the
+interpreter truncated: 279 -> 278).
 """
 
 from __future__ import annotations
@@ -65,7 +74,7 @@ def _interpreted_stdlib():
         import triton.experimental.gluon  # noqa: F401
     modules = [tl, tl.core, tl.standard, tl.math]
     saved = []
-    with _lock:
+    with _lock, _boolean_comparisons():
         try:
             for mod in modules:
                 for attr, val in list(vars(mod).items()):
@@ -79,3 +88,47 @@ def _interpreted_stdlib():
         finally:
             for mod, attr, val in saved:
                 setattr(mod, attr, val)
+
+
+_COMPARISONS = ("equal", "not_equal", "less", "less_equal", "greater", "greater_equal")
+
+
+@contextmanager
+def _boolean_comparisons():
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    original, original_cast = InterpreterBuilder.binary_op, InterpreterBuilder.cast_impl
+
+    def binary_op(self, lhs, rhs, op):
+        if getattr(op, "__name__", "") in _COMPARISONS:
+            return TensorHandle(np.asarray(op(lhs.data, rhs.data)), tl.int1)
+        return original(self, lhs, rhs, op)
+
+    def cast_impl(self, src, dst_type):
+        ends = (src.dtype.scalar, dst_type.scalar)
+        if ends[1] == tl.bfloat16 and ends[0] != tl.bfloat16:
+            wide = original_cast(self, src, tl.float32) if ends[0] != tl.float32 else src
+            return TensorHandle(_to_bf16_bits(wide.data), tl.bfloat16)
+        if ends[0] == tl.bfloat16 and not ends[1].is_floating():
+            return original_cast(self, original_cast(self, src, tl.float32), dst_type)
+        return original_cast(self, src, dst_type)
+
+    InterpreterBuilder.binary_op = binary_op
+    InterpreterBuilder.cast_impl = cast_impl
+    try:
+        yield
+    finally:
+        InterpreterBuilder.binary_op = original
+        InterpreterBuilder.cast_impl = original_cast
+
+
+def _to_bf16_bits(f32):
+    """fp32 values -> bf16 bit patterns (uint16), rounded to nearest even; NaN stays NaN."""
+    import numpy as np
+
+    bits = np.asarray(f32, dtype=np.float32).view(np.uint32)
+    rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
+    nan = np.isnan(np.asarray(f32, dtype=np.float32))
+    return np.where(nan, (bits >> 16) | 0x40, rounded).astype(np.uint16)
