@@ -7,9 +7,11 @@ runs (a test's monkeypatch, the CLI's --verbose) takes effect at the next read.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 # name -> (default, what it does); README's "Environment" section points here.
@@ -48,10 +50,25 @@ def dump_ir_dir() -> Path | None:
 
 
 def cache_dir() -> Path:
-    """KILN_CACHE_DIR (created if missing)."""
+    """KILN_CACHE_DIR (created if missing). One that cannot be created or written is
+    replaced, for this process, by a private temporary directory, with a warning:
+    compiling must not fail because a cache cannot be kept."""
     d = Path(_get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
-    d.mkdir(parents=True, exist_ok=True)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        if not os.access(d, os.W_OK):
+            raise PermissionError(f"{d} is not writable")
+    except OSError as e:
+        return _stand_in_cache(str(d), str(e))
     return d
+
+
+@functools.cache
+def _stand_in_cache(wanted: str, why: str) -> Path:
+    logging.getLogger("kiln").warning(
+        "kiln cache %s cannot be used (%s): compiling with a temporary cache that is "
+        "not kept; set KILN_CACHE_DIR to a writable directory", wanted, why)
+    return Path(tempfile.mkdtemp(prefix="kiln-cache-"))
 
 
 def progress_enabled() -> bool:

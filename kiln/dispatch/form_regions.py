@@ -181,6 +181,11 @@ class _Lowering:
             src = src.args[0]
         if not chain or src.name not in plan.values:
             return None
+        # every other reader of the value (another returned view, or the value itself
+        # returned too) still needs it in its own shape
+        links = set(chain)
+        if any(u not in links for n in [src, *chain[1:]] for u in n.users):
+            return None
         producer = plan.producers().get(src.name)
         readers = [r for r in plan.regions if src.name in r.inputs]
         if (producer is None or producer.outputs != [src.name] or readers

@@ -1,6 +1,7 @@
-"""Generated kernels on the `interpret` target give eager's values where Triton's
-interpreter alone does not: comparisons broadcast as booleans, and casts between bf16
-and integers or booleans convert values, not bits (the fuzzer's classes 11-15)."""
+"""Generated kernels give eager's values on the fuzzer's classes: on the `interpret`
+target comparisons broadcast as booleans and casts between bf16 and integers or
+booleans convert values, not bits (classes 11-15); row kernels and attention whose
+tiles have size-1 dims store and multiply full tiles (classes 3 and 4)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,35 @@ def test_bf16_casts_from_and_to_integers_and_booleans():
     got = kiln.compile(Casts(), (ints, flags, halves), target="interpret")(ints, flags, halves)
     for x, y in zip(got, Casts()(ints, flags, halves)):
         assert torch.equal(x, y)
+
+
+class UnitNorms(torch.nn.Module):
+    def forward(self, x):
+        return (torch.nn.functional.layer_norm(x, (1,), eps=1e-5),
+                torch.nn.functional.rms_norm(x.unsqueeze(-1), (1,)),
+                torch.softmax(x.reshape(1, 1, -1), dim=0))
+
+
+@pytest.mark.parametrize("shape", [(1,), (3, 1), (1, 1, 1)])
+def test_row_kernels_over_size_one_axes(shape):
+    """Every index of the output is a size-1 dim: the store still needs a block pointer."""
+    x = torch.randn(shape)
+    got = kiln.compile(UnitNorms(), (x,), target="interpret")(x)
+    for a, b in zip(got, UnitNorms()(x)):
+        torch.testing.assert_close(a, b)
+
+
+class Attend(torch.nn.Module):
+    def forward(self, q, k, v, mask):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("shapes", [
+    ((1, 1, 1), (1, 1, 1), (1, 1, 33), (1, 1)),  # head dim 1, one key (fuzzer class)
+    ((2, 1, 3, 1), (2, 1, 5, 1), (2, 1, 5, 4), (3, 5)),  # head dim 1, padded lanes
+    ((1, 2, 4, 1), (1, 2, 1, 1), (1, 2, 1, 3), (4, 1)),  # one key and head dim 1
+])
+def test_attention_with_size_one_tile_dims(shapes):
+    args = [torch.randn(s) for s in shapes]
+    got = kiln.compile(Attend(), tuple(args), target="interpret")(*args)
+    torch.testing.assert_close(got, Attend()(*args), rtol=1e-5, atol=1e-5)

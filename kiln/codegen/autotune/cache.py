@@ -8,7 +8,9 @@ timed on a GPU) and the compile function. The entry holds the winning config and
 binary (or "extern" when torch won or nothing compiled), so a hit needs no worker.
 
 Each entry is a directory written under a temporary name and renamed into place, so
-a reader never sees half an entry and concurrent compiles cannot corrupt one.
+a reader never sees half an entry and concurrent compiles cannot corrupt one. An entry
+that cannot be read (truncated, garbage, from another version) is a miss; a cache
+directory that cannot be written is logged once and tuning goes on uncached.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import triton
 
-from kiln.codegen.autotune.quarantine import target_id
+from kiln.codegen.autotune.quarantine import target_id, unwritable
 from kiln.codegen.build.compiler import Binary
 from kiln.codegen.build.spec import Config, KernelSpec
 from kiln.settings import cache_dir
@@ -55,14 +57,21 @@ class ChoiceCache:
         try:
             d = json.loads((entry / "choice.json").read_text())
             binary = Binary.load(entry, d["binary"]) if d.get("binary") else None
-        except (OSError, ValueError, KeyError):
-            return None
-        config = Config.from_json(d["config"]) if d.get("config") else None
-        return Choice(d["kind"], config, binary, d.get("ms"), d.get("note", ""))
+            config = Config.from_json(d["config"]) if d.get("config") else None
+            if d["kind"] not in ("triton", "extern") or (d["kind"] == "triton" and
+                                                         config is None):
+                return None
+            return Choice(d["kind"], config, binary, d.get("ms"), d.get("note", ""))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None  # unreadable: tune again (put replaces it)
 
     def put(self, key: str, choice: Choice) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=self.root))
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=self.root))
+        except OSError as e:
+            unwritable(self.root, e)
+            return
         try:
             d = {"kind": choice.kind, "ms": choice.ms, "note": choice.note,
                  "config": choice.config.to_json() if choice.config else None,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -37,8 +38,32 @@ from kiln.codegen.build.spec import Config, KernelSpec
 from kiln.settings import cache_dir
 from kiln.target import Target
 
+log = logging.getLogger("kiln.codegen")
+
 CRASH, HANG, OVER_LIMIT, ERROR = "crash", "hang", "over_limit", "error"
 NEVER_RETRIED = frozenset({CRASH, HANG, OVER_LIMIT})
+
+
+def _read(path: Path) -> Failure | None:
+    """A recorded failure, or None when the file is missing or unreadable (truncated,
+    garbage, another version's): an unreadable record blocks nothing."""
+    try:
+        d = json.loads(path.read_text())
+        d["key"] = FailureKey(**d["key"])
+        return Failure(**d)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+_warned: set[str] = set()
+
+
+def unwritable(root: Path, error: OSError) -> None:
+    """Log once per directory that kiln's cache cannot be written (read-only, full)."""
+    if str(root) not in _warned:
+        _warned.add(str(root))
+        log.warning("kiln cache %s cannot be written (%s): tuning results are not kept; "
+                    "set KILN_CACHE_DIR to a writable directory", root, error)
 
 
 def target_id(target: Target) -> str:
@@ -83,12 +108,7 @@ class Quarantine:
         return self.root / f"{key.digest()}.json"
 
     def get(self, key: FailureKey) -> Failure | None:
-        try:
-            d = json.loads(self._path(key).read_text())
-        except (OSError, ValueError):
-            return None
-        d["key"] = FailureKey(**d["key"])
-        return Failure(**d)
+        return _read(self._path(key))
 
     def blocked(self, key: FailureKey) -> Failure | None:
         """The recorded failure that forbids compiling `key` again, if there is one."""
@@ -98,24 +118,26 @@ class Quarantine:
     def record(self, key: FailureKey, kind: str, reason: str, kernel: str,
                compile_fn: str) -> Failure:
         f = Failure(key, kind, reason, kernel, compile_fn, time.time())
-        self.root.mkdir(parents=True, exist_ok=True)
         path = self._path(key)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(f), indent=1))
-        tmp.replace(path)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(asdict(f), indent=1))
+            tmp.replace(path)
+        except OSError as e:  # still quarantined for this compile: the caller holds f
+            unwritable(self.root, e)
         return f
 
     def forget(self, key: FailureKey) -> None:
         """Drop a record (an error that a retry cured)."""
-        self._path(key).unlink(missing_ok=True)
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as e:
+            unwritable(self.root, e)
 
     def all(self) -> list[Failure]:
-        out = []
-        for p in sorted(self.root.glob("*.json")) if self.root.exists() else []:
-            d = json.loads(p.read_text())
-            d["key"] = FailureKey(**d["key"])
-            out.append(Failure(**d))
-        return out
+        paths = sorted(self.root.glob("*.json")) if self.root.exists() else []
+        return [f for f in map(_read, paths) if f is not None]
 
     def clear(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

@@ -235,9 +235,19 @@ class _AttentionSource:
     def _op(self, code: str) -> str:
         return dot_operand(code, self.s.dtype, self.em.target)
 
-    def _load(self, name: str, index, mask) -> tuple[list[str], str]:
+    def _load(self, name: str, index, mask, tile: str | None = None,
+              pad: Cond | None = None) -> tuple[list[str], str]:
+        """The value's loading lines and code; with `tile` ("[BLOCK_M, 16]"), a load whose
+        index lacks a tile dim (a size-1 head dim or length, read at 0) is broadcast to it:
+        tl.dot takes only full 2-D tiles. `pad` (dq < d) zeroes the padded head-dim lanes
+        the broadcast filled."""
         with self.em.block() as lines:
             v = self.em.value(name, index, mask)
+        dims = {"q": {"rows2", "dq"}, "k": {"dk", "nk"}, "v": {"nv", "dv2"}}
+        which = {self.s.q: "q", self.s.k: "k", self.s.v: "v"}.get(name)
+        if tile is not None and which is not None and not dims[which] <= v.vars:
+            full = f"tl.broadcast_to({v.code}, {tile})"
+            return lines, (f"tl.where({pad.code}, {full}, 0)" if pad is not None else full)
         return lines, v.code
 
     # source ---------------------------------------------------------------------
@@ -305,7 +315,7 @@ class _AttentionSource:
         rows_c = Cond("row_ok2", frozenset({"rows2"}))
         dq_c = Cond(f"dq < {d}", frozenset({"dq"})) if d != dp else None
         q_lines, q = self._load(s.q, self._index(s.q, "q", head, qpos, Lin(), Lin.of(Var("dq", d))),
-                                mask_of(rows_c, dq_c))
+                                mask_of(rows_c, dq_c), tile=f"[BLOCK_M, {dp}]", pad=dq_c)
         L += q_lines + [
             f"q = {q}",
             f"qk_scale = {s.scale * LOG2E!r}",
@@ -378,8 +388,10 @@ class _AttentionSource:
         k_idx = self._index(s.k, "k", kvh, Lin(), Lin.of(Var("nk", s.s)), Lin.of(Var("dk", d)))
         v_idx = self._index(s.v, "v", kvh, Lin(), Lin.of(Var("nv", s.s)),
                             Lin.of(Var("dv2", dv)))
-        k_lines, kt = self._load(s.k, k_idx, mask_of(nk_c, dk_c))
-        v_lines, vt = self._load(s.v, v_idx, mask_of(nv_c, dv_c))
+        k_lines, kt = self._load(s.k, k_idx, mask_of(nk_c, dk_c), tile=f"[{dp}, BLOCK_N]",
+                                 pad=dk_c)
+        v_lines, vt = self._load(s.v, v_idx, mask_of(nv_c, dv_c), tile=f"[BLOCK_N, {dvp}]",
+                                 pad=dv_c)
         self.loop_loads = sum("tl.load(" in x for x in k_lines + v_lines)
         p_lines, p_code = self._cast("pr", {"rows2", "nk"})
         L = [f"n = start_n + tl.arange(0, BLOCK_N){wide}", "nk = n[None, :]", "nv = n[:, None]"]

@@ -315,9 +315,10 @@ class RowKernel:
         return elem, row
 
     def _store_elems(self, elem_outs) -> None:
+        # size-1 dims are indexed at the constant 0: the pointer still spans the tile
         for o, idx in elem_outs:
             v = self.em.value(o, idx, self.current_mask)
-            self.em.store(o, idx, v, self.current_mask)
+            self.em.store(o, idx, v, self.current_mask, span=("xindex", "rindex"))
 
     def _preemit_row_ops(self) -> None:
         """Compute row-level ops (RMSNorm's rsqrt(mean + eps)) once, before the last sweep."""
