@@ -16,7 +16,7 @@ import torch
 from kiln.ir.ops import INPLACE_OF, STRICT_VIEWS, resolve
 from kiln.ir.plan import Op, Ref, Region, Sym
 from kiln.ir.printer import print_region
-from kiln.ir.symbolic import evaluate
+from kiln.ir.symbolic import compile_expr
 
 
 @functools.cache
@@ -41,8 +41,26 @@ def callable_for(name: str):
     return resolve("aten.reshape.default" if name in STRICT_VIEWS else name)
 
 
+def _constant(value):
+    return lambda local, env: value
+
+
+def _entry(fn):
+    """An OpOverload's C++ entry point (skips a Python frame per call); else fn."""
+    return getattr(fn, "_op", fn)
+
+
+_CONSTANT = object()
+
+
 class TorchKernel:
-    """Runs `region` with torch ops on whatever device its tensors live on."""
+    """Runs `region` with torch ops on whatever device its tensors live on.
+
+    On the CPU target every region runs this way, so its per-op host cost is the
+    module's: each op's arguments are bound once here (constants kept, only the
+    references to values and symbolic sizes filled in per call), and the ATen op is
+    called through its C++ entry point.
+    """
 
     kind = "torch"
 
@@ -52,38 +70,83 @@ class TorchKernel:
         self._fns = [callable_for(op.target) for op in region.ops]
         self._outs = {o: out_overload(region.op(o).target) for o in region.outputs
                       if o not in region.inplace}
+        self._steps = [self._step(i, op) for i, op in enumerate(region.ops)]
 
-    def _arg(self, a, local, env):
+    def _binder(self, a):
+        """_CONSTANT if `a` is the same on every call, else a function (local, env) -> it."""
         if isinstance(a, Ref):
-            return local[a.name]
+            name = a.name
+            return lambda local, env: local[name]
         if isinstance(a, Sym):
-            return evaluate(a.expr, env)
+            if isinstance(a.expr, int):
+                return _CONSTANT
+            size = compile_expr(a.expr)
+            return lambda local, env: size(env)
+        if isinstance(a, list | tuple):
+            parts = [self._binder(x) for x in a]
+            if all(p is _CONSTANT for p in parts):
+                return _CONSTANT
+            fns = [_constant(self._fixed(x)) if p is _CONSTANT else p
+                   for p, x in zip(parts, a)]
+            kind = type(a)
+            return lambda local, env: kind(f(local, env) for f in fns)
+        return _CONSTANT
+
+    def _fixed(self, a):
+        """An argument's constant value (a device is this kernel's)."""
         if isinstance(a, torch.device):
             return self.device
-        if isinstance(a, list):
-            return [self._arg(x, local, env) for x in a]
-        if isinstance(a, tuple):
-            return tuple(self._arg(x, local, env) for x in a)
+        if isinstance(a, Sym):
+            return a.expr
+        if isinstance(a, list | tuple):
+            return type(a)(self._fixed(x) for x in a)
         return a
 
-    def _call(self, i: int, op: Op, local, env, outs):
-        args = [self._arg(a, local, env) for a in op.args]
-        kwargs = {k: self._arg(v, local, env) for k, v in op.kwargs.items()}
+    def _step(self, i: int, op: Op):
+        """(fn, fixed args, [(position, binder)], fixed kwargs, [(name, binder)], mode,
+        the op itself for when its `out=` form has no planned buffer to write)."""
+        args, slots = [], []
+        for j, a in enumerate(op.args):
+            b = self._binder(a)
+            args.append(self._fixed(a) if b is _CONSTANT else None)
+            if b is not _CONSTANT:
+                slots.append((j, b))
+        kwargs, kslots = {}, []
+        for k, v in op.kwargs.items():
+            b = self._binder(v)
+            if b is _CONSTANT:
+                kwargs[k] = self._fixed(v)
+            else:
+                kslots.append((k, b))
+        plain = _entry(self._fns[i])
         if op.name in self.region.inplace:
-            dest = outs[op.name]
-            resolve(INPLACE_OF[op.target])(dest, *args[1:], **kwargs)
-            return dest
+            return resolve(INPLACE_OF[op.target]), args, slots, kwargs, kslots, "inplace", plain
         out_fn = self._outs.get(op.name)
-        if out_fn is not None and op.name in outs:
-            out_fn(*args, **kwargs, out=outs[op.name])
-            return outs[op.name]
-        return self._fns[i](*args, **kwargs)
+        if out_fn is not None:
+            return out_fn, args, slots, kwargs, kslots, "out", plain
+        return plain, args, slots, kwargs, kslots, "call", plain
 
     def run(self, inputs: dict[str, torch.Tensor], outs: dict[str, torch.Tensor],
             env: dict[str, int]) -> None:
         local = dict(inputs)
-        for i, op in enumerate(self.region.ops):
-            local[op.name] = self._call(i, op, local, env, outs)
+        for op, (fn, fixed, slots, fixed_kw, kslots, mode, plain) in zip(self.region.ops,
+                                                                         self._steps):
+            args = list(fixed)
+            for j, b in slots:
+                args[j] = b(local, env)
+            kwargs = dict(fixed_kw)
+            for k, b in kslots:
+                kwargs[k] = b(local, env)
+            name = op.name
+            if mode == "inplace":
+                dest = outs[name]
+                fn(dest, *args[1:], **kwargs)
+                local[name] = dest
+            elif mode == "out" and name in outs:
+                fn(*args, **kwargs, out=outs[name])
+                local[name] = outs[name]
+            else:
+                local[name] = plain(*args, **kwargs)
         for o in self.region.outputs:
             if local[o] is not outs[o]:
                 outs[o].copy_(local[o])
