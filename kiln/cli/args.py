@@ -27,6 +27,17 @@ def _triton_version() -> str:
     return triton.__version__
 
 
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids like 1,2,3, got {text!r}") \
+            from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--prompt-ids needs at least one id")
+    return ids
+
+
 def _size(text: str) -> tuple[str, int]:
     name, sep, value = text.partition("=")
     if not sep or not name or not value.strip().isdigit():
@@ -114,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "llama3.1-8b, llama2-7b, llama2-70b")
     g.add_argument("--prompt", action="append", default=[],
                    help="prompt text (repeat for a batch)")
+    g.add_argument("--prompt-ids", action="append", default=[], type=_ids, metavar="ID,ID",
+                   help="a prompt as token ids, e.g. 1,2,3 (repeatable; with --prompt a "
+                   "batch); needs no tokenizer")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     g.add_argument("--top-k", type=int, default=None)

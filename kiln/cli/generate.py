@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 from kiln.errors import KilnError
 
@@ -20,11 +21,14 @@ def cmd_generate(args) -> int:
     if source is None:
         raise KilnError("name a checkpoint with --model DIR, or use --random-weights "
                         "--config NAME", hint="presets: tiny, llama3-8b, llama2-70b, ...")
-    if not args.prompt:
-        raise KilnError("give a prompt with --prompt TEXT (repeat it for a batch)")
+    prompts = list(args.prompt) + list(args.prompt_ids)
+    if not prompts:
+        raise KilnError("give a prompt with --prompt TEXT or --prompt-ids 1,2,3 (repeat "
+                        "either for a batch)")
+    _check_tokenizer(args)  # before minutes of compiling, not after
     t0 = time.perf_counter()
     llm = load(source, dtype=args.dtype, target=args.target, max_seq_len=args.max_seq_len,
-               max_batch_size=len(args.prompt), paged=args.cache == "paged",
+               max_batch_size=len(prompts), paged=args.cache == "paged",
                block_size=args.block_size, random_weights=args.random_weights,
                seed=args.seed, cuda_graphs=False if args.no_cuda_graphs else None,
                tensor_parallel_size=args.tensor_parallel_size,
@@ -38,24 +42,52 @@ def cmd_generate(args) -> int:
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=stop,
                     ignore_eos=args.ignore_eos)
-    prompts = args.prompt
-    if len(prompts) == 1:
+    if len(prompts) == 1 and isinstance(prompts[0], str):
         sys.stdout.write(prompts[0])
         results = [llm.generate(prompts[0], on_text=_stream, **sampling)]
         print()
     else:
         results = llm.generate(prompts, **sampling)
         for p, r in zip(prompts, results):
-            print(f"--- {p!r}\n{p}{r.text}")
+            if isinstance(p, str):
+                print(f"--- {p!r}\n{p}{r.text}")
+            else:
+                text = f"\n{r.text}" if r.text is not None else ""
+                print(f"--- ids {','.join(map(str, p))}\n"
+                      f"generated ids {','.join(map(str, r.ids))}{text}")
     for r in results:
         print(r.summary(), file=sys.stderr)
     return 0
 
 
+def _check_tokenizer(args) -> None:
+    """Text prompts need the checkpoint's tokenizer.json: say so before compiling."""
+    if not args.prompt or args.random_weights or not args.model:
+        return
+    from kiln.errors import CheckpointError
+    from kiln.models import hf
+
+    path = Path(args.model)
+    if not path.is_dir() or not (path / "config.json").is_file() or \
+            (path / "tokenizer.json").is_file():
+        return
+    try:
+        config = hf.read_json(path / "config.json")
+        if config.get("model_type") != "deepseek_v3":
+            hf.family(config, str(path))
+    except CheckpointError:
+        return  # loading says what is wrong with the checkpoint itself
+    raise KilnError(f"{path} has no tokenizer.json, so text prompts cannot be encoded",
+                    where=str(path),
+                    hint="give the prompt as token ids with --prompt-ids 1,2,3, or copy "
+                    "the model's tokenizer.json into the directory")
+
+
 def _generate_quietly(llm, args) -> None:
     """Another rank's part of the same generation (every rank makes every call)."""
     stop = list(args.stop) + list(args.stop_id)
-    prompts = args.prompt if len(args.prompt) > 1 else args.prompt[0]
+    every = list(args.prompt) + list(args.prompt_ids)
+    prompts = every if len(every) > 1 else every[0]
     llm.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=stop,
                  ignore_eos=args.ignore_eos)

@@ -152,3 +152,26 @@ def test_cli_generate_bad_input(argv, message, tmp_path, capsys):
     argv = [a.format(missing=tmp_path / "nope", unsupported=tmp_path / "gpt2") for a in argv]
     assert main(["generate", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_generate_from_token_ids_and_a_missing_tokenizer(checkpoints, llms, tmp_path,
+                                                            capsys):
+    import shutil
+
+    path, _ = checkpoints[FAMILY]
+    expected = llms(FAMILY).generate([5, 6, 7], max_new_tokens=4, ignore_eos=True)
+    rc = main(["generate", "--model", str(path), "--prompt-ids", "5,6,7", "--max-new-tokens",
+               "4", "--ignore-eos", "--dtype", "float32"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert f"generated ids {','.join(map(str, expected.ids))}" in out
+    bare = tmp_path / "no-tokenizer"
+    shutil.copytree(path, bare)
+    (bare / "tokenizer.json").unlink()
+    rc = main(["generate", "--model", str(bare), "--prompt", "hello"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "has no tokenizer.json" in err and "--prompt-ids" in err
+    assert "compiled" not in err  # refused before compiling
+    with pytest.raises(SystemExit) as e:  # argparse's own usage error
+        main(["generate", "--model", str(bare), "--prompt-ids", "1,x"])
+    assert e.value.code == 2 and "expected token ids like 1,2,3" in capsys.readouterr().err
