@@ -22,6 +22,7 @@ from kiln.codegen.expr.values import CodegenUnsupported
 from kiln.codegen.kernel_plan import KernelPlan
 from kiln.codegen.templates import copy, pointwise
 from kiln.codegen.templates.attention import template as attention
+from kiln.codegen.templates.gated_delta import template as gated_delta
 from kiln.codegen.templates.matmul import template as matmul
 from kiln.codegen.templates.reduction import row_kernel as reduction
 from kiln.codegen.torch_kernel import TorchKernel
@@ -35,7 +36,7 @@ log = logging.getLogger("kiln.codegen")
 Template = Callable[[Region, DispatchPlan, Target], KernelSpec]
 
 # Which template generates each region kind. EXTERN regions (ops kiln does not
-# generate) have none: they always run as torch ops.
+# generate) have none: they run as torch ops, unless EXTERN_TEMPLATES has their op.
 TEMPLATES: dict[RegionKind, Template] = {
     RegionKind.POINTWISE: pointwise.generate_pointwise,
     RegionKind.REDUCTION: reduction.generate_reduction,
@@ -44,10 +45,22 @@ TEMPLATES: dict[RegionKind, Template] = {
     RegionKind.COPY: copy.generate_copy,
 }
 
+# Extern ops kiln has a hand-written template for, by the region's extern (anchor) op:
+# kept whole through export (a recurrence no fusion could rebuild), generated here.
+EXTERN_TEMPLATES: dict[str, Template] = {
+    gated_delta.OP: gated_delta.generate,
+}
+
+
+def template_for(region: Region) -> Template | None:
+    if region.kind == RegionKind.EXTERN:
+        return EXTERN_TEMPLATES.get(region.anchor().target)
+    return TEMPLATES.get(region.kind)
+
 
 def kernel_for(region: Region, plan: DispatchPlan, target: Target, ctx):
     """The region's kernel on a Triton target: its template's, tuned, or torch ops."""
-    template = TEMPLATES.get(region.kind)
+    template = template_for(region)
     if template is None:
         region.notes.append(f"extern: kiln generates no kernel for {region.kind.value} "
                             "regions")

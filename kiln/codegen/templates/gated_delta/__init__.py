@@ -1,0 +1,1 @@
+"""The gated delta rule's kernels (kiln::gated_delta_rule): see template.py."""
