@@ -132,7 +132,23 @@ def _attention(spec: KernelSpec, c: Config, target: Target, threads: int):
     return shared, _BASE_REGISTERS + acc + scores + q_frag
 
 
-_MODELS = {"matmul": _matmul, "attention": _attention}
+def _gated_delta(spec: KernelSpec, c: Config, target: Target, threads: int):
+    """The gated delta rule kernel (templates/gated_delta): nothing is pipelined; the dot
+    operands go through shared memory as they are converted: k and its transpose
+    [CHUNK, K] (the largest), the [CHUNK, CHUNK] fp32 solve's transposes, the state
+    block [K, BV] as an operand. Their sum bounds the compiled figures (sm_90, K = 256:
+    bf16 81,920-106,496 B at CHUNK 64, 16,384-33,280 B at CHUNK 16; the sum estimates
+    90,112-114,688 and 17,920-50,176)."""
+    meta = spec.meta
+    e = _BYTES.get(meta.get("dtype"), 4)
+    kp, chunk, bv = meta.get("key_dim_pad", 256), c["CHUNK"], c["BV"]
+    shared = 2 * chunk * kp * e + chunk * chunk * 4 + kp * bv * e
+    state = kp * bv / threads  # fp32 state block in registers
+    tiles = 2 * chunk * kp * e / 4 / threads + 4 * chunk * chunk / threads
+    return shared, _BASE_REGISTERS + state + tiles
+
+
+_MODELS = {"matmul": _matmul, "attention": _attention, "gated_delta": _gated_delta}
 
 
 def violations(res: Resources, target: Target) -> list[str]:

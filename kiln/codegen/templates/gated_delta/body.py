@@ -16,6 +16,7 @@ from kiln.codegen.expr.indexing import Lin, Var
 from kiln.codegen.expr.kernel_args import SymbolicArgs
 from kiln.codegen.expr.values import Cond, mask_of
 from kiln.codegen.templates.gated_delta.analysis import DeltaShape, pow2
+from kiln.codegen.templates.matmul.template import dot_operand
 
 _TL = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32"}
 
@@ -82,12 +83,13 @@ def _scalar(em: Emitter, name: str, value: str, index, wide: str) -> list[str]:
 
 
 def _load(em: Emitter, s: DeltaShape, which: str, index, mask, target: str, tile: str,
-          ok: str) -> list[str]:
-    """`target = ` operand `which` at `index` in fp32 as a full `tile`, zero where not `ok`."""
+          ok: str, dtype: str = "tl.float32") -> list[str]:
+    """`target = ` operand `which` at `index` as a full `tile` of `dtype`, zero where not
+    `ok` (lanes a fused prologue computed from masked loads)."""
     with em.block() as lines:
         v = em.value(which, index, mask)
-    return lines + [f"{target} = tl.where({ok}, tl.zeros({tile}, tl.float32) + "
-                    f"{v.code}.to(tl.float32), 0.0)"]
+    return lines + [f"{target} = tl.where({ok}, tl.zeros({tile}, {dtype}) + "
+                    f"{v.code}.to({dtype}), 0.0).to({dtype})"]
 
 
 def _operands(em: Emitter, s: DeltaShape, t: Lin, keys: Lin, values: Lin, kc: Cond,
@@ -97,9 +99,10 @@ def _operands(em: Emitter, s: DeltaShape, t: Lin, keys: Lin, values: Lin, kc: Co
     vector at time `tv`), in fp32, zero outside the valid lanes."""
     b, hk, hv = _v("bb", s.batch, False), _v("hk", s.heads, False), _v("hv", s.value_heads,
                                                                       False)
+    dt = _TL[s.dtype]  # q and k stay in their dtype: [CHUNK, K] tiles are the largest
     return [
-        *_load(em, s, s.q, (b, t, hk, keys), mask_of(tc, kc), "q", tile_k, k_ok),
-        *_load(em, s, s.k, (b, t, hk, keys), mask_of(tc, kc), "k", tile_k, k_ok),
+        *_load(em, s, s.q, (b, t, hk, keys), mask_of(tc, kc), "q", tile_k, k_ok, dt),
+        *_load(em, s, s.k, (b, t, hk, keys), mask_of(tc, kc), "k", tile_k, k_ok, dt),
         *_load(em, s, s.v, (b, t, hv, values), mask_of(tc, vc), "v", tile_v, v_ok),
         *_load(em, s, s.g, (b, tv, hv), mask_of(tvc), "g", tile_t, t_ok),
         *_load(em, s, s.beta, (b, tv, hv), mask_of(tvc), "beta", tile_t, t_ok),
@@ -115,7 +118,8 @@ def _decode(em: Emitter, s: DeltaShape, kp: int) -> list[str]:
     L += _operands(em, s, ts, _v("kk", s.key_dim), _v("vv", s.value_dim), kc, vc, None,
                    f"[{kp}]", "[BV]", "[]", "True", kc.code, vc.code, ts, None)
     L += [
-        f"q = q * {s.scale!r}",
+        f"q = q.to(tl.float32) * {s.scale!r}",
+        "k = k.to(tl.float32)",
         "S = S * tl.exp(g)",
         "u = beta * (v - tl.sum(k[:, None] * S, 0))",
         "S = S + k[:, None] * u[None, :]",
@@ -136,7 +140,8 @@ def _chunks(em: Emitter, s: DeltaShape, kp: int) -> list[str]:
     ieee = ', input_precision="ieee"' if s.dtype == torch.float32 else ""
 
     def dot(a: str, b: str) -> str:
-        return f"tl.dot(({a}).to({dt}), ({b}).to({dt}){ieee}, out_dtype=tl.float32)"
+        a, b = (dot_operand(f"({x}).to({dt})", s.dtype, em.target) for x in (a, b))
+        return f"tl.dot({a}, {b}{ieee}, out_dtype=tl.float32)"
 
     tt, tcv = _v("tt", s.seq), _v("tc", s.seq)
     tc = Cond("t_ok", frozenset({"tt"}))
@@ -171,11 +176,11 @@ def _chunks(em: Emitter, s: DeltaShape, kp: int) -> list[str]:
             "0.0)",
             "eG = tl.exp(G)",
             f"U = {dot('Ti', 'beta[:, None] * (v - eG[:, None] * ' + dot('k', 'S') + ')')}",
-            f"q = q * {s.scale!r}",
+            f"q = q.to(tl.float32) * {s.scale!r}",
             f"scores = {dot('q', 'tl.trans(k)')} * decay",
             f"o = {dot('q * eG[:, None]', 'S')} + {dot('scores', 'U')}",
             "G_end = tl.sum(tl.where(rows == CHUNK - 1, G, 0.0), 0)",
-            "k_end = k * tl.exp(G_end - G)[:, None]",
+            "k_end = k.to(tl.float32) * tl.exp(G_end - G)[:, None]",
             f"S = S * tl.exp(G_end) + {dot('tl.trans(k_end)', 'U')}",
         ]),
     ]

@@ -1,0 +1,169 @@
+"""The gated delta rule's generated kernel (kiln.codegen.templates.gated_delta).
+
+Under the `interpret` target on tiny shapes: odd T over several chunks with a masked
+tail, a decode step, initial and final state, packed sequences (one of them a single
+step), value heads = 2 x key heads, bf16 inputs; against a step-by-step recurrence and
+the op's PyTorch form. Compile-only for sm_90 at the seed's shape (K = V = 256, 36
+heads): every candidate fits shared memory, and with a crash planted into num_warps 8
+(as Triton's compiler once crashed on flash-linear-attention's kernel there) the
+crashing candidate is quarantined and the rest tuned.
+"""
+
+import pytest
+import torch
+
+import kiln
+from kiln.codegen.autotune.quarantine import FailureKey, Quarantine
+from kiln.codegen.autotune.tuner import choose
+from kiln.codegen.build.compiler import compile_binary
+from kiln.codegen.build.resources import estimate, fitting_configs
+from kiln.codegen.build.triton_kernel import TritonKernel
+from kiln.codegen.templates.gated_delta import template as gated_delta
+from kiln.codegen.torch_kernel import TorchKernel
+from kiln.ir.plan import RegionKind
+from kiln.ops import gated_delta_rule
+from kiln.pipeline import Context
+from kiln.target import get_target
+from tests.helpers import rel_err
+from tests.ops.test_gated_delta_rule import inputs, reference
+
+SM90 = get_target("cuda:sm_90")
+
+
+class Delta(torch.nn.Module):
+    """The op alone, state in and final state out."""
+
+    def forward(self, q, k, v, g, beta, state):
+        return gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True)
+
+
+class Packed(torch.nn.Module):
+    def forward(self, q, k, v, g, beta, state, cu):
+        return gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                cu_seqlens=cu)
+
+
+def _kernel(exe):
+    (region,) = [r for r in exe.program.plan.regions if r.kind == RegionKind.EXTERN]
+    return exe.program.kplan.kernels[region.name]
+
+
+def test_interpreted_kernel_matches_the_recurrence_for_odd_t_and_a_decode_step():
+    H, HV, K, V = 1, 2, 16, 16  # value heads = 2 x key heads
+    q, k, v, g, beta = inputs(1, 20, H, HV, K, V)
+    state = torch.randn(1, HV, K, V)
+    T = kiln.Dim("T", min=1, max=64)
+    exe = kiln.compile(Delta(), (q, k, v, g, beta, state),
+                       dynamic_shapes=({1: T}, {1: T}, {1: T}, {1: T}, {1: T}, None),
+                       target="interpret")
+    kernel = _kernel(exe)
+    assert isinstance(kernel, TritonKernel) and kernel.config["CHUNK"] == 16
+    for t in (37, 1):  # three chunks, the last 5 steps long; one step (decode)
+        q, k, v, g, beta = inputs(1, t, H, HV, K, V, seed=t)
+        state = torch.randn(1, HV, K, V)
+        o, final = exe(q, k, v, g, beta, state)
+        ref_o, ref_s = reference(q, k, v, g, beta, K ** -0.5, state)
+        assert rel_err(o, ref_o) <= 1e-5, (t, rel_err(o, ref_o))
+        assert rel_err(final, ref_s) <= 1e-5, (t, rel_err(final, ref_s))
+
+
+def test_interpreted_kernel_runs_packed_sequences_from_their_own_states():
+    H, HV, K, V = 1, 2, 16, 16
+    cu = [0, 1, 19, 24]  # a one-step sequence takes the decode branch
+    q, k, v, g, beta = inputs(1, cu[-1], H, HV, K, V, seed=3)
+    states = torch.randn(len(cu) - 1, HV, K, V)
+    args = (q, k, v, g, beta, states, torch.tensor(cu, dtype=torch.int32))
+    exe = kiln.compile(Packed(), args, target="interpret")
+    assert isinstance(_kernel(exe), TritonKernel)
+    o, final = exe(*args)
+    eager_o, eager_s = Packed()(*args)
+    assert rel_err(o, eager_o) <= 1e-5 and rel_err(final, eager_s) <= 1e-5
+    for n, (s, e) in enumerate(zip(cu, cu[1:])):
+        ref_o, ref_s = reference(*(x[:, s:e] for x in (q, k, v, g, beta)), K ** -0.5,
+                                 states[n:n + 1])
+        assert rel_err(o[:, s:e], ref_o) <= 1e-5, n
+        assert rel_err(final[n:n + 1], ref_s) <= 1e-5, n
+
+
+def test_interpreted_bf16_kernel_and_a_static_decode_step():
+    H, HV, K, V = 2, 2, 16, 32
+    q, k, v, g, beta = inputs(1, 23, H, HV, K, V, seed=5)
+    state = torch.randn(1, HV, K, V)
+    half = (q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16(), state)
+    o, final = kiln.compile(Delta(), half, target="interpret")(*half)
+    ref_o, ref_s = reference(q, k, v, g, beta, K ** -0.5, state)
+    assert o.dtype == torch.bfloat16 and final.dtype == torch.float32
+    assert rel_err(o, ref_o) <= 1e-2 and rel_err(final, ref_s) <= 1e-2
+
+    one = tuple(x[:, :1] for x in (q, k, v, g, beta)) + (state,)  # T = 1: decode only
+    exe = kiln.compile(Delta(), one, target="interpret")
+    assert "for c0 in range" not in _kernel(exe).spec.source
+    o, final = exe(*one)
+    ref_o, ref_s = reference(*one[:5], K ** -0.5, state)
+    assert rel_err(o, ref_o) <= 1e-5 and rel_err(final, ref_s) <= 1e-5
+
+
+def test_the_cpu_target_and_other_extern_ops_still_run_as_torch_ops():
+    args = inputs(1, 5, 1, 1, 8, 8) + (torch.zeros(1, 1, 8, 8),)
+    exe = kiln.compile(Delta(), args, target="cpu")
+    assert isinstance(_kernel(exe), TorchKernel)
+
+    class Sort(torch.nn.Module):
+        def forward(self, x):
+            return x.sort(-1).values
+
+    exe = kiln.compile(Sort(), (torch.randn(4, 8),), target="interpret")
+    (region,) = [r for r in exe.program.plan.regions if r.kind == RegionKind.EXTERN]
+    assert isinstance(exe.program.kplan.kernels[region.name], TorchKernel)
+    assert any("kiln generates no kernel" in n for n in region.notes)
+
+
+def _seed_spec(dtype=torch.bfloat16):
+    """The kernel at the seed's shape: q, k, v [1, T, 36, 256], fp32 g, dynamic T."""
+    T, H, K = 128, 36, 256
+    q, k, v = (torch.randn(1, T, H, K, dtype=dtype) for _ in range(3))
+    g, beta = -torch.rand(1, T, H), torch.rand(1, T, H, dtype=dtype)
+
+    class Op(torch.nn.Module):
+        def forward(self, q, k, v, g, beta):
+            return gated_delta_rule(q, k, v, g, beta)[0]
+
+    dim = kiln.Dim("T", min=1, max=8192)
+    plan = kiln.compile(Op(), (q, k, v, g, beta), compile_to="dispatch",
+                        dynamic_shapes=({1: dim},) * 5)
+    (region,) = [r for r in plan.regions if r.kind == RegionKind.EXTERN]
+    return region, plan, gated_delta.generate(region, plan, SM90)
+
+
+def test_every_seed_shape_candidate_fits_sm90_shared_memory():
+    _, _, spec = _seed_spec()
+    warps = {c.num_warps for c in spec.configs}
+    assert {8, 16} <= warps
+    fit = fitting_configs(spec, SM90)
+    assert set(fit.configs) == set(spec.configs)  # estimated to fit, none dropped
+    largest = max(spec.configs, key=lambda c: estimate(spec, c, SM90).shared)
+    real = compile_binary(spec, largest, SM90).resources
+    assert real.shared <= estimate(spec, largest, SM90).shared <= SM90.shared_mem_per_block
+
+
+def test_a_crashing_candidate_is_quarantined_and_the_rest_tuned():
+    region, plan, spec = _seed_spec()
+    assert spec.default.num_warps == 8  # the heuristic's own choice crashes
+    ctx = Context(SM90, {"tune_compiler": "tests.codegen.crashy:compile_abort_on_8_warps",
+                         "tune": "fast"})
+    kernel = choose(region, spec, SM90, ctx, plan)
+    assert isinstance(kernel, TritonKernel) and kernel.config.num_warps != 8
+    assert kernel.binary.resources.shared <= SM90.shared_mem_per_block
+    crash = Quarantine().get(FailureKey.of(spec, spec.default, SM90))
+    assert crash is not None and crash.kind == "crash" and "SIGABRT" in crash.reason
+    assert "tuned" in region.notes[-1] and "crash" in region.notes[-1]
+
+
+@pytest.mark.parametrize("dtype,chunks", [(torch.float16, {16, 32, 64}),
+                                          (torch.float32, {16, 32})])
+def test_configs_cover_chunks_value_blocks_and_warps(dtype, chunks):
+    """fp32 dots run on FMA units: 64-step chunks are left out (slow to compile, spill)."""
+    _, _, spec = _seed_spec(dtype)
+    assert {c["CHUNK"] for c in spec.configs} == chunks
+    assert {c["BV"] for c in spec.configs} == {16, 32, 64}
+    assert {c.num_warps for c in spec.configs} == {4, 8, 16}
