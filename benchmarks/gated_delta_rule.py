@@ -1,0 +1,285 @@
+"""The gated delta rule on the local GPU: kiln's generated kernel against
+flash-linear-attention's chunked kernels, at the seed's shape (issue 14).
+
+Prefill: B = 1, T = 8192, H = HV = 36, K = V = 256, q/k/v bf16 (q and k L2-normalised),
+g fp32 (log-sigmoid: negative), beta sigmoid. Timed: kiln.compile of a module calling
+kiln.ops.gated_delta_rule (target cuda), fla's `chunk_gated_delta_rule`, and fla's
+`chunk_gated_delta_rule_fwd_h` (the sequential state pass) alone; every output
+against an fp32 reference (kiln's PyTorch form of the op in fp32), as relative errors.
+kiln's first call (compile) is timed with a cold and a warm cache. Decode: one step
+(T = 1, B = 1) with a [36, 256, 256] fp32 state in and out, against the byte floor (the
+state read and written, the inputs read, the output written, at the device's measured
+copy bandwidth).
+
+Usage (GPU): PYTHONPATH=. python benchmarks/gated_delta_rule.py --out $OUT/gdn.json
+Smoke test anywhere: PYTHONPATH=. python benchmarks/gated_delta_rule.py --device cpu --small
+(the interpret target; fla is skipped without CUDA). flash-linear-attention 0.6.0 is
+imported if installed (FLA_FLASH_QLA=0 is set first so it runs its Triton kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import tempfile
+import time
+
+os.environ.setdefault("FLA_FLASH_QLA", "0")  # before fla is imported
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import kiln  # noqa: E402
+from kiln.codegen.build.triton_kernel import TritonKernel  # noqa: E402
+from kiln.ops import gated_delta_rule  # noqa: E402
+
+SEED = dict(B=1, T=8192, H=36, HV=36, K=256, V=256)
+SMALL = dict(B=1, T=37, H=2, HV=4, K=16, V=16)
+
+
+class Prefill(torch.nn.Module):
+    def forward(self, q, k, v, g, beta):
+        return gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+
+
+class Decode(torch.nn.Module):
+    def forward(self, q, k, v, g, beta, state):
+        return gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True)
+
+
+def make_inputs(B, T, H, HV, K, V, dtype, device, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+
+    q = F.normalize(randn(B, T, H, K), dim=-1).to(dtype)
+    k = F.normalize(randn(B, T, H, K), dim=-1).to(dtype)
+    v = randn(B, T, HV, V).to(dtype)
+    g = F.logsigmoid(randn(B, T, HV))  # fp32, negative
+    beta = randn(B, T, HV).sigmoid().to(dtype)
+    return q, k, v, g, beta
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_ms(fn, device, reps: int = 5) -> float:
+    """Median milliseconds of `fn`: triton's do_bench on a GPU, wall clock elsewhere."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(device) -> float | None:
+    """Bytes per second of a device-to-device copy of 1 GiB (read + write counted)."""
+    if device != "cuda":
+        return None
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = timed_ms(lambda: dst.copy_(src), device)
+    return 2 * n / (ms * 1e-3)
+
+
+def kiln_compile(model, args, target, cache_dir, options):
+    """(compiled module, seconds) with KILN_CACHE_DIR = cache_dir for this compile."""
+    old = os.environ.get("KILN_CACHE_DIR")
+    os.environ["KILN_CACHE_DIR"] = cache_dir
+    try:
+        t0 = time.perf_counter()
+        exe = kiln.compile(model, args, target=target, options=options)
+        out = exe(*args)
+        sync("cuda" if target == "cuda" else "cpu")
+        return exe, time.perf_counter() - t0, out
+    finally:
+        if old is None:
+            os.environ.pop("KILN_CACHE_DIR", None)
+        else:
+            os.environ["KILN_CACHE_DIR"] = old
+
+
+def delta_kernel(exe):
+    """The kernel kiln chose for the op's region, and a description of it."""
+    for r in exe.program.plan.regions:
+        if any(op.target == "kiln.gated_delta_rule.default" for op in r.ops):
+            k = exe.program.kplan.kernels[r.name]
+            what = (f"triton [{k.config}]" if isinstance(k, TritonKernel) else k.kind)
+            return k, what, list(r.notes)
+    return None, "missing", []
+
+
+def load_fla():
+    """fla's (chunk_gated_delta_rule, fwd_h runner or None, why fwd_h is missing)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception as e:  # not installed, or it failed to import
+        return None, None, f"fla not importable: {type(e).__name__}: {e}"
+    try:
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+        from fla.ops.common.chunk_scaled_dot_kkt import chunk_scaled_dot_kkt_fwd
+        from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+        from fla.ops.utils import chunk_local_cumsum, solve_tril
+    except Exception as e:
+        return chunk_gated_delta_rule, None, f"fwd_h parts not importable: {e}"
+
+    def call(fn, **kw):
+        names = inspect.signature(fn).parameters
+        return fn(**{k: v for k, v in kw.items() if k in names})
+
+    def fwd_h_runner(q, k, v, g, beta):
+        """fla's preparation (gate cumsum, A, its solve, w and u) done once; returns a
+        zero-argument call of chunk_gated_delta_rule_fwd_h alone."""
+        gc = call(chunk_local_cumsum, g=g, chunk_size=64)
+        A = call(chunk_scaled_dot_kkt_fwd, k=k, beta=beta, g=gc, g_cumsum=gc,
+                 output_dtype=torch.float32)
+        A = call(solve_tril, A=A, output_dtype=k.dtype)
+        w, u = call(recompute_w_u_fwd, k=k, v=v, beta=beta, A=A, g=gc, g_cumsum=gc)
+        return lambda: call(chunk_gated_delta_rule_fwd_h, k=k, w=w, u=u, g=gc,
+                            output_final_state=True)
+
+    return chunk_gated_delta_rule, fwd_h_runner, ""
+
+
+def prefill(shape, dtype, device, target, options, results):
+    q, k, v, g, beta = make_inputs(**shape, dtype=dtype, device=device)
+    ref_o, ref_s = gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(),
+                                    output_final_state=True)
+    args = (q, k, v, g, beta)
+    with tempfile.TemporaryDirectory() as cache:
+        exe, cold, _ = kiln_compile(Prefill(), args, target, cache, options)
+        exe, warm, (o, s) = kiln_compile(Prefill(), args, target, cache, options)
+    _, kernel, notes = delta_kernel(exe)
+    row = {"name": "kiln", "kernel": kernel, "ms": timed_ms(lambda: exe(*args), device),
+           "err_o": rel_err(o, ref_o), "err_state": rel_err(s, ref_s),
+           "compile_cold_s": cold, "compile_warm_s": warm, "notes": notes}
+    results["prefill"] = [row]
+    fla, fwd_h, why = load_fla() if device == "cuda" else (None, None, "no CUDA")
+    results["fla_note"] = why or None
+    if fla is not None:
+        def run_fla():
+            return fla(q, k, v, g, beta, output_final_state=True)
+
+        fo, fs = run_fla()
+        results["prefill"].append({"name": "fla chunk_gated_delta_rule",
+                                   "ms": timed_ms(run_fla, device),
+                                   "err_o": rel_err(fo, ref_o), "err_state": rel_err(fs, ref_s)})
+        row["ratio_vs_fla"] = row["ms"] / results["prefill"][-1]["ms"]
+    if fwd_h is not None:
+        try:
+            results["prefill"].append({"name": "fla chunk_gated_delta_rule_fwd_h alone",
+                                       "ms": timed_ms(fwd_h(q, k, v, g, beta), device)})
+        except Exception as e:  # its signature moved between fla versions
+            results["fla_note"] = f"fwd_h failed: {type(e).__name__}: {e}"
+
+
+def decode(shape, dtype, device, target, options, results):
+    one = dict(shape, T=1)
+    q, k, v, g, beta = make_inputs(**one, dtype=dtype, device=device, seed=1)
+    state = torch.randn(one["B"], one["HV"], one["K"], one["V"], device=device)
+    args = (q, k, v, g, beta, state)
+    ref_o, ref_s = gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(),
+                                    initial_state=state, output_final_state=True)
+    with tempfile.TemporaryDirectory() as cache:
+        exe, cold, (o, s) = kiln_compile(Decode(), args, target, cache, options)
+    kernel, what, _ = delta_kernel(exe)
+    row = {"name": "kiln decode step", "kernel": what, "compile_cold_s": cold,
+           "err_o": rel_err(o, ref_o), "err_state": rel_err(s, ref_s),
+           "ms": timed_ms(lambda: exe(*args), device)}
+    if device == "cuda":
+        graphed = exe.cuda_graphs()
+        graphed(*args)
+        row["ms_cuda_graph"] = timed_ms(lambda: graphed(*args), device)
+    moved = 2 * state.numel() * 4 + sum(x.numel() * x.element_size()
+                                        for x in (q, k, v, g, beta, o))
+    bw = copy_bandwidth(device)
+    row["bytes"] = moved
+    if bw is not None:
+        row["copy_gbs"] = bw / 1e9
+        row["floor_ms"] = moved / bw * 1e3
+        best = min(row["ms"], row.get("ms_cuda_graph", row["ms"]))
+        row["ratio_vs_floor"] = best / row["floor_ms"]
+    results["decode"] = row
+
+
+def table(results) -> str:
+    lines = [f"device: {results['device']}  shape: {results['shape']}  dtype: {results['dtype']}"]
+    lines.append(f"{'what':42s} {'ms':>9s} {'err o':>9s} {'err S':>9s}  notes")
+    for r in results.get("prefill", []):
+        extra = []
+        if "ratio_vs_fla" in r:
+            extra.append(f"kiln/fla {r['ratio_vs_fla']:.2f}x")
+        if "compile_cold_s" in r:
+            extra.append(f"compile cold {r['compile_cold_s']:.1f}s warm "
+                         f"{r['compile_warm_s']:.1f}s; {r['kernel']}")
+        lines.append(f"{r['name']:42s} {r['ms']:9.3f} {r.get('err_o', float('nan')):9.2e} "
+                     f"{r.get('err_state', float('nan')):9.2e}  {'; '.join(extra)}")
+    if results.get("fla_note"):
+        lines.append(f"  fla: {results['fla_note']}")
+    d = results.get("decode")
+    if d:
+        extra = [d["kernel"]]
+        if "ms_cuda_graph" in d:
+            extra.append(f"cuda graph {d['ms_cuda_graph']:.4f} ms")
+        if "floor_ms" in d:
+            extra.append(f"floor {d['floor_ms']:.4f} ms ({d['bytes']} B at "
+                         f"{d['copy_gbs']:.0f} GB/s): {d['ratio_vs_floor']:.2f}x")
+        lines.append(f"{d['name']:42s} {d['ms']:9.4f} {d['err_o']:9.2e} {d['err_state']:9.2e}"
+                     f"  {'; '.join(extra)}")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    choices=["cuda", "cpu"])
+    ap.add_argument("--small", action="store_true", help="a tiny shape (smoke test)")
+    ap.add_argument("--T", type=int, help="sequence length (default: the seed's 8192)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--tune", default=None, choices=["none", "fast", "full"])
+    ap.add_argument("--skip-decode", action="store_true")
+    a = ap.parse_args()
+    shape = dict(SMALL if a.small else SEED)
+    if a.T:
+        shape["T"] = a.T
+    dtype = getattr(torch, a.dtype)
+    target = "cuda" if a.device == "cuda" else "interpret"
+    options = {"tune": a.tune} if a.tune else {}
+    name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu (interpret target)"
+    results = {"device": name, "shape": shape, "dtype": a.dtype, "target": target,
+               "torch": torch.__version__}
+    try:
+        import triton
+
+        results["triton"] = triton.__version__
+    except ImportError:
+        pass
+    prefill(shape, dtype, a.device, target, options, results)
+    if not a.skip_decode:
+        decode(shape, dtype, a.device, target, options, results)
+    print(table(results))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()
