@@ -12,11 +12,13 @@ Three layers, each a folder named for its question, importing downward only
               Emitter that writes a region's ops at any index, the per-op rules
               (elementwise, gather), kernel parameters, the jit helpers' sources.
 - templates/  how a region kind becomes a kernel: pointwise, copy, reduction (row
-              kernels and their forms), matmul (and its configs), attention, split_k.
+              kernels and their forms), matmul (and its configs), attention,
+              gated_delta (kiln::gated_delta_rule), split_k.
 - autotune/   which config of a kernel to run: isolated compile workers, the
               quarantine, the choice cache, timing.
 
 select_kernels.py (the codegen pass) maps region kinds to templates in one table
-(TEMPLATES); torch_kernel.py runs a region as torch ops (the CPU target and the
+(TEMPLATES), and the extern ops kiln writes kernels for to theirs (EXTERN_TEMPLATES);
+torch_kernel.py runs a region as torch ops (the CPU target and the
 extern fallback); kernel_plan.py is the stage's IR.
 """
