@@ -303,9 +303,14 @@ def fake_gpu(monkeypatch):
         benched.append(config)
         return times[config]
 
+    def outputs(kernel, inputs, like, env):  # what each config computes: times["wrong"]
+        config = getattr(kernel, "config", None)
+        return {"out": torch.full((4,), 2.0 if config in times.get("wrong", ()) else 1.0)}
+
     monkeypatch.setattr(tune_module, "gpu_for", lambda target: True)
     monkeypatch.setattr(tune_module, "example_buffers", lambda *a: ({}, {}))
     monkeypatch.setattr(tune_module, "bench", bench)
+    monkeypatch.setattr(tune_module, "outputs", outputs)
     return times, benched
 
 
@@ -326,6 +331,44 @@ def test_timed_tuning_picks_the_fastest_per_size_bucket(fake_gpu, compiles):
         warnings.simplefilter("error")  # extern winning a fair race is no failure
         kernel, region = tune(spec, tune="full", example_env={"s0": 1000})
     assert isinstance(kernel, TorchKernel) and "extern is fastest" in region.notes[-1]
+
+
+def test_a_fast_candidate_with_wrong_outputs_is_quarantined_and_never_retried(fake_gpu,
+                                                                             compiles):
+    """A config that runs fast but computes garbage (a miscompile) loses to the next
+    fastest that matches the torch form, and is quarantined as wrong."""
+    times, _ = fake_gpu
+    default, other = Config.make(4, 1, XBLOCK=256), Config.make(4, 1, XBLOCK=512)
+    spec = add_spec(default, [other])
+    times.update({default: 2.0, other: 1.0, None: 3.0, "wrong": {other}})
+    kernel, region = tune(spec, tune="full", example_env={"s0": 100})
+    assert kernel.config == default and "wrong: out: relative error" in region.notes[-1]
+    failure = Quarantine().get(FailureKey.of(spec, other, get_target("cuda:sm_90")))
+    assert failure is not None and failure.kind == "wrong" and failure.never_retried
+
+
+def test_when_no_candidate_matches_the_inputs_are_blamed_not_the_configs(fake_gpu, compiles):
+    times, _ = fake_gpu
+    default, other = Config.make(4, 1, XBLOCK=256), Config.make(4, 1, XBLOCK=512)
+    spec = add_spec(default, [other])
+    times.update({default: 2.0, other: 1.0, None: 3.0, "wrong": {default, other}})
+    kernel, region = tune(spec, tune="full", example_env={"s0": 100})
+    assert kernel.config == other and "ill-conditioned" in region.notes[-1]
+    assert Quarantine().get(FailureKey.of(spec, other, get_target("cuda:sm_90"))) is None
+
+
+def test_mismatch_compares_floating_outputs_where_the_reference_is_finite():
+    from kiln.codegen.autotune.verify import mismatch
+
+    want = {"o": torch.tensor([1.0, float("inf"), 3.0]), "i": torch.tensor([1, 2])}
+    assert mismatch({"o": torch.tensor([1.0, 0.0, 3.0]), "i": torch.tensor([2, 1])},
+                    want) is None  # the inf lane and integer outputs are not judged
+    assert "relative error" in mismatch({"o": torch.tensor([1.0, 5.0, 0.0]),
+                                         "i": torch.tensor([1, 2])}, want)
+    assert "non-finite" in mismatch({"o": torch.tensor([float("nan"), 0.0, 3.0]),
+                                     "i": torch.tensor([1, 2])}, want)
+    half = {"o": torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)}
+    assert mismatch({"o": half["o"] * 1.02}, half) is None  # within 16-bit rounding
 
 
 @pytest.mark.parametrize("options,named", [

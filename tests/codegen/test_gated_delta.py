@@ -9,6 +9,8 @@ heads): every candidate fits shared memory, and with a crash planted into num_wa
 crashing candidate is quarantined and the rest tuned.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from kiln.codegen.autotune.quarantine import FailureKey, Quarantine
 from kiln.codegen.autotune.tuner import choose
 from kiln.codegen.build.compiler import compile_binary
 from kiln.codegen.build.resources import estimate, fitting_configs
+from kiln.codegen.build.spec import Config
 from kiln.codegen.build.triton_kernel import TritonKernel
 from kiln.codegen.templates.gated_delta import template as gated_delta
 from kiln.codegen.torch_kernel import TorchKernel
@@ -148,13 +151,16 @@ def test_every_seed_shape_candidate_fits_sm90_shared_memory():
 
 def test_a_crashing_candidate_is_quarantined_and_the_rest_tuned():
     region, plan, spec = _seed_spec()
-    assert spec.default.num_warps == 8  # the heuristic's own choice crashes
+    # the seed's story: the first choice is an 8-warp config, and 8 warps abort Triton
+    eight = Config.make(8, spec.default.num_stages, **dict(spec.default.params))
+    assert eight in spec.configs
+    spec = dataclasses.replace(spec, default=eight)
     ctx = Context(SM90, {"tune_compiler": "tests.codegen.crashy:compile_abort_on_8_warps",
                          "tune": "fast"})
     kernel = choose(region, spec, SM90, ctx, plan)
     assert isinstance(kernel, TritonKernel) and kernel.config.num_warps != 8
     assert kernel.binary.resources.shared <= SM90.shared_mem_per_block
-    crash = Quarantine().get(FailureKey.of(spec, spec.default, SM90))
+    crash = Quarantine().get(FailureKey.of(spec, eight, SM90))
     assert crash is not None and crash.kind == "crash" and "SIGABRT" in crash.reason
     assert "tuned" in region.notes[-1] and "crash" in region.notes[-1]
 

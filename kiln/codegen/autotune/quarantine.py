@@ -10,6 +10,8 @@ and, for the kinds that are facts about that key, never compiles it again:
     hang        the compile passed its deadline and was killed        never retried
     over_limit  needs more than the target has (real figures, or
                 Triton's OutOfResources)                              never retried
+    wrong       compiled and ran, but its outputs differ from the torch
+                form where another config's agree (verify.py)          never retried
     error       the compiler raised (CompilationError, PTXASError...)  recorded, retried
 
 Ordinary compile errors are retried on the next tuning because they may come from
@@ -40,8 +42,8 @@ from kiln.target import Target
 
 log = logging.getLogger("kiln.codegen")
 
-CRASH, HANG, OVER_LIMIT, ERROR = "crash", "hang", "over_limit", "error"
-NEVER_RETRIED = frozenset({CRASH, HANG, OVER_LIMIT})
+CRASH, HANG, OVER_LIMIT, WRONG, ERROR = "crash", "hang", "over_limit", "wrong", "error"
+NEVER_RETRIED = frozenset({CRASH, HANG, OVER_LIMIT, WRONG})
 
 
 def _read(path: Path) -> Failure | None:
@@ -89,7 +91,7 @@ class FailureKey:
 @dataclass
 class Failure:
     key: FailureKey
-    kind: str  # CRASH, HANG, OVER_LIMIT or ERROR
+    kind: str  # CRASH, HANG, OVER_LIMIT, WRONG or ERROR
     reason: str
     kernel: str  # the kernel's name, for people reading the records
     compile_fn: str

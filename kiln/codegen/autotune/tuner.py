@@ -46,6 +46,7 @@ from kiln.codegen.autotune.timing import (
     sizes_bucket,
     timing_env,
 )
+from kiln.codegen.autotune.verify import mismatch, outputs
 from kiln.codegen.autotune.worker_pool import NO_WORKER, OK, Job, Outcome, get_pool
 from kiln.codegen.build.resources import over_limits, precheck
 from kiln.codegen.build.spec import Config, KernelSpec
@@ -208,15 +209,56 @@ class Tuner:
             times[None] = bench(TorchKernel(region, self.target.torch_device),
                                 inputs, outs, env)
             bar.update(1)
-        best = min(times, key=times.get)
         summary = ", ".join(f"[{c}] {t:.4f} ms" if c else f"extern {t:.4f} ms"
                             for c, t in times.items())
         note = f"timed ({self.mode}): {summary}{tail}"
+        best = min(times, key=times.get)
         if math.isinf(times[best]):
             return Choice("extern", note=f"no candidate of kernel {spec.name} ran: {note}")
         if best is None:
             return Choice("extern", ms=times[None], note=f"extern is fastest; {note}")
-        return Choice("triton", best, outcomes[best].binary, times[best], f"[{best}] {note}")
+        try:
+            best, verdict = self._verified(region, spec, outcomes, times, inputs, outs, env)
+        except Exception as e:  # checking must not cost the compile: keep the race's winner
+            log.info("%s: outputs not verified: %s", spec.name, e)
+            verdict = f"; not verified: {type(e).__name__}: {e}"
+        if best is None:
+            return Choice("extern", ms=times[None], note=f"{verdict}; {note}")
+        return Choice("triton", best, outcomes[best].binary, times[best],
+                      f"[{best}] {note}{verdict}")
+
+    def _verified(self, region, spec, outcomes, times, inputs, outs, env):
+        """(the fastest candidate whose outputs match the extern form's, a note).
+
+        Candidates faster than it that mismatched are quarantined as wrong. When none
+        matches, the inputs are taken to be at fault (verify.py) and the fastest wins.
+        """
+        ranked = sorted((c for c in times if c is not None and not math.isinf(times[c])),
+                        key=times.get)
+        if math.isinf(times[None]):
+            return ranked[0], "; not verified: the torch form did not run"
+        want = outputs(TorchKernel(region, self.target.torch_device), inputs, outs, env)
+        wrong = []
+        for c in ranked:
+            if times[None] <= times[c]:  # slower than the extern form: extern wins
+                break
+            why = mismatch(outputs(TritonKernel(region, spec, c, outcomes[c].binary),
+                                   inputs, outs, env), want)
+            if why is None:
+                for w, reason in wrong:
+                    self.quarantine.record(q.FailureKey.of(spec, w, self.target), q.WRONG,
+                                           reason, spec.name, self.compile_fn)
+                    log.warning("%s [%s]: wrong outputs: %s", spec.name, w, reason)
+                note = "".join(f"; [{w}] wrong: {r}" for w, r in wrong)
+                return c, note
+            wrong.append((c, why))
+        if not wrong:
+            return None, "extern is fastest of the candidates that match it"
+        if len(wrong) == len(ranked):
+            return ranked[0], ("; no candidate matched the torch form on random inputs "
+                               f"(taken as ill-conditioned inputs): {wrong[0][1]}")
+        return None, ("extern: every candidate faster than it mismatched: "
+                      + "; ".join(f"[{w}] {r}" for w, r in wrong))
 
 
 def _check_compiler(path: str) -> None:

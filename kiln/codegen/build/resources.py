@@ -133,12 +133,14 @@ def _attention(spec: KernelSpec, c: Config, target: Target, threads: int):
 
 
 def _gated_delta(spec: KernelSpec, c: Config, target: Target, threads: int):
-    """The gated delta rule kernel (templates/gated_delta): nothing is pipelined; the dot
-    operands go through shared memory as they are converted: k and its transpose
-    [CHUNK, K] (the largest), the [CHUNK, CHUNK] fp32 solve's transposes, the state
-    block [K, BV] as an operand. Their sum bounds the compiled figures (sm_90, K = 256:
-    bf16 81,920-106,496 B at CHUNK 64, 16,384-33,280 B at CHUNK 16; the sum estimates
-    90,112-114,688 and 17,920-50,176)."""
+    """The gated delta rule kernel (templates/gated_delta): the dot operands go through
+    shared memory as they are converted (keys, W and q as [CHUNK, 64] blocks, the
+    [CHUNK, CHUNK] solve and scores, the state as an operand; a second stage
+    double-buffers the walk's loads). The sum below is kept as an upper estimate: it
+    bounded the compiled figures of the first (whole-key-tile) form of the kernel on
+    sm_90 at K = 256 (bf16 81,920-106,496 B at CHUNK 64, 16,384-33,280 B at CHUNK 16),
+    and tests/codegen/test_gated_delta.py checks it against the largest candidate of
+    the current one compiled for sm_90."""
     meta = spec.meta
     e = _BYTES.get(meta.get("dtype"), 4)
     kp, chunk, bv = meta.get("key_dim_pad", 256), c["CHUNK"], c["BV"]

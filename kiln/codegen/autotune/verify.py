@@ -1,0 +1,52 @@
+"""Does a timed candidate compute what its region's torch form computes?
+
+Why: a config can compile, fit the target and run fast, yet compute garbage: the
+backend compiler can miscompile one config under register pressure (two num_warps=4
+configs of the gated delta rule kernel gave a 0.7 relative error on an H100 while
+their neighbours matched). Timing alone would crown such a config. So the tuner runs
+the race's winner once more on the timing inputs and compares it with the extern
+form; on a mismatch the next fastest, and so on.
+
+Random inputs can be ill-conditioned for an op (a recurrence whose random gates
+grow without bound), where even a correct kernel differs from the torch form. So a
+mismatch is only a verdict when another candidate of the same kernel matches on
+the same inputs: then the mismatching ones are recorded as `wrong` in the quarantine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# relative error (2-norm over the reference's finite elements) a correct kernel stays
+# under: fp32 kernels may multiply in tf32; 16-bit outputs round at 2^-8
+TOLERANCE = {torch.float32: 1e-2, torch.float64: 1e-6, torch.float16: 0.1,
+             torch.bfloat16: 0.1}
+
+
+def outputs(kernel, inputs: dict, like: dict, env: dict) -> dict[str, torch.Tensor]:
+    """`kernel`'s outputs on `inputs`, in fresh buffers shaped as `like`."""
+    outs = {name: torch.empty_like(t) for name, t in like.items()}
+    kernel.run(inputs, outs, env)
+    return outs
+
+
+def mismatch(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> str | None:
+    """Why `got` is not `want` (floating outputs only), or None when they agree.
+
+    Integer outputs are not compared: an argmax over random 16-bit values has ties
+    that a correct kernel may break differently."""
+    for name, w in want.items():
+        tol = TOLERANCE.get(w.dtype)
+        if tol is None:
+            continue
+        w, g = w.double(), got[name].double()
+        finite = torch.isfinite(w)
+        if not bool(finite.any()):
+            continue
+        w, g = w[finite], g[finite]
+        if not bool(torch.isfinite(g).all()):
+            return f"{name}: non-finite values where the torch form's are finite"
+        err = float((g - w).norm() / w.norm().clamp_min(1e-30))
+        if err > tol:
+            return f"{name}: relative error {err:.2e} against the torch form (over {tol})"
+    return None
