@@ -238,6 +238,15 @@ def _drop_asserts(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(node)
 
 
+def _strided_copies_as_clones(gm: fx.GraphModule) -> None:
+    """prims.copy_strided (left by some decompositions: lerp's) copies its input into
+    a given memory layout; kiln's values have no strides, so it is a plain clone."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.prims.copy_strided.default:
+            node.target, node.args = torch.ops.aten.clone.default, node.args[:1]
+    gm.recompile()
+
+
 FALLBACK_MODES = ("allow", "error")
 
 
@@ -385,6 +394,7 @@ def import_model(model, args, kwargs=None, dynamic_shapes=None,
     ep = decompose(ep)
     _check_no_unbacked(ep)
     _drop_asserts(ep.graph_module)
+    _strided_copies_as_clones(ep.graph_module)
     fallen = check_supported(ep.graph_module, fallback)
     kg = to_kiln_graph(ep)
     kg.fallback_ops = fallen

@@ -89,6 +89,31 @@ def test_three_dimensional_operands():
     assert rel_err(exe(q, k, v), model(q, k, v)) <= 1e-5
 
 
+class ConstantOperands(torch.nn.Module):
+    """Keys (or values) that are a constant: the operand is a literal, not a load
+    (fuzzer seed 500172 crashed the interpreter broadcasting a Python float)."""
+
+    def __init__(self, which: str):
+        super().__init__()
+        self.which = which
+
+    def forward(self, q, x, mask):
+        ones = torch.full_like(x, 0.5)
+        k, v = (ones, x) if self.which == "k" else (x, ones)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)])
+def test_constant_key_or_value_operand(which, dtype, tol):
+    model = ConstantOperands(which)
+    q, x = torch.randn(2, 3, 5, 8, dtype=dtype), torch.randn(2, 3, 7, 8, dtype=dtype)
+    mask = torch.rand(5, 7) < 0.7
+    exe = kiln.compile(model, (q, x, mask), target="interpret")
+    assert _attention_kernel(exe)[1].kind == "triton"
+    assert rel_err(exe(q, x, mask), model(q, x, mask)) <= tol
+
+
 class AttentionBlock(torch.nn.Module):
     """kiln.models.llama.Attention (RoPE, GQA, optional KV cache) on plain tensor inputs."""
 

@@ -238,14 +238,17 @@ class _AttentionSource:
     def _load(self, name: str, index, mask, tile: str | None = None,
               pad: Cond | None = None) -> tuple[list[str], str]:
         """The value's loading lines and code; with `tile` ("[BLOCK_M, 16]"), a load whose
-        index lacks a tile dim (a size-1 head dim or length, read at 0) is broadcast to it:
-        tl.dot takes only full 2-D tiles. `pad` (dq < d) zeroes the padded head-dim lanes
-        the broadcast filled."""
-        with self.em.block() as lines:
-            v = self.em.value(name, index, mask)
+        index lacks a tile dim (a size-1 head dim or length, read at 0, or a constant) is
+        broadcast to it: tl.dot takes only full 2-D tiles. `pad` (dq < d) zeroes the
+        padded head-dim lanes the broadcast filled."""
         dims = {"q": {"rows2", "dq"}, "k": {"dk", "nk"}, "v": {"nv", "dv2"}}
         which = {self.s.q: "q", self.s.k: "k", self.s.v: "v"}.get(name)
-        if tile is not None and which is not None and not dims[which] <= v.vars:
+        with self.em.block() as lines:
+            v = self.em.value(name, index, mask)
+            broadcast = tile is not None and which is not None and not dims[which] <= v.vars
+            if broadcast:  # a constant operand (ones_like keys) is a literal: make it a tensor
+                v = self.em.tensor(v)
+        if broadcast:
             full = f"tl.broadcast_to({v.code}, {tile})"
             return lines, (f"tl.where({pad.code}, {full}, 0)" if pad is not None else full)
         return lines, v.code
