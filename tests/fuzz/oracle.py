@@ -2,11 +2,11 @@
 
 Classes, worst first: crash (an exception that is not a clean KilnError, a
 VerifierError, or a KilnError raised by a call in the declared ranges), mismatch
-(compare.verdict), fallback (a compile-only GPU target ran a region as torch ops
-because none of its Triton configs compiled), refused (a clean KilnError at compile:
-fine), ok. Each non-ok outcome has a signature, stable across graphs and runs, that
-names the failure class: exception type plus its normalised first line, or the
-mismatch kind plus the graph's op set.
+(compare.verdict), fallback (a GPU target, compile-only or run on this machine's
+GPU, ran a region as torch ops because none of its Triton configs compiled), refused
+(a clean KilnError at compile: fine), ok. Each non-ok outcome has a signature, stable
+across graphs and runs, that names the failure class: exception type plus its
+normalised first line, or the mismatch kind plus the graph's op set.
 """
 
 from __future__ import annotations
@@ -156,11 +156,24 @@ def _compare(spec, model, state, run, target, stage) -> Outcome | None:
     return None
 
 
-def _runner(exe, state):
+def on_device(target: str) -> bool:
+    """A GPU target that runs here ("cuda", "cuda:0"), not a compile-only one ("cuda:sm_90")."""
+    return target.startswith(("cuda", "rocm")) and ":sm_" not in target \
+        and ":gfx" not in target
+
+
+def _runner(exe, state, device: str | None = None):
+    """Call the compiled graph; on a GPU target its inputs go to the device and its
+    outputs and state come back, so they compare with eager on the CPU."""
     def run(args):
         _restore(exe.state, state)
+        if device is not None:
+            args = tuple(a.to(device) for a in args)
         out = exe(*args)
-        return (out if isinstance(out, (tuple, list)) else (out,)), exe.state
+        out = out if isinstance(out, (tuple, list)) else (out,)
+        if device is None:
+            return out, exe.state
+        return [o.cpu() for o in out], {n: t.cpu() for n, t in exe.state.items()}
     return run
 
 
@@ -180,16 +193,24 @@ def check(spec: GraphSpec, cfg: Config) -> GraphResult:
 
 
 def _check_target(spec, cfg, model, state, example, target, aten: set) -> Outcome:
+    """Compile for `target` and compare every call with eager. On a GPU that runs here
+    the generated kernels are forced (tune "none": no extern candidate can win the
+    race and hide a wrong kernel), and a region left to torch ops is a finding."""
+    device = target if on_device(target) else None
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            exe = _compile(cfg, model, example, spec, target)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            args = tuple(a.to(device) for a in example) if device else example
+            exe = _compile(cfg, model, args, spec, target,
+                           options={"tune": "none"} if device else None)
     except Exception as e:  # noqa: BLE001
         return _exc_outcome(e, target, "compile", compiled=False)
     plan = getattr(exe, "plan", None)
     aten.update(op.target for r in getattr(plan, "regions", ()) for op in r.ops)
     _restore(dict(model.named_buffers()), state)
-    bad = _compare(spec, model, state, _runner(exe, state), target, "call")
+    bad = _compare(spec, model, state, _runner(exe, state, device), target, "call")
+    if bad is None and device is not None:
+        bad = _fallback(exe, caught, target)
     if bad is not None or not cfg.save_load:
         return bad or Outcome("ok", target)
     with tempfile.TemporaryDirectory(prefix="kiln-fuzz-") as d:
@@ -198,7 +219,7 @@ def _check_target(spec, cfg, model, state, example, target, aten: set) -> Outcom
             loaded = kiln.load(d + "/graph.kiln")
         except Exception as e:  # noqa: BLE001 - saving what compiled must work
             return _exc_outcome(e, target, "save-load", compiled=True)
-        bad = _compare(spec, model, state, _runner(loaded, state), target, "loaded")
+        bad = _compare(spec, model, state, _runner(loaded, state, device), target, "loaded")
     return bad or Outcome("ok", target)
 
 
@@ -210,6 +231,11 @@ def _check_gpu(spec, cfg, model, example, target) -> Outcome:
             exe = _compile(cfg, model, example, spec, target, options={"tune": "none"})
     except Exception as e:  # noqa: BLE001
         return _exc_outcome(e, target, "compile", compiled=False)
+    return _fallback(exe, caught, target) or Outcome("ok", target)
+
+
+def _fallback(exe, caught, target) -> Outcome | None:
+    """A region that ran as torch ops because its Triton configs failed, if any."""
     from kiln.codegen.autotune.tuner import TuningWarning
 
     for r in exe.plan.regions:
@@ -225,7 +251,7 @@ def _check_gpu(spec, cfg, model, example, target) -> Outcome:
             msg = str(w.message)
             return Outcome("fallback", target, "compile", msg,
                            f"fallback|{target}|warning|{normalise(_reason(msg))}")
-    return Outcome("ok", target)
+    return None
 
 
 def _reason(note: str) -> str:

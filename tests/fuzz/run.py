@@ -2,6 +2,7 @@
 
     python -m tests.fuzz.run --seed 0 --count 300 --targets cpu,interpret \\
         [--gpu-compile sm_90] [--minimise DIR] [--json out.json] [--jobs 2]
+    python -m tests.fuzz.run --targets cpu,cuda ...   # on a GPU: runs its kernels
 
 Graph i is generate(seed + i): the same command finds the same graphs. Every graph
 runs on `cpu`; `interpret`, the save/load round trip and compile-only GPU targets run
@@ -166,7 +167,7 @@ def minimise_all(classes: dict[str, dict], plan: Plan, directory: str,
     """A minimised repro for the first seed of every failure class: signature -> path."""
     from tests.fuzz.generate import generate
     from tests.fuzz.minimise import failure_key, minimise, write_repro
-    from tests.fuzz.oracle import Config, check
+    from tests.fuzz.oracle import Config, check, on_device
 
     out = {}
     for sig, c in classes.items():
@@ -174,7 +175,9 @@ def minimise_all(classes: dict[str, dict], plan: Plan, directory: str,
             continue
         target = c["target"]
         gpu = target.startswith(("cuda", "rocm"))
-        cfg = Config(targets=() if gpu else (target,), gpu=(target,) if gpu else (),
+        compile_only = gpu and not on_device(target)
+        cfg = Config(targets=() if compile_only else (target,),
+                     gpu=(target,) if compile_only else (),
                      save_load="load" in sig.split("|")[2])
         key = failure_key(sig)
 
@@ -198,7 +201,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--count", type=int, default=300)
-    ap.add_argument("--targets", default="cpu,interpret")
+    ap.add_argument("--targets", default="cpu,interpret",
+                    help="cpu, interpret, and on a GPU machine cuda (generated kernels "
+                         "forced, outputs compared with eager on the CPU)")
     ap.add_argument("--interpret-every", type=int, default=4,
                     help="run the interpret target on every n-th graph")
     ap.add_argument("--save-load-every", type=int, default=5)
