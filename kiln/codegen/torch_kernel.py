@@ -13,6 +13,7 @@ import functools
 
 import torch
 
+from kiln.codegen.integer_products import integer_product
 from kiln.ir.ops import INPLACE_OF, STRICT_VIEWS, resolve
 from kiln.ir.plan import Op, Ref, Region, Sym
 from kiln.ir.printer import print_region
@@ -67,9 +68,12 @@ class TorchKernel:
     def __init__(self, region: Region, device: str | torch.device = "cpu"):
         self.region = region
         self.device = torch.device(device)
-        self._fns = [callable_for(op.target) for op in region.ops]
+        integer = [integer_product(op.target, op.dtype, self.device) for op in region.ops]
+        self._fns = [fn or callable_for(op.target) for fn, op in zip(integer, region.ops)]
         self._outs = {o: out_overload(region.op(o).target) for o in region.outputs
-                      if o not in region.inplace}
+                      if o not in region.inplace
+                      and integer_product(region.op(o).target, region.op(o).dtype,
+                                          self.device) is None}
         self._steps = [self._step(i, op) for i, op in enumerate(region.ops)]
 
     def _binder(self, a):
