@@ -11,6 +11,7 @@ normalised first line, or the mismatch kind plus the graph's op set.
 
 from __future__ import annotations
 
+import copy
 import re
 import tempfile
 import traceback
@@ -201,7 +202,8 @@ def _check_target(spec, cfg, model, state, example, target, aten: set) -> Outcom
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             args = tuple(a.to(device) for a in example) if device else example
-            exe = _compile(cfg, model, args, spec, target,
+            where = copy.deepcopy(model).to(device) if device else model  # as users do
+            exe = _compile(cfg, where, args, spec, target,
                            options={"tune": "none"} if device else None)
     except Exception as e:  # noqa: BLE001
         return _exc_outcome(e, target, "compile", compiled=False)
