@@ -110,8 +110,13 @@ class Reference:
         model = build_module(self.spec, f64=True)
         model.load_state_dict(self.state)
         args64 = tuple(a.double() if a.is_floating_point() else a for a in args)
-        with torch.no_grad():
-            outs = list(model(*args64))
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)  # int -> float ops (atan of an int) too
+        try:
+            with torch.no_grad():
+                outs = list(model(*args64))
+        finally:
+            torch.set_default_dtype(default)
         return outs + [b.detach().clone() for _, b in model.named_buffers()]
 
 

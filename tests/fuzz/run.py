@@ -48,11 +48,16 @@ class Plan:
 
 def fuzz_one(seed: int, index: int, plan: Plan) -> dict:
     from tests.fuzz.generate import generate
-    from tests.fuzz.oracle import check
+    from tests.fuzz.oracle import GraphResult, Outcome, check, normalise
 
     spec = generate(seed)
     start = time.monotonic()
-    result = check(spec, plan.config_for(index))
+    try:
+        result = check(spec, plan.config_for(index))
+    except Exception as e:  # noqa: BLE001 - a bug of the fuzzer's own: report, go on
+        result = GraphResult(seed, spec.ops(), [Outcome(
+            "crash", "fuzzer", "oracle", f"{type(e).__name__}: {e}",
+            f"crash|fuzzer|oracle|{type(e).__name__}|{normalise(str(e))}")])
     return {"seed": seed, "ops": result.ops, "seconds": round(time.monotonic() - start, 2),
             "worst": result.worst.cls, "aten": sorted(result.aten),
             "outcomes": [asdict(o) for o in result.outcomes]}

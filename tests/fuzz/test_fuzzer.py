@@ -133,3 +133,18 @@ def test_signatures_ignore_names_and_sizes():
     a = normalise("shape mismatch in %v12: [8, 16] vs [8, 1] at /x/y/kiln/a.py line 3\nmore")
     b = normalise("shape mismatch in %v3: [4, 2] vs [4, 1] at /q/kiln/b.py line 9")
     assert a == b
+
+
+def test_float64_reference_promotes_integer_math_to_float64():
+    """atan of an int64 is a float of the default dtype: the float64 re-check must make
+    it float64, or a later linear with float64 weights fails (seed 600714 did)."""
+    from tests.fuzz.generate import generate
+    from tests.fuzz.graph import build_module, make_args
+    from tests.fuzz.oracle import Reference
+
+    spec = generate(600714)
+    state = {k: v.clone() for k, v in build_module(spec).state_dict().items()}
+    ref = Reference(spec, state, make_args(spec, spec.call_sizes()[0], 0))
+    outs = ref._run(ref.args)
+    assert {t.dtype for t in outs} == {torch.float64}
+    assert torch.get_default_dtype() == torch.float32
