@@ -97,7 +97,8 @@ def _gen_masked_fill(b):
 
 
 def _render_const(ins, p, sp):
-    return f"{ins[0]} {p['sym']} torch.tensor({p['vals']}, dtype={sp.dt(p['dt'])})"
+    return (f"{ins[0]} {p['sym']} torch.tensor({p['vals']}, dtype={sp.dt(p['dt'])}, "
+            f"device={ins[0]}.device)")
 
 
 @op("const", _render_const, weight=0.8)
@@ -115,7 +116,8 @@ def _gen_const(b):
                                              "vals": vals if n else vals[0], "dt": key})
 
 
-@op("arange_add", "{0} + torch.arange({0}.shape[{d}]).reshape({view}).to({0}.dtype)", weight=0.4)
+@op("arange_add", "{0} + torch.arange({0}.shape[{d}], device={0}.device).reshape({view})"
+                  ".to({0}.dtype)", weight=0.4)
 def _gen_arange(b):
     v = b.pick(lambda m: len(m[0]) >= 1)
     rank = len(b.meta[v][0])

@@ -228,8 +228,8 @@ def _render_sdpa(ins, p, sp):
     if p["mask"] == "causal":
         extra = ", is_causal=True"
     elif p["mask"] == "bool":
-        extra = (f", attn_mask=torch.ones({q}.shape[-2], {k}.shape[-2], dtype=torch.bool)"
-                 ".tril()")
+        extra = (f", attn_mask=torch.ones({q}.shape[-2], {k}.shape[-2], dtype=torch.bool, "
+                 f"device={q}.device).tril()")
     elif p["mask"] == "tensor":
         extra = f", attn_mask={ins[3]}"
     else:
@@ -255,7 +255,8 @@ def _gen_sdpa(b):
 # ---- in-place buffer updates ----------------------------------------------------------
 
 def _render_index_copy(ins, p, sp):
-    return [f"self.{ins[1]}.index_copy_({p['d']}, torch.tensor({p['idx']}), {ins[0]})",
+    return [f"self.{ins[1]}.index_copy_({p['d']}, torch.tensor({p['idx']}, "
+            f"device={ins[0]}.device), {ins[0]})",
             f"self.{ins[1]}.clone()"]
 
 
