@@ -31,6 +31,7 @@ from kiln.errors import (
 )
 from kiln.frontend.decompositions import DECOMPOSE, FALLBACKS, OVERRIDES
 from kiln.frontend.dim_names import dim_names
+from kiln.frontend.reduction_shapes import fix_reduction_shapes
 from kiln.frontend.train_mode import check_inference_mode
 from kiln.ir import treespec
 from kiln.ir.graph import GraphInput, GraphOutput, KilnGraph, where
@@ -395,6 +396,7 @@ def import_model(model, args, kwargs=None, dynamic_shapes=None,
     _check_no_unbacked(ep)
     _drop_asserts(ep.graph_module)
     _strided_copies_as_clones(ep.graph_module)
+    fix_reduction_shapes(ep.graph_module)
     fallen = check_supported(ep.graph_module, fallback)
     kg = to_kiln_graph(ep)
     kg.fallback_ops = fallen
