@@ -161,6 +161,19 @@ def test_absorbed_decode_equals_the_expanded_form(checkpoint):
     assert torch.equal(auto, run(("expanded", "dense"), ("absorbed", "gathered")))
 
 
+def test_absorbed_form_without_a_cache_attends_over_the_call_s_own_tokens(checkpoint):
+    model, _ = ds.load_checkpoint(checkpoint[0], torch.float32, max_seq_len=32)
+    assert model.cache is None
+    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 7),
+                           generator=torch.Generator().manual_seed(6))
+    outs = []
+    for form in ("absorbed", "expanded"):
+        model.use_forms(form, "dense")
+        with torch.no_grad():
+            outs.append(model(tokens, torch.arange(3, 10)))  # positions need not start at 0
+    assert rel_err(outs[0], outs[1]) <= 1e-5
+
+
 def test_interpret_target_runs_the_generated_latent_attention_kernel(checkpoint):
     """On a Triton target absorbed decode is kiln's latent attention kernel over the
     paged cache as stored (templates/latent_attention): logits of a prefill and decode
