@@ -126,15 +126,18 @@ def _v3_spec(heads: int, block: int | None):
     return latent.generate(_region(plan), plan, SM90)
 
 
-@pytest.mark.parametrize("heads,block", [(128, None), (16, 64)], ids=["128-contiguous",
-                                                                      "16-paged"])
-def test_every_v3_candidate_fits_sm90_within_its_estimate(heads, block):
+@pytest.mark.parametrize("heads,block,block_h", [(128, None, 64), (128, None, 32),
+                                                 (128, None, 16), (16, 64, 16)],
+                         ids=["128-contiguous-64", "128-contiguous-32", "128-contiguous-16",
+                              "16-paged-16"])
+def test_every_v3_candidate_fits_sm90_within_its_estimate(heads, block, block_h):
+    """Each head block's candidates (key blocks, split or not) compiled for sm_90."""
     spec = _v3_spec(heads, block)
-    assert {c["BLOCK_H"] for c in spec.configs} == ({16, 32} if heads > 16 else {16})
+    assert {c["BLOCK_H"] for c in spec.configs} == ({16, 32, 64} if heads > 16 else {16})
     assert {c["KV_SPLIT"] for c in spec.configs} == {1, latent.SPLIT_CAP}
     fit = fitting_configs(spec, SM90)
     assert set(fit.configs) == set(spec.configs)  # estimated to fit, none dropped
-    for config in spec.configs:
+    for config in (c for c in spec.configs if c["BLOCK_H"] == block_h):
         real = compile_binary(spec, config, SM90).resources
         est = estimate(spec, config, SM90)
         assert real.shared <= est.shared <= SM90.shared_mem_per_block, (config, real, est)

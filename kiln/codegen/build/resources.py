@@ -156,8 +156,8 @@ def _latent_attention(spec: KernelSpec, c: Config, target: Target, threads: int)
     a dot operand twice (transposed for the scores, as is for the output). Fitted to
     its compiled figures for sm_90 (R = 512, P = 64, bf16; tests/codegen/
     test_latent_attention.py checks every candidate): with wgmma (64-head blocks) the
-    cache tile is staged once per stage (and a split's merge converts the fp32
-    accumulator through shared memory); with mma.sync, two stages hold one cache tile
+    cache tile is staged once per stage (and a split's part goes to memory through
+    shared memory, as fp32); with mma.sync, two stages hold one cache tile
     and the P tile, one stage converts the latent twice (an upper estimate)."""
     meta = spec.meta
     e = _BYTES.get(meta.get("dtype"), 4)
@@ -167,7 +167,7 @@ def _latent_attention(spec: KernelSpec, c: Config, target: Target, threads: int)
     tile = bn * (rp + pp) * e
     if _wgmma(target, bh, c, meta.get("dtype")):
         shared = q + max(1, s) * tile
-        if c["KV_SPLIT"] > 1:  # merging the parts converts the fp32 accumulator via shared
+        if c["KV_SPLIT"] > 1:  # storing a part converts the fp32 accumulator via shared
             shared = max(shared, bh * rp * 4)
     elif s <= 1:
         shared = q + bn * (2 * rp + pp + bh) * e

@@ -18,6 +18,7 @@ from kiln.codegen.templates.latent_attention.analysis import LatentShape, pow2
 from kiln.codegen.templates.matmul.template import dot_operand
 
 LOG2E = 1.4426950408889634
+DC = 64  # output columns the merge of a split takes at a time
 _TL = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32"}
 
 
@@ -142,10 +143,13 @@ class LatentBody:
         return L
 
     def _combine(self) -> list[str]:
-        """With the keys split: each part stores its unnormalised acc, running max and
-        sum; the last program to arrive merges the parts that had keys by their maxima
-        (parts past the row's keys are left unread), and alone stores."""
-        rp = self.rp
+        """With the keys split: each part with keys stores its unnormalised acc, running
+        max and sum; the last program to arrive merges the parts that had keys (parts
+        past the row's keys are left unread) by their maxima and stores the output, DC
+        columns at a time: it never holds a part beside the whole accumulator, so a
+        wide latent (V3's 512) can split at any head block. The others store nothing."""
+        s, rp = self.s, self.rp
+        dc = min(DC, rp)
         numel = f"BLOCK_H * {rp + 2}"
         acc_at = f"ar[:, None] * {rp} + tl.arange(0, {rp})[None, :]"
         m_at, l_at = f"BLOCK_H * {rp} + ar", f"BLOCK_H * {rp + 1} + ar"
@@ -156,6 +160,12 @@ class LatentBody:
                  f"    tl.store({split.part(numel)} + {l_at}, l_i, mask=hr_ok)"]
         part = split.part(numel, "s")
         m_part = split.load_part(f"{part} + {m_at}", "hr_ok", 'float("-inf")')
+        l_part = split.load_part(f"{part} + {l_at}", "hr_ok")
+        cols = f"ar[:, None] * {rp} + dc"
+        with self.em.block() as out_lines:
+            self.em.store(s.out, (self.b, self.t, self.h, _v("dc", s.latent_dim)),
+                          self.em.let("o", torch.float32, frozenset({"hh", "dc"})),
+                          mask_of(self.h_ok, Cond(f"dc < {s.latent_dim}", frozenset({"dc"}))))
         combine = [
             "n_used = tl.cdiv(kv_end, per_split)",
             'm_i = tl.full([BLOCK_H], float("-inf"), tl.float32)',
@@ -163,13 +173,19 @@ class LatentBody:
             f"    m_i = tl.maximum(m_i, {m_part})",
             'm_use = tl.where(m_i == float("-inf"), 0.0, m_i)',
             "l_i = tl.zeros([BLOCK_H], tl.float32)",
-            f"acc = tl.zeros([BLOCK_H, {rp}], tl.float32)",
             "for s in range(0, n_used):",
-            f"    scale = tl.exp2({m_part} - m_use)",
-            f"    l_i += {split.load_part(f'{part} + {l_at}', 'hr_ok')} * scale",
-            f"    acc += {split.load_part(f'{part} + {acc_at}', 'h_ok')} * scale[:, None]",
+            f"    l_i += {l_part} * tl.exp2({m_part} - m_use)",
+            "l_inv = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)",
+            f"for c0 in tl.static_range(0, {rp}, {dc}):",
+            *_indent([
+                f"dc = c0 + tl.arange(0, {dc})[None, :]",
+                f"o = tl.zeros([BLOCK_H, {dc}], tl.float32)",
+                "for s in range(0, n_used):",
+                f"    w = tl.exp2({m_part} - m_use) * l_inv",
+                f"    o += {split.load_part(f'{part} + {cols}', 'h_ok')} * w[:, None]",
+                *out_lines]),
         ]
-        gate = [f"h_ok = hh < tl.where(last, {self.s.heads}, 0)"]  # only the last stores
+        gate = ["h_ok = h_ok & (n_split == 1)"]  # a split's output is stored by the merge
         return split.arrive("KV_SPLIT", "pid_z * tl.num_programs(0) + pid_h", store, combine,
                             gate)
 

@@ -15,9 +15,10 @@ layer), so the kernel reads each cache block once for a block of heads:
 - paged: key s is at block_table[b, s // block_size], s % block_size, the table read
   once per key step; contiguous: at [b, s];
 - when batch x queries x head blocks are too few to fill the GPU (decode at batch 1:
-  V3's 128 heads are 4 to 8 programs), the keys are split across programs
+  V3's 128 heads are 2 to 8 programs), the keys are split across programs
   (kiln.codegen.templates.split_k, flash-decoding): each part stores its unnormalised
-  output with its max and sum, and the last to arrive merges the parts that had keys.
+  output with its max and sum, and the last to arrive merges the parts that had keys
+  and stores the output, a column block at a time.
 
 Operands are read through the region's fused views by the expression emitter (the
 cache's two parts are slices of one buffer, read in place). Widths come from the
@@ -32,7 +33,6 @@ from kiln.codegen.expr.kernel_args import SymbolicArgs
 from kiln.codegen.templates import split_k as split
 from kiln.codegen.templates.latent_attention.analysis import OP, LatentShape, analyse, pow2
 from kiln.codegen.templates.latent_attention.body import LatentBody
-from kiln.codegen.templates.matmul.configs import can_split
 from kiln.ir.plan import DispatchPlan, Region
 from kiln.target import Target
 
@@ -41,48 +41,60 @@ __all__ = ["OP", "config_space", "generate", "heuristic"]
 HEAD_BLOCKS = (64, 32, 16)
 KEY_BLOCKS = (64, 32, 16)
 MIN_SPLIT_BLOCKS = 2  # key blocks a split gets at least
-SPLIT_CAP = 32  # most parts the keys are split into
+SPLIT_CAP = 64  # most parts the keys are split into
 MAX_ACC_REGISTERS = 64  # fp32 accumulator elements per thread a config may hold
-WARPS = (4, 8)  # 16 warps leave 128 registers a thread: spilled at R = 512
+STAGES = (2,)  # the key loop is bound by its loads: one stage (nothing in flight) took
+# more shared memory and registers than two at V3's widths on sm_90 (compile-only)
+WARPS = (4, 8)  # 16 warps leave 128 registers a thread: spilled heavily at R = 512
+
+
+def _warps(shape: LatentShape, block_h: int) -> int | None:
+    """The fewest warps that hold a head block's fp32 accumulator (BLOCK_H x R) in
+    MAX_ACC_REGISTERS a thread; else 8 while it takes at most twice that (64 heads at
+    V3's 512: spills a little on sm_90, and halves the cache re-reads: the tuner
+    decides); None beyond."""
+    rp = pow2(shape.latent_dim)
+    for w in WARPS:
+        if block_h * rp / (w * 32) <= MAX_ACC_REGISTERS:
+            return w
+    return WARPS[-1] if block_h * rp / (WARPS[-1] * 32) <= 2 * MAX_ACC_REGISTERS else None
 
 
 def config_space(shape: LatentShape) -> list[Config]:
-    """Head blocks, key blocks, stages and splitting or not, most heads per program
-    first (each head block reads the cache once more).
+    """Head blocks (with their warps), key blocks and splitting or not, most
+    heads per program first: each head block reads the cache once more (from L2).
 
-    Each head block gets the fewest warps that hold its fp32 accumulator in at most
-    MAX_ACC_REGISTERS a thread (BLOCK_H x R / threads), and key tiles are at most 16 K
-    elements (BLOCK_N x R): compiled for sm_90 at V3's R = 512, more than either spilled
-    (the q tile is held in registers too). A split needs room for the accumulator and
-    a part at once (matmul.configs.can_split)."""
+    Key tiles are at most 16 K elements (BLOCK_N x R): compiled for sm_90 at V3's
+    R = 512, larger ones spilled (the q tile is held in registers too). Every config
+    may split: the merge never holds a part beside the accumulator (body._combine)."""
     rp = pow2(shape.latent_dim)
     heads = [h for h in HEAD_BLOCKS if h <= pow2(shape.heads)] or [16]
     keys = [n for n in KEY_BLOCKS if n * rp <= 16 * 1024] or [16]
     configs = []
     for bh in heads:
-        warps = next((w for w in WARPS if bh * rp / (w * 32) <= MAX_ACC_REGISTERS), None)
+        warps = _warps(shape, bh)
         if warps is None:
             continue
         for bn in keys:
-            for stages in (2, 1):
-                for cap in (SPLIT_CAP, 1) if can_split(bh * rp, warps) else (1,):
+            for stages in STAGES:
+                for cap in (SPLIT_CAP, 1):
                     configs.append(Config.make(warps, stages, BLOCK_H=bh, BLOCK_N=bn,
                                                KV_SPLIT=cap))
     return configs
 
 
 def heuristic(shape: LatentShape, target: Target) -> Config:
-    """The untuned choice: 16 heads per program with 4 warps at V3's widths (a
-    [32, 512] key tile, two stages, 64 accumulator registers a thread; compiled for
-    sm_90 without spilling), so that a 128-head decode has 8 head blocks per query and
-    still splits its keys; 32 heads at narrower latents. The interpreter runs one stage."""
+    """The untuned choice: 32 heads per program (16 when there are no more), with the
+    warps that hold the accumulator in 64 registers a thread (8 at V3's 512: compiled
+    for sm_90 without spilling), so a 128-head decode reads each cache tile 4 times
+    (from L2) and its keys split enough to fill the GPU; [32, 512] key tiles, two
+    stages. The interpreter runs one stage."""
     rp = pow2(shape.latent_dim)
-    bh = 16 if rp >= 512 or shape.heads <= 16 else 32
-    warps = next(w for w in WARPS if bh * rp / (w * 32) <= MAX_ACC_REGISTERS)
+    bh = 16 if shape.heads <= 16 else 32
     bn = 32 if rp >= 256 else 64
     stages = 1 if target.backend == "interpret" else 2
-    cap = SPLIT_CAP if can_split(bh * rp, warps) else 1
-    return Config.make(warps, stages, BLOCK_H=bh, BLOCK_N=bn, KV_SPLIT=cap)
+    return Config.make(_warps(shape, bh) or WARPS[-1], stages, BLOCK_H=bh, BLOCK_N=bn,
+                       KV_SPLIT=SPLIT_CAP)
 
 
 def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
