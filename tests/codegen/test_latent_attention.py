@@ -83,6 +83,30 @@ def test_interpreted_bf16_kernel():
     assert out.dtype == torch.bfloat16 and rel_err(out, ref) <= 1e-2
 
 
+class Views(torch.nn.Module):
+    """q_rope one head broadcast to all, the cache a transposed view: read in place."""
+
+    def forward(self, q_latent, q_rope_one, cache_t, pos):
+        q_rope = q_rope_one.expand(-1, -1, q_latent.shape[2], -1)
+        cache = cache_t.transpose(1, 2)
+        return latent_attention(q_latent, q_rope, cache[..., :30], cache[..., 30:], pos, SCALE)
+
+
+def test_operands_are_read_through_their_views():
+    gen = torch.Generator().manual_seed(11)
+    args = (torch.randn(2, 1, 5, 30, generator=gen), torch.randn(2, 1, 1, 6, generator=gen),
+            torch.randn(2, 36, 21, generator=gen), torch.tensor([[7], [20]]))
+    exe = kiln.compile(Views(), args, target="interpret")
+    region = _region(exe.program.plan)
+    assert isinstance(exe.program.kplan.kernels[region.name], TritonKernel)
+    assert set(region.inputs) == {"q_latent", "q_rope_one", "cache_t", "pos"}  # no copies
+    q_latent, q_rope_one, cache_t, pos = args
+    cache = cache_t.transpose(1, 2)
+    ref = einsum_reference(q_latent, q_rope_one.expand(-1, -1, 5, -1), cache[..., :30],
+                           cache[..., 30:], pos, SCALE)
+    assert rel_err(exe(*args), ref) <= 1e-5
+
+
 def _kernel_at(model, args, **params):
     """The kernel with some tunables set, run by the interpreter on `args`."""
     plan = kiln.compile(model, args, compile_to="dispatch")

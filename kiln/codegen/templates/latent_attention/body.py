@@ -12,7 +12,7 @@ import torch
 from kiln.codegen.expr.emit import Emitter
 from kiln.codegen.expr.indexing import Lin, Var, floordiv, modidx
 from kiln.codegen.expr.kernel_args import SymbolicArgs
-from kiln.codegen.expr.values import Cond, Val, mask_of
+from kiln.codegen.expr.values import Cond, Val, mask_code, mask_of
 from kiln.codegen.templates import split_k as split
 from kiln.codegen.templates.latent_attention.analysis import LatentShape, pow2
 from kiln.codegen.templates.matmul.template import dot_operand
@@ -87,11 +87,18 @@ class LatentBody:
         return L + self._store()
 
     def _tile(self, target: str, name: str, index, mask, tile: str, full: set) -> list[str]:
-        """`target = ` operand `name` at `index`; broadcast to `tile` when the value does
-        not vary along all of `full` (an operand that a view broadcast)."""
+        """`target = ` operand `name` at `index` as a full `tile`, zero outside `mask`. A
+        plain masked load is that already; a value a fused prologue computed (from
+        masked loads: exp(0) is not 0, log(0) * 0 is NaN) or a view broadcast (not
+        varying along all of `full`) is selected, so padded lanes add nothing to a dot."""
         with self.em.block() as lines:
             v = self.em.value(name, index, mask)
+        if full <= v.vars and len(lines) == 1 and lines[0].startswith(f"{v.code} = tl.load("):
+            return lines + [f"{target} = {v.code}"]
         code = v.code if full <= v.vars else f"tl.broadcast_to({v.code}, {tile})"
+        ok = mask_code(mask)
+        if ok:
+            code = f"tl.where({ok}, {code}, 0.0).to({_TL[self.s.dtype]})"
         return lines + [f"{target} = {code}"]
 
     def _cache_rows(self) -> tuple[list[str], tuple]:
