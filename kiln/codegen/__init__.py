@@ -13,7 +13,8 @@ Three layers, each a folder named for its question, importing downward only
               (elementwise, gather), kernel parameters, the jit helpers' sources.
 - templates/  how a region kind becomes a kernel: pointwise, copy, reduction (row
               kernels and their forms), matmul (and its configs), attention,
-              gated_delta (kiln::gated_delta_rule), split_k.
+              gated_delta (kiln::gated_delta_rule), latent_attention
+              (kiln::latent_attention), split_k.
 - autotune/   which config of a kernel to run: isolated compile workers, the
               quarantine, the choice cache, timing.
 

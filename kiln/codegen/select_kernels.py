@@ -23,6 +23,7 @@ from kiln.codegen.kernel_plan import KernelPlan
 from kiln.codegen.templates import copy, pointwise
 from kiln.codegen.templates.attention import template as attention
 from kiln.codegen.templates.gated_delta import template as gated_delta
+from kiln.codegen.templates.latent_attention import template as latent_attention
 from kiln.codegen.templates.matmul import template as matmul
 from kiln.codegen.templates.reduction import row_kernel as reduction
 from kiln.codegen.torch_kernel import TorchKernel
@@ -49,6 +50,7 @@ TEMPLATES: dict[RegionKind, Template] = {
 # kept whole through export (a recurrence no fusion could rebuild), generated here.
 EXTERN_TEMPLATES: dict[str, Template] = {
     gated_delta.OP: gated_delta.generate,
+    latent_attention.OP: latent_attention.generate,
 }
 
 

@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kiln.ops
 from kiln.errors import KilnError, ShapeError
 from kiln.models.kv_cache import ContiguousLatentCache, PagedLatentCache
 from kiln.models.llama import MLP, RMSNorm, attention_mask
@@ -248,13 +249,15 @@ class LatentAttention(nn.Module):
         q_rope = apply_rope(q_rope, cos, sin, cfg.rope_interleave)
         k_rope = apply_rope(k_rope, cos[:, :, 0], sin[:, :, 0], cfg.rope_interleave)
         latent = torch.cat((self.kv_a_layernorm(c), k_rope), dim=-1)  # [B, T, latent_dim]
-        if self.latent_cache is not None:  # the sequence's whole cache [B, S, latent_dim]
-            latent = self.latent_cache.update(input_pos, latent, block_table)
         # Under torch.export a dynamic T is a SymInt: only a decode module's T is an int.
         absorbed = self.form == "absorbed" or (self.form == "auto" and isinstance(T, int)
                                                and T == 1)
-        attend = self.absorbed if absorbed else self.expanded
-        y = attend(q_nope, q_rope, latent, mask)  # [B, T, H, v_head_dim]
+        if absorbed:  # reads the cache in place, as kiln.ops.latent_attention's layout
+            y = self.absorbed(q_nope, q_rope, latent, input_pos, block_table)
+        else:
+            if self.latent_cache is not None:  # the sequence's whole cache [B, S, latent_dim]
+                latent = self.latent_cache.update(input_pos, latent, block_table)
+            y = self.expanded(q_nope, q_rope, latent, mask)  # [B, T, H, v_head_dim]
         return self.o_proj(y.reshape(B, T, cfg.n_heads * cfg.v_head_dim))
 
     def expanded(self, q_nope, q_rope, latent, mask):
@@ -271,21 +274,25 @@ class LatentAttention(nn.Module):
                                            v.transpose(1, 2), attn_mask=mask, scale=self.scale)
         return y.transpose(1, 2)
 
-    def absorbed(self, q_nope, q_rope, latent, mask):
+    def absorbed(self, q_nope, q_rope, latent, input_pos, block_table):
         """Attention over the latents themselves: decode's form.
 
         score(t, s) = q_nope . W_UK c_s + q_rope . k_rope_s = [W_UK^T q_nope, q_rope] .
         latent_s, so every head attends to the same one-head keys (the latents) and
-        values (their c part); W_UV then maps each head's weighted c to its value space.
+        values (their c part): one kiln.ops.latent_attention over the cache as it is
+        stored; W_UV then maps each head's weighted c to its value space.
         """
         cfg = self.cfg
+        r = cfg.kv_lora_rank
         q_latent = torch.einsum("bthn,hnr->bthr", q_nope, self.w_uk)
-        q = torch.cat((q_latent, q_rope), dim=-1).transpose(1, 2)  # [B, H, T, latent_dim]
-        k = latent[:, None]  # [B, 1, S, latent_dim]
-        v = latent[:, None, :, :cfg.kv_lora_rank]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                           enable_gqa=True)  # [B, H, T, r]
-        return torch.einsum("bhtr,hrv->bthv", y, self.w_uv)
+        if self.latent_cache is None:  # the call's own tokens are the whole sequence
+            cache, table, pos = latent, None, input_pos - input_pos[:, :1]
+        else:
+            self.latent_cache.write(input_pos, latent, block_table)
+            cache, table, pos = self.latent_cache.rows(), block_table, input_pos
+        y = kiln.ops.latent_attention(q_latent, q_rope, cache[..., :r], cache[..., r:], pos,
+                                      self.scale, table)  # [B, T, H, r]
+        return torch.einsum("bthr,hrv->bthv", y, self.w_uv)
 
 
 # ---- the model ------------------------------------------------------------------------

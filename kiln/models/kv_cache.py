@@ -139,12 +139,19 @@ class ContiguousLatentCache(nn.Module):
     def positions(self, block_table, device) -> torch.Tensor:
         return torch.arange(self.max_seq_len, device=device)[None]
 
+    def write(self, input_pos, latent, block_table=None):
+        """Write latent [B, T, width] at input_pos [B, T]."""
+        rows = torch.arange(latent.shape[0], device=latent.device)[:, None]
+        self.latent_cache[rows, input_pos] = latent
+
     def update(self, input_pos, latent, block_table=None):
         """Write latent [B, T, width] at input_pos [B, T]; return rows 0..B-1 [B, S, width]."""
-        B = latent.shape[0]
-        rows = torch.arange(B, device=latent.device)[:, None]
-        self.latent_cache[rows, input_pos] = latent
-        return self.latent_cache[:B]
+        self.write(input_pos, latent)
+        return self.latent_cache[:latent.shape[0]]
+
+    def rows(self) -> torch.Tensor:
+        """The whole cache in kiln.ops.latent_attention's contiguous layout [rows, S, width]."""
+        return self.latent_cache
 
 
 class PagedLatentCache(nn.Module):
@@ -164,14 +171,20 @@ class PagedLatentCache(nn.Module):
     def positions(self, block_table, device) -> torch.Tensor:
         return torch.arange(block_table.shape[1] * self.block_size, device=device)[None]
 
-    def update(self, input_pos, latent, block_table):
-        """Write latent [B, T, width] at input_pos [B, T] through block_table [B, W];
-        return each row's W blocks as [B, W * block_size, width]."""
+    def write(self, input_pos, latent, block_table):
+        """Write latent [B, T, width] at input_pos [B, T] through block_table [B, W]."""
         bs = self.block_size
         slots = block_table.gather(1, input_pos // bs) * bs + input_pos % bs
         self.latent_cache[slots] = latent
-        blocks = self.latent_cache.view(self.num_blocks, bs, latent.shape[-1])
-        return blocks[block_table].flatten(1, 2)
+
+    def update(self, input_pos, latent, block_table):
+        """Write as `write`; return each row's W blocks as [B, W * block_size, width]."""
+        self.write(input_pos, latent, block_table)
+        return self.rows()[block_table].flatten(1, 2)
+
+    def rows(self) -> torch.Tensor:
+        """The pool in kiln.ops.latent_attention's paged layout [blocks, block_size, width]."""
+        return self.latent_cache.view(self.num_blocks, self.block_size, -1)
 
 
 class LinearAttentionState(nn.Module):

@@ -7,5 +7,6 @@ implementation for export. Importing this package registers them.
 
 import kiln.ops.collectives  # noqa: F401
 from kiln.ops.gated_delta_rule import gated_delta_rule
+from kiln.ops.latent_attention import latent_attention
 
-__all__ = ["gated_delta_rule"]
+__all__ = ["gated_delta_rule", "latent_attention"]

@@ -161,6 +161,49 @@ def test_absorbed_decode_equals_the_expanded_form(checkpoint):
     assert torch.equal(auto, run(("expanded", "dense"), ("absorbed", "gathered")))
 
 
+def test_absorbed_form_without_a_cache_attends_over_the_call_s_own_tokens(checkpoint):
+    model, _ = ds.load_checkpoint(checkpoint[0], torch.float32, max_seq_len=32)
+    assert model.cache is None
+    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 7),
+                           generator=torch.Generator().manual_seed(6))
+    outs = []
+    for form in ("absorbed", "expanded"):
+        model.use_forms(form, "dense")
+        with torch.no_grad():
+            outs.append(model(tokens, torch.arange(3, 10)))  # positions need not start at 0
+    assert rel_err(outs[0], outs[1]) <= 1e-5
+
+
+def test_interpret_target_runs_the_generated_latent_attention_kernel(checkpoint):
+    """On a Triton target absorbed decode is kiln's latent attention kernel over the
+    paged cache as stored (templates/latent_attention): logits of a prefill and decode
+    steps as transformers', and a batch of two prompts of different lengths decodes
+    each as alone."""
+    import kiln.models
+    from kiln.codegen.build.triton_kernel import TritonKernel
+
+    path, hf_model = checkpoint
+    llm = kiln.models.load(path, dtype=torch.float32, target="interpret", max_seq_len=32,
+                           max_batch_size=2, paged=True, block_size=4)
+    exe = llm.decode_module
+    kernels = [exe.program.kplan.kernels[r.name] for r in exe.program.plan.regions
+               if any(op.target == "kiln.latent_attention.default" for op in r.ops)]
+    assert len(kernels) == CONFIG["num_hidden_layers"]
+    assert all(isinstance(k, TritonKernel) for k in kernels)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (1, 12),
+                           generator=torch.Generator().manual_seed(5))
+    table = torch.tensor([[3, 1, 2]])  # blocks out of order
+    with torch.no_grad():
+        ref = hf_model(tokens).logits
+    out = [llm.forward(tokens[:, :9], torch.arange(9), table)]
+    out += [llm.forward(tokens[:, p:p + 1], torch.tensor([p]), table) for p in (9, 10, 11)]
+    out = torch.cat(out, dim=1)
+    assert rel_err(out[:, 9:], ref[:, 9:]) <= 1e-4, rel_err(out[:, 9:], ref[:, 9:])
+    prompts = [[5, 9, 77, 31, 2, 8, 40, 19, 3], [11, 60, 7]]  # 9 and 3: not whole blocks
+    got = llm.generate(prompts, max_new_tokens=4, ignore_eos=True)
+    assert [g.ids for g in got] == [_greedy_reference(hf_model, p, 4) for p in prompts]
+
+
 def test_bfloat16_matches_transformers_in_bfloat16(checkpoint):
     path, hf_model = checkpoint
     model, _ = ds.load_checkpoint(path, torch.bfloat16, max_seq_len=32)

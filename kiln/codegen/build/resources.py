@@ -150,7 +150,36 @@ def _gated_delta(spec: KernelSpec, c: Config, target: Target, threads: int):
     return shared, _BASE_REGISTERS + state + tiles
 
 
-_MODELS = {"matmul": _matmul, "attention": _attention, "gated_delta": _gated_delta}
+def _latent_attention(spec: KernelSpec, c: Config, target: Target, threads: int):
+    """The latent attention kernel (templates/latent_attention): the q and rope tiles
+    [BLOCK_H, R + P] are staged once; per key step the cache tile [BLOCK_N, R + P] is
+    a dot operand twice (transposed for the scores, as is for the output). Fitted to
+    its compiled figures for sm_90 (R = 512, P = 64, bf16; tests/codegen/
+    test_latent_attention.py checks every candidate): with wgmma (64-head blocks) the
+    cache tile is staged once per stage (and a split's part goes to memory through
+    shared memory, as fp32); with mma.sync, two stages hold one cache tile
+    and the P tile, one stage converts the latent twice (an upper estimate)."""
+    meta = spec.meta
+    e = _BYTES.get(meta.get("dtype"), 4)
+    rp, pp = meta.get("latent_dim_pad", 512), meta.get("rope_dim_pad", 64)
+    bh, bn, s = c["BLOCK_H"], c["BLOCK_N"], c.num_stages
+    q = bh * (rp + pp) * e
+    tile = bn * (rp + pp) * e
+    if _wgmma(target, bh, c, meta.get("dtype")):
+        shared = q + max(1, s) * tile
+        if c["KV_SPLIT"] > 1:  # storing a part converts the fp32 accumulator via shared
+            shared = max(shared, bh * rp * 4)
+    elif s <= 1:
+        shared = q + bn * (2 * rp + pp + bh) * e
+    else:
+        shared = q + (s - 1) * tile + bh * bn * e
+    acc = bh * rp / threads
+    frags = bh * (rp + pp) * e / 4 / threads + 3 * bh * bn / threads
+    return shared, _BASE_REGISTERS + acc + frags
+
+
+_MODELS = {"matmul": _matmul, "attention": _attention, "gated_delta": _gated_delta,
+           "latent_attention": _latent_attention}
 
 
 def violations(res: Resources, target: Target) -> list[str]:

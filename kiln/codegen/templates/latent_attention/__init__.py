@@ -1,0 +1,1 @@
+"""The latent attention template (kiln::latent_attention): MLA decode over a latent cache."""

@@ -1,0 +1,129 @@
+"""The latent attention template: one Triton kernel for a region holding kiln::latent_attention.
+
+The op (kiln.ops.latent_attention) is MLA's absorbed attention: every head attends to
+the same cached rows, the row (latent R + rotary key P) as its key and the latent as
+its value. A decode step is bound by reading the cache (V3: 576 numbers per token per
+layer), so the kernel reads each cache block once for a block of heads:
+
+- a program takes one query (batch row b, query t) and BLOCK_H heads: its q tile
+  [BLOCK_H, R] and rope tile [BLOCK_H, P] stay in registers; per BLOCK_N keys it
+  loads the latent [BLOCK_N, R] and rotary key [BLOCK_N, P] once and uses the latent
+  twice, as keys (scores = q kv^T + qr kr^T, two tl.dot in 16 bits) and as values
+  (acc += p kv); online softmax in fp32 (exp2, running max and sum);
+- keys stop at the query's position (input_pos[b, t]): a row never reads past its
+  context, however long the cache (contiguous max_seq_len, or the table's blocks);
+- paged: key s is at block_table[b, s // block_size], s % block_size, the table read
+  once per key step; contiguous: at [b, s];
+- when batch x queries x head blocks are too few to fill the GPU (decode at batch 1:
+  V3's 128 heads are 2 to 8 programs), the keys are split across programs
+  (kiln.codegen.templates.split_k, flash-decoding): each part stores its unnormalised
+  output with its max and sum, and the last to arrive merges the parts that had keys
+  and stores the output, a column block at a time.
+
+Operands are read through the region's fused views by the expression emitter (the
+cache's two parts are slices of one buffer, read in place). Widths come from the
+shapes (padded to powers of two, masked), so tiny test models run the same kernel.
+"""
+
+from __future__ import annotations
+
+from kiln.codegen.build.spec import Config, KernelSpec
+from kiln.codegen.expr.emit import Emitter, kernel_name, module_source
+from kiln.codegen.expr.kernel_args import SymbolicArgs
+from kiln.codegen.templates import split_k as split
+from kiln.codegen.templates.latent_attention.analysis import OP, LatentShape, analyse, pow2
+from kiln.codegen.templates.latent_attention.body import LatentBody
+from kiln.ir.plan import DispatchPlan, Region
+from kiln.target import Target
+
+__all__ = ["OP", "config_space", "generate", "heuristic"]
+
+HEAD_BLOCKS = (64, 32, 16)
+KEY_BLOCKS = (64, 32, 16)
+MIN_SPLIT_BLOCKS = 2  # key blocks a split gets at least
+SPLIT_CAP = 64  # most parts the keys are split into
+MAX_ACC_REGISTERS = 64  # fp32 accumulator elements per thread a config may hold
+STAGES = (2,)  # the key loop is bound by its loads: one stage (nothing in flight) took
+# more shared memory and registers than two at V3's widths on sm_90 (compile-only)
+WARPS = (4, 8)  # 16 warps leave 128 registers a thread: spilled heavily at R = 512
+
+
+def _warps(shape: LatentShape, block_h: int) -> int | None:
+    """The fewest warps that hold a head block's fp32 accumulator (BLOCK_H x R) in
+    MAX_ACC_REGISTERS a thread; else 8 while it takes at most twice that (64 heads at
+    V3's 512: spills a little on sm_90, and halves the cache re-reads: the tuner
+    decides); None beyond."""
+    rp = pow2(shape.latent_dim)
+    for w in WARPS:
+        if block_h * rp / (w * 32) <= MAX_ACC_REGISTERS:
+            return w
+    return WARPS[-1] if block_h * rp / (WARPS[-1] * 32) <= 2 * MAX_ACC_REGISTERS else None
+
+
+def config_space(shape: LatentShape) -> list[Config]:
+    """Head blocks (with their warps), key blocks and splitting or not, most
+    heads per program first: each head block reads the cache once more (from L2).
+
+    Key tiles are at most 16 K elements (BLOCK_N x R): compiled for sm_90 at V3's
+    R = 512, larger ones spilled (the q tile is held in registers too). Every config
+    may split: the merge never holds a part beside the accumulator (body._combine)."""
+    rp = pow2(shape.latent_dim)
+    heads = [h for h in HEAD_BLOCKS if h <= pow2(shape.heads)] or [16]
+    keys = [n for n in KEY_BLOCKS if n * rp <= 16 * 1024] or [16]
+    configs = []
+    for bh in heads:
+        warps = _warps(shape, bh)
+        if warps is None:
+            continue
+        for bn in keys:
+            for stages in STAGES:
+                for cap in (SPLIT_CAP, 1):
+                    configs.append(Config.make(warps, stages, BLOCK_H=bh, BLOCK_N=bn,
+                                               KV_SPLIT=cap))
+    return configs
+
+
+def heuristic(shape: LatentShape, target: Target) -> Config:
+    """The untuned choice: 32 heads per program (16 when there are no more), with the
+    warps that hold the accumulator in 64 registers a thread (8 at V3's 512: compiled
+    for sm_90 without spilling), so a 128-head decode reads each cache tile 4 times
+    (from L2) and its keys split enough to fill the GPU; [32, 512] key tiles, two
+    stages. The interpreter runs one stage."""
+    rp = pow2(shape.latent_dim)
+    bh = 16 if shape.heads <= 16 else 32
+    bn = 32 if rp >= 256 else 64
+    stages = 1 if target.backend == "interpret" else 2
+    return Config.make(_warps(shape, bh) or WARPS[-1], stages, BLOCK_H=bh, BLOCK_N=bn,
+                       KV_SPLIT=SPLIT_CAP)
+
+
+def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
+    """The latent attention kernel of `region`; raises CodegenUnsupported saying why not."""
+    shape = analyse(region, plan)
+    p = SymbolicArgs(plan.symbols)
+    em = Emitter(region, plan, p, target)
+    for name in list(region.inputs) + list(region.outputs):
+        p.check_extent(plan.values[name].numel)
+    lines = LatentBody(em, p, shape).lines()
+    name = kernel_name("latent_attention", region)
+    tunables = ["BLOCK_H", "BLOCK_N", "KV_SPLIT"]
+    params = p.names() + [split.PARTS, split.COUNTS] + [f"{t}: tl.constexpr" for t in tunables]
+    source = module_source(name, params, lines, em.helpers, target, p.describe())
+    head_blocks = f"cdiv({shape.heads}, BLOCK_H)"
+    queries = p.grid(shape.batch * shape.tq)
+    tiles = f"{head_blocks} * {queries}"
+    n_split = split.count("KV_SPLIT", tiles, target.multiprocessors,
+                          f"cdiv({p.grid(shape.keys)}, {MIN_SPLIT_BLOCKS} * BLOCK_N)")
+    configs = config_space(shape)
+    default = heuristic(shape, target)
+    if default not in configs:
+        configs.insert(0, default)
+    rp = pow2(shape.latent_dim)
+    meta = {"latent_dim": shape.latent_dim, "rope_dim": shape.rope_dim,
+            "latent_dim_pad": rp, "rope_dim_pad": pow2(shape.rope_dim),
+            "heads": shape.heads, "paged": shape.paged,
+            "dtype": str(shape.dtype).replace("torch.", "")}
+    return KernelSpec(name, source, p.args(), tunables, (head_blocks, queries, n_split),
+                      configs, default, "latent_attention", meta,
+                      64 if p.needs_int64 else 32,
+                      scratch=split.scratch(tiles, n_split, f"BLOCK_H * {rp + 2}"))
