@@ -22,6 +22,7 @@ from kiln.codegen.expr.values import CodegenUnsupported
 from kiln.codegen.kernel_plan import KernelPlan
 from kiln.codegen.templates import copy, pointwise
 from kiln.codegen.templates.attention import template as attention
+from kiln.codegen.templates.fp8_matmul import template as fp8_matmul
 from kiln.codegen.templates.gated_delta import template as gated_delta
 from kiln.codegen.templates.matmul import template as matmul
 from kiln.codegen.templates.reduction import row_kernel as reduction
@@ -49,6 +50,7 @@ TEMPLATES: dict[RegionKind, Template] = {
 # kept whole through export (a recurrence no fusion could rebuild), generated here.
 EXTERN_TEMPLATES: dict[str, Template] = {
     gated_delta.OP: gated_delta.generate,
+    fp8_matmul.OP: fp8_matmul.generate,
 }
 
 

@@ -1,0 +1,189 @@
+"""The block-scaled fp8 GEMM: one Triton kernel for a region holding kiln::fp8_linear.
+
+The op (kiln.ops.fp8_linear) is an extern op: torch.export keeps it whole and on the
+CPU it runs as its PyTorch form. On Triton targets this template generates its kernel:
+y [M, N] = x [M, K] @ w [N, K]^T with x's leading dims flattened into M tokens.
+
+Each program computes a [BM, BN] tile of y. Per 128-wide K step it loads the x tile
+in x's dtype, takes each row's amax, quantises the tile to e4m3 in registers (scale =
+amax / 448, exactly as kiln.ops.fp8_linear.quantize_activations does, so no separate
+quantisation kernel and no fp8 copy of x in memory), loads the [BN, 128] fp8 weight
+tile and the weight's block scales for its rows, and adds
+tl.dot(xq, wq^T) (fp8 operands, fp32 accumulation) times the x scales (per row) and
+the weight scales (per column). N and K need not be multiples of 128: the tails are
+masked, and a scale row serves every output column of its 128-row weight block.
+
+x, the weight, its scales and the bias are read through the region's index maps by
+the expression emitter (a 3-D x is read in place). BK is the quantisation block (128,
+fixed); the configs span BM (16 for decode's few tokens up to 128 for prefill), BN,
+num_warps and pipeline stages.
+
+Targets: sm_89+ multiply e4m3 on tensor cores. gfx942 (MI300) has e4m3fnuz, not
+e4m3fn: there the weight bytes are reinterpreted as fnuz (the same bits are half the
+value, so the weight scale doubles; e4m3fn's -0, NaN in fnuz, becomes 0) and the
+activations quantise to fnuz (largest 240). Triton's interpreter rounds fp32 to fp8
+dropping the mantissa carry (1.97 becomes 1.0, not 2.0): on the interpret target the
+kernel first rounds to e4m3's grid in fp32 (to nearest even), so the cast is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.codegen.build.spec import Config, KernelSpec
+from kiln.codegen.expr.emit import Emitter, kernel_name, module_source
+from kiln.codegen.expr.indexing import Lin, Var, linearize, reshape_index
+from kiln.codegen.expr.kernel_args import SymbolicArgs
+from kiln.codegen.expr.values import Cond, mask_of
+from kiln.codegen.templates.fp8_matmul.analysis import BLOCK, OP, Fp8Shape, analyse
+from kiln.ir.plan import DispatchPlan, Region
+from kiln.ir.symbolic import bounds_of
+from kiln.target import Target
+
+__all__ = ["OP", "config_space", "generate", "heuristic"]
+
+BLOCK_M = (16, 32, 64, 128)
+BLOCK_N = (32, 64, 128)
+WARPS = (4, 8)
+STAGES = (2, 3, 4)
+AMAX_FLOOR = 1e-10  # kiln.ops.fp8_linear.AMAX_FLOOR
+
+
+def config_space(shape: Fp8Shape, m_hi: int | None = None) -> list[Config]:
+    """Tiles of BM tokens by BN output columns, warps and pipeline stages, no BM above
+    the tokens there can be (`m_hi`) and no BN above N. 8 warps for tiles of 64 x 128
+    and more, 4 up to 64 x 128: on sm_90 (bf16 x) 4 warps spilled 72 registers at
+    128 x 128 and 2 at 128 x 64, and 8 warps on a smaller tile idle."""
+    ms = [b for b in BLOCK_M if m_hi is None or b <= max(16, _pow2(m_hi))]
+    ns = [b for b in BLOCK_N if b <= max(32, _pow2(shape.n))]
+    return [Config.make(w, st, BM=bm, BN=bn) for bm in reversed(ms) for bn in reversed(ns)
+            for w in WARPS for st in STAGES if _warps_fit(w, bm, bn)]
+
+
+def _warps_fit(warps: int, bm: int, bn: int) -> bool:
+    if warps == 4:
+        return bm <= 64 and bm * bn <= 64 * 128
+    return bm * bn >= 64 * 128
+
+
+def heuristic(shape: Fp8Shape, target: Target, m_hi: int | None = None) -> Config:
+    """The untuned choice (timed tuning tries the rest). Decode (a few tokens) reads the
+    weight once: 16-token tiles, narrow columns so many programs stream it, deep
+    pipelining. Prefill: 128 x 128 tiles with 8 warps, as fp8 GEMMs are commonly run on
+    Hopper. The interpreter runs the smallest tiles fastest."""
+    if target.backend == "interpret":
+        return Config.make(4, 1, BM=16, BN=32)
+    if m_hi is not None and m_hi <= 16:
+        return Config.make(4, 4, BM=16, BN=64)
+    if m_hi is not None and m_hi <= 64:
+        return Config.make(4, 3, BM=max(16, _pow2(m_hi)), BN=128)
+    return Config.make(8, 3, BM=128, BN=128)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _v(name: str, size, block: bool = True) -> Lin:
+    return Lin.of(Var(name, size, block))
+
+
+def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
+    """The fp8 GEMM kernel of `region`; raises CodegenUnsupported saying why not."""
+    shape = analyse(region, plan)
+    p = SymbolicArgs(plan.symbols)
+    em = Emitter(region, plan, p, target)
+    for name in list(region.inputs) + list(region.outputs):
+        p.check_extent(plan.values[name].numel)
+    lines = _body(em, p, shape, target)
+    name = kernel_name("fp8_matmul", region)
+    tunables = ["BM", "BN"]
+    params = p.names() + [f"{t}: tl.constexpr" for t in tunables]
+    source = module_source(name, params, lines, em.helpers, target, p.describe())
+    grid = (f"cdiv({p.grid(shape.m)}, BM)", f"cdiv({shape.n}, BN)")
+    m_hi = bounds_of(shape.m, plan.symbols).hi
+    configs = config_space(shape, m_hi)
+    default = heuristic(shape, target, m_hi)
+    if default not in configs:
+        configs.insert(0, default)
+    meta = {"dtype": str(shape.dtype).replace("torch.", ""), "m_hi": m_hi, "n": shape.n,
+            "k": shape.k}
+    return KernelSpec(name, source, p.args(), tunables, grid, configs, default,
+                      "fp8_matmul", meta, 64 if p.needs_int64 else 32)
+
+
+def _fp8(target: Target) -> tuple[str, float]:
+    """(Triton's e4m3 type on `target`, its largest finite value)."""
+    if target.backend == "hip":
+        return "tl.float8e4b8", 240.0  # e4m3fnuz: CDNA3's fp8
+    return "tl.float8e4nv", 448.0
+
+
+def _body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target) -> list[str]:
+    wide = ".to(tl.int64)" if p.needs_int64 else ""
+    fp8, fp8_max = _fp8(target)
+    M = p.dim(s.m)
+    m_ok, k_ok = Cond("m_ok", frozenset({"om"})), Cond("ok < K", frozenset({"ok"}))
+    x_idx = reshape_index((_v("om", s.m), _v("ok", s.k)), (s.m, s.k), s.x_shape)
+    w_idx = (_v("wn", s.n), _v("ok", s.k))
+    ws_idx = (_v("nb", s.n_blocks), _v("kb", s.k_blocks, False))
+    x_mask = mask_of(m_ok, k_ok if s.k % BLOCK else None)
+    w_mask = "(wn < N) & (ok < K)" if s.k % BLOCK else "wn < N"
+    L = [f"N = {s.n}", f"K = {s.k}",
+         f"pid_m = tl.program_id(0){wide}", f"pid_n = tl.program_id(1){wide}",
+         "rm = pid_m * BM + tl.arange(0, BM)", "rn = pid_n * BN + tl.arange(0, BN)",
+         "om = rm[:, None]  # [BM, 1] tokens", "wn = rn[:, None]  # [BN, 1] weight rows",
+         "on = rn[None, :]  # [1, BN] output columns", f"nb = rn // {BLOCK}  # scale rows",
+         f"m_ok = om < {M}", "acc = tl.zeros([BM, BN], tl.float32)"]
+    with em.block() as loop:
+        loop += [f"ok = k0 + tl.arange(0, {BLOCK})[None, :]", f"kb = k0 // {BLOCK}"]
+        x = em.value(s.x, x_idx, x_mask)
+        keep = "m_ok & (ok < K)" if s.k % BLOCK else "m_ok"
+        loop += [f"xf = tl.where({keep}, {x.code}.to(tl.float32), 0.0)",
+                 "# per token: this K block's scale, and the block quantised in registers",
+                 f"xs = tl.maximum(tl.max(tl.abs(xf), 1), {AMAX_FLOOR!r}) / {fp8_max!r}",
+                 f"xv = tl.minimum(tl.maximum(xf / xs[:, None], {-fp8_max!r}), {fp8_max!r})"]
+        if target.backend == "interpret":
+            loop += _round_to_e4m3("xv")
+        loop.append(f"xq = xv.to({fp8})")
+        w = _load_fp8(em, p, s, w_idx, w_mask)
+        ws = em.value(s.scale, ws_idx, mask_of(Cond("rn < N", frozenset({"nb"}))))
+        if target.backend == "hip":  # e4m3fn bits read as e4m3fnuz: half the value
+            loop += [f"wb = {w}.to(tl.uint8, bitcast=True)",
+                     f"wq = tl.where(wb == 128, 0, wb).to(tl.uint8).to({fp8}, bitcast=True)",
+                     f"ws = {ws.code} * 2.0"]
+        else:
+            loop += [f"wq = {w}", f"ws = {ws.code}"]
+        loop.append("acc += tl.dot(xq, tl.trans(wq), out_dtype=tl.float32) * xs[:, None] * "
+                    "ws[None, :]")
+    L += [f"for k0 in range(0, K, {BLOCK}):", *["    " + x for x in loop]]
+    n_ok = Cond("on < N", frozenset({"on"}))
+    if s.bias is not None:
+        with em.block() as lines:
+            b = em.value(s.bias, (_v("on", s.n),), mask_of(n_ok))
+        L += lines + [f"acc += {b.code}.to(tl.float32)"]
+    out_idx = reshape_index((_v("om", s.m), _v("on", s.n)), (s.m, s.n), s.out_shape)
+    with em.block() as store:
+        em.store(s.out, out_idx, em.let("acc", torch.float32, frozenset({"om", "on"})),
+                 mask_of(m_ok, n_ok), span=("om", "on"))
+    return L + store
+
+
+def _load_fp8(em: Emitter, p: SymbolicArgs, s: Fp8Shape, index, mask: str) -> str:
+    """The [BN, 128] weight tile, read directly (the emitter's masked loads fill with
+    the integer 0, which Triton cannot cast to fp8); analyse made sure the weight is a
+    region input, contiguous [N, K]."""
+    ptr = p.tensor(s.weight, torch.float8_e4m3fn, (s.n, s.k))
+    return f"tl.load({ptr} + ({em.code(linearize(index, (s.n, s.k)))}), mask={mask}, other=0.0)"
+
+
+def _round_to_e4m3(v: str) -> list[str]:
+    """`v` (fp32, |v| <= 448) rounded to nearest even on e4m3's grid, in fp32: the
+    spacing is 2^(e - 3) for a value of exponent e, 2^-9 among the subnormals; adding
+    and taking away 1.5 * 2^23 rounds a quotient below 2^22 to an integer, to even."""
+    return [
+        "# the interpreter's fp8 cast drops the mantissa carry: round on e4m3's grid first",
+        f"ulp = ({v}.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)",
+        "ulp = tl.maximum(ulp * 0.125, 0.001953125)",
+        f"{v} = ((({v} / ulp) + 12582912.0) - 12582912.0) * ulp",
+    ]
