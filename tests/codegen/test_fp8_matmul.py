@@ -22,6 +22,7 @@ import kiln
 from kiln.codegen.build.compiler import compile_binary
 from kiln.codegen.build.resources import estimate, fitting_configs
 from kiln.codegen.build.triton_kernel import TritonKernel
+from kiln.codegen.expr.values import CodegenUnsupported
 from kiln.codegen.templates.fp8_matmul import template as fp8_matmul
 from kiln.codegen.torch_kernel import TorchKernel
 from kiln.ir.plan import RegionKind
@@ -161,6 +162,16 @@ def test_gfx942_multiplies_e4m3fnuz():
     assert "tl.float8e4b8" in spec.source and "tl.float8e4nv" not in spec.source
     real = compile_binary(spec, spec.default, gfx).resources
     assert real.shared <= estimate(spec, spec.default, gfx).shared <= gfx.shared_mem_per_block
+
+
+def test_gpus_without_e4m3_decline_with_the_reason():
+    m = Fp8Linear(64, 128)
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    plan = kiln.compile(m, (x,), compile_to="dispatch")
+    (region,) = [r for r in plan.regions if r.kind == RegionKind.EXTERN]
+    with pytest.raises(CodegenUnsupported, match="from sm_89"):
+        fp8_matmul.generate(region, plan, get_target("cuda:sm_80"))
+    assert "tl.float8e4nv" in fp8_matmul.generate(region, plan, get_target("cuda:sm_89")).source
 
 
 def test_decode_and_interpret_heuristics():

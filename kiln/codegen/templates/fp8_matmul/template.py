@@ -18,7 +18,8 @@ the expression emitter (a 3-D x is read in place). BK is the quantisation block 
 fixed); the configs span BM (16 for decode's few tokens up to 128 for prefill), BN,
 num_warps and pipeline stages.
 
-Targets: sm_89+ multiply e4m3 on tensor cores. gfx942 (MI300) has e4m3fnuz, not
+Targets: sm_89+ multiply e4m3 on tensor cores; on older GPUs (Triton has no e4m3
+there) the template declines and the op runs as its PyTorch form. gfx942 (MI300) has e4m3fnuz, not
 e4m3fn: there the weight bytes are reinterpreted as fnuz (the same bits are half the
 value, so the weight scale doubles; e4m3fn's -0, NaN in fnuz, becomes 0) and the
 activations quantise to fnuz (largest 240). Triton's interpreter rounds fp32 to fp8
@@ -34,7 +35,7 @@ from kiln.codegen.build.spec import Config, KernelSpec
 from kiln.codegen.expr.emit import Emitter, kernel_name, module_source
 from kiln.codegen.expr.indexing import Lin, Var, linearize, reshape_index
 from kiln.codegen.expr.kernel_args import SymbolicArgs
-from kiln.codegen.expr.values import Cond, mask_of
+from kiln.codegen.expr.values import CodegenUnsupported, Cond, mask_of
 from kiln.codegen.templates.fp8_matmul.analysis import BLOCK, OP, Fp8Shape, analyse
 from kiln.ir.plan import DispatchPlan, Region
 from kiln.ir.symbolic import bounds_of
@@ -91,6 +92,7 @@ def _v(name: str, size, block: bool = True) -> Lin:
 def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     """The fp8 GEMM kernel of `region`; raises CodegenUnsupported saying why not."""
     shape = analyse(region, plan)
+    _fp8(target)  # declines before any code is emitted
     p = SymbolicArgs(plan.symbols)
     em = Emitter(region, plan, p, target)
     for name in list(region.inputs) + list(region.outputs):
@@ -113,9 +115,15 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
 
 
 def _fp8(target: Target) -> tuple[str, float]:
-    """(Triton's e4m3 type on `target`, its largest finite value)."""
+    """(Triton's e4m3 type on `target`, its largest finite value); declines where
+    Triton has no e4m3 (the op then runs as its PyTorch form, with a note)."""
     if target.backend == "hip":
+        if target.arch != "gfx942":
+            raise CodegenUnsupported(f"{target} has no e4m3 kiln's kernel knows (gfx942's "
+                                     "e4m3fnuz only)")
         return "tl.float8e4b8", 240.0  # e4m3fnuz: CDNA3's fp8
+    if target.backend == "cuda" and isinstance(target.arch, int) and target.arch < 89:
+        raise CodegenUnsupported(f"{target} has no e4m3: Triton supports fp8e4nv from sm_89")
     return "tl.float8e4nv", 448.0
 
 
