@@ -5,10 +5,10 @@ CPU it runs as its PyTorch form. On Triton targets this template generates its k
 y [M, N] = x [M, K] @ w [N, K]^T with x's leading dims flattened into M tokens.
 
 Each program computes a [BM, BN] tile of y. Per 128-wide K step it loads the x tile
-in x's dtype, takes each row's amax, quantises the tile to e4m3 in registers (scale =
-amax / 448, exactly as kiln.ops.fp8_linear.quantize_activations does, so no separate
-quantisation kernel and no fp8 copy of x in memory), loads the [BN, 128] fp8 weight
-tile and the weight's block scales for its rows, and adds
+in x's dtype, takes each row's amax, quantises the tile to e4m3 in registers (x times
+448 / amax, scale amax / 448, exactly as kiln.ops.fp8_linear.quantize_activations
+does; no separate quantisation kernel, no fp8 copy of x in memory), loads the [BN,
+128] fp8 weight tile and the weight's block scales for its rows, and adds
 tl.dot(xq, wq^T) (fp8 operands, fp32 accumulation) times the x scales (per row) and
 the weight scales (per column). N and K need not be multiples of 128: the tails are
 masked, and a scale row serves every output column of its 128-row weight block.
@@ -149,8 +149,10 @@ def _body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target) -> list[str
         keep = "m_ok & (ok < K)" if s.k % BLOCK else "m_ok"
         loop += [f"xf = tl.where({keep}, {x.code}.to(tl.float32), 0.0)",
                  "# per token: this K block's scale, and the block quantised in registers",
-                 f"xs = tl.maximum(tl.max(tl.abs(xf), 1), {AMAX_FLOOR!r}) / {fp8_max!r}",
-                 f"xv = tl.minimum(tl.maximum(xf / xs[:, None], {-fp8_max!r}), {fp8_max!r})"]
+                 f"amax = tl.maximum(tl.max(tl.abs(xf), 1), {AMAX_FLOOR!r})",
+                 f"xs = amax / {fp8_max!r}",
+                 f"xv = xf * ({fp8_max!r} / amax)[:, None]  # a multiply per element",
+                 f"xv = tl.minimum(tl.maximum(xv, {-fp8_max!r}), {fp8_max!r})"]
         if target.backend == "interpret":
             loop += _round_to_e4m3("xv")
         loop.append(f"xq = xv.to({fp8})")
