@@ -21,7 +21,7 @@ import torch
 import kiln
 from kiln.codegen.build.compiler import compile_binary
 from kiln.codegen.build.resources import estimate, fitting_configs
-from kiln.codegen.build.triton_kernel import TritonKernel
+from kiln.codegen.build.triton_kernel import TritonKernel, scratch_buffer
 from kiln.codegen.expr.values import CodegenUnsupported
 from kiln.codegen.templates.fp8_matmul import template as fp8_matmul
 from kiln.codegen.torch_kernel import TorchKernel
@@ -74,6 +74,31 @@ def test_interpreted_kernel_with_dynamic_tokens():
     for t in (1, 19):  # one token (decode), a tail of a 16-token tile
         x = torch.randn(1, t, 256)
         assert rel_err(exe(x), m(x)) <= 1e-6, t
+
+
+@pytest.mark.parametrize("K,lead,bias", [(700, (1, 2), True), (512, (3,), False)])
+def test_interpreted_split_k_matches_the_op(K, lead, bias):
+    """Decode's split: K over several programs (a tail block in one), the last of each
+    tile sums the parts in split order, adds the bias, stores, and zeroes its counter."""
+    m = Fp8Linear(72, K, bias, seed=4)
+    x = torch.randn(*lead, K)
+    plan = kiln.compile(m, (x,), compile_to="dispatch")
+    (region,) = [r for r in plan.regions if r.kind == RegionKind.EXTERN]
+    spec = fp8_matmul.generate(region, plan, get_target("interpret"))
+    config = fp8_matmul.Config.make(4, 1, BM=16, BN=32, SPLIT_K=16)
+    kernel = TritonKernel(region, spec, config, interpret=True)
+    state = {"p_weight": m.weight, "b_weight_scale_inv": m.weight_scale_inv,
+             "p_bias": m.bias}  # the exported names of the module's tensors
+    inputs = {v: state.get(v, x) for v in region.inputs}
+    _, sizes = kernel._args(inputs, {o: None for o in region.outputs}, {})
+    assert kernel.spec.grid_for(sizes, config)[2] == -(-K // 256)  # 2 K blocks a split
+    outs = []
+    for _ in range(2):
+        out = torch.full(tuple(region.op(region.outputs[0]).shape), float("nan"))
+        kernel.run(inputs, {region.outputs[0]: out}, {})
+        outs.append(out)
+    assert rel_err(outs[0], m(x)) <= 1e-6 and torch.equal(outs[0], outs[1])
+    assert not scratch_buffer(spec.scratch[1], 1, 1, "cpu").any()  # counters back to 0
 
 
 _INTERPRETER_CAST = """
@@ -145,7 +170,8 @@ def test_every_candidate_within_shared_memory_compiles_for_sm90(dtype):
     assert {c["BM"] for c in spec.configs} == {16, 32, 64, 128}
     assert {c["BN"] for c in spec.configs} == {32, 64, 128, 256}
     assert {c.num_warps for c in spec.configs} == {4, 8}
-    assert spec.default == fp8_matmul.Config.make(8, 3, BM=128, BN=128)
+    assert spec.default == fp8_matmul.Config.make(8, 3, BM=128, BN=128, SPLIT_K=1)
+    assert {c["SPLIT_K"] for c in spec.configs} == {1}  # up to 4096 tokens: no split
     fit = fitting_configs(spec, SM90)
     dropped = set(spec.configs) - set(fit.configs)
     assert all(estimate(spec, c, SM90).shared > SM90.shared_mem_per_block for c in dropped)
@@ -185,5 +211,8 @@ def test_decode_and_interpret_heuristics():
     (region,) = [r for r in plan.regions if r.kind == RegionKind.EXTERN]
     spec = fp8_matmul.generate(region, plan, SM90)
     assert spec.default["BM"] == 16 and {c["BM"] for c in spec.configs} == {16}
+    assert spec.default["SPLIT_K"] == 16 and {c["SPLIT_K"] for c in spec.configs} == {1, 16}
+    real = compile_binary(spec, spec.default, SM90).resources  # the split form compiles
+    assert real.shared <= estimate(spec, spec.default, SM90).shared
     interp = fp8_matmul.generate(region, plan, get_target("interpret"))
-    assert interp.default == fp8_matmul.Config.make(4, 1, BM=16, BN=32)
+    assert interp.default == fp8_matmul.Config.make(4, 1, BM=16, BN=32, SPLIT_K=1)

@@ -15,14 +15,16 @@ masked, and a scale row serves every output column of its 128-row weight block.
 
 x, the weight, its scales and the bias are read through the region's index maps by
 the expression emitter (a 3-D x is read in place). BK is the quantisation block (128,
-fixed); the configs span BM (16 for decode's few tokens up to 128 for prefill), BN (32-256),
-num_warps and pipeline stages.
+fixed); the configs span BM (16 for decode's few tokens up to 128 for prefill), BN
+(32-256), num_warps, pipeline stages and, for decode shapes, a K split (SPLIT_K, the
+cap of kiln.codegen.templates.split_k's count: the last program of a tile sums the
+parts, adds the bias and stores).
 
 Targets: sm_89+ multiply e4m3 on tensor cores; on older GPUs (Triton has no e4m3
-there) the template declines and the op runs as its PyTorch form. gfx942 (MI300) has e4m3fnuz, not
-e4m3fn: there the weight bytes are reinterpreted as fnuz (the same bits are half the
-value, so the weight scale doubles; e4m3fn's -0, NaN in fnuz, becomes 0) and the
-activations quantise to fnuz (largest 240). Triton's interpreter rounds fp32 to fp8
+there) the template declines and the op runs as its PyTorch form. gfx942 (MI300) has
+e4m3fnuz, not e4m3fn: there the weight bytes are reinterpreted as fnuz (the same bits
+are half the value, so the weight scale doubles; e4m3fn's -0, NaN in fnuz, becomes 0)
+and the activations quantise to fnuz (largest 240). Triton's interpreter rounds fp32 to fp8
 dropping the mantissa carry (1.97 becomes 1.0, not 2.0): on the interpret target the
 kernel first rounds to e4m3's grid in fp32 (to nearest even), so the cast is exact.
 """
@@ -36,6 +38,7 @@ from kiln.codegen.expr.emit import Emitter, kernel_name, module_source
 from kiln.codegen.expr.indexing import Lin, Var, linearize, reshape_index
 from kiln.codegen.expr.kernel_args import SymbolicArgs
 from kiln.codegen.expr.values import CodegenUnsupported, Cond, mask_of
+from kiln.codegen.templates import split_k as split
 from kiln.codegen.templates.fp8_matmul.analysis import BLOCK, OP, Fp8Shape, analyse
 from kiln.ir.plan import DispatchPlan, Region
 from kiln.ir.symbolic import bounds_of
@@ -47,6 +50,9 @@ BLOCK_M = (16, 32, 64, 128)
 BLOCK_N = (32, 64, 128, 256)
 WARPS = (4, 8)
 STAGES = (2, 3, 4)
+SPLITS = (1, 16)  # K split caps for decode shapes (the launch picks the count)
+SPLIT_FILL = 4  # programs per SM a split aims for: decode streams the weight
+MIN_SPLIT_BLOCKS = 2  # 128-wide K blocks a split gets at least
 AMAX_FLOOR = 1e-10  # kiln.ops.fp8_linear.AMAX_FLOOR
 
 
@@ -56,11 +62,15 @@ def config_space(shape: Fp8Shape, m_hi: int | None = None) -> list[Config]:
     8 from 64 x 128 to 128 x 128 (or 64 x 256): on sm_90 (bf16 x) 4 warps spilled 72
     registers at 128 x 128, 2 at 128 x 64 and 58 at 64 x 256; 8 warps spilled 60 at
     128 x 256; and 8 warps on a smaller tile idle. Wider N tiles quantise each x tile
-    fewer times over the whole product (N / BN programs redo it)."""
+    fewer times over the whole product (N / BN programs redo it). Decode shapes (at
+    most 64 tokens) may also split K: their few output tiles would leave most SMs idle
+    while the weight streams through the rest."""
     ms = [b for b in BLOCK_M if m_hi is None or b <= max(16, _pow2(m_hi))]
     ns = [b for b in BLOCK_N if b <= max(32, _pow2(shape.n))]
-    return [Config.make(w, st, BM=bm, BN=bn) for bm in reversed(ms) for bn in reversed(ns)
-            for w in WARPS for st in STAGES if _warps_fit(w, bm, bn)]
+    splits = SPLITS if m_hi is not None and m_hi <= 64 else (1,)
+    return [Config.make(w, st, BM=bm, BN=bn, SPLIT_K=sk) for sk in reversed(splits)
+            for bm in reversed(ms) for bn in reversed(ns) for w in WARPS for st in STAGES
+            if _warps_fit(w, bm, bn)]
 
 
 def _warps_fit(warps: int, bm: int, bn: int) -> bool:
@@ -71,16 +81,17 @@ def _warps_fit(warps: int, bm: int, bn: int) -> bool:
 
 def heuristic(shape: Fp8Shape, target: Target, m_hi: int | None = None) -> Config:
     """The untuned choice (timed tuning tries the rest). Decode (a few tokens) reads the
-    weight once: 16-token tiles, narrow columns so many programs stream it, deep
-    pipelining. Prefill: 128 x 128 tiles with 8 warps, as fp8 GEMMs are commonly run on
-    Hopper. The interpreter runs the smallest tiles fastest."""
+    weight once: 16-token tiles, narrow columns and K split so many programs stream
+    it (the split count fills the SMs), deep pipelining. Prefill: 128 x 128 tiles with
+    8 warps, as fp8 GEMMs are commonly run on Hopper. The interpreter runs the smallest
+    tiles fastest."""
     if target.backend == "interpret":
-        return Config.make(4, 1, BM=16, BN=32)
+        return Config.make(4, 1, BM=16, BN=32, SPLIT_K=1)
     if m_hi is not None and m_hi <= 16:
-        return Config.make(4, 4, BM=16, BN=64)
+        return Config.make(4, 4, BM=16, BN=64, SPLIT_K=16)
     if m_hi is not None and m_hi <= 64:
-        return Config.make(4, 3, BM=max(16, _pow2(m_hi)), BN=128)
-    return Config.make(8, 3, BM=128, BN=128)
+        return Config.make(4, 3, BM=max(16, _pow2(m_hi)), BN=128, SPLIT_K=16)
+    return Config.make(8, 3, BM=128, BN=128, SPLIT_K=1)
 
 
 def _pow2(n: int) -> int:
@@ -101,10 +112,13 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
         p.check_extent(plan.values[name].numel)
     lines = _body(em, p, shape, target)
     name = kernel_name("fp8_matmul", region)
-    tunables = ["BM", "BN"]
-    params = p.names() + [f"{t}: tl.constexpr" for t in tunables]
+    tunables = ["BM", "BN", "SPLIT_K"]
+    params = p.names() + [split.PARTS, split.COUNTS] + [f"{t}: tl.constexpr" for t in tunables]
     source = module_source(name, params, lines, em.helpers, target, p.describe())
-    grid = (f"cdiv({p.grid(shape.m)}, BM)", f"cdiv({shape.n}, BN)")
+    tiles = f"cdiv({p.grid(shape.m)}, BM) * cdiv({shape.n}, BN)"
+    n_split = split.count("SPLIT_K", tiles, SPLIT_FILL * target.multiprocessors,
+                          f"cdiv({shape.k}, {MIN_SPLIT_BLOCKS * BLOCK})")
+    grid = (f"cdiv({p.grid(shape.m)}, BM)", f"cdiv({shape.n}, BN)", n_split)
     m_hi = bounds_of(shape.m, plan.symbols).hi
     configs = config_space(shape, m_hi)
     default = heuristic(shape, target, m_hi)
@@ -113,7 +127,8 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     meta = {"dtype": str(shape.dtype).replace("torch.", ""), "m_hi": m_hi, "n": shape.n,
             "k": shape.k}
     return KernelSpec(name, source, p.args(), tunables, grid, configs, default,
-                      "fp8_matmul", meta, 64 if p.needs_int64 else 32)
+                      "fp8_matmul", meta, 64 if p.needs_int64 else 32,
+                      scratch=split.scratch(tiles, n_split, "BM * BN"))
 
 
 def _fp8(target: Target) -> tuple[str, float]:
@@ -144,7 +159,10 @@ def _body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target) -> list[str
          "rm = pid_m * BM + tl.arange(0, BM)", "rn = pid_n * BN + tl.arange(0, BN)",
          "om = rm[:, None]  # [BM, 1] tokens", "wn = rn[:, None]  # [BN, 1] weight rows",
          "on = rn[None, :]  # [1, BN] output columns", f"nb = rn // {BLOCK}  # scale rows",
-         f"m_ok = om < {M}", "acc = tl.zeros([BM, BN], tl.float32)"]
+         f"m_ok = om < {M}", "n_ok = on < N", "acc = tl.zeros([BM, BN], tl.float32)",
+         "pid_s = tl.program_id(2)", "n_split = tl.num_programs(2)",
+         "lo = 0", "hi = K", "if SPLIT_K > 1:  # this split's whole K blocks",
+         *["    " + x for x in split.program_range("K", str(BLOCK))]]
     with em.block() as loop:
         loop += [f"ok = k0 + tl.arange(0, {BLOCK})[None, :]", f"kb = k0 // {BLOCK}"]
         x = em.value(s.x, x_idx, x_mask)
@@ -168,8 +186,9 @@ def _body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target) -> list[str
             loop += [f"wq = {w}", f"ws = {ws.code}"]
         loop.append("acc += tl.dot(xq, tl.trans(wq), out_dtype=tl.float32) * xs[:, None] * "
                     "ws[None, :]")
-    L += [f"for k0 in range(0, K, {BLOCK}):", *["    " + x for x in loop]]
-    n_ok = Cond("on < N", frozenset({"on"}))
+    L += [f"for k0 in range(lo, hi, {BLOCK}):", *["    " + x for x in loop]]
+    L += _combine_splits()
+    n_ok = Cond("n_ok", frozenset({"on"}))
     if s.bias is not None:
         with em.block() as lines:
             b = em.value(s.bias, (_v("on", s.n),), mask_of(n_ok))
@@ -179,6 +198,19 @@ def _body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target) -> list[str
         em.store(s.out, out_idx, em.let("acc", torch.float32, frozenset({"om", "on"})),
                  mask_of(m_ok, n_ok), span=("om", "on"))
     return L + store
+
+
+def _combine_splits() -> list[str]:
+    """With K split: each program stores its part; the last to arrive sums them in
+    split order and alone adds the bias and stores (kiln.codegen.templates.split_k)."""
+    offs = "part_offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]"
+    store = [offs, f"tl.store({split.part('BM * BN')} + part_offs, acc, mask=m_ok & n_ok)"]
+    load = split.load_part(split.part("BM * BN", "s") + " + part_offs", "m_ok & n_ok")
+    combine = ["acc = tl.zeros([BM, BN], dtype=tl.float32)", "for s in range(0, n_split):",
+               f"    acc += {load}"]
+    gate = ["n_ok = on < tl.where(last, N, 0)"]  # only the last program stores
+    return split.arrive("SPLIT_K", "pid_m * tl.num_programs(1) + pid_n", store, combine,
+                        gate)
 
 
 def _load_fp8(em: Emitter, p: SymbolicArgs, s: Fp8Shape, index, mask: str) -> str:
