@@ -7,8 +7,9 @@ interpreter multiplies fp8 tiles exactly, but its fp32 -> fp8 cast drops the man
 carry; the kernel rounds on e4m3's grid first there (a test pins the interpreter's
 behaviour, so the day Triton fixes it the workaround can go). Compile-only for sm_90:
 every candidate the resource model keeps compiles within shared memory, at most the
-model's figure; gfx942 gets e4m3fnuz. A module with fp8 linears compiles end to end
-on the cpu and interpret targets.
+model's figure; gfx942 gets e4m3fnuz, GPUs without e4m3 decline. Decode's K split on
+interpret. A module with fp8 linears compiles end to end on the cpu and interpret
+targets, and its artifact saves and loads.
 """
 
 import os
@@ -133,7 +134,7 @@ def test_the_interpreters_fp8_cast_drops_the_carry():
         "_round_to_e4m3 (interpret only) can go")
 
 
-def test_model_with_fp8_linears_on_cpu_and_interpret():
+def test_model_with_fp8_linears_on_cpu_and_interpret(tmp_path):
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -152,6 +153,8 @@ def test_model_with_fp8_linears_on_cpu_and_interpret():
                   if r.kind == RegionKind.EXTERN]
         assert len(extern) == 2 and all(isinstance(k, kind) for k in extern), target
         assert rel_err(exe(x), m(x)) <= 1e-5, target
+        exe.save(tmp_path / target)  # the fp8 weights survive the artifact
+        assert rel_err(kiln.load(tmp_path / target, target=target)(x), m(x)) <= 1e-5, target
 
 
 def _deepseek_spec(dtype, target=SM90):
