@@ -66,12 +66,15 @@ def check_quantize(quantize: str | None) -> None:
                             hint=f"one of: {', '.join(QUANTIZATIONS)} (or none)")
 
 
-def _projections(model: nn.Module):
-    """(parent module, attribute) of each decoder-layer projection."""
-    for layer in model.model.layers:
-        for part in (layer.self_attn, layer.mlp):
+def _projections(model: nn.Module, skip=()):
+    """(parent module, attribute) of each decoder-layer projection, but those whose
+    checkpoint name contains an entry of `skip` (HF's modules_to_not_convert)."""
+    for i, layer in enumerate(model.model.layers):
+        for kind, part in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
             for name in PROJECTIONS:
-                if isinstance(getattr(part, name, None), nn.Linear | Fp8Linear):
+                full = f"model.layers.{i}.{kind}.{name}"
+                if isinstance(getattr(part, name, None), nn.Linear | Fp8Linear) and \
+                        not any(s in full for s in skip):
                     yield part, name
 
 
@@ -86,13 +89,18 @@ def quantize_fp8(model: nn.Module) -> nn.Module:
 
 def use_fp8_layout(model: nn.Module, hf_cfg: dict, where: str) -> None:
     """Before loading an fp8 checkpoint: the projections of `model` (on the meta device)
-    become Fp8Linear, so its weights and scales load as they are."""
-    block = tuple((hf_cfg.get("quantization_config") or {}).get("weight_block_size")
-                  or BLOCK)
+    become Fp8Linear, so its weights and scales load as they are; those the config's
+    modules_to_not_convert names stay nn.Linear (stored in the model's dtype)."""
+    quant = hf_cfg.get("quantization_config") or {}
+    block = tuple(quant.get("weight_block_size") or BLOCK)
     if block != BLOCK:
         raise CheckpointError(f"fp8 weights in {block[0]}x{block[1]} blocks; kiln's fp8 "
                               f"linear takes {BLOCK[0]}x{BLOCK[1]}", where=where)
-    for part, name in _projections(model):
+    if quant.get("activation_scheme", "dynamic") != "dynamic":
+        raise CheckpointError(f"fp8 activation scheme {quant['activation_scheme']!r}; "
+                              "kiln's fp8 linear quantises activations per token "
+                              "(dynamic)", where=where)
+    for part, name in _projections(model, quant.get("modules_to_not_convert") or ()):
         linear = getattr(part, name)
         setattr(part, name, Fp8Linear(linear.in_features, linear.out_features,
                                       linear.bias is not None, linear.weight.dtype,

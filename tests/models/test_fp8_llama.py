@@ -79,7 +79,7 @@ def test_fp8_llama_on_interpret_runs_the_generated_kernel_in_every_projection():
         assert rel_err(exe(*args), model(*args)) <= 1e-5
 
 
-def _make_fp8_checkpoint(path):
+def _make_fp8_checkpoint(path, keep=()):
     """A tiny transformers Llama saved, then rewritten as HF's fp8 layout (e4m3 weight +
     weight_scale_inv per projection, quantization_config quant_method fp8); the
     transformers model with those weights dequantised."""
@@ -88,7 +88,8 @@ def _make_fp8_checkpoint(path):
         f.unlink()
     tensors = {}
     for name, p in model.state_dict().items():
-        if name.rsplit(".", 2)[-2] in PROJECTIONS and name.endswith(".weight"):
+        if name.rsplit(".", 2)[-2] in PROJECTIONS and name.endswith(".weight") and \
+                not any(k in name for k in keep):
             q, s = quantize_weight(p)
             tensors[name], tensors[name + "_scale_inv"] = q, s
             p.copy_(dequantize_weight(q, s))
@@ -98,6 +99,8 @@ def _make_fp8_checkpoint(path):
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                   "weight_block_size": [128, 128]}
+    if keep:
+        cfg["quantization_config"]["modules_to_not_convert"] = list(keep)
     (path / "config.json").write_text(json.dumps(cfg))
     return model, tensors
 
@@ -124,10 +127,22 @@ def test_an_fp8_checkpoint_loads_as_it_is(tmp_path, monkeypatch):
         assert rel_err(model(tokens, torch.arange(6)), want) <= 1e-5
 
     cfg = json.loads((tmp_path / "fp8" / "config.json").read_text())
-    cfg["quantization_config"]["weight_block_size"] = [64, 64]
-    (tmp_path / "fp8" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="64x64 blocks"):
-        hf.load_checkpoint(tmp_path / "fp8")
+    for change, message in ((dict(weight_block_size=[64, 64]), "64x64 blocks"),
+                            (dict(activation_scheme="static"), "activation scheme")):
+        bad = {**cfg, "quantization_config": {**cfg["quantization_config"], **change}}
+        (tmp_path / "fp8" / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError, match=message):
+            hf.load_checkpoint(tmp_path / "fp8")
+
+
+def test_modules_not_converted_stay_real(tmp_path):
+    """HF's modules_to_not_convert: those projections are stored in bf16/fp32 and load
+    as nn.Linear; the rest as fp8."""
+    _make_fp8_checkpoint(tmp_path / "fp8", keep=("layers.0.mlp",))
+    model, _ = hf.load_checkpoint(tmp_path / "fp8", torch.float32)
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear
+    assert isinstance(model.model.layers[0].self_attn.q_proj, Fp8Linear)
+    assert isinstance(model.model.layers[1].mlp.down_proj, Fp8Linear)
 
 
 def test_bad_quantize_requests_are_refused_before_compiling():
