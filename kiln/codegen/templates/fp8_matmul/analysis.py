@@ -12,9 +12,9 @@ import torch
 from kiln.codegen.expr.values import CodegenUnsupported
 from kiln.ir.plan import DispatchPlan, Ref, Region
 from kiln.ir.symbolic import Dim, numel
+from kiln.ops.fp8_linear import BLOCK  # the quantisation block: K step and scale block
 
 OP = "kiln.fp8_linear.default"
-BLOCK = 128  # the op's quantisation block (kiln.ops.fp8_linear.BLOCK): K step and scale block
 _ACTIVATIONS = (torch.float16, torch.bfloat16, torch.float32)
 
 

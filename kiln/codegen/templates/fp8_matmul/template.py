@@ -42,6 +42,7 @@ from kiln.codegen.templates import split_k as split
 from kiln.codegen.templates.fp8_matmul.analysis import BLOCK, OP, Fp8Shape, analyse
 from kiln.ir.plan import DispatchPlan, Region
 from kiln.ir.symbolic import bounds_of
+from kiln.ops.fp8_linear import AMAX_FLOOR, FP8_MAX
 from kiln.target import Target
 
 __all__ = ["OP", "config_space", "generate", "heuristic"]
@@ -53,7 +54,6 @@ STAGES = (2, 3, 4)
 SPLITS = (1, 16)  # K split caps for decode shapes (the launch picks the count)
 SPLIT_FILL = 4  # programs per SM a split aims for: decode streams the weight
 MIN_SPLIT_BLOCKS = 2  # 128-wide K blocks a split gets at least
-AMAX_FLOOR = 1e-10  # kiln.ops.fp8_linear.AMAX_FLOOR
 
 
 def config_space(shape: Fp8Shape, m_hi: int | None = None) -> list[Config]:
@@ -138,10 +138,10 @@ def _fp8(target: Target) -> tuple[str, float]:
         if target.arch != "gfx942":
             raise CodegenUnsupported(f"{target} has no e4m3 kiln's kernel knows (gfx942's "
                                      "e4m3fnuz only)")
-        return "tl.float8e4b8", 240.0  # e4m3fnuz: CDNA3's fp8
+        return "tl.float8e4b8", 240.0  # e4m3fnuz: CDNA3's fp8, largest 240
     if target.backend == "cuda" and isinstance(target.arch, int) and target.arch < 89:
         raise CodegenUnsupported(f"{target} has no e4m3: Triton supports fp8e4nv from sm_89")
-    return "tl.float8e4nv", 448.0
+    return "tl.float8e4nv", FP8_MAX
 
 
 def _body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target) -> list[str]:
