@@ -65,7 +65,7 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
     """
     from kiln.errors import ArgumentError, CheckpointError, KilnError
     from kiln.models import hf
-    from kiln.models.fp8 import check_quantize, quantize_fp8
+    from kiln.models.fp8 import check_quantize, is_fp8_checkpoint, quantize_fp8
     from kiln.models.generate import LLM
     from kiln.models.llama import PRESETS, Llama
     from kiln.models.tokenizer import ByteTokenizer, load_tokenizer
@@ -108,6 +108,8 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
             cfg = loader.config_from_hf(config, str(path / "config.json"), max_seq_len)
             model = loader.random_model(cfg, dtype or hf.checkpoint_dtype(config)
                                         or torch.float32, device, seed)
+            if isinstance(model, Llama) and is_fp8_checkpoint(config):
+                quantize_fp8(model)  # random weights in the checkpoint's fp8 layout
         elif parallel and loader is hf:
             model, config = hf.load_checkpoint(path, dtype, device, max_seq_len, weights=False)
             files, wdtype = hf.weight_files(path), model.lm_head.weight.dtype

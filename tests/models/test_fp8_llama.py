@@ -135,6 +135,13 @@ def test_an_fp8_checkpoint_loads_as_it_is(tmp_path, monkeypatch):
             hf.load_checkpoint(tmp_path / "fp8")
 
 
+def test_random_weights_follow_an_fp8_config(tmp_path):
+    _make_fp8_checkpoint(tmp_path / "fp8")
+    llm = kiln.models.load(tmp_path / "fp8", random_weights=True, max_seq_len=32)
+    assert isinstance(llm.model.model.layers[0].mlp.up_proj, Fp8Linear)
+    assert len(llm.generate([1, 2, 3], max_new_tokens=3, ignore_eos=True).ids) == 3
+
+
 def test_modules_not_converted_stay_real(tmp_path):
     """HF's modules_to_not_convert: those projections are stored in bf16/fp32 and load
     as nn.Linear; the rest as fp8."""
