@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the checkpoint's")
     g.add_argument("--max-seq-len", type=int, default=None,
                    help="context length (default: the model's, at most 4096)")
+    g.add_argument("--quantize", choices=["fp8"], default=None,
+                   help="fp8: the Llama families' projections as block-scaled fp8 weights "
+                   "(128x128 scales; activations quantised per token)")
     g.add_argument("--cache", choices=["contiguous", "paged"], default="contiguous")
     g.add_argument("--block-size", type=int, default=16, help="paged cache block size")
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="T",

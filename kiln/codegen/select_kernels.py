@@ -22,6 +22,7 @@ from kiln.codegen.expr.values import CodegenUnsupported
 from kiln.codegen.kernel_plan import KernelPlan
 from kiln.codegen.templates import copy, pointwise
 from kiln.codegen.templates.attention import template as attention
+from kiln.codegen.templates.fp8_matmul import template as fp8_matmul
 from kiln.codegen.templates.gated_delta import template as gated_delta
 from kiln.codegen.templates.latent_attention import template as latent_attention
 from kiln.codegen.templates.matmul import template as matmul
@@ -51,6 +52,7 @@ TEMPLATES: dict[RegionKind, Template] = {
 EXTERN_TEMPLATES: dict[str, Template] = {
     gated_delta.OP: gated_delta.generate,
     latent_attention.OP: latent_attention.generate,
+    fp8_matmul.OP: fp8_matmul.generate,
 }
 
 

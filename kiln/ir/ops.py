@@ -140,6 +140,7 @@ _register(
 _register(OpCategory.EXTERN, ["kiln.gated_delta_rule.default", "kiln.all_reduce.default",
                              "kiln.all_gather.default"])
 _register(OpCategory.EXTERN, ["kiln.latent_attention.default"])
+_register(OpCategory.EXTERN, ["kiln.fp8_linear.default"])
 
 # Named sets of ops: each defined here once, named for exactly what it holds.
 

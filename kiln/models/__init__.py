@@ -38,7 +38,8 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
          max_seq_len: int | None = None, max_batch_size: int = 1, paged: bool = False,
          block_size: int = 16, num_blocks: int | None = None,
          random_weights: bool = False, seed: int = 0, cuda_graphs: bool | None = None,
-         tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
+         tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+         quantize: str | None = None):
     """An LLM (kiln.models.generate.LLM), compiled for `target`, from `source`:
 
     - a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json):
@@ -53,22 +54,31 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
     a paged KV cache of `block_size`-token blocks instead of a contiguous one.
     cuda_graphs (default: on for GPU targets) replays decode steps as CUDA graphs.
 
+    quantize="fp8" makes the Llama families' decoder projections block-scaled fp8 at
+    load (kiln.models.fp8; embedding, norms and LM head stay in dtype); an fp8
+    checkpoint in Hugging Face's layout (quant_method "fp8") loads as fp8 without it.
+
     tensor_parallel_size / pipeline_parallel_size > 1: a multi-device plan. Under
     torchrun this process is one rank (every rank calls load with the same arguments);
     elsewhere kiln spawns the other ranks on this machine (kiln.models.spawn) and returns
     rank 0's LLM. A checkpoint's weights are read as each rank's slices only.
     """
-    from kiln.errors import CheckpointError, KilnError
+    from kiln.errors import ArgumentError, CheckpointError, KilnError
     from kiln.models import hf
+    from kiln.models.fp8 import check_quantize, is_fp8_checkpoint, quantize_fp8
     from kiln.models.generate import LLM
-    from kiln.models.llama import PRESETS
+    from kiln.models.llama import PRESETS, Llama
     from kiln.models.tokenizer import ByteTokenizer, load_tokenizer
     from kiln.target import get_target
 
+    check_quantize(quantize)
     tgt = get_target(target)
     device = tgt.torch_device
     parallel = ({"tp": tensor_parallel_size, "pp": pipeline_parallel_size}
                 if tensor_parallel_size * pipeline_parallel_size > 1 else None)
+    if parallel is not None and quantize is not None:
+        raise ArgumentError(f"quantize={quantize!r} runs on one device",
+                            hint="leave tensor_parallel_size and pipeline_parallel_size at 1")
     if parallel is not None:
         from kiln.models.spawn import spawn_llm, under_launcher
 
@@ -98,6 +108,8 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
             cfg = loader.config_from_hf(config, str(path / "config.json"), max_seq_len)
             model = loader.random_model(cfg, dtype or hf.checkpoint_dtype(config)
                                         or torch.float32, device, seed)
+            if isinstance(model, Llama) and is_fp8_checkpoint(config):
+                quantize_fp8(model)  # random weights in the checkpoint's fp8 layout
         elif parallel and loader is hf:
             model, config = hf.load_checkpoint(path, dtype, device, max_seq_len, weights=False)
             files, wdtype = hf.weight_files(path), model.lm_head.weight.dtype
@@ -122,6 +134,12 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
     else:
         raise CheckpointError(f"{source} is neither a checkpoint directory nor a preset",
                               hint=f"presets: {', '.join(PRESETS)}")
+    if quantize == "fp8":
+        if not isinstance(model, Llama):
+            raise ArgumentError(f"quantize='fp8' is for the Llama families, not "
+                                f"{type(model).__name__}", hint="DeepSeek-V3 checkpoints "
+                                "come in fp8 already")
+        quantize_fp8(model)
     return LLM(model, tokenizer, stop_ids, target=tgt, max_batch_size=max_batch_size,
                paged=paged, block_size=block_size, num_blocks=num_blocks, name=str(source),
                cuda_graphs=cuda_graphs, parallel=parallel, read_weights=read_weights)

@@ -21,6 +21,7 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from kiln.errors import CheckpointError, KilnError, ShapeError
+from kiln.models import fp8
 from kiln.models.llama import ROPE_TYPES, Llama, LlamaConfig
 from kiln.models.qwen3_next import Qwen3Next, Qwen3NextConfig
 from kiln.progress import progress
@@ -230,6 +231,14 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     setattr(model.get_submodule(owner), attr, nn.Parameter(tensor, requires_grad=False))
 
 
+def _dtype_of(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a checkpoint tensor loads as: the model's, except an fp8 checkpoint's
+    e4m3 weights and their fp32 block scales (kiln.models.fp8), kept as they are."""
+    if t.dtype == torch.float8_e4m3fn:
+        return t.dtype
+    return torch.float32 if name.endswith(".weight_scale_inv") else dtype
+
+
 def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device) -> None:
     """Read every tensor of the checkpoint into `model` (built on the meta device)."""
     found = read_headers(files)
@@ -244,7 +253,7 @@ def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device
                 for n in file_names:
                     t = st.get_tensor(n)
                     bar.update(t.nbytes)
-                    _assign(model, n, t.to(device=device, dtype=dtype))
+                    _assign(model, n, t.to(device=device, dtype=_dtype_of(n, t, dtype)))
                     del t
     model.tie_weights()
 
@@ -322,6 +331,11 @@ def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
     dtype = dtype or checkpoint_dtype(hf) or torch.float32
     with torch.device("meta"):
         model = build_model(cfg)
+    if fp8.is_fp8_checkpoint(hf):  # e4m3 weights + block scales load as they are
+        if not isinstance(model, Llama) or not weights:
+            raise CheckpointError("fp8 checkpoints load for the Llama families, on one "
+                                  "device", where=str(path / "config.json"))
+        fp8.use_fp8_layout(model, hf, str(path / "config.json"))
     if not weights:  # shapes only, RoPE tables too: every tensor on one device for export
         model = model.to(dtype)
         model.init_rope("meta")

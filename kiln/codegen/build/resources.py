@@ -178,8 +178,27 @@ def _latent_attention(spec: KernelSpec, c: Config, target: Target, threads: int)
     return shared, _BASE_REGISTERS + acc + frags
 
 
+def _fp8_matmul(spec: KernelSpec, c: Config, target: Target, threads: int):
+    """The block-scaled fp8 GEMM (templates/fp8_matmul), K steps of 128: each extra
+    pipeline stage holds an x tile in x's dtype and an fp8 weight tile; the quantised x
+    tile and the transposed weight tile go through shared memory to become wgmma
+    operands (without wgmma: two fp8 x-tile buffers). Fitted to sm_90 compile-only
+    figures (bf16 and fp32 x, every candidate tile, 2-4 stages: exact), which
+    tests/codegen/test_fp8_matmul.py checks. gfx942 stages nothing here: one weight
+    tile's layout conversion (measured), plus the x tile's as a margin."""
+    e = _BYTES.get(spec.meta.get("dtype"), 4)
+    bm, bn, bk = c["BM"], c["BN"], 128
+    if target.backend == "hip":
+        return (bm + bn) * bk, _BASE_REGISTERS + (bm * bn + 3 * bm * bk) / threads
+    wgmma = _wgmma(target, bm, c, "fp8")
+    convert = (bm + bn) * bk if wgmma else 2 * bm * bk
+    shared = max(1, c.num_stages - 1) * (bm * bk * e + bn * bk) + convert
+    regs = (bm * bn + 2 * bm * bk + bn * bk / 4) / threads
+    return shared, _BASE_REGISTERS + regs
+
+
 _MODELS = {"matmul": _matmul, "attention": _attention, "gated_delta": _gated_delta,
-           "latent_attention": _latent_attention}
+           "latent_attention": _latent_attention, "fp8_matmul": _fp8_matmul}
 
 
 def violations(res: Resources, target: Target) -> list[str]:

@@ -28,6 +28,7 @@ TRITON_DTYPES = {
     torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
     torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32", torch.int16: "i16",
     torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
+    torch.float8_e4m3fn: "fp8e4nv",  # block-scaled fp8 weights (templates/fp8_matmul)
 }
 _DTYPE_NAMES = {str(d).replace("torch.", ""): d for d in TRITON_DTYPES}
 

@@ -1,0 +1,233 @@
+"""The block-scaled fp8 GEMM: one Triton kernel for a region holding kiln::fp8_linear.
+
+The op (kiln.ops.fp8_linear) is an extern op: torch.export keeps it whole and on the
+CPU it runs as its PyTorch form. On Triton targets this template generates its kernel:
+y [M, N] = x [M, K] @ w [N, K]^T with x's leading dims flattened into M tokens.
+
+Each program computes a [BM, BN] tile of y. Per 128-wide K step it loads the x tile
+in x's dtype, takes each row's amax, quantises the tile to e4m3 in registers (x times
+448 / amax, scale amax / 448, exactly as kiln.ops.fp8_linear.quantize_activations
+does; no separate quantisation kernel, no fp8 copy of x in memory), loads the [BN,
+128] fp8 weight tile and the weight's block scales for its rows, and adds
+tl.dot(xq, wq^T) (fp8 operands, fp32 accumulation) times the x scales (per row) and
+the weight scales (per column). N and K need not be multiples of 128: the tails are
+masked, and a scale row serves every output column of its 128-row weight block.
+
+x, the weight, its scales and the bias are read through the region's index maps by
+the expression emitter (a 3-D x is read in place). BK is the quantisation block (128,
+fixed); the configs span BM (16 for decode's few tokens up to 128 for prefill), BN
+(32-256), num_warps, pipeline stages and, for decode shapes, a K split (SPLIT_K, the
+cap of kiln.codegen.templates.split_k's count: the last program of a tile sums the
+parts, adds the bias and stores).
+
+Targets: sm_89+ multiply e4m3 on tensor cores; on older GPUs (Triton has no e4m3
+there) the template declines and the op runs as its PyTorch form. gfx942 (MI300) has
+e4m3fnuz, not e4m3fn: there the weight bytes are reinterpreted as fnuz (the same bits
+are half the value, so the weight scale doubles; e4m3fn's -0, NaN in fnuz, becomes 0)
+and the activations quantise to fnuz (largest 240). Triton's interpreter rounds fp32 to fp8
+dropping the mantissa carry (1.97 becomes 1.0, not 2.0): on the interpret target the
+kernel first rounds to e4m3's grid in fp32 (to nearest even), so the cast is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.codegen.build.spec import Config, KernelSpec
+from kiln.codegen.expr.emit import Emitter, kernel_name, module_source
+from kiln.codegen.expr.indexing import Lin, Var, linearize, reshape_index
+from kiln.codegen.expr.kernel_args import SymbolicArgs
+from kiln.codegen.expr.values import CodegenUnsupported, Cond, mask_of
+from kiln.codegen.templates import split_k as split
+from kiln.codegen.templates.fp8_matmul.analysis import BLOCK, OP, Fp8Shape, analyse
+from kiln.ir.plan import DispatchPlan, Region
+from kiln.ir.symbolic import bounds_of
+from kiln.ops.fp8_linear import AMAX_FLOOR, FP8_MAX
+from kiln.target import Target
+
+__all__ = ["OP", "config_space", "generate", "heuristic"]
+
+BLOCK_M = (16, 32, 64, 128)
+BLOCK_N = (32, 64, 128, 256)
+WARPS = (4, 8)
+STAGES = (2, 3, 4)
+SPLITS = (1, 16)  # K split caps for decode shapes (the launch picks the count)
+SPLIT_FILL = 4  # programs per SM a split aims for: decode streams the weight
+MIN_SPLIT_BLOCKS = 2  # 128-wide K blocks a split gets at least
+
+
+def config_space(shape: Fp8Shape, m_hi: int | None = None) -> list[Config]:
+    """Tiles of BM tokens by BN output columns, warps and pipeline stages, no BM above
+    the tokens there can be (`m_hi`) and no BN above N. 4 warps up to 64 x 128 tiles,
+    8 from 64 x 128 to 128 x 128 (or 64 x 256): on sm_90 (bf16 x) 4 warps spilled 72
+    registers at 128 x 128, 2 at 128 x 64 and 58 at 64 x 256; 8 warps spilled 60 at
+    128 x 256; and 8 warps on a smaller tile idle. Wider N tiles quantise each x tile
+    fewer times over the whole product (N / BN programs redo it). Decode shapes (at
+    most 64 tokens) may also split K: their few output tiles would leave most SMs idle
+    while the weight streams through the rest."""
+    ms = [b for b in BLOCK_M if m_hi is None or b <= max(16, _pow2(m_hi))]
+    ns = [b for b in BLOCK_N if b <= max(32, _pow2(shape.n))]
+    splits = SPLITS if m_hi is not None and m_hi <= 64 else (1,)
+    return [Config.make(w, st, BM=bm, BN=bn, SPLIT_K=sk) for sk in reversed(splits)
+            for bm in reversed(ms) for bn in reversed(ns) for w in WARPS for st in STAGES
+            if _warps_fit(w, bm, bn)]
+
+
+def _warps_fit(warps: int, bm: int, bn: int) -> bool:
+    if warps == 4:
+        return bm <= 64 and bm * bn <= 64 * 128
+    return 64 * 128 <= bm * bn <= 128 * 128
+
+
+def heuristic(shape: Fp8Shape, target: Target, m_hi: int | None = None) -> Config:
+    """The untuned choice (timed tuning tries the rest). Decode (a few tokens) reads the
+    weight once: 16-token tiles, narrow columns and K split so many programs stream
+    it (the split count fills the SMs), deep pipelining. Prefill: 128 x 128 tiles with
+    8 warps, as fp8 GEMMs are commonly run on Hopper. The interpreter runs the smallest
+    tiles fastest."""
+    if target.backend == "interpret":
+        return Config.make(4, 1, BM=16, BN=32, SPLIT_K=1)
+    if m_hi is not None and m_hi <= 16:
+        return Config.make(4, 4, BM=16, BN=64, SPLIT_K=16)
+    if m_hi is not None and m_hi <= 64:
+        return Config.make(4, 3, BM=max(16, _pow2(m_hi)), BN=128, SPLIT_K=16)
+    return Config.make(8, 3, BM=128, BN=128, SPLIT_K=1)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _v(name: str, size, block: bool = True) -> Lin:
+    return Lin.of(Var(name, size, block))
+
+
+def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
+    """The fp8 GEMM kernel of `region`; raises CodegenUnsupported saying why not."""
+    shape = analyse(region, plan)
+    _fp8(target)  # declines before any code is emitted
+    p = SymbolicArgs(plan.symbols)
+    em = Emitter(region, plan, p, target)
+    for name in list(region.inputs) + list(region.outputs):
+        p.check_extent(plan.values[name].numel)
+    lines = _body(em, p, shape, target)
+    name = kernel_name("fp8_matmul", region)
+    tunables = ["BM", "BN", "SPLIT_K"]
+    params = p.names() + [split.PARTS, split.COUNTS] + [f"{t}: tl.constexpr" for t in tunables]
+    source = module_source(name, params, lines, em.helpers, target, p.describe())
+    tiles = f"cdiv({p.grid(shape.m)}, BM) * cdiv({shape.n}, BN)"
+    n_split = split.count("SPLIT_K", tiles, SPLIT_FILL * target.multiprocessors,
+                          f"cdiv({shape.k}, {MIN_SPLIT_BLOCKS * BLOCK})")
+    grid = (f"cdiv({p.grid(shape.m)}, BM)", f"cdiv({shape.n}, BN)", n_split)
+    m_hi = bounds_of(shape.m, plan.symbols).hi
+    configs = config_space(shape, m_hi)
+    default = heuristic(shape, target, m_hi)
+    if default not in configs:
+        configs.insert(0, default)
+    meta = {"dtype": str(shape.dtype).replace("torch.", ""), "m_hi": m_hi, "n": shape.n,
+            "k": shape.k}
+    return KernelSpec(name, source, p.args(), tunables, grid, configs, default,
+                      "fp8_matmul", meta, 64 if p.needs_int64 else 32,
+                      scratch=split.scratch(tiles, n_split, "BM * BN"))
+
+
+def _fp8(target: Target) -> tuple[str, float]:
+    """(Triton's e4m3 type on `target`, its largest finite value); declines where
+    Triton has no e4m3 (the op then runs as its PyTorch form, with a note)."""
+    if target.backend == "hip":
+        if target.arch != "gfx942":
+            raise CodegenUnsupported(f"{target} has no e4m3 kiln's kernel knows (gfx942's "
+                                     "e4m3fnuz only)")
+        return "tl.float8e4b8", 240.0  # e4m3fnuz: CDNA3's fp8, largest 240
+    if target.backend == "cuda" and isinstance(target.arch, int) and target.arch < 89:
+        raise CodegenUnsupported(f"{target} has no e4m3: Triton supports fp8e4nv from sm_89")
+    return "tl.float8e4nv", FP8_MAX
+
+
+def _body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target) -> list[str]:
+    wide = ".to(tl.int64)" if p.needs_int64 else ""
+    fp8, fp8_max = _fp8(target)
+    M = p.dim(s.m)
+    m_ok, k_ok = Cond("m_ok", frozenset({"om"})), Cond("ok < K", frozenset({"ok"}))
+    x_idx = reshape_index((_v("om", s.m), _v("ok", s.k)), (s.m, s.k), s.x_shape)
+    w_idx = (_v("wn", s.n), _v("ok", s.k))
+    ws_idx = (_v("nb", s.n_blocks), _v("kb", s.k_blocks, False))
+    x_mask = mask_of(m_ok, k_ok if s.k % BLOCK else None)
+    w_mask = "(wn < N) & (ok < K)" if s.k % BLOCK else "wn < N"
+    L = [f"N = {s.n}", f"K = {s.k}",
+         f"pid_m = tl.program_id(0){wide}", f"pid_n = tl.program_id(1){wide}",
+         "rm = pid_m * BM + tl.arange(0, BM)", "rn = pid_n * BN + tl.arange(0, BN)",
+         "om = rm[:, None]  # [BM, 1] tokens", "wn = rn[:, None]  # [BN, 1] weight rows",
+         "on = rn[None, :]  # [1, BN] output columns", f"nb = rn // {BLOCK}  # scale rows",
+         f"m_ok = om < {M}", "n_ok = on < N", "acc = tl.zeros([BM, BN], tl.float32)",
+         "pid_s = tl.program_id(2)", "n_split = tl.num_programs(2)",
+         "lo = 0", "hi = K", "if SPLIT_K > 1:  # this split's whole K blocks",
+         *["    " + x for x in split.program_range("K", str(BLOCK))]]
+    with em.block() as loop:
+        loop += [f"ok = k0 + tl.arange(0, {BLOCK})[None, :]", f"kb = k0 // {BLOCK}"]
+        x = em.value(s.x, x_idx, x_mask)
+        keep = "m_ok & (ok < K)" if s.k % BLOCK else "m_ok"
+        loop += [f"xf = tl.where({keep}, {x.code}.to(tl.float32), 0.0)",
+                 "# per token: this K block's scale, and the block quantised in registers",
+                 f"amax = tl.maximum(tl.max(tl.abs(xf), 1), {AMAX_FLOOR!r})",
+                 f"xs = amax / {fp8_max!r}",
+                 f"xv = xf * ({fp8_max!r} / amax)[:, None]  # a multiply per element",
+                 f"xv = tl.minimum(tl.maximum(xv, {-fp8_max!r}), {fp8_max!r})"]
+        if target.backend == "interpret":
+            loop += _round_to_e4m3("xv")
+        loop.append(f"xq = xv.to({fp8})")
+        w = _load_fp8(em, p, s, w_idx, w_mask)
+        ws = em.value(s.scale, ws_idx, mask_of(Cond("rn < N", frozenset({"nb"}))))
+        if target.backend == "hip":  # e4m3fn bits read as e4m3fnuz: half the value
+            loop += [f"wb = {w}.to(tl.uint8, bitcast=True)",
+                     f"wq = tl.where(wb == 128, 0, wb).to(tl.uint8).to({fp8}, bitcast=True)",
+                     f"ws = {ws.code} * 2.0"]
+        else:
+            loop += [f"wq = {w}", f"ws = {ws.code}"]
+        loop.append("acc += tl.dot(xq, tl.trans(wq), out_dtype=tl.float32) * xs[:, None] * "
+                    "ws[None, :]")
+    L += [f"for k0 in range(lo, hi, {BLOCK}):", *["    " + x for x in loop]]
+    L += _combine_splits()
+    n_ok = Cond("n_ok", frozenset({"on"}))
+    if s.bias is not None:
+        with em.block() as lines:
+            b = em.value(s.bias, (_v("on", s.n),), mask_of(n_ok))
+        L += lines + [f"acc += {b.code}.to(tl.float32)"]
+    out_idx = reshape_index((_v("om", s.m), _v("on", s.n)), (s.m, s.n), s.out_shape)
+    with em.block() as store:
+        em.store(s.out, out_idx, em.let("acc", torch.float32, frozenset({"om", "on"})),
+                 mask_of(m_ok, n_ok), span=("om", "on"))
+    return L + store
+
+
+def _combine_splits() -> list[str]:
+    """With K split: each program stores its part; the last to arrive sums them in
+    split order and alone adds the bias and stores (kiln.codegen.templates.split_k)."""
+    offs = "part_offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]"
+    store = [offs, f"tl.store({split.part('BM * BN')} + part_offs, acc, mask=m_ok & n_ok)"]
+    load = split.load_part(split.part("BM * BN", "s") + " + part_offs", "m_ok & n_ok")
+    combine = ["acc = tl.zeros([BM, BN], dtype=tl.float32)", "for s in range(0, n_split):",
+               f"    acc += {load}"]
+    gate = ["n_ok = on < tl.where(last, N, 0)"]  # only the last program stores
+    return split.arrive("SPLIT_K", "pid_m * tl.num_programs(1) + pid_n", store, combine,
+                        gate)
+
+
+def _load_fp8(em: Emitter, p: SymbolicArgs, s: Fp8Shape, index, mask: str) -> str:
+    """The [BN, 128] weight tile, read directly (the emitter's masked loads fill with
+    the integer 0, which Triton cannot cast to fp8); analyse made sure the weight is a
+    region input, contiguous [N, K]."""
+    ptr = p.tensor(s.weight, torch.float8_e4m3fn, (s.n, s.k))
+    return f"tl.load({ptr} + ({em.code(linearize(index, (s.n, s.k)))}), mask={mask}, other=0.0)"
+
+
+def _round_to_e4m3(v: str) -> list[str]:
+    """`v` (fp32, |v| <= 448) rounded to nearest even on e4m3's grid, in fp32: the
+    spacing is 2^(e - 3) for a value of exponent e, 2^-9 among the subnormals; adding
+    and taking away 1.5 * 2^23 rounds a quotient below 2^22 to an integer, to even."""
+    return [
+        "# the interpreter's fp8 cast drops the mantissa carry: round on e4m3's grid first",
+        f"ulp = ({v}.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)",
+        "ulp = tl.maximum(ulp * 0.125, 0.001953125)",
+        f"{v} = ((({v} / ulp) + 12582912.0) - 12582912.0) * ulp",
+    ]
