@@ -40,7 +40,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def check_dtype(dtype: torch.dtype, prefill: int, decode: int) -> list[str]:
+def check_dtype(dtype: torch.dtype, prefill: int, decode: int, eager_check: bool = True,
+                ) -> list[str]:
     import kiln
 
     model = layer_model(dtype, prefill + decode + 8)
@@ -60,14 +61,14 @@ def check_dtype(dtype: torch.dtype, prefill: int, decode: int) -> list[str]:
     prompt = torch.randint(0, vocab, (1, prefill), device="cuda")
     with torch.no_grad():
         out = pre(prompt, torch.arange(prefill, device="cuda"))
-        ref = eager(prompt, torch.arange(prefill, device="cuda"))
+        ref = eager(prompt, torch.arange(prefill, device="cuda")) if eager_check else out
     lines.append(f"{dtype} prefill {prefill}: rel err vs eager {rel_err(out, ref):.2e}")
     for step in range(decode):
         tok = torch.randint(0, vocab, (1, 1), device="cuda")
         pos = torch.tensor([prefill + step], device="cuda")
         with torch.no_grad():
             out = dec(tok, pos)
-            ref = eager(tok, pos)
+            ref = eager(tok, pos) if eager_check else out
         lines.append(f"{dtype} decode at {prefill + step}: rel err vs eager "
                      f"{rel_err(out, ref):.2e}")
     torch.cuda.synchronize()
@@ -79,9 +80,11 @@ def main() -> None:
     p.add_argument("--dtypes", default="float16,bfloat16")
     p.add_argument("--prefill", type=int, default=100)
     p.add_argument("--decode", type=int, default=2)
+    p.add_argument("--no-eager", action="store_true",
+                   help="skip the eager comparison (racecheck trips over cuBLAS's kernels)")
     a = p.parse_args()
     for name in a.dtypes.split(","):
-        for line in check_dtype(getattr(torch, name), a.prefill, a.decode):
+        for line in check_dtype(getattr(torch, name), a.prefill, a.decode, not a.no_eager):
             print(line, flush=True)
 
 
