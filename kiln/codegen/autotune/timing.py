@@ -75,6 +75,8 @@ def sizes_bucket(region: Region, plan: DispatchPlan, env: dict[str, int]) -> str
 
 
 def _random(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    if dtype.itemsize == 1 and dtype.is_floating_point:  # fp8: no randn of its own
+        return torch.randn(shape, device=device).to(dtype)
     if dtype.is_floating_point or dtype.is_complex:
         return torch.randn(shape, dtype=dtype, device=device)
     if dtype == torch.bool:
