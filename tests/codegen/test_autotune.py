@@ -421,3 +421,22 @@ def test_timing_inputs_can_be_made_in_every_dtype(dtype):
     assert t.dtype == dtype and t.shape == (4, 8)
     if dtype.is_floating_point:
         assert t.float().abs().sum() > 0
+
+
+def test_timing_fill_gives_integer_inputs_their_value():
+    """A template's timing_fill sets an input (decode positions) to a size expression
+    at the timed sizes; other integer inputs stay zero."""
+    import kiln
+    from kiln.codegen.autotune.timing import example_buffers
+
+    class Gather(torch.nn.Module):
+        def forward(self, x, pos, idx):
+            return x[pos] + x[idx]
+
+    T = torch.export.Dim("T", min=2, max=64)
+    exe = kiln.compile(Gather(), (torch.randn(8, 4), torch.tensor([1, 2]), torch.tensor([0, 1])),
+                       dynamic_shapes=({0: T}, None, None), target="cpu")
+    region = exe.plan.regions[0]
+    (sym,) = exe.plan.symbols
+    inputs, _ = example_buffers(region, exe.plan, {sym: 9}, "cpu", {"pos": f"{sym} - 1"})
+    assert inputs["pos"].tolist() == [8, 8] and inputs["idx"].tolist() == [0, 0]

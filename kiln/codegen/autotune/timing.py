@@ -20,7 +20,7 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.ir.plan import DispatchPlan, Region
-from kiln.ir.symbolic import evaluate
+from kiln.ir.symbolic import evaluate, parse
 from kiln.target import Target, detect_cuda
 
 log = logging.getLogger("kiln.codegen")
@@ -84,14 +84,23 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Te
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def example_buffers(region: Region, plan: DispatchPlan, env: dict[str, int], device: str):
-    """Random inputs and empty outputs for `region` at the sizes in `env`."""
+def example_buffers(region: Region, plan: DispatchPlan, env: dict[str, int], device: str,
+                    fill: dict[str, str] | None = None):
+    """Random inputs and empty outputs for `region` at the sizes in `env`.
+
+    Integer inputs are zeros (always valid indices) unless `fill` (a template's
+    KernelSpec.meta["timing_fill"]: input -> size expression) gives them a value: a
+    decode kernel's positions at zero would time a one-key attention, and the tuner
+    would pick the config that is fastest at doing nothing."""
     def meta(v):
         tv = plan.values.get(v)
         shape, dtype = (tv.shape, tv.dtype) if tv else (region.op(v).shape, region.op(v).dtype)
         return tuple(evaluate(d, env) for d in shape), dtype
 
     inputs = {v: _random(*meta(v), device) for v in region.inputs}
+    for v, expr in (fill or {}).items():
+        if v in inputs:
+            inputs[v].fill_(evaluate(parse(expr), env))
     outs = {o: torch.empty(meta(o)[0], dtype=meta(o)[1], device=device)
             for o in region.outputs}
     return inputs, outs

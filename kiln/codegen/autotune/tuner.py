@@ -199,7 +199,8 @@ class Tuner:
 
     def _fastest(self, region, spec, outcomes, built, plan, tail) -> Choice:
         env = timing_env(plan, self.example_env)
-        inputs, outs = example_buffers(region, plan, env, self.target.torch_device)
+        inputs, outs = example_buffers(region, plan, env, self.target.torch_device,
+                                       spec.meta.get("timing_fill"))
         times: dict[Config | None, float] = {}
         with progress(total=len(built) + 1, desc=f"time {region.name}", unit="config") as bar:
             for c in built:

@@ -34,6 +34,7 @@ from kiln.codegen.templates import split_k as split
 from kiln.codegen.templates.latent_attention.analysis import OP, LatentShape, analyse, pow2
 from kiln.codegen.templates.latent_attention.body import LatentBody
 from kiln.ir.plan import DispatchPlan, Region
+from kiln.ir.symbolic import to_str
 from kiln.target import Target
 
 __all__ = ["OP", "config_space", "generate", "heuristic"]
@@ -122,7 +123,10 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     meta = {"latent_dim": shape.latent_dim, "rope_dim": shape.rope_dim,
             "latent_dim_pad": rp, "rope_dim_pad": pow2(shape.rope_dim),
             "heads": shape.heads, "paged": shape.paged,
-            "dtype": str(shape.dtype).replace("torch.", "")}
+            "dtype": str(shape.dtype).replace("torch.", ""),
+            # timed at the last position the cache holds: every key read, as decode at
+            # a long context (zeros would time one key)
+            "timing_fill": {shape.input_pos: to_str(shape.keys - 1)}}
     return KernelSpec(name, source, p.args(), tunables, (head_blocks, queries, n_split),
                       configs, default, "latent_attention", meta,
                       64 if p.needs_int64 else 32,
