@@ -9,9 +9,9 @@ kernel, never a torch fallback that won a timing race. Each output is checked ag
 eager first, so a clean sanitizer run is also a correct one.
 
     python benchmarks/sanitize_llama_layer.py                    # warm kiln's cache
-    compute-sanitizer --tool memcheck --kernel-name regex:kiln_ \\
+    compute-sanitizer --tool memcheck --kernel-name kns=kiln_ \\
         python benchmarks/sanitize_llama_layer.py                # then check it
-    compute-sanitizer --tool racecheck --kernel-name regex:kiln_ python ...
+    compute-sanitizer --tool racecheck --kernel-name kns=kiln_ python ...
 """
 
 from __future__ import annotations

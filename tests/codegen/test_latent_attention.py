@@ -121,9 +121,10 @@ def _kernel_at(model, args, **params):
 
 
 @pytest.mark.parametrize("split", [1, 4])
-def test_keys_split_across_programs_or_not_give_the_same_output(split):
+def test_keys_split_across_programs_or_not_give_the_same_output(split, monkeypatch):
     """128 keys, 4 parts of 16 of each row's keys: row 0 (14 keys) has one part with keys,
-    row 1 (39) three."""
+    row 1 (39) three (the merge's balance lifted: at these widths it allows 3 parts)."""
+    monkeypatch.setattr(latent, "MERGE_BALANCE", 100.0)
     model, args, ref = _case(S=128, block=4, seed=7)
     kernel, named, out = _kernel_at(model, args, BLOCK_H=16, BLOCK_N=16, KV_SPLIT=split)
     _, sizes = kernel._args(named, {o: None for o in out}, {})
@@ -182,3 +183,17 @@ def test_v3_widths_on_cuda_match_the_einsum_form(heads, block):
     assert isinstance(exe.program.kplan.kernels[_region(exe.program.plan).name], TritonKernel)
     out = exe(*args)
     assert rel_err(out.cpu(), ref) <= 1e-2, rel_err(out.cpu(), ref)
+
+
+@pytest.mark.parametrize("context,block_h,parts", [(128, 32, 1), (2048, 32, 5), (8192, 32, 11),
+                                                   (2048, 16, 8), (65536, 16, 16)])
+def test_split_count_balances_keys_against_the_merge(context, block_h, parts):
+    """V3's widths in bf16 at batch 1: a part of 32 heads is 64 KB, as much as 57 cached rows,
+    so the keys split into about sqrt(rows / 57) parts (the merge reads them all), never
+    more than fill the GPU (132 SMs: 16 parts of 8 head blocks)."""
+    model, args, _ = _case(B=1, H=128, R=512, P=64, S=context, dtype=torch.bfloat16)
+    plan = kiln.compile(model, args, compile_to="dispatch")
+    spec = latent.generate(_region(plan), plan, SM90)
+    config = next(c for c in spec.configs if c["BLOCK_H"] == block_h and c["BLOCK_N"] == 32
+                  and c["KV_SPLIT"] == latent.SPLIT_CAP)
+    assert spec.grid_for({}, config)[2] == parts  # static sizes: the grid is numbers

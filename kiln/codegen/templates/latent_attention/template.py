@@ -43,6 +43,8 @@ HEAD_BLOCKS = (64, 32, 16)
 KEY_BLOCKS = (64, 32, 16)
 MIN_SPLIT_BLOCKS = 2  # key blocks a split gets at least
 SPLIT_CAP = 64  # most parts the keys are split into
+MERGE_BALANCE = 1.0  # splits at most sqrt(MERGE_BALANCE * key bytes / part bytes): see
+# split_limit
 MAX_ACC_REGISTERS = 64  # fp32 accumulator elements per thread a config may hold
 STAGES = (2,)  # the key loop is bound by its loads: one stage (nothing in flight) took
 # more shared memory and registers than two at V3's widths on sm_90 (compile-only)
@@ -98,6 +100,18 @@ def heuristic(shape: LatentShape, target: Target) -> Config:
                        KV_SPLIT=SPLIT_CAP)
 
 
+def split_limit(shape: LatentShape, keys: str) -> str:
+    """Grid expression: the most parts a tile's keys are split into. A part is a
+    [BLOCK_H, R] fp32 accumulator (64 KB for 32 heads at V3's 512), as large as 57 cached
+    rows, and the last program reads every part alone. With n parts it reads
+    keys / n rows, then n parts: n = sqrt(key bytes / part bytes) makes the two equal
+    and their sum least (B1 ctx 2048: 5 parts of 32 heads, not 32)."""
+    row = (shape.latent_dim + shape.rope_dim) * shape.dtype.itemsize
+    part = (pow2(shape.latent_dim) + 2) * 4
+    balanced = f"int(({MERGE_BALANCE} * {keys} * {row} / (BLOCK_H * {part})) ** 0.5)"
+    return f"max(1, min({balanced}, cdiv({keys}, {MIN_SPLIT_BLOCKS} * BLOCK_N)))"
+
+
 def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     """The latent attention kernel of `region`; raises CodegenUnsupported saying why not."""
     shape = analyse(region, plan)
@@ -114,7 +128,7 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     queries = p.grid(shape.batch * shape.tq)
     tiles = f"{head_blocks} * {queries}"
     n_split = split.count("KV_SPLIT", tiles, target.multiprocessors,
-                          f"cdiv({p.grid(shape.keys)}, {MIN_SPLIT_BLOCKS} * BLOCK_N)")
+                          split_limit(shape, p.grid(shape.keys)))
     configs = config_space(shape)
     default = heuristic(shape, target)
     if default not in configs:
