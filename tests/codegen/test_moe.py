@@ -132,6 +132,25 @@ def test_x_is_read_through_a_strided_sub_view_in_place():
     assert rel_err(exe(hidden, w, ids), loop_reference(x, w, ids, gate, up, down)) <= 1e-5
 
 
+@pytest.mark.parametrize("params", [dict(BM=32, BN=64, BD=128, BK=64),
+                                    dict(BM=64, BN=64, BD=128, BK=32)])
+def test_gpu_tile_shapes_on_the_interpreter(params):
+    """The GPU's tile shapes (BD = 2 BN, rows past an expert's count in a tile, one
+    column block past dim and I): 30 tokens over 3 experts."""
+    x, w, ids, gate, up, down = make(30, 80, 3, 72, 2, seed=9)
+    m = Experts(gate, up, down)
+    plan = kiln.compile(m, (x, w, ids), compile_to="dispatch")
+    region = _region(plan)
+    spec = moe.generate(region, plan, get_target("interpret"))
+    kernel = TritonKernel(region, spec, Config.make(4, 1, **params), interpret=True)
+    named = {"x": x, "weights": w, "ids": ids, "p_gate": gate, "p_up": up, "p_down": down}
+    assert set(region.inputs) == set(named)
+    out = {region.outputs[0]: torch.full((30, 80), float("nan"))}
+    kernel.run(named, out, {})
+    assert rel_err(out[region.outputs[0]], loop_reference(x, w, ids, gate, up, down)) <= 1e-5
+    assert _counters_zero(kernel)
+
+
 def _v3_spec(tokens: int, most: int, dtype=torch.bfloat16):
     """The kernel at DeepSeek-V3's widths (dim 7168, I 2048, 256 experts, top 8), for
     `tokens` example tokens, dynamic up to `most` (the weights on the meta device)."""
