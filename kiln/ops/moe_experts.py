@@ -89,8 +89,11 @@ def _check(x, weights, ids, gate, up, down) -> None:
 
 
 def _check_ids(ids: torch.Tensor, experts: int) -> None:
-    """Expert ids in [0, E), when the values can be seen (not while exporting)."""
+    """Expert ids in [0, E), when the values can be seen (not while exporting, nor
+    inside a CUDA graph capture, where reading them back is not allowed)."""
     if ids.numel() == 0 or ids.device.type == "meta" or _is_traced(ids):
+        return
+    if ids.is_cuda and torch.cuda.is_current_stream_capturing():
         return
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= experts:

@@ -107,6 +107,16 @@ def test_dynamic_tokens_the_same_twice_and_counters_back_to_zero():
         assert _counters_zero(kernel), n
 
 
+def test_a_saved_module_loads_and_runs_the_kernel(tmp_path):
+    x, w, ids, gate, up, down = make(9, 32, 5, 16, 2, seed=10)
+    m = Experts(gate, up, down)
+    exe, _ = _compiled(m, (x, w, ids), tokens=40)
+    exe.save(tmp_path / "moe")
+    loaded = kiln.load(tmp_path / "moe", target="interpret")
+    x, w, ids, *_ = make(13, 32, 5, 16, 2, seed=11)
+    assert rel_err(loaded(x, w, ids), loop_reference(x, w, ids, gate, up, down)) <= 1e-5
+
+
 def test_ids_out_of_range_are_dropped_as_the_op_does():
     """A compiled module cannot refuse ids it only sees on the device: pairs outside
     [0, E) add nothing, and a token left with none gets zeros."""
