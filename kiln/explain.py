@@ -18,6 +18,9 @@ from kiln.dispatch.cost import ZERO, Cost, plan_costs
 from kiln.ir.plan import DispatchPlan, Role
 from kiln.ir.printer import type_str
 from kiln.ir.symbolic import Bounds, Dim, bounds_of, evaluate, to_str
+from kiln.ops.moe_experts import routing_bound
+
+MOE_OP = "kiln.moe_experts.default"
 
 
 def explain(program, example_sizes: dict[str, int] | None = None,
@@ -86,12 +89,44 @@ def _region(r, plan: DispatchPlan, cost: Cost, example, kernels) -> list[str]:
         lines.append(f"  writes %{o} in place into {plan.values[state].target or state}")
     lines += [f"  at {_short_where(w)}" for w in r.where()]
     lines += [f"  note: {n}" for n in r.notes]
+    lines += _routing(r, plan, example)
     lines += _cost_lines(cost, plan.symbols, example, indent="  ")
     if kernels:
         k = kernels.get(r.name)
         text = k.describe().rstrip() if k is not None else "(no kernel)"
         lines.append("  kernel: " + text.replace("\n", "\n    "))
     return lines
+
+
+def _routing(r, plan: DispatchPlan, example) -> list[str]:
+    """A kiln::moe_experts op's data-dependent sizes (tokens per expert) with the bound
+    they carry by construction: an expert has at most all N * k (token, expert) pairs,
+    the size of the row buffer the pairs are sorted into."""
+    lines = []
+    for op in r.ops:
+        if op.target != MOE_OP:
+            continue
+        ids, gate = op.args[2], op.args[3]
+        shape = {o.name: o.shape for o in r.ops}
+        tokens, top_k = (plan.values[ids.name].shape if ids.name in plan.values
+                         else shape[ids.name])
+        experts = (plan.values[gate.name].shape if gate.name in plan.values
+                   else shape[gate.name])[0]
+        pairs = routing_bound(tokens, top_k)
+        size = _bounded(pairs, plan.symbols, example)
+        lines.append(f"  routing: {experts} experts, k = {top_k}; rows per expert <= N*k = "
+                     f"{size}, the row buffer's size")
+    return lines
+
+
+def _bounded(expr: Dim, symbols, example) -> str:
+    """A size as its formula with its values at the example and at the upper bounds."""
+    if isinstance(expr, int) or not expr.free_symbols:
+        return str(int(expr))
+    at = [f"{evaluate(expr, example)} at example"] if example else []
+    hi = bounds_of(expr, symbols).hi
+    at.append(f"{hi} at max" if hi is not None else "unbounded at max")
+    return f"{to_str(sympy.expand(expr))} ({', '.join(at)})"
 
 
 def _short_where(w: str) -> str:

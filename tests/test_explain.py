@@ -89,3 +89,29 @@ def test_human_bytes(n, text):
                                     (2_000_000_000, "2 G")])
 def test_human_flops(n, text):
     assert human_flops(n) == text
+
+
+def test_a_moe_region_shows_its_routing_bound():
+    """Tokens per expert are data-dependent; the report gives their bound by
+    construction, N * k (the sorted row buffer's size), at the example and at max."""
+    from kiln.ops import moe_experts
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Parameter(torch.randn(6, 5, 16))
+            self.up = torch.nn.Parameter(torch.randn(6, 5, 16))
+            self.down = torch.nn.Parameter(torch.randn(6, 16, 5))
+
+        def forward(self, x, weights, ids):
+            return moe_experts(x, weights, ids, self.gate, self.up, self.down)
+
+    T = kiln.Dim("tokens", min=1, max=300)
+    args = (torch.randn(7, 16), torch.rand(7, 3), torch.randint(0, 6, (7, 3)))
+    exe = kiln.compile(Experts(), args, dynamic_shapes=({0: T},) * 3)
+    (sym,) = exe.plan.symbols
+    text = exe.explain()
+    assert (f"routing: 6 experts, k = 3; rows per expert <= N*k = 3*{sym} (21 at example, "
+            "900 at max), the row buffer's size") in text
+    static = kiln.compile(Experts(), args).explain()
+    assert "rows per expert <= N*k = 21, the row buffer's size" in static

@@ -26,6 +26,7 @@ from kiln.codegen.templates.fp8_matmul import template as fp8_matmul
 from kiln.codegen.templates.gated_delta import template as gated_delta
 from kiln.codegen.templates.latent_attention import template as latent_attention
 from kiln.codegen.templates.matmul import template as matmul
+from kiln.codegen.templates.moe import template as moe
 from kiln.codegen.templates.reduction import row_kernel as reduction
 from kiln.codegen.torch_kernel import TorchKernel
 from kiln.ir.ops import is_fallback
@@ -53,6 +54,7 @@ EXTERN_TEMPLATES: dict[str, Template] = {
     gated_delta.OP: gated_delta.generate,
     latent_attention.OP: latent_attention.generate,
     fp8_matmul.OP: fp8_matmul.generate,
+    moe.OP: moe.generate,
 }
 
 

@@ -141,6 +141,7 @@ _register(OpCategory.EXTERN, ["kiln.gated_delta_rule.default", "kiln.all_reduce.
                              "kiln.all_gather.default"])
 _register(OpCategory.EXTERN, ["kiln.latent_attention.default"])
 _register(OpCategory.EXTERN, ["kiln.fp8_linear.default"])
+_register(OpCategory.EXTERN, ["kiln.moe_experts.default"])
 
 # Named sets of ops: each defined here once, named for exactly what it holds.
 

@@ -43,7 +43,7 @@ import kiln.ops
 from kiln.errors import KilnError, ShapeError
 from kiln.models.kv_cache import ContiguousLatentCache, PagedLatentCache
 from kiln.models.llama import MLP, RMSNorm, attention_mask
-from kiln.models.moe import MLPSizes, MoE
+from kiln.models.moe import FORMS, MLPSizes, MoE
 
 ROPE_TYPES = ("default", "yarn")
 
@@ -349,12 +349,13 @@ class DeepseekV3(nn.Module):
 
     def use_forms(self, attention: str = "auto", experts: str = "auto") -> None:
         """Force a form everywhere (tests compare them): attention "absorbed" |
-        "expanded" | "auto", experts "gathered" | "dense" | "auto"."""
+        "expanded" | "auto", experts "grouped" | "gathered" | "dense" | "auto"."""
         if attention not in ("auto", "absorbed", "expanded"):
             raise KilnError(f"unknown attention form {attention!r}",
                             hint="auto, absorbed or expanded")
-        if experts not in ("auto", "gathered", "dense"):
-            raise KilnError(f"unknown experts form {experts!r}", hint="auto, gathered or dense")
+        if experts not in FORMS:
+            raise KilnError(f"unknown experts form {experts!r}",
+                            hint="auto, grouped, gathered or dense")
         for layer in self.model.layers:
             layer.self_attn.form = attention
             if isinstance(layer.mlp, MoE):
@@ -367,11 +368,14 @@ class DeepseekV3(nn.Module):
     def setup_cache(self, dtype: torch.dtype | None = None, *, max_batch_size: int = 1,
                     paged: bool = False, block_size: int = 16,
                     num_blocks: int | None = None) -> None:
-        """Give every layer a latent cache (needed before decoding); see kv_cache.py."""
+        """Give every layer a latent cache (needed before decoding); see kv_cache.py. The
+        MoE layers learn the most rows a decode step can route (their form depends on it)."""
         dtype = dtype or self.lm_head.weight.dtype
         device = self.lm_head.weight.device
         cfg = self.cfg
         for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.decode_batch = max_batch_size
             if paged:
                 cache = PagedLatentCache(cfg.max_seq_len, cfg.latent_dim, max_batch_size,
                                          block_size, num_blocks, dtype)

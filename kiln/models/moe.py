@@ -11,26 +11,27 @@ Routing (per token, in fp32 as the reference does):
   out = sum_k weights_k * expert_{id_k}(x) + shared_experts(x)
 
 The number of tokens each expert gets depends on the data, and torch.export needs
-static shapes, so the experts run in one of two static-shape forms (`form`):
+static shapes, so the experts run in one of three static-shape forms (`form`):
 
-- "gathered" (decode): w[ids] gathers each token's chosen experts' weights,
-  [N, k, I, dim], and runs them as batched matmuls. It reads only the chosen
+- "grouped" (prefill, larger decode batches): kiln.ops.moe_experts. The N * k
+  (token, expert) pairs are sorted by expert into a row buffer of static size N * k
+  (an expert has at most every pair: the bound `kiln explain` shows), and each
+  expert runs once over its contiguous rows. On a GPU target that is kiln's grouped
+  GEMM kernel (every expert in one launch, each expert's weights read once per tile
+  of its rows, the routing done on the device); elsewhere the op's PyTorch form.
+- "gathered" (tiny decode batches): w[ids] gathers each token's chosen experts'
+  weights, [N, k, I, dim], and runs them as batched matmuls. It reads only the chosen
   experts' bytes, which is what decode is bound by (V3: 8 of 256 experts, 0.7 of
-  22.5 GB per layer in bf16), but copies N * k experts' weights: for a long prefill
-  that is far too much memory (V3: 2048 tokens x 8 experts x 88 MB), and even a
-  large decode batch copies an expert once per token that chose it.
-- "dense" (prefill): every expert runs on every token and a [N, E] matrix that is
-  zero outside the chosen experts combines them. Its memory is an [N, E, I]
-  activation (V3: 2 GB for 2048 tokens), but it does E / k times the routed flops
-  (32x for V3) and reads every expert: right for tiny models and short prompts only.
+  22.5 GB per layer in bf16), but copies N * k experts' weights, once per token that
+  chose one: right for a few rows only.
+- "dense": every expert runs on every token and a [N, E] matrix that is zero outside
+  the chosen experts combines them: E / k times the routed flops (32x for V3) and
+  every expert read. A reference for tests.
 
-"auto" picks gathered when the traced call has one token per row, dense otherwise.
-A grouped-GEMM form will replace dense for prefill: sort the N * k (token, expert)
-pairs by expert, run one GEMM per expert over its contiguous rows, scatter back.
-That needs data-dependent row counts per expert: a kernel taking per-expert offsets
-(computed on the device from the router's ids) over a row buffer of static size
-N * k, so the export sees static shapes while the kernel walks the ragged groups.
-The same kernel serves large decode batches, reading each chosen expert once.
+"auto" picks gathered for a decode step (one token per row) of at most
+GATHERED_MAX_ROWS rows, grouped otherwise. A decode module compiled for a dynamic
+batch does not know its rows when traced: it goes by `decode_batch`, the most rows a
+step can have (the model's setup_cache sets it to the cache's max batch).
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kiln.ops
 from kiln.models.llama import MLP
+
+GATHERED_MAX_ROWS = 4  # decode steps of at most this many rows use the gathered form
+FORMS = ("auto", "grouped", "gathered", "dense")
 
 
 @dataclass
@@ -99,6 +104,11 @@ class Experts(nn.Module):
         y = torch.einsum("nki,nkdi->nkd", h, self.down_proj[ids])
         return (y.float() * weights[:, :, None]).sum(1).to(x.dtype)
 
+    def grouped(self, x, weights, ids):
+        """The pairs sorted by expert, each expert once over its rows (kiln.ops)."""
+        return kiln.ops.moe_experts(x, weights, ids, self.gate_proj, self.up_proj,
+                                    self.down_proj)
+
     def dense(self, x, weights, ids):
         """Every expert on every token, combined by weights that are 0 off the choice."""
         combine = torch.zeros(x.shape[0], self.gate_proj.shape[0], dtype=torch.float32,
@@ -115,6 +125,7 @@ class MoE(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.form = "auto"
+        self.decode_batch = 1  # the most rows a decode step routes (setup_cache sets it)
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
         self.shared_experts = MLP(MLPSizes(cfg.dim,
@@ -124,10 +135,15 @@ class MoE(nn.Module):
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
         weights, ids = self.gate(flat)
-        # Under torch.export a dynamic T is a SymInt: only a decode module's T is an int.
-        gathered = self.form == "gathered" or (self.form == "auto" and isinstance(T, int)
-                                               and T == 1)
-        run = self.experts.gathered if gathered else self.experts.dense
+        run = getattr(self.experts, self.form_for(B, T))
         return run(flat, weights, ids).view(B, T, D) + self.shared_experts(x)
 
-
+    def form_for(self, B, T) -> str:
+        """The experts' form for a call of B rows of T tokens. Under torch.export a
+        dynamic size is a SymInt: only a decode module's T is an int, and its B is one
+        only when the batch is static."""
+        if self.form != "auto":
+            return self.form
+        decode = isinstance(T, int) and T == 1
+        rows = B if isinstance(B, int) else self.decode_batch
+        return "gathered" if decode and rows <= GATHERED_MAX_ROWS else "grouped"

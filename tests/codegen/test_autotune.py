@@ -440,3 +440,25 @@ def test_timing_fill_gives_integer_inputs_their_value():
     (sym,) = exe.plan.symbols
     inputs, _ = example_buffers(region, exe.plan, {sym: 9}, "cpu", {"pos": f"{sym} - 1"})
     assert inputs["pos"].tolist() == [8, 8] and inputs["idx"].tolist() == [0, 0]
+
+
+def test_timing_fill_chooses_distinct_values_per_row():
+    """{"choose_from": n}: each row of the input gets distinct values below n (a
+    router's expert choices), so a MoE kernel is not timed with every pair on expert 0."""
+    import kiln
+    from kiln.codegen.autotune.timing import example_buffers
+
+    class Pick(torch.nn.Module):
+        def forward(self, x, ids):
+            return x[ids]
+
+    T = torch.export.Dim("T", min=2, max=64)
+    exe = kiln.compile(Pick(), (torch.randn(8, 4), torch.zeros(5, 3, dtype=torch.long)),
+                       dynamic_shapes=({0: T}, None), target="cpu")
+    region = exe.plan.regions[0]
+    (sym,) = exe.plan.symbols
+    inputs, _ = example_buffers(region, exe.plan, {sym: 9}, "cpu",
+                                {"ids": {"choose_from": f"{sym} - 1"}})
+    ids = inputs["ids"]
+    assert ids.shape == (5, 3) and ids.min() >= 0 and ids.max() < 8
+    assert all(len(set(row)) == 3 for row in ids.tolist())

@@ -155,10 +155,30 @@ def test_absorbed_decode_equals_the_expanded_form(checkpoint):
     absorbed = run(("absorbed", "gathered"), ("absorbed", "gathered"))
     expanded = run(("expanded", "dense"), ("expanded", "dense"))
     assert rel_err(absorbed, expanded) <= 1e-5
-    # auto: expanded attention and dense experts for the prefill, absorbed attention and
-    # gathered experts for each one-token step
+    assert rel_err(run(("absorbed", "grouped"), ("absorbed", "grouped")), expanded) <= 1e-5
+    # auto: expanded attention and grouped experts for the prefill, absorbed attention
+    # and gathered experts for each one-token step of one row
     auto = run(("auto", "auto"), ("auto", "auto"))
-    assert torch.equal(auto, run(("expanded", "dense"), ("absorbed", "gathered")))
+    assert torch.equal(auto, run(("expanded", "grouped"), ("absorbed", "gathered")))
+
+
+def test_compiled_prefill_groups_the_experts_and_small_decode_gathers_them(llm):
+    """auto: the prefill (dynamic T) runs kiln::moe_experts; a decode module of at most
+    four rows (this one: two) gathers the chosen experts' weights; more rows group."""
+    def moe_ops(compiled):
+        return [op for r in compiled.plan.regions for op in r.ops
+                if op.target == "kiln.moe_experts.default"]
+
+    assert len(moe_ops(llm.prefill_module)) == 1 and not moe_ops(llm.decode_module)
+    mlp = llm.model.model.layers[MOE_LAYER].mlp
+    assert mlp.decode_batch == 2 and mlp.form_for(object(), 1) == "gathered"
+    symbolic = object()  # a traced batch: not an int
+    mlp.decode_batch = 8
+    try:
+        assert mlp.form_for(symbolic, 1) == "grouped" and mlp.form_for(3, 1) == "gathered"
+        assert mlp.form_for(1, symbolic) == "grouped" and mlp.form_for(1, 5) == "grouped"
+    finally:
+        mlp.decode_batch = 2
 
 
 def test_absorbed_form_without_a_cache_attends_over_the_call_s_own_tokens(checkpoint):
@@ -176,9 +196,10 @@ def test_absorbed_form_without_a_cache_attends_over_the_call_s_own_tokens(checkp
 
 def test_interpret_target_runs_the_generated_latent_attention_kernel(checkpoint):
     """On a Triton target absorbed decode is kiln's latent attention kernel over the
-    paged cache as stored (templates/latent_attention): logits of a prefill and decode
-    steps as transformers', and a batch of two prompts of different lengths decodes
-    each as alone."""
+    paged cache as stored (templates/latent_attention), and the prefill's experts are
+    its grouped MoE kernel (templates/moe): logits of a prefill and decode steps as
+    transformers', and a batch of two prompts of different lengths decodes each as
+    alone."""
     import kiln.models
     from kiln.codegen.build.triton_kernel import TritonKernel
 
@@ -190,6 +211,11 @@ def test_interpret_target_runs_the_generated_latent_attention_kernel(checkpoint)
                if any(op.target == "kiln.latent_attention.default" for op in r.ops)]
     assert len(kernels) == CONFIG["num_hidden_layers"]
     assert all(isinstance(k, TritonKernel) for k in kernels)
+    # the prefill's routed experts are kiln's grouped MoE kernel (templates/moe)
+    pre = llm.prefill_module.program
+    moe = [pre.kplan.kernels[r.name] for r in pre.plan.regions
+           if any(op.target == "kiln.moe_experts.default" for op in r.ops)]
+    assert len(moe) == 1 and isinstance(moe[0], TritonKernel)  # one MoE layer of two
     tokens = torch.randint(0, CONFIG["vocab_size"], (1, 12),
                            generator=torch.Generator().manual_seed(5))
     table = torch.tensor([[3, 1, 2]])  # blocks out of order

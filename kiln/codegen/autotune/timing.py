@@ -84,23 +84,40 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Te
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def _choices(shape: tuple[int, ...], n: int, device: str) -> torch.Tensor:
+    """Per row (the last dim), distinct random values below n: a router's expert
+    choices (a row has at most n of them; the rest repeat)."""
+    rows = math.prod(shape[:-1])
+    picks = torch.rand(rows, n, device=device).argsort(-1)[:, :shape[-1]]
+    if picks.shape[-1] < shape[-1]:
+        picks = picks.repeat(1, -(-shape[-1] // max(1, n)))[:, :shape[-1]]
+    return picks.reshape(shape)
+
+
 def example_buffers(region: Region, plan: DispatchPlan, env: dict[str, int], device: str,
                     fill: dict[str, str] | None = None):
     """Random inputs and empty outputs for `region` at the sizes in `env`.
 
     Integer inputs are zeros (always valid indices) unless `fill` (a template's
-    KernelSpec.meta["timing_fill"]: input -> size expression) gives them a value: a
-    decode kernel's positions at zero would time a one-key attention, and the tuner
-    would pick the config that is fastest at doing nothing."""
+    KernelSpec.meta["timing_fill"]: input -> size expression, or {"choose_from": size
+    expression} for distinct random values per row) gives them values: a decode
+    kernel's positions at zero would time a one-key attention, and a MoE kernel's
+    expert ids at zero one expert, and the tuner would pick the config that is fastest
+    at doing nothing."""
     def meta(v):
         tv = plan.values.get(v)
         shape, dtype = (tv.shape, tv.dtype) if tv else (region.op(v).shape, region.op(v).dtype)
         return tuple(evaluate(d, env) for d in shape), dtype
 
     inputs = {v: _random(*meta(v), device) for v in region.inputs}
-    for v, expr in (fill or {}).items():
-        if v in inputs:
-            inputs[v].fill_(evaluate(parse(expr), env))
+    for v, how in (fill or {}).items():
+        if v not in inputs:
+            continue
+        if isinstance(how, dict):  # {"choose_from": n}: each row distinct values below n
+            inputs[v].copy_(_choices(inputs[v].shape, evaluate(parse(how["choose_from"]), env),
+                                     device))
+        else:
+            inputs[v].fill_(evaluate(parse(how), env))
     outs = {o: torch.empty(meta(o)[0], dtype=meta(o)[1], device=device)
             for o in region.outputs}
     return inputs, outs

@@ -197,8 +197,28 @@ def _fp8_matmul(spec: KernelSpec, c: Config, target: Target, threads: int):
     return shared, _BASE_REGISTERS + regs
 
 
+def _moe(spec: KernelSpec, c: Config, target: Target, threads: int):
+    """The grouped MoE kernel (templates/moe): its two products stage the same bytes
+    per K step, the gathered x tile [BM, BK] with the gate and up tiles [BN, BK] each,
+    or the h tile with the down tile [BD = 2 BN, BK], and Triton's allocator lets the
+    two loops share the buffers. Staged as a matmul's operands are (one copy per stage
+    with wgmma, one fewer with mma.sync; fp32 on FMA units through shared memory).
+    Exact for every candidate compiled for sm_90 at DeepSeek-V3's widths in bf16 (16-128
+    rows, 2-4 stages; tests/codegen/test_moe.py checks them). Registers: the two fp32
+    accumulators and the operand fragments."""
+    meta = spec.meta
+    e = _BYTES.get(meta.get("dtype"), 4)
+    bm, bn, bk, stages = c["BM"], c["BN"], c["BK"], c.num_stages
+    tile = (bm + 2 * bn) * bk * e
+    if e == 4 or target.backend == "hip":
+        shared = max(1 if e == 4 else 0, stages - 1) * tile
+    else:
+        shared = _staged(target, _wgmma(target, bm, c, meta.get("dtype")), stages) * tile
+    return shared, _BASE_REGISTERS + (2 * bm * bn + tile / 4) / threads
+
+
 _MODELS = {"matmul": _matmul, "attention": _attention, "gated_delta": _gated_delta,
-           "latent_attention": _latent_attention, "fp8_matmul": _fp8_matmul}
+           "latent_attention": _latent_attention, "fp8_matmul": _fp8_matmul, "moe": _moe}
 
 
 def violations(res: Resources, target: Target) -> list[str]:

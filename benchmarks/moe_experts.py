@@ -1,0 +1,267 @@
+"""DeepSeek-V3's routed experts on the local GPU: kiln's grouped MoE kernel against the
+torch forms and the floor of the bytes a call must read (issue 13).
+
+V3's widths: dim 7168, 256 experts of width 2048, top 8, bf16 (22.5 GB of expert
+weights); N = 1, 8, 128 and 2048 tokens, each choosing 8 distinct experts uniformly at
+random (routing weights random, fp32). Timed per N:
+
+- kiln: kiln.compile of a module calling kiln.ops.moe_experts (target cuda, tuned as
+  --tune says): the module call, and its kernel launched alone;
+- torch sorted: the op's PyTorch form (argsort by expert, one matmul chain per expert
+  over its rows, each token's rows summed), what eager grouped MoE code runs;
+- torch gathered: kiln.models.moe's gathered form (each token's chosen experts'
+  weights copied, batched matmuls), where the copies fit in --gather-gb;
+- torch dense: every expert on every token, zero-weighted off the choice (its
+  [N, 256, 2048] activations), where they fit in --dense-gb.
+
+Outputs against the torch sorted form (relative error). The floor: the bytes a call
+must move, the weights of the experts the routing chose (each once: gate, up and down)
+plus x read and y written, at the device's copy bandwidth measured in the same run;
+TFLOP/s counts 6 * N * k * I * dim (the routed products).
+
+Usage (GPU): PYTHONPATH=. python benchmarks/moe_experts.py --out $OUT/moe.json
+             (--tune none: kiln's untuned heuristic config)
+Smoke test anywhere: PYTHONPATH=. python benchmarks/moe_experts.py --device cpu --small
+(the interpret target, tiny widths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+import kiln
+from kiln.codegen.build.triton_kernel import TritonKernel
+from kiln.ops import moe_experts
+
+V3 = dict(dim=7168, inter=2048, experts=256, top_k=8, tokens=(1, 8, 128, 2048))
+SMALL = dict(dim=64, inter=32, experts=8, top_k=2, tokens=(1, 8, 24))
+OP = "kiln.moe_experts.default"
+
+
+class Experts(torch.nn.Module):
+    def __init__(self, gate, up, down):
+        super().__init__()
+        self.gate, self.up, self.down = (torch.nn.Parameter(t, requires_grad=False)
+                                         for t in (gate, up, down))
+
+    def forward(self, x, weights, ids):
+        return moe_experts(x, weights, ids, self.gate, self.up, self.down)
+
+
+def make_experts(w, dtype, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    E, inter, dim = w["experts"], w["inter"], w["dim"]
+
+    def randn(*shape, scale):
+        return (torch.randn(*shape, generator=gen, device=device, dtype=dtype) * scale)
+
+    return Experts(randn(E, inter, dim, scale=dim ** -0.5), randn(E, inter, dim,
+                                                                   scale=dim ** -0.5),
+                   randn(E, dim, inter, scale=inter ** -0.5))
+
+
+def make_inputs(N, w, dtype, device, seed=1):
+    """x [N, dim], weights [N, k] (fp32, summing to 2.5 as V3's are scaled), ids [N, k]
+    (k distinct experts per token, uniformly)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(N, w["dim"], generator=gen).to(device=device, dtype=dtype)
+    ids = torch.rand(N, w["experts"], generator=gen).argsort(-1)[:, :w["top_k"]]
+    weights = torch.rand(N, w["top_k"], generator=gen)
+    weights = weights / weights.sum(-1, keepdim=True) * 2.5
+    return x, weights.to(device), ids.to(device)
+
+
+def torch_gathered(m, x, weights, ids):
+    h = F.silu(torch.einsum("nd,nkid->nki", x, m.gate[ids]))
+    h = h * torch.einsum("nd,nkid->nki", x, m.up[ids])
+    y = torch.einsum("nki,nkdi->nkd", h, m.down[ids])
+    return (y.float() * weights[:, :, None]).sum(1).to(x.dtype)
+
+
+def torch_dense(m, x, weights, ids):
+    combine = torch.zeros(x.shape[0], m.gate.shape[0], dtype=torch.float32,
+                          device=x.device).scatter(1, ids, weights)
+    h = F.silu(torch.einsum("nd,eid->nei", x, m.gate))
+    h = h * torch.einsum("nd,eid->nei", x, m.up)
+    y = torch.einsum("nei,edi->ned", h, m.down)
+    return (y.float() * combine[:, :, None]).sum(1).to(x.dtype)
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def timed_ms(fn, device, reps: int = 5) -> float:
+    """Median milliseconds of `fn`: triton's do_bench on a GPU, wall clock elsewhere."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(device) -> float | None:
+    """Bytes per second of a device-to-device copy of 1 GiB (read + write counted)."""
+    if device != "cuda":
+        return None
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = timed_ms(lambda: dst.copy_(src), device)
+    return 2 * n / (ms * 1e-3)
+
+
+def moe_kernel(exe):
+    """The kernel kiln chose for the op's region, a description, and the region's notes."""
+    for r in exe.program.plan.regions:
+        if any(op.target == OP for op in r.ops):
+            k = exe.program.kplan.kernels[r.name]
+            what = f"triton [{k.config}]" if isinstance(k, TritonKernel) else k.kind
+            return k, what, list(r.notes)
+    return None, "missing", []
+
+
+def launcher(exe, kernel: TritonKernel, args):
+    """A zero-argument launch of the op's kernel on the call's tensors (no runtime)."""
+    plan, region = exe.plan, kernel.region
+    given = dict(zip(plan.user_inputs, args))
+    given.update(exe.state)
+    if any(v not in given for v in region.inputs):  # reads intermediates: time the module
+        return lambda: exe(*args)
+    inputs = {v: given[v] for v in region.inputs}
+    outs = {o: torch.empty(tuple(int(d) for d in plan.values[o].shape),
+                           dtype=plan.values[o].dtype, device=args[0].device)
+            for o in region.outputs}
+    return lambda: kernel.run(inputs, outs, {})
+
+
+def floor_bytes(m, x, ids) -> int:
+    """The chosen experts' weights (gate, up and down, each once), x read, y written."""
+    experts = int(torch.unique(ids).numel())
+    per_expert = m.gate[0].numel() + m.up[0].numel() + m.down[0].numel()
+    return (experts * per_expert + 2 * x.numel()) * x.element_size()
+
+
+def one_shape(N, w, m, a, dtype, target, options, bandwidth) -> dict:
+    args = make_inputs(N, w, dtype, a.device)
+    x, weights, ids = args
+    ref = torch.ops.kiln.moe_experts(x, weights, ids, m.gate, m.up, m.down)
+    t0 = time.perf_counter()
+    exe = kiln.compile(m, args, target=target, options=options)
+    out = exe(*args)
+    if a.device == "cuda":
+        torch.cuda.synchronize()
+    kernel, what, notes = moe_kernel(exe)
+    row = {"tokens": N, "kernel": what, "notes": notes,
+           "compile_s": time.perf_counter() - t0, "err": rel_err(out, ref),
+           "ms": timed_ms(lambda: exe(*args), a.device)}
+    if isinstance(kernel, TritonKernel):
+        row["ms_kernel"] = timed_ms(launcher(exe, kernel, args), a.device)
+    row["ms_torch_sorted"] = timed_ms(
+        lambda: torch.ops.kiln.moe_experts(x, weights, ids, m.gate, m.up, m.down), a.device)
+    e, k = x.element_size(), w["top_k"]
+    copies = 3 * N * k * w["inter"] * w["dim"] * e
+    if copies <= a.gather_gb * 2**30:
+        row["err_torch_gathered"] = rel_err(torch_gathered(m, *args), ref)
+        row["ms_torch_gathered"] = timed_ms(lambda: torch_gathered(m, *args), a.device)
+    activations = N * w["experts"] * (2 * w["inter"] + w["dim"]) * e
+    if activations <= a.dense_gb * 2**30:
+        row["err_torch_dense"] = rel_err(torch_dense(m, *args), ref)
+        row["ms_torch_dense"] = timed_ms(lambda: torch_dense(m, *args), a.device)
+    best = min(row["ms"], row.get("ms_kernel", row["ms"]))
+    torch_best = min(row[c] for c in ("ms_torch_sorted", "ms_torch_gathered",
+                                      "ms_torch_dense") if c in row)
+    row["kiln_vs_best_torch"] = best / torch_best
+    row["bytes"] = floor_bytes(m, x, ids)
+    row["tflops"] = 6 * N * k * w["inter"] * w["dim"] / (best * 1e-3) / 1e12
+    if bandwidth is not None:
+        row["floor_ms"] = row["bytes"] / bandwidth * 1e3
+        row["ratio_vs_floor"] = best / row["floor_ms"]
+    return row
+
+
+_OUT: list[str] = []
+
+
+def save(results) -> None:
+    if _OUT:
+        with open(_OUT[0], "w") as f:
+            json.dump(results, f, indent=2, default=str)
+
+
+def table(results) -> str:
+    lines = [f"device: {results['device']}  widths: {results['widths']}  dtype: "
+             f"{results['dtype']}  tune: {results['tune']}  copy: "
+             f"{results.get('copy_gbs') or float('nan'):.0f} GB/s"]
+    lines.append(f"{'N':>5s} {'kiln ms':>9s} {'kernel':>9s} {'sorted':>9s} {'gathered':>9s} "
+                 f"{'dense':>9s} {'floor':>9s} {'x floor':>8s} {'x torch':>8s} {'TFLOP/s':>8s} "
+                 f"{'err':>9s}  config")
+    nan = float("nan")
+    for r in results["rows"]:
+        lines.append(f"{r['tokens']:5d} {r['ms']:9.4f} {r.get('ms_kernel', nan):9.4f} "
+                     f"{r['ms_torch_sorted']:9.4f} {r.get('ms_torch_gathered', nan):9.4f} "
+                     f"{r.get('ms_torch_dense', nan):9.4f} {r.get('floor_ms', nan):9.4f} "
+                     f"{r.get('ratio_vs_floor', nan):8.2f} {r['kiln_vs_best_torch']:8.2f} "
+                     f"{r['tflops']:8.1f} {r['err']:9.2e}  {r['kernel']}")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    choices=["cuda", "cpu"])
+    ap.add_argument("--small", action="store_true", help="tiny widths (smoke test)")
+    ap.add_argument("--tokens", type=int, nargs="+", help="default 1 8 128 2048")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--tune", default=None, choices=["none", "fast", "full"],
+                    help="kiln's tuning (default: kiln's own, fast)")
+    ap.add_argument("--gather-gb", type=float, default=16.0,
+                    help="run the gathered form where its weight copies fit in this")
+    ap.add_argument("--dense-gb", type=float, default=16.0,
+                    help="run the dense form where its activations fit in this")
+    a = ap.parse_args()
+    widths = dict(SMALL if a.small else V3)
+    dtype = getattr(torch, a.dtype)
+    target = "cuda" if a.device == "cuda" else "interpret"
+    options = {"tune": a.tune} if a.tune else {}
+    name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu (interpret target)"
+    results = {"device": name, "dtype": a.dtype, "target": target, "tune": a.tune or "fast",
+               "widths": {k: widths[k] for k in ("dim", "inter", "experts", "top_k")},
+               "torch": torch.__version__, "rows": []}
+    try:
+        import triton
+
+        results["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if a.out:
+        _OUT.append(a.out)
+    bandwidth = copy_bandwidth(a.device)
+    results["copy_gbs"] = bandwidth / 1e9 if bandwidth else None
+    m = make_experts(widths, dtype, a.device)
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ.setdefault("KILN_CACHE_DIR", cache)
+        for N in a.tokens or widths["tokens"]:
+            results["rows"].append(one_shape(N, widths, m, a, dtype, target, options,
+                                             bandwidth))
+            save(results)  # each shape's numbers survive a later failure
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The grouped MoE GEMM's kernel (kiln::moe_experts): see template.py."""

@@ -1,0 +1,91 @@
+"""What a mixture-of-experts region computes, read off its kiln::moe_experts op.
+
+`analyse` says why the template declines (CodegenUnsupported) for what it cannot run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kiln.codegen.expr.values import CodegenUnsupported
+from kiln.ir.plan import DispatchPlan, Ref, Region
+from kiln.ir.symbolic import Dim
+from kiln.ops.moe_experts import routing_bound
+
+OP = "kiln.moe_experts.default"
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_INTS = (torch.int32, torch.int64)
+MAX_TOP_K = 64  # a program holds a token's k choices in one [rows, k] tile
+
+
+@dataclass
+class MoeShape:
+    """What the kernel computes, read off the region's moe_experts op."""
+
+    x: str  # operand value names (region inputs or ops)
+    weights: str
+    ids: str
+    gate: str
+    up: str
+    down: str
+    out: str
+    tokens: Dim  # N
+    top_k: int  # k
+    experts: int  # E
+    inter: int  # I, each expert's width
+    dim: int
+    dtype: torch.dtype  # x's, the weights' and the output's
+
+    @property
+    def pairs(self) -> Dim:
+        """N * k (token, expert) pairs: the sorted row buffer's size, and the bound on
+        every expert's rows."""
+        return routing_bound(self.tokens, self.top_k)
+
+
+def _shape(region: Region, plan: DispatchPlan, name: str) -> tuple:
+    if name in region.inputs:
+        return tuple(plan.values[name].shape)
+    return tuple(region.op(name).shape)
+
+
+def _dtype(region: Region, plan: DispatchPlan, name: str) -> torch.dtype:
+    if name in region.inputs:
+        return plan.values[name].dtype
+    return region.op(name).dtype
+
+
+def analyse(region: Region, plan: DispatchPlan) -> MoeShape:
+    """The region's op; raises CodegenUnsupported (why) when the template cannot run it."""
+    anchor = region.anchor()
+    if anchor.target != OP:
+        raise CodegenUnsupported(f"the region's extern op is {anchor.target}, not {OP}")
+    if region.outputs != [anchor.name]:
+        raise CodegenUnsupported("the region's outputs are not its moe_experts op alone")
+    args = list(anchor.args)
+    names = ("x", "weights", "ids", "gate", "up", "down")
+    for name, a in zip(names, args, strict=True):
+        if not isinstance(a, Ref):
+            raise CodegenUnsupported(f"{name} is not a tensor")
+    x, weights, ids, gate, up, down = (a.name for a in args)
+    N, dim = _shape(region, plan, x)
+    k = _shape(region, plan, ids)[1]
+    E, inter, _ = _shape(region, plan, gate)
+    if not all(isinstance(v, int) for v in (dim, k, E, inter)):
+        raise CodegenUnsupported("symbolic expert counts or widths")
+    if k > MAX_TOP_K:
+        raise CodegenUnsupported(f"{k} experts per token (at most {MAX_TOP_K})")
+    dtype = _dtype(region, plan, x)
+    if dtype not in _FLOATS or any(_dtype(region, plan, w) != dtype for w in (gate, up, down)):
+        raise CodegenUnsupported("activations and experts of different or non-float dtypes")
+    if _dtype(region, plan, weights) != torch.float32:
+        raise CodegenUnsupported("routing weights that are not float32")
+    if _dtype(region, plan, ids) not in _INTS:
+        raise CodegenUnsupported("expert ids that are not int32 / int64")
+    return MoeShape(x, weights, ids, gate, up, down, anchor.name, N, k, E, inter, dim, dtype)
+
+
+def pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
