@@ -175,6 +175,12 @@ def prefill(shape, dtype, device, target, options, results):
     fla, fwd_h, why = load_fla() if device == "cuda" else (None, None, "no CUDA")
     results["fla_note"] = why or None
     if fla is not None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            results["fla_version"] = version("fla-core")
+        except PackageNotFoundError:
+            results["fla_version"] = None
         def run_fla():
             return fla(q, k, v, g, beta, output_final_state=True)
 
