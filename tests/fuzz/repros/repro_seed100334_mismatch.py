@@ -16,7 +16,7 @@ class Fuzzed(nn.Module):
         super().__init__()
         g = torch.Generator().manual_seed(100334)
     def forward(self, x3):
-        v14 = x3 + torch.arange(x3.shape[0]).reshape((-1, 1, 1)).to(x3.dtype)
+        v14 = x3 + torch.arange(x3.shape[0], device=x3.device).reshape((-1, 1, 1)).to(x3.dtype)
         return (v14,)
 
 
