@@ -75,8 +75,9 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups = torch.nn.functional.pad(x.float(), (0, pad))
     groups = groups.reshape(*x.shape[:-1], (K + pad) // BLOCK, BLOCK)
     amax = groups.abs().amax(-1).clamp(min=AMAX_FLOOR)
-    # x * (448 / amax): one division per group, as the kernel does (a multiply per element)
-    q = (groups * (FP8_MAX / amax)[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    # x * (448 / amax), with 448 / amax as torch computes `448 / tensor` (reciprocal,
+    # then times 448: two roundings), spelled out so the kernels can do the same
+    q = (groups * (amax.reciprocal() * FP8_MAX)[..., None]).clamp(-FP8_MAX, FP8_MAX)
     scale = amax / FP8_MAX
     q = q.to(torch.float8_e4m3fn)
     return q.reshape(*x.shape[:-1], K + pad)[..., :K].contiguous(), scale
