@@ -357,3 +357,26 @@ def test_decode_and_interpret_heuristics():
     assert real.shared <= estimate(spec, spec.default, SM90).shared
     interp = fp8_matmul.generate(region, plan, get_target("interpret"))
     assert interp.default == fp8_matmul.Config.make(4, 1, BM=16, BN=32, SPLIT_K=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 40, 300])
+def test_v3_shape_on_cuda_matches_the_op(tokens):
+    """q_a_proj's shape in bf16 on a GPU (run by the lead): the one-kernel form (1, 40
+    tokens) and the split form (300: the quantisation equal to the op's bit for bit, the
+    GEMM within bf16 rounding of the op's PyTorch form)."""
+    m = Fp8Linear(1536, 7168, bias=True).cuda()
+    x = torch.randn(tokens, 7168, device="cuda", dtype=torch.bfloat16)
+    exe = kiln.compile(m, (x,), target="cuda", options={"tune": "none"})
+    kernels = _kernels(exe)
+    assert all(isinstance(k, TritonKernel) for k in kernels.values()), kernels
+    assert rel_err(exe(x).float(), m(x).float()) <= 1e-2
+    if "fp8_quantize" in kernels:
+        k = kernels["fp8_quantize"]
+        outs = {o: torch.empty(tuple(k.region.op(o).shape), dtype=k.region.op(o).dtype,
+                               device="cuda") for o in k.region.outputs}
+        k.run({k.region.inputs[0]: x}, outs, {})
+        xq, xs = (outs[o] for o in sorted(outs, key=lambda o: k.region.op(o).args[1]))
+        want_q, want_s = quantize_activations(x)
+        assert torch.equal(xs, want_s)
+        assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
