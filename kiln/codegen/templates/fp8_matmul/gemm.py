@@ -12,8 +12,12 @@ product. Nothing else is in the loop, so Triton pipelines the tile loads
 (cp.async, `num_stages` deep) and multiplies on wgmma from shared memory. A tile of
 at most 128 columns lies in one 128-row weight block: its weight scale is one number
 per step; 256-column tiles read two. The scale is applied after each block's
-product: the tensor cores' fp8 accumulation is not fp32, so each 128-long product
-is promoted into the fp32 accumulator, as in DeepSeek's kernels.
+product: the tensor cores' fp8 accumulation is not fp32, so each 128-long product is
+promoted into the fp32 accumulator, as in DeepSeek's kernels. Triton then waits for
+each wgmma before the promotion; the tensor cores stay busy through other CTAs on
+the SM (64 x 128 tiles on 4 warps: 168 registers, three CTAs an SM on sm_90). The
+scale loads are issued before the product and used after it (loading them a step
+ahead cost that tile 20 registers: two CTAs an SM, not three).
 
 Rows past M and columns past N read row (r mod M) / (c mod N): the loads need no
 masks; the store is masked. K's tail block is masked (zeros). Programs are ordered
@@ -153,20 +157,15 @@ def _body(p: SymbolicArgs, s: GemmShape, bias_dtype, target: Target) -> list[str
          "    per_split = tl.cdiv(KB, n_split)", "    lo = pid_s * per_split",
          "    hi = tl.minimum(KB, lo + per_split)",
          "acc = tl.zeros([BM, BN], tl.float32)",
-         "# the scales are loaded a step ahead: their latency hides behind a whole step",
-         "k_next = tl.minimum(lo, KB - 1)",
-         f"a_s = tl.load(as_ptrs + k_next){fnuz}", f"b_s = tl.load(bs_ptrs + k_next){fnuz}",
          "for kb in range(lo, hi):",
          f"    a = {a}", f"    b = {b}",
-         "    k_next = tl.minimum(kb + 1, KB - 1)",
-         f"    a_s_next = tl.load(as_ptrs + k_next){fnuz}",
-         f"    b_s_next = tl.load(bs_ptrs + k_next){fnuz}",
+         f"    a_s = tl.load(as_ptrs + kb){fnuz}",
+         f"    b_s = tl.load(bs_ptrs + kb){fnuz}",
          "    # each block's product promoted into fp32 with its scale pair",
          f"    if BN <= {BLOCK}:",
          "        acc += tl.dot(a, b, out_dtype=tl.float32) * (a_s * b_s)[:, None]",
          "    else:",
          "        acc += tl.dot(a, b, out_dtype=tl.float32) * (a_s[:, None] * b_s[None, :])",
-         "    a_s = a_s_next", "    b_s = b_s_next",
          "om = rm[:, None]", "on = rn[None, :]", "m_ok = om < M", "n_ok = on < N"]
     L += combine_splits("pid_m * tiles_n + pid_n", "m_ok & n_ok",
                         "n_ok = on < tl.where(last, N, 0)")
