@@ -14,7 +14,8 @@ Three layers, each a folder named for its question, importing downward only
 - templates/  how a region kind becomes a kernel: pointwise, copy, reduction (row
               kernels and their forms), matmul (and its configs), attention,
               gated_delta (kiln::gated_delta_rule), latent_attention
-              (kiln::latent_attention), fp8_matmul (kiln::fp8_linear), moe
+              (kiln::latent_attention), fp8_matmul (kiln::fp8_linear and its split
+              form kiln::fp8_quantize + kiln::fp8_scaled_mm), moe
               (kiln::moe_experts), split_k.
 - autotune/   which config of a kernel to run: isolated compile workers, the
               quarantine, the choice cache, timing.

@@ -22,6 +22,8 @@ from kiln.codegen.expr.values import CodegenUnsupported
 from kiln.codegen.kernel_plan import KernelPlan
 from kiln.codegen.templates import copy, pointwise
 from kiln.codegen.templates.attention import template as attention
+from kiln.codegen.templates.fp8_matmul import gemm as fp8_gemm
+from kiln.codegen.templates.fp8_matmul import quantize as fp8_quantize
 from kiln.codegen.templates.fp8_matmul import template as fp8_matmul
 from kiln.codegen.templates.gated_delta import template as gated_delta
 from kiln.codegen.templates.latent_attention import template as latent_attention
@@ -55,6 +57,8 @@ EXTERN_TEMPLATES: dict[str, Template] = {
     latent_attention.OP: latent_attention.generate,
     fp8_matmul.OP: fp8_matmul.generate,
     moe.OP: moe.generate,
+    fp8_quantize.QUANTIZE_OP: fp8_quantize.generate,
+    fp8_gemm.SCALED_MM_OP: fp8_gemm.generate,
 }
 
 

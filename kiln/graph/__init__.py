@@ -10,9 +10,12 @@
    inverse pairs cancel; it may leave reshape chains behind...
 5. collapse_dims: ...which this composes, so no reshape reads a reshape and no
    collapse -> expand -> collapse round trip remains.
-6. patterns: label RMSNorm / RoPE / SwiGLU / attention on the final structure (labels
+6. split_fp8_linear: an fp8 linear over more than a decode step's tokens becomes
+   quantise-once + the block-scaled GEMM (two kernels instead of one that requantises
+   x per output tile).
+7. patterns: label RMSNorm / RoPE / SwiGLU / attention on the final structure (labels
    do not survive rewrites, so they come after every rewriting pass).
-7. dce: drop whatever the rewrites left unused; establishes no-dead-code last so the
+8. dce: drop whatever the rewrites left unused; establishes no-dead-code last so the
    earlier passes need not clean up after each other.
 """
 
@@ -23,6 +26,7 @@ from kiln.graph.dce import dce
 from kiln.graph.fold_constants import fold_constants
 from kiln.graph.patterns import patterns
 from kiln.graph.propagate_reshapes import propagate_reshapes
+from kiln.graph.split_fp8_linear import split_fp8_linear
 
-GRAPH_PASSES = [canonicalize, cse, fold_constants, propagate_reshapes, collapse_dims, patterns,
-                dce]
+GRAPH_PASSES = [canonicalize, cse, fold_constants, propagate_reshapes, collapse_dims,
+                split_fp8_linear, patterns, dce]

@@ -140,7 +140,8 @@ _register(
 _register(OpCategory.EXTERN, ["kiln.gated_delta_rule.default", "kiln.all_reduce.default",
                              "kiln.all_gather.default"])
 _register(OpCategory.EXTERN, ["kiln.latent_attention.default"])
-_register(OpCategory.EXTERN, ["kiln.fp8_linear.default"])
+_register(OpCategory.EXTERN, ["kiln.fp8_linear.default", "kiln.fp8_quantize.default",
+                             "kiln.fp8_scaled_mm.default"])
 _register(OpCategory.EXTERN, ["kiln.moe_experts.default"])
 
 # Named sets of ops: each defined here once, named for exactly what it holds.

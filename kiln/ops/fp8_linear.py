@@ -10,10 +10,14 @@ both scales applied per 128-wide K block; the output has x's dtype.
 
 It is a torch.library custom op (`kiln::fp8_linear`) so torch.export keeps it as one
 node: unrolled into ATen ops, the activation quantisation would be a chain of
-reductions and casts no matmul template could fuse back into its K loop. The PyTorch
-implementation below defines it (and is what runs on the CPU target); the generated
-kernel (kiln/codegen/templates/fp8_matmul) quantises exactly as `quantize_activations`
-does, so the two agree up to fp32 summation order.
+reductions and casts no template could recognise. Its two halves are ops too:
+`kiln::fp8_quantize` (x -> e4m3 values and per-group scales) and `kiln::fp8_scaled_mm`
+(the block-scaled product of quantised x and the weight); fp8_linear is exactly their
+composition. kiln's graph stage splits a linear over many tokens into the two
+(kiln.graph.split_fp8_linear), so x is quantised once, not once per output tile. The
+PyTorch implementations below define the ops (and run on the CPU target); the generated
+kernels (kiln/codegen/templates/fp8_matmul) quantise exactly as `quantize_activations`
+does, so they agree up to fp32 summation order.
 """
 
 from __future__ import annotations
@@ -71,11 +75,12 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups = torch.nn.functional.pad(x.float(), (0, pad))
     groups = groups.reshape(*x.shape[:-1], (K + pad) // BLOCK, BLOCK)
     amax = groups.abs().amax(-1).clamp(min=AMAX_FLOOR)
-    # x * (448 / amax): one division per group, as the kernel does (a multiply per element)
-    q = (groups * (FP8_MAX / amax)[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    # x * (448 / amax), with 448 / amax as torch computes `448 / tensor` (reciprocal,
+    # then times 448: two roundings), spelled out so the kernels can do the same
+    q = (groups * (amax.reciprocal() * FP8_MAX)[..., None]).clamp(-FP8_MAX, FP8_MAX)
     scale = amax / FP8_MAX
     q = q.to(torch.float8_e4m3fn)
-    return q.reshape(*x.shape[:-1], K + pad)[..., :K], scale
+    return q.reshape(*x.shape[:-1], K + pad)[..., :K].contiguous(), scale
 
 
 def _check(x, weight, scale_inv, bias) -> None:
@@ -117,20 +122,51 @@ def _check(x, weight, scale_inv, bias) -> None:
 @torch.library.custom_op("kiln::fp8_linear", mutates_args=())
 def _fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
-    N, K = weight.shape
-    xq, xs = quantize_activations(x)  # [..., K], [..., KB]
-    xq, xs = xq.reshape(-1, K).float(), xs.reshape(-1, xs.shape[-1])
-    wq = weight.float()
-    # Per 128-wide K block b: (xq_b @ wq_b^T) * xs_b * ws_b, summed over b in fp32.
-    y = x.new_zeros((xq.shape[0], N), dtype=torch.float32)
-    for b, k0 in enumerate(range(0, K, BLOCK)):
-        ws = weight_scale_inv[:, b].repeat_interleave(BLOCK)[:N]
-        y += (xq[:, k0:k0 + BLOCK] @ wq[:, k0:k0 + BLOCK].t()) * xs[:, b, None] * ws
-    if bias is not None:
-        y = y + bias.float()
-    return y.reshape(*x.shape[:-1], N).to(x.dtype)
+    xq, xs = quantize_activations(x)
+    return _scaled_mm(xq, xs, weight, weight_scale_inv, bias, x.dtype)
 
 
 @_fp8_linear_op.register_fake
 def _(x, weight, weight_scale_inv, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("kiln::fp8_quantize", mutates_args=())
+def _fp8_quantize_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] as (e4m3 values [..., K], fp32 scales [..., ceil(K/128)])."""
+    return quantize_activations(x)
+
+
+@_fp8_quantize_op.register_fake
+def _(x):
+    groups = -(-x.shape[-1] // BLOCK)
+    return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+            x.new_empty((*x.shape[:-1], groups), dtype=torch.float32))
+
+
+@torch.library.custom_op("kiln::fp8_scaled_mm", mutates_args=())
+def _fp8_scaled_mm_op(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                      weight_scale_inv: torch.Tensor, bias: torch.Tensor | None,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """Quantised x [..., K] (kiln::fp8_quantize's pair) times the fp8 weight: [..., N]."""
+    return _scaled_mm(xq, x_scale, weight, weight_scale_inv, bias, out_dtype)
+
+
+@_fp8_scaled_mm_op.register_fake
+def _(xq, x_scale, weight, weight_scale_inv, bias, out_dtype):
+    return xq.new_empty((*xq.shape[:-1], weight.shape[0]), dtype=out_dtype)
+
+
+def _scaled_mm(xq, xs, weight, weight_scale_inv, bias, out_dtype) -> torch.Tensor:
+    N, K = weight.shape
+    lead = xq.shape[:-1]
+    xq, xs = xq.reshape(-1, K).float(), xs.reshape(-1, xs.shape[-1])
+    wq = weight.float()
+    # Per 128-wide K block b: (xq_b @ wq_b^T) * xs_b * ws_b, summed over b in fp32.
+    y = xs.new_zeros((xq.shape[0], N), dtype=torch.float32)
+    for b, k0 in enumerate(range(0, K, BLOCK)):
+        ws = weight_scale_inv[:, b].repeat_interleave(BLOCK)[:N]
+        y += (xq[:, k0:k0 + BLOCK] @ wq[:, k0:k0 + BLOCK].t()) * xs[:, b, None] * ws
+    if bias is not None:
+        y = y + bias.float()
+    return y.reshape(*lead, N).to(out_dtype)

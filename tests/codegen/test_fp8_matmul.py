@@ -1,15 +1,18 @@
-"""The block-scaled fp8 GEMM's generated kernel (kiln.codegen.templates.fp8_matmul).
+"""The fp8 linear's generated kernels (kiln.codegen.templates.fp8_matmul): decode's one
+kernel (template.py) and prefill's quantisation + block-scaled GEMM (quantize.py,
+gemm.py; kiln.graph.split_fp8_linear chooses by the token count).
 
 Under the `interpret` target on tiny shapes (N and K not multiples of 128, a 3-d x, one
 token, dynamic tokens, bias, fp32 / bf16 / fp16 x): against the op's PyTorch form,
-which quantises the same way, so they agree to fp32 summation order. Triton's
-interpreter multiplies fp8 tiles exactly, but its fp32 -> fp8 cast drops the mantissa
-carry; the kernel rounds on e4m3's grid first there (a test pins the interpreter's
-behaviour, so the day Triton fixes it the workaround can go). Compile-only for sm_90:
-every candidate the resource model keeps compiles within shared memory, at most the
-model's figure; gfx942 gets e4m3fnuz, GPUs without e4m3 decline. Decode's K split on
-interpret. A module with fp8 linears compiles end to end on the cpu and interpret
-targets, and its artifact saves and loads.
+which quantises the same way, so they agree to fp32 summation order; the quantisation
+kernel equals it bit for bit. Triton's interpreter multiplies fp8 tiles exactly, but
+its fp32 -> fp8 cast drops the mantissa carry; the kernels round on e4m3's grid first
+there (a test pins the interpreter's behaviour, so the day Triton fixes it the
+workaround can go). Compile-only for sm_90: every candidate the resource model keeps
+compiles within shared memory, at most the model's figure (the GEMM's: exactly it);
+gfx942 gets e4m3fnuz, GPUs without e4m3 decline. The K splits on interpret. A module
+with fp8 linears compiles end to end on the cpu and interpret targets, and its artifact
+saves and loads.
 """
 
 import os
@@ -20,14 +23,16 @@ import pytest
 import torch
 
 import kiln
-from kiln.codegen.build.compiler import compile_binary
+from kiln.codegen.build.compiler import compile_binary, disassemble
 from kiln.codegen.build.resources import estimate, fitting_configs
 from kiln.codegen.build.triton_kernel import TritonKernel, scratch_buffer
 from kiln.codegen.expr.values import CodegenUnsupported
+from kiln.codegen.templates.fp8_matmul import gemm, quantize
 from kiln.codegen.templates.fp8_matmul import template as fp8_matmul
 from kiln.codegen.torch_kernel import TorchKernel
 from kiln.ir.plan import RegionKind
 from kiln.ops import fp8_linear, quantize_weight
+from kiln.ops.fp8_linear import quantize_activations
 from kiln.target import get_target
 from tests.helpers import rel_err
 
@@ -47,34 +52,74 @@ class Fp8Linear(torch.nn.Module):
         return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
 
 
-def _kernel(exe):
-    (region,) = [r for r in exe.program.plan.regions if r.kind == RegionKind.EXTERN]
-    return exe.program.kplan.kernels[region.name]
+def _kernels(exe) -> dict[str, object]:
+    """The fp8 regions' kernels by their op ('fp8_linear', 'fp8_quantize', ...)."""
+    out = {}
+    for r in exe.program.plan.regions:
+        if r.kind == RegionKind.EXTERN:
+            out[r.anchor().target.split(".")[1]] = exe.program.kplan.kernels[r.name]
+    return out
+
+
+def _regions(m, x, op, dynamic=None):
+    """(plan, the region of `op`) after the dispatch stage."""
+    plan = kiln.compile(m, (x,), compile_to="dispatch", dynamic_shapes=dynamic)
+    (region,) = [r for r in plan.regions if r.kind == RegionKind.EXTERN
+                 and r.anchor().target == f"kiln.{op}.default"]
+    return plan, region
 
 
 @pytest.mark.parametrize("N,K,lead,dtype,bias", [
     (200, 300, (2, 3), torch.float32, True),  # tails in N and K, a 3-d x
     (40, 128, (1,), torch.bfloat16, False),  # one token
     (130, 260, (5,), torch.float16, True),
+    (200, 300, (2, 35), torch.float32, True),  # 70 tokens: quantise once, then the GEMM
+    (96, 256, (80,), torch.bfloat16, False),
 ])
-def test_interpreted_kernel_matches_the_op(N, K, lead, dtype, bias):
+def test_interpreted_kernels_match_the_op(N, K, lead, dtype, bias):
     m = Fp8Linear(N, K, bias)
     x = torch.randn(*lead, K).to(dtype)
     exe = kiln.compile(m, (x,), target="interpret")
-    assert isinstance(_kernel(exe), TritonKernel)
+    kernels = _kernels(exe)
+    split = x[..., 0].numel() > 64
+    assert set(kernels) == ({"fp8_quantize", "fp8_scaled_mm"} if split else {"fp8_linear"})
+    assert all(isinstance(k, TritonKernel) for k in kernels.values())
     y = exe(x)
     assert y.shape == (*lead, N) and y.dtype == dtype
     assert rel_err(y, m(x)) <= (1e-6 if dtype == torch.float32 else 1e-2)
 
 
-def test_interpreted_kernel_with_dynamic_tokens():
+@pytest.mark.parametrize("most", [64, 4096])
+def test_interpreted_kernels_with_dynamic_tokens(most):
     m = Fp8Linear(150, 256, seed=1)
-    T = kiln.Dim("T", min=1, max=64)
+    T = kiln.Dim("T", min=1, max=most)
     exe = kiln.compile(m, (torch.randn(1, 8, 256),), dynamic_shapes=({1: T},),
                        target="interpret")
-    for t in (1, 19):  # one token (decode), a tail of a 16-token tile
+    assert ("fp8_linear" in _kernels(exe)) == (most == 64)
+    for t in (1, 19, 64) if most == 64 else (1, 19, 70):  # decode, a tile's tail
         x = torch.randn(1, t, 256)
         assert rel_err(exe(x), m(x)) <= 1e-6, t
+
+
+@pytest.mark.parametrize("K,dtype", [(300, torch.float32), (256, torch.bfloat16),
+                                     (130, torch.float16)])
+def test_interpreted_quantisation_is_the_ops_bit_for_bit(K, dtype):
+    """e4m3 values and scales equal kiln.ops.fp8_linear.quantize_activations', with
+    values whose rounding carries into the next binade (the interpreter's cast alone
+    would drop it) and a K tail."""
+    m = Fp8Linear(64, K)
+    x = torch.randn(3, 30, K).to(dtype)
+    x[0, 0, :4] = torch.tensor([1.97, 7.9, -0.3, 448.0])  # the group's amax is 448
+    plan, region = _regions(m, x, "fp8_quantize")
+    spec = quantize.generate(region, plan, get_target("interpret"))
+    kernel = TritonKernel(region, spec, spec.default, interpret=True)
+    outs = {o: torch.empty(tuple(region.op(o).shape), dtype=region.op(o).dtype)
+            for o in region.outputs}
+    kernel.run({region.inputs[0]: x}, outs, {})
+    xq, xs = (outs[o] for o in sorted(outs, key=lambda o: region.op(o).args[1]))
+    want_q, want_s = quantize_activations(x)
+    assert torch.equal(xs, want_s)
+    assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
 
 
 @pytest.mark.parametrize("K,lead,bias", [(700, (1, 2), True), (512, (3,), False)])
@@ -83,8 +128,7 @@ def test_interpreted_split_k_matches_the_op(K, lead, bias):
     tile sums the parts in split order, adds the bias, stores, and zeroes its counter."""
     m = Fp8Linear(72, K, bias, seed=4)
     x = torch.randn(*lead, K)
-    plan = kiln.compile(m, (x,), compile_to="dispatch")
-    (region,) = [r for r in plan.regions if r.kind == RegionKind.EXTERN]
+    plan, region = _regions(m, x, "fp8_linear")
     spec = fp8_matmul.generate(region, plan, get_target("interpret"))
     config = fp8_matmul.Config.make(4, 1, BM=16, BN=32, SPLIT_K=16)
     kernel = TritonKernel(region, spec, config, interpret=True)
@@ -96,6 +140,33 @@ def test_interpreted_split_k_matches_the_op(K, lead, bias):
     outs = []
     for _ in range(2):
         out = torch.full(tuple(region.op(region.outputs[0]).shape), float("nan"))
+        kernel.run(inputs, {region.outputs[0]: out}, {})
+        outs.append(out)
+    assert rel_err(outs[0], m(x)) <= 1e-6 and torch.equal(outs[0], outs[1])
+    assert not scratch_buffer(spec.scratch[1], 1, 1, "cpu").any()  # counters back to 0
+
+
+@pytest.mark.parametrize("K,bias", [(700, True), (512, False)])
+def test_interpreted_gemm_split_k_matches_the_op(K, bias):
+    """The prefill GEMM's split (a short prompt against a narrow weight leaves SMs
+    idle): parts summed in split order by the last program, bias added once,
+    counters zeroed, the same result twice."""
+    m = Fp8Linear(72, K, bias, seed=5)
+    x = torch.randn(70, K)
+    plan, region = _regions(m, x, "fp8_scaled_mm")
+    spec = gemm.generate(region, plan, get_target("interpret"))
+    config = gemm.Config.make(4, 1, BM=16, BN=32, SPLIT_K=16)
+    kernel = TritonKernel(region, spec, config, interpret=True)
+    xq, xs, *_ = region.anchor().args
+    values = dict(zip((xq.name, xs.name), quantize_activations(x)))
+    state = {"p_weight": m.weight, "b_weight_scale_inv": m.weight_scale_inv,
+             "p_bias": m.bias}  # the exported names of the module's tensors
+    inputs = {v: values.get(v, state.get(v)) for v in region.inputs}
+    _, sizes = kernel._args(inputs, {o: None for o in region.outputs}, {})
+    assert kernel.spec.grid_for(sizes, config)[1] == -(-K // 256)  # 2 K blocks a split
+    outs = []
+    for _ in range(2):
+        out = torch.full((70, 72), float("nan"))
         kernel.run(inputs, {region.outputs[0]: out}, {})
         outs.append(out)
     assert rel_err(outs[0], m(x)) <= 1e-6 and torch.equal(outs[0], outs[1])
@@ -157,61 +228,128 @@ def test_model_with_fp8_linears_on_cpu_and_interpret(tmp_path):
         assert rel_err(kiln.load(tmp_path / target, target=target)(x), m(x)) <= 1e-5, target
 
 
-def _deepseek_spec(dtype, target=SM90):
-    """q_a_proj's shape (N 1536, K 7168) with dynamic tokens up to 4096."""
+def _deepseek_specs(dtype, most, target=SM90):
+    """q_a_proj's shape (N 1536, K 7168) with dynamic tokens up to `most`: the specs of
+    its fp8 regions' kernels by op."""
     m = Fp8Linear(1536, 7168)
-    T = kiln.Dim("T", min=1, max=4096)
+    T = kiln.Dim("T", min=1, max=most)
     plan = kiln.compile(m, (torch.randn(1, 16, 7168, dtype=dtype),), compile_to="dispatch",
                         dynamic_shapes=({1: T},))
-    (region,) = [r for r in plan.regions if r.kind == RegionKind.EXTERN]
-    return fp8_matmul.generate(region, plan, target)
+    templates = {"fp8_linear": fp8_matmul, "fp8_quantize": quantize, "fp8_scaled_mm": gemm}
+    specs = {}
+    for r in plan.regions:
+        op = r.anchor().target.split(".")[1]
+        specs[op] = templates[op].generate(r, plan, target)
+    return specs
 
 
+def _extremes(spec, configs):
+    """The default and the candidates with the least and the most estimated shared memory."""
+    by_shared = sorted(configs, key=lambda c: estimate(spec, c, SM90).shared)
+    return list(dict.fromkeys([spec.default, by_shared[0], by_shared[-1]]))
+
+
+def test_prefill_gemm_config_space_and_its_extremes_on_sm90():
+    """Prefill (up to 4096 tokens): the quantisation and the GEMM. Its tiles, warps,
+    stages and split caps; all fit sm_90; the default and the smallest and largest
+    candidates compile to exactly the model's shared memory, without spilling (every
+    candidate: the slow test below)."""
+    specs = _deepseek_specs(torch.bfloat16, 4096)
+    assert set(specs) == {"fp8_quantize", "fp8_scaled_mm"}
+    spec = specs["fp8_scaled_mm"]
+    assert spec.default == gemm.Config.make(8, 4, BM=128, BN=128, SPLIT_K=16)
+    assert {(c["BM"], c["BN"], c.num_warps) for c in spec.configs} == {
+        (64, 128, 4), (64, 128, 8), (128, 128, 8), (64, 256, 8)}
+    assert {c.num_stages for c in spec.configs} == {3, 4, 5}
+    assert {c["SPLIT_K"] for c in spec.configs} == {1, 16}
+    assert set(fitting_configs(spec, SM90).configs) == set(spec.configs)
+    _compile_exactly(spec, _extremes(spec, spec.configs))
+    quant = specs["fp8_quantize"]
+    assert compile_binary(quant, quant.default, SM90).resources.spills == 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_every_candidate_within_shared_memory_compiles_for_sm90(dtype):
-    spec = _deepseek_spec(dtype)
-    assert {c["BM"] for c in spec.configs} == {16, 32, 64, 128}
+def test_every_prefill_gemm_candidate_compiles_for_sm90_as_estimated(dtype):
+    spec = _deepseek_specs(dtype, 4096)["fp8_scaled_mm"]
+    _compile_exactly(spec, spec.configs)
+
+
+def _compile_exactly(spec, configs):
+    for config in configs:
+        real = compile_binary(spec, config, SM90).resources
+        assert real.shared == estimate(spec, config, SM90).shared, config
+        assert real.spills == 0, (config, real.registers, real.spills)
+
+
+def test_the_prefill_gemm_is_pipelined_on_wgmma_for_sm90():
+    """The default config's K loop: tile loads staged with cp.async (16-byte
+    LDGSTS), fp8 warp-group MMA (QGMMA) on operands in shared memory."""
+    spec = _deepseek_specs(torch.bfloat16, 4096)["fp8_scaled_mm"]
+    binary = compile_binary(spec, spec.default, SM90)
+    ttgir = binary.asm["ttgir"]
+    assert "ttng.warp_group_dot" in ttgir and "ttg.async_copy_global_to_local" in ttgir
+    sass = disassemble(binary)
+    if sass is not None:  # cuobjdump ships with Triton
+        assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass and "LDGSTS.E.BYPASS.128" in sass
+
+
+def test_decode_config_space_and_its_extremes_on_sm90():
+    """Decode (up to 64 tokens) keeps one kernel: its tiles, warps and split caps; the
+    ones the model drops are over sm_90's shared memory; the default and the smallest
+    and largest kept compile within the model's figure (all: the slow test below)."""
+    (spec,) = _deepseek_specs(torch.bfloat16, 64).values()
+    assert {c["BM"] for c in spec.configs} == {16, 32, 64}
     assert {c["BN"] for c in spec.configs} == {32, 64, 128, 256}
     assert {c.num_warps for c in spec.configs} == {4, 8}
-    assert spec.default == fp8_matmul.Config.make(8, 3, BM=128, BN=128, SPLIT_K=1)
-    assert {c["SPLIT_K"] for c in spec.configs} == {1}  # up to 4096 tokens: no split
+    assert spec.default == fp8_matmul.Config.make(4, 3, BM=64, BN=128, SPLIT_K=16)
+    assert {c["SPLIT_K"] for c in spec.configs} == {1, 16}
     fit = fitting_configs(spec, SM90)
     dropped = set(spec.configs) - set(fit.configs)
     assert all(estimate(spec, c, SM90).shared > SM90.shared_mem_per_block for c in dropped)
-    compiled = fit.configs
-    if dtype == torch.float32:  # fp32 x tiles at 4 stages of 128 x 128 do not fit
-        assert dropped
-        # the model is the same with 4-byte x tiles: the largest fitting one is enough
-        compiled = [max(fit.configs, key=lambda c: estimate(spec, c, SM90).shared)]
-    for config in compiled:
+    _compile_within(spec, _extremes(spec, fit.configs))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_decode_candidate_within_shared_memory_compiles_for_sm90(dtype):
+    (spec,) = _deepseek_specs(dtype, 64).values()
+    _compile_within(spec, fitting_configs(spec, SM90).configs)
+
+
+def _compile_within(spec, configs):
+    for config in configs:
         real = compile_binary(spec, config, SM90).resources
         est = estimate(spec, config, SM90).shared
         assert real.shared <= est <= SM90.shared_mem_per_block, (config, real.shared, est)
 
 
 def test_gfx942_multiplies_e4m3fnuz():
+    """Every kernel reads e4m3fn bytes as fnuz (the quantisation writes e4m3fn bytes)."""
     gfx = get_target("rocm:gfx942")
-    spec = _deepseek_spec(torch.bfloat16, gfx)
-    assert "tl.float8e4b8" in spec.source and "tl.float8e4nv" not in spec.source
-    real = compile_binary(spec, spec.default, gfx).resources
-    assert real.shared <= estimate(spec, spec.default, gfx).shared <= gfx.shared_mem_per_block
+    specs = {**_deepseek_specs(torch.bfloat16, 4096, gfx),
+             **_deepseek_specs(torch.bfloat16, 64, gfx)}
+    for op, spec in specs.items():
+        assert "tl.float8e4b8" in spec.source, op
+        real = compile_binary(spec, spec.default, gfx).resources
+        assert real.shared <= estimate(spec, spec.default, gfx).shared \
+            <= gfx.shared_mem_per_block or op == "fp8_quantize", op
 
 
 def test_gpus_without_e4m3_decline_with_the_reason():
     m = Fp8Linear(64, 128)
-    x = torch.randn(2, 128, dtype=torch.bfloat16)
-    plan = kiln.compile(m, (x,), compile_to="dispatch")
-    (region,) = [r for r in plan.regions if r.kind == RegionKind.EXTERN]
-    with pytest.raises(CodegenUnsupported, match="from sm_89"):
-        fp8_matmul.generate(region, plan, get_target("cuda:sm_80"))
-    assert "tl.float8e4nv" in fp8_matmul.generate(region, plan, get_target("cuda:sm_89")).source
+    x = torch.randn(80, 128, dtype=torch.bfloat16)  # 80 tokens: the split form
+    for template, op, xs in ((fp8_matmul, "fp8_linear", x[:2]),
+                             (quantize, "fp8_quantize", x), (gemm, "fp8_scaled_mm", x)):
+        plan, region = _regions(m, xs, op)
+        with pytest.raises(CodegenUnsupported, match="from sm_89"):
+            template.generate(region, plan, get_target("cuda:sm_80"))
+        template.generate(region, plan, get_target("cuda:sm_89"))  # Ada has e4m3
 
 
 def test_decode_and_interpret_heuristics():
     m = Fp8Linear(1536, 7168)
-    plan = kiln.compile(m, (torch.randn(1, 1, 7168, dtype=torch.bfloat16),),
-                        compile_to="dispatch")
-    (region,) = [r for r in plan.regions if r.kind == RegionKind.EXTERN]
+    plan, region = _regions(m, torch.randn(1, 1, 7168, dtype=torch.bfloat16), "fp8_linear")
     spec = fp8_matmul.generate(region, plan, SM90)
     assert spec.default["BM"] == 16 and {c["BM"] for c in spec.configs} == {16}
     assert spec.default["SPLIT_K"] == 16 and {c["SPLIT_K"] for c in spec.configs} == {1, 16}
@@ -219,3 +357,26 @@ def test_decode_and_interpret_heuristics():
     assert real.shared <= estimate(spec, spec.default, SM90).shared
     interp = fp8_matmul.generate(region, plan, get_target("interpret"))
     assert interp.default == fp8_matmul.Config.make(4, 1, BM=16, BN=32, SPLIT_K=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 40, 300])
+def test_v3_shape_on_cuda_matches_the_op(tokens):
+    """q_a_proj's shape in bf16 on a GPU (run by the lead): the one-kernel form (1, 40
+    tokens) and the split form (300: the quantisation equal to the op's bit for bit, the
+    GEMM within bf16 rounding of the op's PyTorch form)."""
+    m = Fp8Linear(1536, 7168, bias=True).cuda()
+    x = torch.randn(tokens, 7168, device="cuda", dtype=torch.bfloat16)
+    exe = kiln.compile(m, (x,), target="cuda", options={"tune": "none"})
+    kernels = _kernels(exe)
+    assert all(isinstance(k, TritonKernel) for k in kernels.values()), kernels
+    assert rel_err(exe(x).float(), m(x).float()) <= 1e-2
+    if "fp8_quantize" in kernels:
+        k = kernels["fp8_quantize"]
+        outs = {o: torch.empty(tuple(k.region.op(o).shape), dtype=k.region.op(o).dtype,
+                               device="cuda") for o in k.region.outputs}
+        k.run({k.region.inputs[0]: x}, outs, {})
+        xq, xs = (outs[o] for o in sorted(outs, key=lambda o: k.region.op(o).args[1]))
+        want_q, want_s = quantize_activations(x)
+        assert torch.equal(xs, want_s)
+        assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))

@@ -100,3 +100,17 @@ def test_bad_input_is_refused_clearly():
         quantize_weight(torch.randn(4, 4, 4))
     with pytest.raises(KilnError, match="quantize a float16"):
         quantize_weight(torch.ones(4, 4, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("K,lead,dtype", [(300, (2, 3), torch.float32),
+                                          (256, (5,), torch.bfloat16)])
+def test_the_linear_is_its_two_halves_exactly(K, lead, dtype):
+    """kiln::fp8_quantize then kiln::fp8_scaled_mm (what the graph stage splits a
+    prefill linear into) gives fp8_linear's result bit for bit."""
+    wq, ws = quantize_weight(weight(130, K, seed=3))
+    bias, x = torch.randn(130), torch.randn(*lead, K).to(dtype)
+    xq, xs = torch.ops.kiln.fp8_quantize(x)
+    assert xq.shape == x.shape and xs.shape == (*lead, -(-K // 128))
+    assert xq.dtype == torch.float8_e4m3fn and xq.is_contiguous()
+    y = torch.ops.kiln.fp8_scaled_mm(xq, xs, wq, ws, bias, dtype)
+    assert y.dtype == dtype and torch.equal(y, fp8_linear(x, wq, ws, bias))

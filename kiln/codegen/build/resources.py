@@ -217,8 +217,26 @@ def _moe(spec: KernelSpec, c: Config, target: Target, threads: int):
     return shared, _BASE_REGISTERS + (2 * bm * bn + tile / 4) / threads
 
 
+def _fp8_gemm(spec: KernelSpec, c: Config, target: Target, threads: int):
+    """The block-scaled fp8 GEMM on quantised x (templates/fp8_matmul/gemm.py), K steps
+    of 128: every stage holds a [BM, 128] x tile and a [128, BN] weight tile, both
+    e4m3 (wgmma reads them from shared memory; without it Triton stages one copy
+    fewer); a 256-column tile's [BN] weight scales go through shared memory once.
+    Fitted to sm_90 compile-only figures (every candidate: exact), which
+    tests/codegen/test_fp8_matmul.py checks. Registers: the accumulator and one
+    step's product, each [BM, BN] fp32, and the operand fragments."""
+    bm, bn, bk = c["BM"], c["BN"], 128
+    wgmma = _wgmma(target, bm, c, "fp8")
+    shared = _staged(target, wgmma, c.num_stages) * (bm + bn) * bk
+    if bn > bk:
+        shared += 4 * bn
+    regs = (2 * bm * bn + (bm + bn) * bk / 4) / threads
+    return shared, _BASE_REGISTERS + regs
+
+
 _MODELS = {"matmul": _matmul, "attention": _attention, "gated_delta": _gated_delta,
-           "latent_attention": _latent_attention, "fp8_matmul": _fp8_matmul, "moe": _moe}
+           "latent_attention": _latent_attention, "fp8_matmul": _fp8_matmul, "moe": _moe,
+           "fp8_gemm": _fp8_gemm}
 
 
 def violations(res: Resources, target: Target) -> list[str]:

@@ -1,6 +1,8 @@
-"""What an fp8 linear region computes, read off its kiln::fp8_linear op.
+"""What an fp8 region computes, read off its op: kiln::fp8_linear (the one-kernel
+form), kiln::fp8_quantize or kiln::fp8_scaled_mm (the split form).
 
-`analyse` says why the template declines (CodegenUnsupported) for what it cannot run.
+Each `analyse_*` says why its template declines (CodegenUnsupported) for what it
+cannot run.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from kiln.ir.symbolic import Dim, numel
 from kiln.ops.fp8_linear import BLOCK  # the quantisation block: K step and scale block
 
 OP = "kiln.fp8_linear.default"
+QUANTIZE_OP = "kiln.fp8_quantize.default"
+SCALED_MM_OP = "kiln.fp8_scaled_mm.default"
 _ACTIVATIONS = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -55,11 +59,16 @@ def _dtype(region: Region, plan: DispatchPlan, name: str) -> torch.dtype:
     return region.op(name).dtype
 
 
+def _anchor(region: Region, op: str):
+    anchor = region.anchor()
+    if anchor.target != op:
+        raise CodegenUnsupported(f"the region's extern op is {anchor.target}, not {op}")
+    return anchor
+
+
 def analyse(region: Region, plan: DispatchPlan) -> Fp8Shape:
     """The region's op; raises CodegenUnsupported (why) when the template cannot run it."""
-    anchor = region.anchor()
-    if anchor.target != OP:
-        raise CodegenUnsupported(f"the region's extern op is {anchor.target}, not {OP}")
+    anchor = _anchor(region, OP)
     args = list(anchor.args) + [None] * (4 - len(anchor.args))
     x, w, scale, bias = args[:4]
     for name, a in (("x", x), ("weight", w), ("weight_scale_inv", scale)):
@@ -87,3 +96,91 @@ def analyse(region: Region, plan: DispatchPlan) -> Fp8Shape:
     return Fp8Shape(x.name, w.name, scale.name, bias.name if bias is not None else None,
                     anchor.name, x_shape, tuple(anchor.shape), numel(x_shape[:-1]), N, K,
                     dtype)
+
+
+@dataclass
+class QuantShape:
+    """kiln::fp8_quantize: x [..., K] -> e4m3 values `xq` [..., K], scales `xs` [..., KB]."""
+
+    x: str
+    xq: str  # the region outputs holding the tuple's two parts
+    xs: str
+    x_shape: tuple
+    m: Dim  # tokens
+    k: int
+    dtype: torch.dtype
+
+    @property
+    def k_blocks(self) -> int:
+        return -(-self.k // BLOCK)
+
+
+def analyse_quantize(region: Region, plan: DispatchPlan) -> QuantShape:
+    """The region's quantisation; raises CodegenUnsupported (why) when it cannot run."""
+    anchor = _anchor(region, QUANTIZE_OP)
+    x = anchor.args[0]
+    if not isinstance(x, Ref):
+        raise CodegenUnsupported("x is not a tensor")
+    parts = {op.args[1]: op.name for op in region.ops
+             if op.target == "getitem" and op.args[0] == Ref(anchor.name)}
+    if set(parts) != {0, 1} or sorted(region.outputs) != sorted(parts.values()):
+        raise CodegenUnsupported(f"the region outputs {region.outputs}, not both parts of "
+                                 "the quantisation")
+    x_shape = _shape(region, plan, x.name)
+    k, dtype = x_shape[-1], _dtype(region, plan, x.name)
+    if not isinstance(k, int):
+        raise CodegenUnsupported("a symbolic feature dim")
+    if dtype not in _ACTIVATIONS:
+        raise CodegenUnsupported(f"activations of dtype {dtype}")
+    return QuantShape(x.name, parts[0], parts[1], x_shape, numel(x_shape[:-1]), k, dtype)
+
+
+@dataclass
+class GemmShape:
+    """kiln::fp8_scaled_mm: quantised x [..., K] and its scales times the fp8 weight."""
+
+    xq: str  # region inputs, each read in place (contiguous plan values)
+    xs: str
+    weight: str
+    scale: str
+    bias: str | None
+    out: str
+    out_shape: tuple  # [..., N]
+    m: Dim
+    n: int
+    k: int
+    dtype: torch.dtype  # the output's
+
+    @property
+    def k_blocks(self) -> int:
+        return -(-self.k // BLOCK)
+
+
+def analyse_scaled_mm(region: Region, plan: DispatchPlan) -> GemmShape:
+    """The region's GEMM; raises CodegenUnsupported (why) when the template cannot run it."""
+    anchor = _anchor(region, SCALED_MM_OP)
+    xq, xs, w, scale, bias, out_dtype = (list(anchor.args) + [None] * 6)[:6]
+    names = {"xq": xq, "x_scale": xs, "weight": w, "weight_scale_inv": scale}
+    if bias is not None:
+        names["bias"] = bias
+    for name, a in names.items():
+        if not isinstance(a, Ref) or a.name not in region.inputs:
+            raise CodegenUnsupported(f"{name} is not a stored tensor (the kernel reads "
+                                     "each operand in place)")
+    if region.outputs != [anchor.name]:
+        raise CodegenUnsupported(f"the region outputs {region.outputs}, not only the op's "
+                                 "result")
+    N, K = _shape(region, plan, w.name)
+    if not (isinstance(N, int) and isinstance(K, int)):
+        raise CodegenUnsupported("a weight of symbolic shape")
+    if out_dtype not in _ACTIVATIONS:
+        raise CodegenUnsupported(f"an output of dtype {out_dtype}")
+    want = {xq.name: torch.float8_e4m3fn, w.name: torch.float8_e4m3fn,
+            xs.name: torch.float32, scale.name: torch.float32}
+    for name, dtype in want.items():
+        if _dtype(region, plan, name) != dtype:
+            raise CodegenUnsupported(f"%{name} has dtype {_dtype(region, plan, name)}, "
+                                     f"not {dtype}")
+    x_shape = _shape(region, plan, xq.name)
+    return GemmShape(xq.name, xs.name, w.name, scale.name, bias.name if bias else None,
+                     anchor.name, tuple(anchor.shape), numel(x_shape[:-1]), N, K, out_dtype)

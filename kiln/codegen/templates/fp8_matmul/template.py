@@ -1,32 +1,28 @@
-"""The block-scaled fp8 GEMM: one Triton kernel for a region holding kiln::fp8_linear.
+"""The fp8 linear in one kernel, for a region holding kiln::fp8_linear: decode's form.
 
-The op (kiln.ops.fp8_linear) is an extern op: torch.export keeps it whole and on the
-CPU it runs as its PyTorch form. On Triton targets this template generates its kernel:
-y [M, N] = x [M, K] @ w [N, K]^T with x's leading dims flattened into M tokens.
+The graph stage keeps kiln::fp8_linear whole only where it has at most a decode step's
+tokens (kiln.graph.split_fp8_linear); more tokens run as kiln::fp8_quantize and the
+block-scaled GEMM (quantize.py, gemm.py). Here y [M, N] = x [M, K] @ w [N, K]^T with
+x's leading dims flattened into M tokens.
 
 Each program computes a [BM, BN] tile of y. Per 128-wide K step it loads the x tile
 in x's dtype, takes each row's amax, quantises the tile to e4m3 in registers (x times
 448 / amax, scale amax / 448, exactly as kiln.ops.fp8_linear.quantize_activations
-does; no separate quantisation kernel, no fp8 copy of x in memory), loads the [BN,
-128] fp8 weight tile and the weight's block scales for its rows, and adds
-tl.dot(xq, wq^T) (fp8 operands, fp32 accumulation) times the x scales (per row) and
-the weight scales (per column). N and K need not be multiples of 128: the tails are
-masked, and a scale row serves every output column of its 128-row weight block.
+does; common.quantise_rows), loads the [BN, 128] fp8 weight tile and the weight's
+block scales for its rows, and adds tl.dot(xq, wq^T) (fp8 operands, fp32
+accumulation) times the x scales (per row) and the weight scales (per column). With
+a few tokens the x tile is small: quantising it once per output tile costs little
+beside streaming the weight, and it saves the quantisation kernel's launch. N and K
+need not be multiples of 128: the tails are masked, and a scale row serves every
+output column of its 128-row weight block.
 
 x, the weight, its scales and the bias are read through the region's index maps by
 the expression emitter (a 3-D x is read in place). BK is the quantisation block (128,
-fixed); the configs span BM (16 for decode's few tokens up to 128 for prefill), BN
-(32-256), num_warps, pipeline stages and, for decode shapes, a K split (SPLIT_K, the
-cap of kiln.codegen.templates.split_k's count: the last program of a tile sums the
-parts, adds the bias and stores).
-
-Targets: sm_89+ multiply e4m3 on tensor cores; on older GPUs (Triton has no e4m3
-there) the template declines and the op runs as its PyTorch form. gfx942 (MI300) has
-e4m3fnuz, not e4m3fn: there the weight bytes are reinterpreted as fnuz (the same bits
-are half the value, so the weight scale doubles; e4m3fn's -0, NaN in fnuz, becomes 0)
-and the activations quantise to fnuz (largest 240). Triton's interpreter rounds fp32 to fp8
-dropping the mantissa carry (1.97 becomes 1.0, not 2.0): on the interpret target the
-kernel first rounds to e4m3's grid in fp32 (to nearest even), so the cast is exact.
+fixed); the configs span BM (16 for decode's few tokens up to 128 where the tokens
+are unbounded), BN (32-256), num_warps, pipeline stages and, for decode shapes, a K
+split (SPLIT_K, the cap of kiln.codegen.templates.split_k's count: the last program
+of a tile sums the parts, adds the bias and stores). Targets, gfx942's e4m3fnuz and
+the interpreter's fp8 cast: common.py.
 """
 
 from __future__ import annotations
@@ -37,12 +33,19 @@ from kiln.codegen.build.spec import Config, KernelSpec
 from kiln.codegen.expr.emit import Emitter, kernel_name, module_source
 from kiln.codegen.expr.indexing import Lin, Var, linearize, reshape_index
 from kiln.codegen.expr.kernel_args import SymbolicArgs
-from kiln.codegen.expr.values import CodegenUnsupported, Cond, mask_of
+from kiln.codegen.expr.values import Cond, mask_of
 from kiln.codegen.templates import split_k as split
 from kiln.codegen.templates.fp8_matmul.analysis import BLOCK, OP, Fp8Shape, analyse
+from kiln.codegen.templates.fp8_matmul.common import (
+    combine_splits,
+    fnuz_scale,
+    fp8_type,
+    from_e4m3fn,
+    pow2,
+    quantise_rows,
+)
 from kiln.ir.plan import DispatchPlan, Region
 from kiln.ir.symbolic import bounds_of
-from kiln.ops.fp8_linear import AMAX_FLOOR, FP8_MAX
 from kiln.target import Target
 
 __all__ = ["OP", "config_space", "generate", "heuristic"]
@@ -65,8 +68,8 @@ def config_space(shape: Fp8Shape, m_hi: int | None = None) -> list[Config]:
     fewer times over the whole product (N / BN programs redo it). Decode shapes (at
     most 64 tokens) may also split K: their few output tiles would leave most SMs idle
     while the weight streams through the rest."""
-    ms = [b for b in BLOCK_M if m_hi is None or b <= max(16, _pow2(m_hi))]
-    ns = [b for b in BLOCK_N if b <= max(32, _pow2(shape.n))]
+    ms = [b for b in BLOCK_M if m_hi is None or b <= max(16, pow2(m_hi))]
+    ns = [b for b in BLOCK_N if b <= max(32, pow2(shape.n))]
     splits = SPLITS if m_hi is not None and m_hi <= 64 else (1,)
     return [Config.make(w, st, BM=bm, BN=bn, SPLIT_K=sk) for sk in reversed(splits)
             for bm in reversed(ms) for bn in reversed(ns) for w in WARPS for st in STAGES
@@ -90,12 +93,8 @@ def heuristic(shape: Fp8Shape, target: Target, m_hi: int | None = None) -> Confi
     if m_hi is not None and m_hi <= 16:
         return Config.make(4, 4, BM=16, BN=64, SPLIT_K=16)
     if m_hi is not None and m_hi <= 64:
-        return Config.make(4, 3, BM=max(16, _pow2(m_hi)), BN=128, SPLIT_K=16)
+        return Config.make(4, 3, BM=max(16, pow2(m_hi)), BN=128, SPLIT_K=16)
     return Config.make(8, 3, BM=128, BN=128, SPLIT_K=1)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _v(name: str, size, block: bool = True) -> Lin:
@@ -105,7 +104,7 @@ def _v(name: str, size, block: bool = True) -> Lin:
 def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     """The fp8 GEMM kernel of `region`; raises CodegenUnsupported saying why not."""
     shape = analyse(region, plan)
-    _fp8(target)  # declines before any code is emitted
+    fp8_type(target)  # declines before any code is emitted
     p = SymbolicArgs(plan.symbols)
     em = Emitter(region, plan, p, target)
     for name in list(region.inputs) + list(region.outputs):
@@ -131,22 +130,8 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
                       scratch=split.scratch(tiles, n_split, "BM * BN"))
 
 
-def _fp8(target: Target) -> tuple[str, float]:
-    """(Triton's e4m3 type on `target`, its largest finite value); declines where
-    Triton has no e4m3 (the op then runs as its PyTorch form, with a note)."""
-    if target.backend == "hip":
-        if target.arch != "gfx942":
-            raise CodegenUnsupported(f"{target} has no e4m3 kiln's kernel knows (gfx942's "
-                                     "e4m3fnuz only)")
-        return "tl.float8e4b8", 240.0  # e4m3fnuz: CDNA3's fp8, largest 240
-    if target.backend == "cuda" and isinstance(target.arch, int) and target.arch < 89:
-        raise CodegenUnsupported(f"{target} has no e4m3: Triton supports fp8e4nv from sm_89")
-    return "tl.float8e4nv", FP8_MAX
-
-
 def _body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target) -> list[str]:
     wide = ".to(tl.int64)" if p.needs_int64 else ""
-    fp8, fp8_max = _fp8(target)
     M = p.dim(s.m)
     m_ok, k_ok = Cond("m_ok", frozenset({"om"})), Cond("ok < K", frozenset({"ok"}))
     x_idx = reshape_index((_v("om", s.m), _v("ok", s.k)), (s.m, s.k), s.x_shape)
@@ -169,25 +154,15 @@ def _body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target) -> list[str
         keep = "m_ok & (ok < K)" if s.k % BLOCK else "m_ok"
         loop += [f"xf = tl.where({keep}, {x.code}.to(tl.float32), 0.0)",
                  "# per token: this K block's scale, and the block quantised in registers",
-                 f"amax = tl.maximum(tl.max(tl.abs(xf), 1), {AMAX_FLOOR!r})",
-                 f"xs = amax / {fp8_max!r}",
-                 f"xv = xf * ({fp8_max!r} / amax)[:, None]  # a multiply per element",
-                 f"xv = tl.minimum(tl.maximum(xv, {-fp8_max!r}), {fp8_max!r})"]
-        if target.backend == "interpret":
-            loop += _round_to_e4m3("xv")
-        loop.append(f"xq = xv.to({fp8})")
+                 *quantise_rows("xf", target)]
         w = _load_fp8(em, p, s, w_idx, w_mask)
         ws = em.value(s.scale, ws_idx, mask_of(Cond("rn < N", frozenset({"nb"}))))
-        if target.backend == "hip":  # e4m3fn bits read as e4m3fnuz: half the value
-            loop += [f"wb = {w}.to(tl.uint8, bitcast=True)",
-                     f"wq = tl.where(wb == 128, 0, wb).to(tl.uint8).to({fp8}, bitcast=True)",
-                     f"ws = {ws.code} * 2.0"]
-        else:
-            loop += [f"wq = {w}", f"ws = {ws.code}"]
-        loop.append("acc += tl.dot(xq, tl.trans(wq), out_dtype=tl.float32) * xs[:, None] * "
-                    "ws[None, :]")
+        loop += [f"wq = {from_e4m3fn(w, target)}", f"ws = {ws.code}{fnuz_scale(target)}"]
+        loop.append("acc += tl.dot(xq, tl.trans(wq), out_dtype=tl.float32) * "
+                    f"(xs{fnuz_scale(target)})[:, None] * ws[None, :]")
     L += [f"for k0 in range(lo, hi, {BLOCK}):", *["    " + x for x in loop]]
-    L += _combine_splits()
+    L += combine_splits("pid_m * tl.num_programs(1) + pid_n", "m_ok & n_ok",
+                        "n_ok = on < tl.where(last, N, 0)")
     n_ok = Cond("n_ok", frozenset({"on"}))
     if s.bias is not None:
         with em.block() as lines:
@@ -200,34 +175,9 @@ def _body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target) -> list[str
     return L + store
 
 
-def _combine_splits() -> list[str]:
-    """With K split: each program stores its part; the last to arrive sums them in
-    split order and alone adds the bias and stores (kiln.codegen.templates.split_k)."""
-    offs = "part_offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]"
-    store = [offs, f"tl.store({split.part('BM * BN')} + part_offs, acc, mask=m_ok & n_ok)"]
-    load = split.load_part(split.part("BM * BN", "s") + " + part_offs", "m_ok & n_ok")
-    combine = ["acc = tl.zeros([BM, BN], dtype=tl.float32)", "for s in range(0, n_split):",
-               f"    acc += {load}"]
-    gate = ["n_ok = on < tl.where(last, N, 0)"]  # only the last program stores
-    return split.arrive("SPLIT_K", "pid_m * tl.num_programs(1) + pid_n", store, combine,
-                        gate)
-
-
 def _load_fp8(em: Emitter, p: SymbolicArgs, s: Fp8Shape, index, mask: str) -> str:
     """The [BN, 128] weight tile, read directly (the emitter's masked loads fill with
     the integer 0, which Triton cannot cast to fp8); analyse made sure the weight is a
     region input, contiguous [N, K]."""
     ptr = p.tensor(s.weight, torch.float8_e4m3fn, (s.n, s.k))
     return f"tl.load({ptr} + ({em.code(linearize(index, (s.n, s.k)))}), mask={mask}, other=0.0)"
-
-
-def _round_to_e4m3(v: str) -> list[str]:
-    """`v` (fp32, |v| <= 448) rounded to nearest even on e4m3's grid, in fp32: the
-    spacing is 2^(e - 3) for a value of exponent e, 2^-9 among the subnormals; adding
-    and taking away 1.5 * 2^23 rounds a quotient below 2^22 to an integer, to even."""
-    return [
-        "# the interpreter's fp8 cast drops the mantissa carry: round on e4m3's grid first",
-        f"ulp = ({v}.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)",
-        "ulp = tl.maximum(ulp * 0.125, 0.001953125)",
-        f"{v} = ((({v} / ulp) + 12582912.0) - 12582912.0) * ulp",
-    ]
