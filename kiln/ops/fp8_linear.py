@@ -54,7 +54,9 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = torch.nn.functional.pad(w.float(), (0, pk, 0, pn))
     blocks = blocks.reshape((N + pn) // BLOCK, BLOCK, (K + pk) // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=(1, 3)).clamp(min=AMAX_FLOOR)
-    scale = amax / FP8_MAX
+    # amax times fp32(1 / 448), not amax / 448: torch's CUDA division by a scalar is a
+    # multiply by its reciprocal and its CPU one a division; this is the same everywhere
+    scale = amax * (1.0 / FP8_MAX)
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     q = q.reshape(N + pn, K + pk)[:N, :K].to(torch.float8_e4m3fn)
     return q.contiguous(), scale.contiguous()
@@ -69,7 +71,7 @@ def dequantize_weight(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] as (fp8 values [..., K], fp32 scales [..., ceil(K/128)]): per token,
-    each 128-wide group of K times 448 / amax, rounded to e4m3; its scale amax / 448."""
+    each 128-wide group of K times 448 / amax, rounded to e4m3; its scale amax x (1 / 448)."""
     K = x.shape[-1]
     pad = -K % BLOCK
     groups = torch.nn.functional.pad(x.float(), (0, pad))
@@ -78,7 +80,9 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # x * (448 / amax), with 448 / amax as torch computes `448 / tensor` (reciprocal,
     # then times 448: two roundings), spelled out so the kernels can do the same
     q = (groups * (amax.reciprocal() * FP8_MAX)[..., None]).clamp(-FP8_MAX, FP8_MAX)
-    scale = amax / FP8_MAX
+    # amax times fp32(1 / 448), not amax / 448: torch's CUDA division by a scalar is a
+    # multiply by its reciprocal and its CPU one a division; this is the same everywhere
+    scale = amax * (1.0 / FP8_MAX)
     q = q.to(torch.float8_e4m3fn)
     return q.reshape(*x.shape[:-1], K + pad)[..., :K].contiguous(), scale
 

@@ -44,9 +44,9 @@ def pow2(n: int) -> int:
 def quantise_rows(xf: str, target: Target) -> list[str]:
     """Lines quantising the fp32 tile `xf` [rows, 128] per row as kiln.ops.fp8_linear
     does: `xq` (the e4m3fn values, in the target's fp8 type: on gfx942 its e4m3fn
-    bytes as fnuz) and `xs` [rows] (amax / 448)."""
+    bytes as fnuz) and `xs` [rows] (amax times fp32(1 / 448))."""
     lines = [f"amax = tl.maximum(tl.max(tl.abs({xf}), 1), {AMAX_FLOOR!r})",
-             f"xs = tl.math.div_rn(amax, {FP8_MAX!r})",
+             f"xs = amax * {1.0 / FP8_MAX!r}  # as the op: times fp32(1 / 448)",
              "# times 448 / amax as torch's `448 / amax`: a reciprocal, then times 448",
              f"xv = {xf} * (tl.math.div_rn(1.0, amax) * {FP8_MAX!r})[:, None]",
              f"xv = tl.minimum(tl.maximum(xv, {-FP8_MAX!r}), {FP8_MAX!r})"]
