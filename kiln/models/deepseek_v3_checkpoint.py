@@ -36,7 +36,7 @@ from safetensors import safe_open
 from kiln.errors import CheckpointError, ShapeError
 from kiln.models import hf
 from kiln.models.deepseek_v3 import ROPE_TYPES, DeepseekV3, DeepseekV3Config
-from kiln.models.fp8 import keeps_fp8, use_fp8_layout
+from kiln.models.fp8 import is_fp8_checkpoint, keeps_fp8, use_fp8_layout
 from kiln.progress import progress
 
 log = logging.getLogger("kiln.models")
@@ -289,8 +289,8 @@ def log_experts_in_model_dtype(model: DeepseekV3, where: str) -> None:
     if not experts:
         return
     numel = sum(p.numel() for p in experts)
-    log.warning("%s: fp8 projections kept fp8; the routed experts (%.2f GB) are held in "
-                "%s, not fp8 (%.2f GB): kiln has no grouped fp8 MoE kernel yet", where,
+    log.warning("%s: fp8 projections kept fp8; the routed experts (%.3g GB) are held in "
+                "%s, not fp8 (%.3g GB): kiln has no grouped fp8 MoE kernel yet", where,
                 numel * experts[0].element_size() / 1e9, experts[0].dtype, numel / 1e9)
 
 
@@ -311,8 +311,8 @@ def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
     cfg = config_from_hf(hf_cfg, where, max_seq_len)
     keep = keeps_fp8(keep_fp8, hf_cfg, torch.device(device).type == "cuda", where)
     files = hf.weight_files(path)
-    fp8 = (hf_cfg.get("quantization_config") or {}).get("quant_method") == "fp8"
-    dtype = dtype or hf.checkpoint_dtype(hf_cfg) or (torch.bfloat16 if fp8 else torch.float32)
+    dtype = dtype or hf.checkpoint_dtype(hf_cfg) or (
+        torch.bfloat16 if is_fp8_checkpoint(hf_cfg) else torch.float32)
     found = hf.read_headers(files)
     with torch.device("meta"):
         model = DeepseekV3(cfg)

@@ -416,3 +416,13 @@ def test_keep_fp8_without_fp8_weights_is_an_error(fp8_checkpoint):
         kiln.models.load("tiny", keep_fp8=True)
     with pytest.raises(ArgumentError, match="keep_fp8=False asks for none"):
         kiln.models.load(unquantised, quantize="fp8", keep_fp8=False)
+
+
+def test_cli_takes_keep_fp8():
+    from kiln.cli.args import build_parser
+
+    def parsed(*flags):
+        return build_parser().parse_args(["generate", "--model", "dir", "--prompt-ids", "1",
+                                          *flags]).keep_fp8
+
+    assert (parsed(), parsed("--keep-fp8"), parsed("--no-keep-fp8")) == (None, True, False)
