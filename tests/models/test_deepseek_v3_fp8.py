@@ -227,6 +227,30 @@ def test_kept_fp8_projections_hold_the_stored_bytes(fp8_checkpoint, monkeypatch)
         assert rel_err(model(tokens, torch.arange(9)), hf_deq(tokens).logits) <= 1e-5
 
 
+def test_kept_fp8_without_query_lora_and_with_attention_biases(tmp_path, monkeypatch):
+    """q_proj instead of q_a / q_b, and attention biases (kv_a, o): the weights stay
+    fp8, the biases load in the model's dtype."""
+    hf_model = make_hf_model(seed=11, q_lora_rank=None, attention_bias=True,
+                             num_hidden_layers=1, first_k_dense_replace=1)
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    _, reference = write_fp8_checkpoint(tmp_path, hf_model)
+    _copy_dequantised(hf_model, reference)
+    model, _ = ds.load_checkpoint(tmp_path, torch.float32, keep_fp8=True)
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.q_proj, Fp8Linear) and attn.q_proj.bias is None
+    assert isinstance(attn.o_proj, Fp8Linear) and attn.o_proj.bias.dtype == torch.float32
+    assert torch.equal(attn.kv_a_proj_with_mqa.bias,
+                       hf_model.model.layers[0].self_attn.kv_a_proj_with_mqa.bias)
+    monkeypatch.setattr(Fp8Linear, "forward", lambda self, x: torch.nn.functional.linear(
+        x, dequantize_weight(self.weight, self.weight_scale_inv), self.bias))
+    tokens = torch.tensor([[4, 80, 15, 9, 33]])
+    with torch.no_grad():
+        assert rel_err(model(tokens, torch.arange(5)), hf_model(tokens).logits) <= 1e-5
+
+
 def test_kept_fp8_is_the_dequantised_model_up_to_fp8_activations(fp8_checkpoint,
                                                                   monkeypatch):
     """How far may the fp8 model's logits be from the dequantised model's? Each fp8
