@@ -13,6 +13,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 import kiln
@@ -158,7 +159,7 @@ def _stored_fp8_projections(stored: dict, cfg) -> set[str]:
 
 
 def test_fp8_checkpoint_loads_dequantised_on_the_cpu(fp8_checkpoint):
-    path, stored, reference, hf_deq, _ = fp8_checkpoint
+    path, stored, reference, hf_deq, unquantised = fp8_checkpoint
     model, _ = ds.load_checkpoint(path, torch.float32)  # keep_fp8 None: the CPU dequantises
     assert not any(isinstance(m, Fp8Linear) for m in model.modules())
     params = dict(model.named_parameters())
@@ -169,6 +170,10 @@ def test_fp8_checkpoint_loads_dequantised_on_the_cpu(fp8_checkpoint):
         else:
             got = params[name]
         assert torch.equal(got, ref), name
+    # and the fp8 weights are a close (not exact) copy of the originals
+    gate = "model.layers.0.mlp.gate_proj.weight"
+    with safe_open(str(unquantised / "model.safetensors"), framework="pt") as f:
+        assert 0 < rel_err(params[gate], f.get_tensor(gate)) < 0.05
     # the loaded model runs as transformers does with the dequantised weights
     tokens = torch.randint(0, CONFIG["vocab_size"], (1, 9),
                            generator=torch.Generator().manual_seed(6))
