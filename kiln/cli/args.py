@@ -143,8 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-seq-len", type=int, default=None,
                    help="context length (default: the model's, at most 4096)")
     g.add_argument("--quantize", choices=["fp8"], default=None,
-                   help="fp8: the Llama families' projections as block-scaled fp8 weights "
-                   "(128x128 scales; activations quantised per token)")
+                   help="fp8: the projections of the Llama families and DeepSeek-V3 as "
+                   "block-scaled fp8 weights (128x128 scales; activations quantised per "
+                   "token; DeepSeek-V3's routed experts stay in --dtype)")
+    g.add_argument("--keep-fp8", action=argparse.BooleanOptionalAction, default=None,
+                   help="an fp8 checkpoint's projections stay fp8 (--keep-fp8) or are "
+                   "dequantised at load (--no-keep-fp8, DeepSeek-V3 only); default: kept "
+                   "on GPU targets, dequantised on the CPU")
     g.add_argument("--cache", choices=["contiguous", "paged"], default="contiguous")
     g.add_argument("--block-size", type=int, default=16, help="paged cache block size")
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="T",

@@ -32,7 +32,8 @@ def cmd_generate(args) -> int:
                block_size=args.block_size, random_weights=args.random_weights,
                seed=args.seed, cuda_graphs=False if args.no_cuda_graphs else None,
                tensor_parallel_size=args.tensor_parallel_size,
-               pipeline_parallel_size=args.pipeline_parallel_size, quantize=args.quantize)
+               pipeline_parallel_size=args.pipeline_parallel_size, quantize=args.quantize,
+               keep_fp8=args.keep_fp8)
     if os.environ.get("RANK", "0") != "0":  # under torchrun: rank 0 prints for all
         _generate_quietly(llm, args)
         return 0

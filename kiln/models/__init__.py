@@ -39,7 +39,7 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
          block_size: int = 16, num_blocks: int | None = None,
          random_weights: bool = False, seed: int = 0, cuda_graphs: bool | None = None,
          tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-         quantize: str | None = None):
+         quantize: str | None = None, keep_fp8: bool | None = None):
     """An LLM (kiln.models.generate.LLM), compiled for `target`, from `source`:
 
     - a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json):
@@ -54,9 +54,16 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
     a paged KV cache of `block_size`-token blocks instead of a contiguous one.
     cuda_graphs (default: on for GPU targets) replays decode steps as CUDA graphs.
 
-    quantize="fp8" makes the Llama families' decoder projections block-scaled fp8 at
-    load (kiln.models.fp8; embedding, norms and LM head stay in dtype); an fp8
-    checkpoint in Hugging Face's layout (quant_method "fp8") loads as fp8 without it.
+    quantize="fp8" makes the decoder projections of the Llama families and DeepSeek-V3
+    block-scaled fp8 at load (kiln.models.fp8; embedding, norms, router and LM head stay
+    in dtype, and so do DeepSeek-V3's routed experts: no grouped fp8 MoE kernel yet).
+    An fp8 checkpoint in Hugging Face's layout (quant_method "fp8") loads its fp8
+    projections as they are, never dequantised, when keep_fp8 (default None: on GPU
+    targets yes, on the CPU no) — DeepSeek-V3's routed experts excepted (dequantised
+    into dtype, logged). Without keep_fp8 a DeepSeek-V3 checkpoint is dequantised into
+    dtype at load; the Llama families' fp8 checkpoints always load as fp8 (keep_fp8=False
+    is refused). keep_fp8=True for weights that are not fp8 is an error: quantize="fp8"
+    makes them.
 
     tensor_parallel_size / pipeline_parallel_size > 1: a multi-device plan. Under
     torchrun this process is one rank (every rank calls load with the same arguments);
@@ -65,13 +72,17 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
     """
     from kiln.errors import ArgumentError, CheckpointError, KilnError
     from kiln.models import hf
-    from kiln.models.fp8 import check_quantize, is_fp8_checkpoint, quantize_fp8
+    from kiln.models.deepseek_v3 import DeepseekV3
+    from kiln.models.fp8 import check_quantize, keeps_fp8
     from kiln.models.generate import LLM
     from kiln.models.llama import PRESETS, Llama
     from kiln.models.tokenizer import ByteTokenizer, load_tokenizer
     from kiln.target import get_target
 
     check_quantize(quantize)
+    if quantize is not None and keep_fp8 is False:
+        raise ArgumentError(f"quantize={quantize!r} makes fp8 weights; keep_fp8=False "
+                            "asks for none", hint="drop one of the two")
     tgt = get_target(target)
     device = tgt.torch_device
     parallel = ({"tp": tensor_parallel_size, "pp": pipeline_parallel_size}
@@ -90,7 +101,7 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
                 max_batch_size=max_batch_size, paged=paged, block_size=block_size,
                 num_blocks=num_blocks, random_weights=random_weights, seed=seed,
                 cuda_graphs=cuda_graphs, tensor_parallel_size=tensor_parallel_size,
-                pipeline_parallel_size=pipeline_parallel_size),
+                pipeline_parallel_size=pipeline_parallel_size, keep_fp8=keep_fp8),
                 tensor_parallel_size * pipeline_parallel_size)
     read_weights = None
     if isinstance(dtype, str):
@@ -105,22 +116,28 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
                 "DeepseekV3ForCausalLM" in (config.get("architectures") or []):
             from kiln.models import deepseek_v3_checkpoint as loader
         if random_weights:
-            cfg = loader.config_from_hf(config, str(path / "config.json"), max_seq_len)
+            where = str(path / "config.json")
+            cfg = loader.config_from_hf(config, where, max_seq_len)
             model = loader.random_model(cfg, dtype or hf.checkpoint_dtype(config)
                                         or torch.float32, device, seed)
-            if isinstance(model, Llama) and is_fp8_checkpoint(config):
-                quantize_fp8(model)  # random weights in the checkpoint's fp8 layout
+            keep = keeps_fp8(keep_fp8, config, tgt.is_gpu, where,
+                             can_dequantize=loader is not hf)
+            if keep and isinstance(model, Llama | DeepseekV3):
+                _quantize_fp8(model)  # random weights in the checkpoint's fp8 layout
         elif parallel and loader is hf:
-            model, config = hf.load_checkpoint(path, dtype, device, max_seq_len, weights=False)
+            model, config = hf.load_checkpoint(path, dtype, device, max_seq_len, weights=False,
+                                               keep_fp8=keep_fp8)
             files, wdtype = hf.weight_files(path), model.lm_head.weight.dtype
 
             def read_weights(wanted):
                 return hf.read_parts(model, files, wanted, wdtype, device)
         else:
-            model, config = loader.load_checkpoint(path, dtype, device, max_seq_len)
+            model, config = loader.load_checkpoint(path, dtype, device, max_seq_len,
+                                                   keep_fp8=keep_fp8)
         tokenizer = load_tokenizer(path)
         stop_ids = hf.stop_token_ids(path, config)
     elif str(source) in PRESETS:
+        keeps_fp8(keep_fp8, {}, tgt.is_gpu, f"preset {source}")  # refuses True
         cfg = PRESETS[str(source)]
         if max_seq_len is not None:
             cfg = cfg.with_(max_seq_len=max_seq_len)
@@ -135,11 +152,24 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
         raise CheckpointError(f"{source} is neither a checkpoint directory nor a preset",
                               hint=f"presets: {', '.join(PRESETS)}")
     if quantize == "fp8":
-        if not isinstance(model, Llama):
-            raise ArgumentError(f"quantize='fp8' is for the Llama families, not "
-                                f"{type(model).__name__}", hint="DeepSeek-V3 checkpoints "
-                                "come in fp8 already")
-        quantize_fp8(model)
+        if not isinstance(model, Llama | DeepseekV3):
+            raise ArgumentError(f"quantize='fp8' is for the Llama families and "
+                                f"DeepSeek-V3, not {type(model).__name__}")
+        _quantize_fp8(model)
     return LLM(model, tokenizer, stop_ids, target=tgt, max_batch_size=max_batch_size,
                paged=paged, block_size=block_size, num_blocks=num_blocks, name=str(source),
                cuda_graphs=cuda_graphs, parallel=parallel, read_weights=read_weights)
+
+
+def _quantize_fp8(model) -> None:
+    """The decoder projections of `model` (Llama or DeepseekV3) as Fp8Linear; DeepSeek-V3's
+    absorbed attention weights are derived again from its kv_b_proj's fp8 values, so
+    decode's absorbed form and prefill's expanded one compute the same model."""
+    from kiln.models.deepseek_v3 import DeepseekV3
+    from kiln.models.deepseek_v3_checkpoint import log_experts_in_model_dtype
+    from kiln.models.fp8 import quantize_fp8
+
+    quantize_fp8(model)
+    if isinstance(model, DeepseekV3):
+        model.absorb_weights()
+        log_experts_in_model_dtype(model, "quantize='fp8'")

@@ -27,7 +27,10 @@ Same calling convention as llama.py. What differs:
 
 Module names mirror Hugging Face's except the routed experts, which are stacked per
 layer ([n_experts, ...] tensors, see moe.py); the loader (deepseek_v3_checkpoint.py)
-stacks the checkpoint's per-expert tensors.
+stacks the checkpoint's per-expert tensors. With fp8 weights (an fp8 checkpoint kept
+fp8, or quantize="fp8") the projections are fp8.Fp8Linear, kv_b_proj included (the
+expanded form runs it as an fp8 linear; W_UK and W_UV come from its dequantised
+values); the routed experts stay in the model's dtype (no grouped fp8 MoE kernel yet).
 """
 
 from __future__ import annotations
@@ -228,9 +231,15 @@ class LatentAttention(nn.Module):
         """Split kv_b_proj into W_UK and W_UV (call after its weights are loaded).
 
         A copy, laid out for the einsums: V3's is 34 MB per layer in bf16, 0.15% of the
-        model; the expanded form could use it too and free kv_b_proj later."""
+        model; the expanded form could use it too and free kv_b_proj later. An fp8
+        kv_b_proj (fp8.Fp8Linear) is dequantised for it, one layer at a time, into the
+        model's dtype (its norms'): the einsums are not fp8 GEMMs."""
         cfg = self.cfg
-        w = self.kv_b_proj.weight.view(cfg.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+        w = self.kv_b_proj.weight
+        if w.dtype == torch.float8_e4m3fn:
+            w = kiln.ops.dequantize_weight(w, self.kv_b_proj.weight_scale_inv)
+        w = w.to(self.kv_a_layernorm.weight.dtype)
+        w = w.view(cfg.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
         self.w_uk = w[:, :cfg.qk_nope_head_dim].contiguous()
         self.w_uv = w[:, cfg.qk_nope_head_dim:].transpose(1, 2).contiguous()
 
@@ -344,6 +353,10 @@ class DeepseekV3(nn.Module):
         """RoPE tables on `device` and the absorbed attention weights: after the weights
         are in place (built on the meta device, then loaded)."""
         self.rope_cos, self.rope_sin = rope_tables(self.cfg, device)
+        self.absorb_weights()
+
+    def absorb_weights(self) -> None:
+        """Every layer's W_UK and W_UV from its kv_b_proj (again after quantising it)."""
         for layer in self.model.layers:
             layer.self_attn.absorb_weights()
 

@@ -9,9 +9,16 @@ is particular to DeepSeek-V3:
   the layer's stacked [n_experts, ...] parameter;
 - fp8 checkpoints (DeepSeek's own release): a linear weight stored as float8_e4m3fn
   comes with `<name>_scale_inv`, one fp32 scale per 128x128 block (the block size
-  is config.json's quantization_config.weight_block_size); it is dequantised at load
-  (w * scale of its block) into the requested dtype. The scale may sit in another
-  shard than its weight;
+  is config.json's quantization_config.weight_block_size); the scale may sit in
+  another shard than its weight. With keep_fp8 (the default on GPUs) every
+  projection stored so (attention's q / q_a / q_b, kv_a, kv_b, o; the dense MLPs'
+  and shared experts' gate, up, down) becomes an fp8.Fp8Linear and takes the weight
+  and scale as stored: no dequantised copy is ever made of them. Without it (the
+  default on the CPU) each is dequantised at load (w * scale of its block) into the
+  requested dtype;
+- the routed experts are dequantised into their stacked [n_experts, ...] parameters
+  in the model's dtype either way: kiln has no grouped fp8 MoE kernel yet, so they
+  take 2 bytes a weight in bf16 (most of V3's 671B), not 1. The load logs it;
 - the multi-token-prediction layer (model.layers.<num_hidden_layers>...) is skipped;
 - the router's e_score_correction_bias stays fp32.
 """
@@ -29,6 +36,7 @@ from safetensors import safe_open
 from kiln.errors import CheckpointError, ShapeError
 from kiln.models import hf
 from kiln.models.deepseek_v3 import ROPE_TYPES, DeepseekV3, DeepseekV3Config
+from kiln.models.fp8 import is_fp8_checkpoint, keeps_fp8, use_fp8_layout
 from kiln.progress import progress
 
 log = logging.getLogger("kiln.models")
@@ -145,8 +153,9 @@ def tensor_map(model: DeepseekV3, found: dict) -> dict[str, tuple[str, int | Non
     filled: dict[str, set] = {n: set() for n in want}
     mapping, extra = {}, []
     for name, (f, shape) in found.items():
-        if name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in found:
-            continue
+        if name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in found \
+                and name not in want:
+            continue  # read with its weight, to dequantise it (an Fp8Linear holds it)
         try:
             target = _target(name, cfg)
         except (ValueError, IndexError):
@@ -178,15 +187,34 @@ def tensor_map(model: DeepseekV3, found: dict) -> dict[str, tuple[str, int | Non
     return mapping
 
 
+def check_scales(found: dict, block: tuple[int, int]) -> None:
+    """Every weight's block scales have the shape its blocks need (headers only)."""
+    for name, (f, shape) in found.items():
+        weight = name.removesuffix(SCALE_SUFFIX)
+        if name == weight or weight not in found or len(found[weight][1]) != 2:
+            continue
+        (R, C), (br, bc) = found[weight][1], block
+        want = (-(-R // br), -(-C // bc))
+        if tuple(shape) != want:
+            raise ShapeError(f"{name} has shape {list(shape)}; a {R}x{C} weight in "
+                             f"{br}x{bc} blocks needs {list(want)} scales", where=str(f))
+
+
 # ---- loading --------------------------------------------------------------------------
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    owner, _, attr = name.rpartition(".")
+    return model.get_submodule(owner), attr
 
 
 def _place(model: nn.Module, name: str, slot: int | None, t: torch.Tensor,
            dtype: torch.dtype, device) -> None:
-    owner, _, attr = name.rpartition(".")
-    module = model.get_submodule(owner)
+    module, attr = _owner(model, name)
     current = getattr(module, attr)
-    if name.endswith(FP32_SUFFIXES):
+    if current.dtype == torch.float8_e4m3fn:  # an Fp8Linear's weight, as stored
+        dtype = current.dtype
+    elif name.endswith(FP32_SUFFIXES) or name.endswith(SCALE_SUFFIX):
         dtype = torch.float32
     if slot is None:
         t = t.to(device=device, dtype=dtype)
@@ -203,11 +231,32 @@ def _place(model: nn.Module, name: str, slot: int | None, t: torch.Tensor,
         current[slot].copy_(t)
 
 
-def load_weights(model: DeepseekV3, files: list[Path], dtype: torch.dtype, device,
+def _read(n: str, t: torch.Tensor, dest: str, model: nn.Module, found: dict, opened,
+          block: tuple[int, int]) -> torch.Tensor:
+    """Checkpoint tensor `n` as `dest` takes it: as stored for an Fp8Linear's fp8
+    weight (nothing dequantised), dequantised for any other weight with a scale."""
+    scale_name = n + SCALE_SUFFIX
+    where = str(found[n][0])
+    if getattr(*_owner(model, dest)).dtype == torch.float8_e4m3fn:
+        if t.dtype != torch.float8_e4m3fn:
+            raise CheckpointError(f"{n} comes with {scale_name} but is stored as "
+                                  f"{t.dtype}; kiln's fp8 linear takes float8_e4m3fn",
+                                  where=where, hint="keep_fp8=False dequantises it at load")
+        return t
+    if scale_name in found:
+        scale = opened(found[scale_name][0]).get_tensor(scale_name)
+        return dequantize_blocks(t, scale, block)
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise CheckpointError(f"fp8 tensor {n} has no {scale_name}", where=where)
+    return t
+
+
+def load_weights(model: DeepseekV3, found: dict, dtype: torch.dtype, device,
                  block: tuple[int, int]) -> None:
-    """Read every tensor of the checkpoint into `model` (built on the meta device)."""
-    found = hf.read_headers(files)
+    """Read every tensor of the checkpoint (`found`: hf.read_headers) into `model`
+    (built on the meta device)."""
     mapping = tensor_map(model, found)
+    check_scales(found, block)
     by_file: dict[Path, list[str]] = {}
     for n in mapping:
         by_file.setdefault(found[n][0], []).append(n)
@@ -226,41 +275,60 @@ def load_weights(model: DeepseekV3, files: list[Path], dtype: torch.dtype, devic
                 for n in names:
                     t = opened(f).get_tensor(n)
                     bar.update(t.nbytes)
-                    scale_name = n + SCALE_SUFFIX
-                    if scale_name in found:
-                        scale = opened(found[scale_name][0]).get_tensor(scale_name)
-                        t = dequantize_blocks(t, scale, block)
-                    elif t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                        raise CheckpointError(f"fp8 tensor {n} has no {scale_name}",
-                                              where=str(f))
-                    _place(model, *mapping[n], t, dtype, device)
+                    dest, slot = mapping[n]
+                    t = _read(n, t, dest, model, found, opened, block)
+                    _place(model, dest, slot, t, dtype, device)
                     del t
     model.tie_weights()
 
 
+def log_experts_in_model_dtype(model: DeepseekV3, where: str) -> None:
+    """Say what an fp8 load leaves out of fp8: the routed experts (no grouped fp8
+    MoE kernel yet), with what that costs in memory."""
+    experts = [p for n, p in model.named_parameters() if ".mlp.experts." in n]
+    if not experts:
+        return
+    numel = sum(p.numel() for p in experts)
+    log.warning("%s: fp8 projections kept fp8; the routed experts (%.3g GB) are held in "
+                "%s, not fp8 (%.3g GB): kiln has no grouped fp8 MoE kernel yet", where,
+                numel * experts[0].element_size() / 1e9, experts[0].dtype, numel / 1e9)
+
+
 def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
-                    max_seq_len: int | None = None) -> tuple[DeepseekV3, dict]:
+                    max_seq_len: int | None = None, keep_fp8: bool | None = None
+                    ) -> tuple[DeepseekV3, dict]:
     """(model, config.json) for a DeepSeek-V3 checkpoint directory; weights loaded lazily.
 
-    dtype defaults to config.json's, and to bfloat16 for an fp8 checkpoint."""
+    dtype defaults to config.json's, and to bfloat16 for an fp8 checkpoint.
+    keep_fp8: an fp8 checkpoint's projections load as fp8 (fp8.Fp8Linear) or are
+    dequantised into dtype; None (default) keeps them on a GPU device and dequantises
+    them on the CPU. True for a checkpoint without fp8 weights is an ArgumentError."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist", where=str(path))
+    where = str(path / "config.json")
     hf_cfg = hf.read_json(path / "config.json")
-    cfg = config_from_hf(hf_cfg, str(path / "config.json"), max_seq_len)
+    cfg = config_from_hf(hf_cfg, where, max_seq_len)
+    keep = keeps_fp8(keep_fp8, hf_cfg, torch.device(device).type == "cuda", where)
     files = hf.weight_files(path)
-    fp8 = (hf_cfg.get("quantization_config") or {}).get("quant_method") == "fp8"
-    dtype = dtype or hf.checkpoint_dtype(hf_cfg) or (torch.bfloat16 if fp8 else torch.float32)
+    dtype = dtype or hf.checkpoint_dtype(hf_cfg) or (
+        torch.bfloat16 if is_fp8_checkpoint(hf_cfg) else torch.float32)
+    found = hf.read_headers(files)
     with torch.device("meta"):
         model = DeepseekV3(cfg)
+    if keep:
+        use_fp8_layout(model, hf_cfg, where, stored=found)
     try:
-        load_weights(model, files, dtype, device, block_size(hf_cfg))
+        load_weights(model, found, dtype, device, block_size(hf_cfg))
     except BaseException as e:
         hf.free_partial(model, e)
         del model
         raise
     model.finish_loading(device)
-    log.info("loaded %s (%d shard(s)) as %s on %s", path, len(files), dtype, device)
+    log.info("loaded %s (%d shard(s)) as %s on %s%s", path, len(files), dtype, device,
+             ", fp8 projections as stored" if keep else "")
+    if keep and any(".mlp.experts." in n and n.endswith(SCALE_SUFFIX) for n in found):
+        log_experts_in_model_dtype(model, str(path))
     return model.eval(), hf_cfg
 
 

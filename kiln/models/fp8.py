@@ -1,4 +1,5 @@
-"""Block-scaled fp8 linears for the Llama families (`quantize="fp8"`, fp8 checkpoints).
+"""Block-scaled fp8 linears (`quantize="fp8"`, fp8 checkpoints): the Llama families
+and DeepSeek-V3's attention and dense / shared-expert MLPs.
 
 `Fp8Linear` holds an e4m3 weight [N, K] and its fp32 scales per 128 x 128 block under
 Hugging Face's names (`weight`, `weight_scale_inv`: the real weight is weight * scale),
@@ -7,8 +8,12 @@ it as it is. Its forward is kiln.ops.fp8_linear: activations quantised per token
 groups of 128, fp32 accumulation; one op kiln generates a kernel for on GPU targets and
 runs as its PyTorch form on the CPU.
 
-Only the decoder layers' projections become fp8 (q, k, v, o, gate, up, down): the
-embedding, the norms and the LM head keep the model's dtype, as fp8 releases do.
+Only the decoder layers' projections become fp8 (Llama: q, k, v, o, gate, up, down;
+DeepSeek-V3: its latent attention's q / q_a / q_b, kv_a, kv_b and o, and the gate, up
+and down of the dense MLPs and shared experts): the embedding, the norms, the router
+and the LM head keep the model's dtype, as fp8 releases do. DeepSeek-V3's routed
+experts are stacked [E, ...] parameters, not linears: they stay in the model's dtype
+until a grouped fp8 MoE kernel exists.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from kiln.errors import ArgumentError, CheckpointError
 
 QUANTIZATIONS = ("fp8",)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LATENT_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # MLA's
+PARTS = ("self_attn", "mlp", "mlp.shared_experts")  # where a decoder layer's linears sit
 BLOCK = (128, 128)
 
 
@@ -66,31 +73,34 @@ def check_quantize(quantize: str | None) -> None:
                             hint=f"one of: {', '.join(QUANTIZATIONS)} (or none)")
 
 
-def _projections(model: nn.Module, skip=()):
-    """(parent module, attribute) of each decoder-layer projection, but those whose
-    checkpoint name contains an entry of `skip` (HF's modules_to_not_convert)."""
+def _projections(model: nn.Module):
+    """(parent module, attribute, checkpoint name) of each decoder-layer projection."""
     for i, layer in enumerate(model.model.layers):
-        for kind, part in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
-            for name in PROJECTIONS:
-                full = f"model.layers.{i}.{kind}.{name}"
-                if isinstance(getattr(part, name, None), nn.Linear | Fp8Linear) and \
-                        not any(s in full for s in skip):
-                    yield part, name
+        for kind in PARTS:
+            part = _submodule(layer, kind)
+            for name in PROJECTIONS + LATENT_PROJECTIONS:
+                if isinstance(getattr(part, name, None), nn.Linear | Fp8Linear):
+                    yield part, name, f"model.layers.{i}.{kind}.{name}"
+
+
+def _submodule(module: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def quantize_fp8(model: nn.Module) -> nn.Module:
     """Replace `model`'s projections (materialised nn.Linear) by Fp8Linear, in place."""
-    for part, name in _projections(model):
+    for part, name, _ in _projections(model):
         linear = getattr(part, name)
         if isinstance(linear, nn.Linear):
             setattr(part, name, Fp8Linear.from_linear(linear))
     return model
 
 
-def use_fp8_layout(model: nn.Module, hf_cfg: dict, where: str) -> None:
-    """Before loading an fp8 checkpoint: the projections of `model` (on the meta device)
-    become Fp8Linear, so its weights and scales load as they are; those the config's
-    modules_to_not_convert names stay nn.Linear (stored in the model's dtype)."""
+def check_fp8_config(hf_cfg: dict, where: str) -> None:
+    """An fp8 checkpoint's quantization_config that Fp8Linear can hold as it is."""
     quant = hf_cfg.get("quantization_config") or {}
     block = tuple(quant.get("weight_block_size") or BLOCK)
     if block != BLOCK:
@@ -100,7 +110,24 @@ def use_fp8_layout(model: nn.Module, hf_cfg: dict, where: str) -> None:
         raise CheckpointError(f"fp8 activation scheme {quant['activation_scheme']!r}; "
                               "kiln's fp8 linear quantises activations per token "
                               "(dynamic)", where=where)
-    for part, name in _projections(model, quant.get("modules_to_not_convert") or ()):
+
+
+def use_fp8_layout(model: nn.Module, hf_cfg: dict, where: str, stored=None) -> None:
+    """Before loading an fp8 checkpoint: the projections of `model` (on the meta device)
+    become Fp8Linear, so their weights and scales load as they are.
+
+    Which: with `stored` (the checkpoint's tensor names), exactly those stored with a
+    `weight_scale_inv` (DeepSeek's release names none in modules_to_not_convert);
+    without it, all but those the config's modules_to_not_convert names (kept
+    nn.Linear, stored in the model's dtype)."""
+    check_fp8_config(hf_cfg, where)
+    skip = (hf_cfg.get("quantization_config") or {}).get("modules_to_not_convert") or ()
+    for part, name, full in _projections(model):
+        if stored is not None:
+            if f"{full}.weight_scale_inv" not in stored:
+                continue
+        elif any(s in full for s in skip):
+            continue
         linear = getattr(part, name)
         setattr(part, name, Fp8Linear(linear.in_features, linear.out_features,
                                       linear.bias is not None, linear.weight.dtype,
@@ -109,3 +136,22 @@ def use_fp8_layout(model: nn.Module, hf_cfg: dict, where: str) -> None:
 
 def is_fp8_checkpoint(hf_cfg: dict) -> bool:
     return (hf_cfg.get("quantization_config") or {}).get("quant_method") == "fp8"
+
+
+def keeps_fp8(keep_fp8: bool | None, hf_cfg: dict, on_gpu: bool, where: str,
+              can_dequantize: bool = True) -> bool:
+    """Whether a checkpoint's fp8 weights load as fp8 (Fp8Linear): `keep_fp8`, or by
+    default (None) on GPUs only. A loader that cannot dequantise (the Llama families')
+    always keeps them. keep_fp8=True for a checkpoint without fp8 weights is an error,
+    not a silent no-op: quantize="fp8" is the way to make them."""
+    fp8 = is_fp8_checkpoint(hf_cfg)
+    if keep_fp8 and not fp8:
+        raise ArgumentError(f"keep_fp8=True, but {where} has no fp8 weights",
+                            hint="quantize='fp8' makes fp8 weights at load (an fp8 "
+                            "checkpoint's quantization_config.quant_method is 'fp8')")
+    if not fp8:
+        return False
+    if keep_fp8 is False and not can_dequantize:
+        raise ArgumentError(f"keep_fp8=False: this family's fp8 checkpoints ({where}) "
+                            "load as fp8 only", hint="leave keep_fp8 unset")
+    return on_gpu or not can_dequantize if keep_fp8 is None else keep_fp8

@@ -315,12 +315,14 @@ def free_partial(model: nn.Module, exc: BaseException) -> None:
 
 
 def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
-                    max_seq_len: int | None = None, weights: bool = True
-                    ) -> tuple[Llama | Qwen3Next, dict]:
+                    max_seq_len: int | None = None, weights: bool = True,
+                    keep_fp8: bool | None = None) -> tuple[Llama | Qwen3Next, dict]:
     """(model, config.json) for a Hugging Face checkpoint directory; weights loaded lazily.
 
     weights=False leaves the weights on the meta device (a multi-device plan reads each
     rank's slices later, with read_parts); the model is in `dtype` already.
+    An fp8 checkpoint always loads as fp8 here (keep_fp8=False is refused; True for a
+    checkpoint without fp8 weights too): see fp8.keeps_fp8.
     """
     path = Path(path)
     if not path.is_dir():
@@ -331,7 +333,9 @@ def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
     dtype = dtype or checkpoint_dtype(hf) or torch.float32
     with torch.device("meta"):
         model = build_model(cfg)
-    if fp8.is_fp8_checkpoint(hf):  # e4m3 weights + block scales load as they are
+    on_gpu = torch.device(device).type == "cuda"
+    if fp8.keeps_fp8(keep_fp8, hf, on_gpu, str(path / "config.json"), can_dequantize=False):
+        # e4m3 weights + block scales load as they are
         if not isinstance(model, Llama) or not weights:
             raise CheckpointError("fp8 checkpoints load for the Llama families, on one "
                                   "device", where=str(path / "config.json"))

@@ -6,10 +6,10 @@ implementation for export. Importing this package registers them.
 """
 
 import kiln.ops.collectives  # noqa: F401
-from kiln.ops.fp8_linear import fp8_linear, quantize_weight
+from kiln.ops.fp8_linear import dequantize_weight, fp8_linear, quantize_weight
 from kiln.ops.gated_delta_rule import gated_delta_rule
 from kiln.ops.latent_attention import latent_attention
 from kiln.ops.moe_experts import moe_experts
 
-__all__ = ["fp8_linear", "gated_delta_rule", "latent_attention", "moe_experts",
-           "quantize_weight"]
+__all__ = ["dequantize_weight", "fp8_linear", "gated_delta_rule", "latent_attention",
+           "moe_experts", "quantize_weight"]

@@ -1,12 +1,11 @@
 """DeepSeek-V3 checkpoints made by transformers (tiny, random), run by kiln, match it:
 logits over a prefill and decode steps, greedy tokens, the routed experts; the
-absorbed and expanded attention agree; fp8 block-quantised checkpoints load."""
+absorbed and expanded attention agree. fp8 checkpoints: test_deepseek_v3_fp8.py."""
 
 import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from kiln.errors import CheckpointError, ShapeError
 from kiln.models import deepseek_v3_checkpoint as ds
@@ -311,111 +310,6 @@ def test_random_model_from_a_config(checkpoint):
     with torch.no_grad():
         logits = model(torch.tensor([[1, 2, 3]]), torch.arange(3))
     assert logits.shape == (1, 3, cfg.vocab_size) and logits.isfinite().all()
-
-
-# ---- fp8 checkpoints -------------------------------------------------------------------
-
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
-
-
-def quantize_blocks(w: torch.Tensor, block: int = 128):
-    """(fp8 weight, fp32 scale_inv per block): DeepSeek's fp8 layout, made independently
-    of the loader, block by block."""
-    rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
-    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
-    scale_inv = torch.empty(rows, cols)
-    for i in range(rows):
-        for j in range(cols):
-            tile = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
-            s = tile.abs().max().clamp(min=1e-12) / FP8_MAX
-            scale_inv[i, j] = s
-            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = \
-                (tile / s).to(torch.float8_e4m3fn)
-    return q, scale_inv
-
-
-def dequantize_reference(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128):
-    w = q.float()
-    for i in range(scale_inv.shape[0]):
-        for j in range(scale_inv.shape[1]):
-            w[i * block:(i + 1) * block, j * block:(j + 1) * block] *= scale_inv[i, j]
-    return w
-
-
-def test_fp8_block_quantised_checkpoint_loads_dequantised(tmp_path):
-    # intermediate_size 200 and 8 heads: weights of 2 x 1 and 1 x 2 blocks, partial ones.
-    hf_model = make_hf_model(seed=5, intermediate_size=200, num_attention_heads=8,
-                             num_key_value_heads=8, q_lora_rank=136)
-    weights, scales, reference = {}, {}, {}
-    for name, t in hf_model.state_dict().items():
-        quantised = name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight")
-        if ".experts." not in name and quantised:
-            q, s = quantize_blocks(t)
-            weights[name], scales[name + "_scale_inv"] = q, s
-            reference[name] = dequantize_reference(q, s)
-        else:
-            weights[name] = t.contiguous()
-    for layer in range(CONFIG["first_k_dense_replace"], CONFIG["num_hidden_layers"]):
-        experts = hf_model.model.layers[layer].mlp.experts
-        prefix = f"model.layers.{layer}.mlp.experts"
-        del weights[f"{prefix}.gate_up_proj"], weights[f"{prefix}.down_proj"]
-        inter = experts.down_proj.shape[-1]
-        for e in range(experts.down_proj.shape[0]):
-            for proj, t in (("gate_proj", experts.gate_up_proj[e, :inter]),
-                            ("up_proj", experts.gate_up_proj[e, inter:]),
-                            ("down_proj", experts.down_proj[e])):
-                q, s = quantize_blocks(t.detach())
-                weights[f"{prefix}.{e}.{proj}.weight"] = q
-                scales[f"{prefix}.{e}.{proj}.weight_scale_inv"] = s
-                reference[f"{prefix}.{proj}.{e}"] = dequantize_reference(q, s)
-    # the multi-token-prediction layer (after the last layer) is skipped
-    mtp = f"model.layers.{CONFIG['num_hidden_layers']}"
-    weights[f"{mtp}.eh_proj.weight"], scales[f"{mtp}.eh_proj.weight_scale_inv"] = \
-        quantize_blocks(torch.randn(64, 128))
-    weights[f"{mtp}.enorm.weight"] = torch.ones(64)
-    # scales in a shard of their own: the loader must find them across shards
-    save_file(weights, str(tmp_path / "model-00001-of-00002.safetensors"))
-    save_file(scales, str(tmp_path / "model-00002-of-00002.safetensors"))
-    index = {name: "model-00001-of-00002.safetensors" for name in weights}
-    index.update({name: "model-00002-of-00002.safetensors" for name in scales})
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
-    config = hf_model.config.to_dict()
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                     "activation_scheme": "dynamic",
-                                     "weight_block_size": [128, 128]}
-    config.pop("dtype", None)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-
-    model, _ = ds.load_checkpoint(tmp_path, torch.float32)
-    params = dict(model.named_parameters())
-    for name, ref in reference.items():
-        if name.startswith("model.layers") and ".experts." in name and name[-1].isdigit():
-            stacked, _, e = name.rpartition(".")
-            got = params[stacked][int(e)]
-        else:
-            got = params[name]
-        assert torch.equal(got, ref), name
-        # and the fp8 weights are a close (not exact) copy of the originals
-    dense = params["model.layers.0.mlp.gate_proj.weight"]
-    original = hf_model.model.layers[0].mlp.gate_proj.weight
-    assert 0 < rel_err(dense, original) < 0.05
-
-    # the loaded model runs as transformers does with the dequantised weights
-    with torch.no_grad():
-        for name, ref in reference.items():
-            if ".experts." not in name:
-                hf_model.get_parameter(name).copy_(ref)
-        for layer in range(CONFIG["first_k_dense_replace"], CONFIG["num_hidden_layers"]):
-            ours = model.model.layers[layer].mlp.experts
-            theirs = hf_model.model.layers[layer].mlp.experts
-            theirs.gate_up_proj.copy_(torch.cat((ours.gate_proj, ours.up_proj), dim=1))
-            theirs.down_proj.copy_(ours.down_proj)
-        tokens = torch.randint(0, CONFIG["vocab_size"], (1, 9),
-                               generator=torch.Generator().manual_seed(6))
-        assert rel_err(model(tokens, torch.arange(9)), hf_model(tokens).logits) <= 1e-5
-    bf16, _ = ds.load_checkpoint(tmp_path)  # an fp8 checkpoint defaults to bfloat16
-    assert bf16.lm_head.weight.dtype == torch.bfloat16
-    assert bf16.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
 
 
 # ---- bad checkpoints -------------------------------------------------------------------

@@ -135,6 +135,19 @@ def test_an_fp8_checkpoint_loads_as_it_is(tmp_path, monkeypatch):
             hf.load_checkpoint(tmp_path / "fp8")
 
 
+def test_llama_fp8_checkpoints_load_as_fp8_only(tmp_path):
+    """Nothing dequantises a Llama fp8 checkpoint: keep_fp8=False says so, True is a
+    no-op for it and an error for a checkpoint without fp8 weights."""
+    _make_fp8_checkpoint(tmp_path / "fp8")
+    with pytest.raises(ArgumentError, match="load as fp8 only"):
+        hf.load_checkpoint(tmp_path / "fp8", keep_fp8=False)
+    model, _ = hf.load_checkpoint(tmp_path / "fp8", keep_fp8=True)
+    assert isinstance(model.model.layers[0].self_attn.k_proj, Fp8Linear)
+    make_checkpoint(tmp_path / "plain", "llama3.1")
+    with pytest.raises(ArgumentError, match="has no fp8 weights"):
+        hf.load_checkpoint(tmp_path / "plain", keep_fp8=True)
+
+
 def test_random_weights_follow_an_fp8_config(tmp_path):
     _make_fp8_checkpoint(tmp_path / "fp8")
     llm = kiln.models.load(tmp_path / "fp8", random_weights=True, max_seq_len=32)
