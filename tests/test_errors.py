@@ -11,6 +11,7 @@ import torch
 
 import kiln
 from kiln.errors import (
+    ArgumentError,
     ArtifactError,
     ExportError,
     KilnError,
@@ -148,6 +149,59 @@ def test_unknown_target_and_stage():
     assert "cuda:sm_90" in e.value.hint
     with pytest.raises(KilnError, match="unknown stage 'lower'"):
         kiln.compile(Add(), (torch.randn(2), torch.randn(2)), compile_to="lower")
+
+
+def test_target_that_is_not_a_string():
+    with pytest.raises(TargetError, match="named by a string, got int 90"):
+        kiln.compile(Add(), (torch.randn(2), torch.randn(2)), target=90)
+
+
+@pytest.mark.parametrize("options,message,hint", [
+    (["tune", "none"], "options= must be a dict, got list", "options={'tune'"),
+    ({"tunee": "none"}, "unknown option 'tunee'", "did you mean 'tune'?"),
+    ({"fallback": "error"}, "unknown option 'fallback'", "kiln.compile(..., fallback=...)"),
+    ({"tune": "fastest"}, "options['tune'] is 'fastest', not one of none, fast, full", None),
+    ({"tune_timeout": "60"}, "positive number of seconds, got '60'", None),
+    ({"tune_workers": 0}, "tune_workers'] must be a positive int, got 0", None),
+])
+def test_bad_options_name_the_option(options, message, hint):
+    with pytest.raises(ArgumentError) as e:
+        kiln.compile(Add(), (torch.randn(2), torch.randn(2)), options=options)
+    assert message in e.value.what
+    assert hint is None or hint in e.value.hint
+
+
+def test_dump_ir_that_cannot_be_a_directory(tmp_path):
+    (tmp_path / "f").write_text("x")
+    x = torch.randn(2)
+    with pytest.raises(KilnError, match="cannot write IR dumps to .*a file is in the way"):
+        kiln.compile(Add(), (x, x), dump_ir=tmp_path / "f")
+    with pytest.raises(ArgumentError, match="dump_ir= must be a directory path, got int"):
+        kiln.compile(Add(), (x, x), dump_ir=3)
+
+
+class Lin(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"device_map": [1]}, "device_map= must map device indices to device indices"),
+    ({"device_map": {"a": 0}}, "device_map= must map device indices to device indices"),
+    ({"pins": ["proj.weight"]}, "pins= must map state names to device indices"),
+    ({"pins": {"proj.weight": "cuda:1"}}, "pins= must map state names to device indices"),
+    ({"pins": {"proj.weihgt": 0}}, "pins names 'proj.weihgt', which is not a weight"),
+])
+def test_bad_device_map_and_pins(kw, message):
+    with pytest.raises(ArgumentError) as e:
+        kiln.compile(Lin(), (torch.randn(2, 4),), **kw)
+    assert message in e.value.what
+    if "weihgt" in message:
+        assert "did you mean 'proj.weight'?" in e.value.hint
 
 
 def test_unreadable_artifact_is_a_kiln_error(tmp_path):
