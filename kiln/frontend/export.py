@@ -32,6 +32,7 @@ from kiln.errors import (
 from kiln.frontend.decompositions import DECOMPOSE, FALLBACKS, OVERRIDES
 from kiln.frontend.dim_names import dim_names
 from kiln.frontend.reduction_shapes import fix_reduction_shapes
+from kiln.frontend.scalar_index import select_by_tensor_as_index
 from kiln.frontend.train_mode import check_inference_mode
 from kiln.ir import treespec
 from kiln.ir.graph import GraphInput, GraphOutput, KilnGraph, where
@@ -318,18 +319,35 @@ def _is_symint_op(node: fx.Node) -> bool:
 
 def _check_no_unbacked(ep: torch.export.ExportedProgram) -> None:
     for node in ep.graph.nodes:
+        if _pinned_data_size(node):
+            _data_dependent(node.args[0])
         val = node.meta.get("val")
         shapes = val.shape if isinstance(val, torch.Tensor) else ()
         for d in shapes:
             expr = getattr(getattr(d, "node", None), "expr", None)
             if expr is not None and any(s.name.startswith("u") for s in expr.free_symbols):
-                raise UnsupportedOpError(
-                    f"{op_name(node.target)} produces a tensor whose size depends on its "
-                    "data",
-                    where=where(node) or node.name,
-                    hint="kiln plans memory from sizes known at call time; use a fixed-size "
-                    "formulation (e.g. a mask with torch.where instead of nonzero/masked_select)",
-                )
+                _data_dependent(node)
+
+
+def _pinned_data_size(node: fx.Node) -> bool:
+    """A size read that export resolved to a plain int: the size was data-dependent (an
+    unbacked symbol) until a later use pinned it (`x[x > 0].reshape(2, 3)` asserts 6
+    elements at run time). A static dim has no size read; a dynamic one reads a SymInt."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.sym_size.int \
+            or not isinstance(node.args[0], fx.Node):
+        return False
+    val = node.meta.get("val")
+    expr = getattr(getattr(val, "node", None), "expr", val)  # a SymInt's, or the int
+    return isinstance(expr, int) or getattr(expr, "is_Integer", False)
+
+
+def _data_dependent(node: fx.Node):
+    raise UnsupportedOpError(
+        f"{op_name(node.target)} produces a tensor whose size depends on its data",
+        where=where(node) or node.name,
+        hint="kiln plans memory from sizes known at call time; use a fixed-size "
+        "formulation (e.g. a mask with torch.where instead of nonzero/masked_select)",
+    )
 
 
 def to_kiln_graph(ep: torch.export.ExportedProgram) -> KilnGraph:
@@ -367,6 +385,8 @@ def to_kiln_graph(ep: torch.export.ExportedProgram) -> KilnGraph:
     state.update(ep.constants)
     symbols = {}
     for sym, vr in ep.range_constraints.items():
+        if str(sym).startswith("u"):
+            continue  # unbacked: no shape uses one (_check_no_unbacked), so not a size
         hi = vr.upper
         symbols[str(sym)] = Bounds(int(vr.lower), int(hi) if hi.is_Integer else None)
     gm = ep.graph_module
@@ -395,6 +415,7 @@ def import_model(model, args, kwargs=None, dynamic_shapes=None,
     ep = decompose(ep)
     _check_no_unbacked(ep)
     _drop_asserts(ep.graph_module)
+    select_by_tensor_as_index(ep.graph_module)
     _strided_copies_as_clones(ep.graph_module)
     fix_reduction_shapes(ep.graph_module)
     fallen = check_supported(ep.graph_module, fallback)
