@@ -68,9 +68,12 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
     from kiln.models.fp8 import check_quantize, is_fp8_checkpoint, quantize_fp8
     from kiln.models.generate import LLM
     from kiln.models.llama import PRESETS, Llama
+    from kiln.models.load_args import check_load_args
     from kiln.models.tokenizer import ByteTokenizer, load_tokenizer
     from kiln.target import get_target
 
+    check_load_args(source, dtype, max_seq_len, max_batch_size, block_size, num_blocks, seed,
+                    tensor_parallel_size, pipeline_parallel_size)
     check_quantize(quantize)
     tgt = get_target(target)
     device = tgt.torch_device
