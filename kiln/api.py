@@ -13,7 +13,13 @@ import warnings
 import torch
 import torch.utils._pytree as pytree
 
-from kiln.arguments import check_device_map, check_dump_dir, check_options, check_pins
+from kiln.arguments import (
+    check_device_map,
+    check_dump_dir,
+    check_kwargs,
+    check_options,
+    check_pins,
+)
 from kiln.codegen.select_kernels import select_kernels
 from kiln.compiled_module import CompiledModule
 from kiln.dispatch.example_sizes import bind_example_sizes
@@ -83,7 +89,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     setup_logging()
     tgt = get_target(target)
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
-    kwargs = dict(kwargs or {})
+    kwargs = check_kwargs(kwargs)
     if fallback not in FALLBACK_MODES:
         raise ArgumentError(f"fallback={fallback!r} is not one of {', '.join(FALLBACK_MODES)}",
                             hint='fallback="allow" runs ops kiln has no kernel for as '

@@ -1,4 +1,4 @@
-"""kiln.compile's keyword arguments, checked before any work is done.
+"""kiln.compile's arguments besides the model, checked before any work is done.
 
 A misspelt option or a pin given as a list used to surface minutes later as a raw
 TypeError from whichever pass first read it, or not at all (an unknown option was
@@ -18,6 +18,18 @@ from kiln.errors import ArgumentError
 # own entries in ctx.options (fallback, parallel, ...) are keyword arguments instead.
 OPTIONS = ("tune", "tune_compiler", "tune_timeout", "tune_workers")
 _KEYWORDS = ("fallback", "allow_train", "parallel", "devices", "device_map", "pins")
+
+
+def check_kwargs(kwargs) -> dict:
+    """`kwargs` (the model's keyword arguments) as a fresh dict."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ArgumentError(f"kwargs must be a dict of the model's keyword arguments, got "
+                            f"{type(kwargs).__name__}",
+                            hint="kiln.compile(model, args, {'name': tensor}); positional "
+                            "arguments go in args")
+    return dict(kwargs)
 
 
 def check_options(options) -> dict:

@@ -177,6 +177,12 @@ def test_bad_options_name_the_option(options, message, hint):
     assert hint is None or hint in e.value.hint
 
 
+@pytest.mark.parametrize("kwargs", [[torch.randn(4, 3)], {1: torch.randn(2)}, "y"])
+def test_kwargs_that_are_not_a_dict_of_names(kwargs):
+    with pytest.raises(ArgumentError, match="kwargs must be a dict"):
+        kiln.compile(Add(), (torch.randn(2),), kwargs)
+
+
 def test_dump_ir_that_cannot_be_a_directory(tmp_path):
     (tmp_path / "f").write_text("x")
     x = torch.randn(2)
