@@ -18,6 +18,7 @@ import warnings
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch._decomp import decomposition_table
 
 from kiln.errors import (
@@ -52,6 +53,7 @@ KEEP_WHOLE = [torch.ops.aten.scaled_dot_product_attention.default,
 def export_model(model: torch.nn.Module, args: tuple, kwargs=None, dynamic_shapes=None):
     """torch.export with kiln's error messages."""
     _check_dim_axes(model, args, kwargs or {}, dynamic_shapes)
+    args, kwargs = _distinct_inputs(tuple(args), kwargs or {})
     registered: set[str] = set()
     while True:
         try:
@@ -68,6 +70,25 @@ def export_model(model: torch.nn.Module, args: tuple, kwargs=None, dynamic_shape
             if cls is None or cls in registered:
                 raise _export_error(e) from None
             registered.add(cls)  # a dataclass of tensors: a pytree node, then try again
+
+
+def _distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The example inputs with every tensor that shares memory with an earlier one
+    (`(x, x)`, a common way to write a test) replaced by a copy. torch.export traces
+    such inputs as one value, so `forward(x, y): x + y` exported from `(x, x)` became
+    `y + y` and ignored its first argument on every later call."""
+    seen: set[int] = set()
+
+    def distinct(t):
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_meta:
+            return t
+        key = t.untyped_storage().data_ptr()
+        if key in seen and t.numel():
+            return t.clone()
+        seen.add(key)
+        return t
+
+    return pytree.tree_map(distinct, (args, kwargs))
 
 
 def _unknown_dataclass(text: str) -> str | None:
