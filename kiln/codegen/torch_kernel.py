@@ -58,8 +58,9 @@ def _entry(fn):
 _CONSTANT = object()
 
 # Ops whose ATen kernel requires contiguous tensors at these argument positions (eager
-# calls them through wrappers that make the input contiguous first: F.group_norm).
-_CONTIGUOUS = {"aten.native_group_norm.default": (0,)}
+# calls them through wrappers that make the input contiguous first: F.group_norm; or
+# the model did, with a .contiguous() that kiln's strideless values drop).
+_CONTIGUOUS = {"aten.native_group_norm.default": (0,), "aten.view_as_complex.default": (0,)}
 
 
 def _contiguous(binder):

@@ -2,8 +2,9 @@
 
 A transposed input reaches an op as a strided view (kiln's values have no strides);
 native_group_norm refused one with a raw RuntimeError at run time (the fuzzer's issue
-11, item 10). An index the user's data puts past its dim is IndexOutOfRangeError at
-the model's line, an IndexError as in eager, not a raw error from inside kiln.
+11, item 10), and view_as_complex a slice the model had made .contiguous(). An index
+the user's data puts past its dim is IndexOutOfRangeError at the model's line, an
+IndexError as in eager, not a raw error from inside kiln.
 """
 
 import pytest
@@ -33,6 +34,20 @@ def test_group_norm_of_a_transposed_input(target):
     with torch.no_grad():
         for out, ref in zip(exe(x), model(x)):
             torch.testing.assert_close(out, ref)
+
+
+class ComplexOfASlice(torch.nn.Module):
+    def forward(self, x):
+        z = torch.view_as_complex(x[:, :2].contiguous())
+        return z.abs(), torch.view_as_real(z * z).sum(-1)
+
+
+@pytest.mark.parametrize("target", ["cpu", "interpret"])
+def test_view_as_complex_of_a_slice(target):
+    x = torch.randn(4, 3)
+    exe = kiln.compile(ComplexOfASlice(), (x,), target=target)
+    for out, ref in zip(exe(x), ComplexOfASlice()(x)):
+        torch.testing.assert_close(out, ref)
 
 
 class Lookup(torch.nn.Module):
