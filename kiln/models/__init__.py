@@ -63,7 +63,7 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
     elsewhere kiln spawns the other ranks on this machine (kiln.models.spawn) and returns
     rank 0's LLM. A checkpoint's weights are read as each rank's slices only.
     """
-    from kiln.errors import ArgumentError, CheckpointError, KilnError
+    from kiln.errors import ArgumentError, CheckpointError, KilnError, ShapeError
     from kiln.models import hf
     from kiln.models.fp8 import check_quantize, is_fp8_checkpoint, quantize_fp8
     from kiln.models.generate import LLM
@@ -125,6 +125,10 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
         stop_ids = hf.stop_token_ids(path, config)
     elif str(source) in PRESETS:
         cfg = PRESETS[str(source)]
+        if max_seq_len is not None and max_seq_len > cfg.max_seq_len:
+            raise ShapeError(f"max_seq_len {max_seq_len} exceeds preset {source}'s context "
+                             f"of {cfg.max_seq_len} positions", where=str(source),
+                             hint=f"give max_seq_len <= {cfg.max_seq_len}")
         if max_seq_len is not None:
             cfg = cfg.with_(max_seq_len=max_seq_len)
         default = torch.float32 if tgt.name == "cpu" else torch.bfloat16

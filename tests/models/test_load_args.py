@@ -24,6 +24,7 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
     ({"dtype": "float128"}, "unknown dtype 'float128'"),
     ({"max_seq_len": 0}, "max_seq_len must be a positive int, got 0"),
     ({"max_seq_len": "64"}, "max_seq_len must be a positive int, got '64'"),
+    ({"max_seq_len": 10**9}, "max_seq_len 1000000000 exceeds preset tiny's context of 128"),
     ({"max_batch_size": 0}, "max_batch_size must be a positive int, got 0"),
     ({"block_size": 0, "paged": True}, "block_size must be a positive int, got 0"),
     ({"num_blocks": 1, "paged": True}, "num_blocks must be at least 2"),
