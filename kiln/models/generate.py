@@ -93,6 +93,8 @@ class LLM:
         self.parallel = parallel
         self.tokenizer, self.stop_ids = tokenizer, set(stop_ids)
         self.target = get_target(target)
+        if cuda_graphs and not self.target.is_gpu:  # said before minutes of compiling
+            raise ArgumentError("CUDA graphs need a GPU target", hint="target='cuda'")
         self.device = torch.device(self.target.torch_device)
         check_cache_sizes(max_batch_size, block_size, num_blocks)
         self.max_batch_size, self.paged = max_batch_size, paged
@@ -111,8 +113,6 @@ class LLM:
         self.cuda_graphs = (self.target.is_gpu and not staged) if cuda_graphs is None \
             else cuda_graphs
         if self.cuda_graphs:
-            if not self.target.is_gpu:
-                raise ArgumentError("CUDA graphs need a GPU target", hint="target='cuda'")
             self.decode_module.cuda_graphs(max_graphs=len(self.buckets))
             self._capture_buckets()
         self._warm_prefill()
