@@ -216,6 +216,16 @@ def test_bad_device_map_and_pins(kw, message):
         assert "did you mean 'proj.weight'?" in e.value.hint
 
 
+def test_pins_may_name_a_weight_another_pipeline_stage_holds():
+    from kiln.models.llama import example_inputs, tiny_llama
+
+    model = tiny_llama()
+    args, ds = example_inputs(model.cfg)
+    kg = kiln.compile(model, args, dynamic_shapes=ds, compile_to="parallel", devices=2,
+                      parallel={"pp": 2, "rank": 1}, pins={"model.embed_tokens.weight": 0})
+    assert "model.embed_tokens.weight" not in kg.state  # stage 0's, still a valid pin
+
+
 def test_unreadable_artifact_is_a_kiln_error(tmp_path):
     (tmp_path / "m.kiln").mkdir()
     with pytest.raises(ArtifactError) as e:

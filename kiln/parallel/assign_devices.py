@@ -12,8 +12,6 @@ cuda:7 compiled for one device is a DeviceError here, not a crash at run time
 
 from __future__ import annotations
 
-import difflib
-
 from kiln.errors import ArgumentError, DeviceError
 from kiln.ir.graph import KilnGraph, where
 from kiln.pipeline import as_pass
@@ -33,17 +31,6 @@ def declared_devices(devices, world: int) -> list[int]:
         raise ArgumentError(f"devices= must name at least one device index >= 0, got "
                             f"{devices!r}")
     return out
-
-
-def _check_pin_names(kg: KilnGraph, pins: dict[str, int]) -> None:
-    """A pin names a weight or buffer of the model; a misspelt one would pin nothing."""
-    for name in pins:
-        if name not in kg.state:
-            close = difflib.get_close_matches(name, list(kg.state), n=1)
-            raise ArgumentError(
-                f"pins names {name!r}, which is not a weight or buffer of the model",
-                hint=(f"did you mean {close[0]!r}? " if close else "")
-                + "pins take state-dict names (model.state_dict().keys())")
 
 
 def _rank_needs(kg: KilnGraph) -> list[tuple[str, str | None]]:
@@ -75,7 +62,6 @@ def assign_devices(kg: KilnGraph, ctx) -> KilnGraph:
         lines.append(f"  devices {ranks}: ranks of the tp={cfg.tp} x pp={cfg.pp} plan; each "
                      f"runs its share of every op and joins the collectives, e.g.\n"
                      + _ops(needs))
-    _check_pin_names(kg, ctx.options.get("pins") or {})
     named = {d: list(nodes) for d, nodes in kg.devices_named.items()}
     for target, d in (ctx.options.get("pins") or {}).items():  # the user's pins
         named.setdefault(d, []).append((f"pins[{target!r}]", None))
