@@ -110,7 +110,7 @@ def _kernel(entry: dict, region, target: Target, directory: Path):
             raise ManifestFormatError(f"region {region.name}'s kernel has no compiled binary")
         try:
             binary = Binary.load(directory / KERNELS_DIR, entry["binary"])
-        except OSError as e:
+        except (OSError, ValueError) as e:  # missing, or unreadable JSON (not the manifest)
             raise ArtifactError(f"cannot read the kernel binary of region {region.name}: {e}",
                                 where=str(directory / KERNELS_DIR), hint=_RECOMPILE) from None
         return TritonKernel(region, spec, config, binary)
