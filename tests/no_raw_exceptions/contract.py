@@ -14,8 +14,13 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 
-from kiln.errors import KilnError, VerifierError
+from kiln.errors import KilnError, TargetError, VerifierError
 from tests.fuzz.compare import verdict
+
+# Without a GPU, a module compiled for one refuses every call (TargetError); with one,
+# a call with CPU tensors is the caller's DeviceError (or an earlier argument check).
+NO_GPU = not torch.cuda.is_available()
+GPU_MODULE_CALL = TargetError if NO_GPU else KilnError
 
 
 def _check_clean(e: KilnError) -> KilnError:
