@@ -13,6 +13,13 @@ import warnings
 import torch
 import torch.utils._pytree as pytree
 
+from kiln.arguments import (
+    check_device_map,
+    check_dump_dir,
+    check_kwargs,
+    check_options,
+    check_pins,
+)
 from kiln.codegen.select_kernels import select_kernels
 from kiln.compiled_module import CompiledModule
 from kiln.dispatch.example_sizes import bind_example_sizes
@@ -82,21 +89,22 @@ def compile(  # noqa: A001 - mirrors torch.compile
     setup_logging()
     tgt = get_target(target)
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
-    kwargs = dict(kwargs or {})
+    kwargs = check_kwargs(kwargs)
     if fallback not in FALLBACK_MODES:
         raise ArgumentError(f"fallback={fallback!r} is not one of {', '.join(FALLBACK_MODES)}",
                             hint='fallback="allow" runs ops kiln has no kernel for as '
                             'PyTorch\'s own; fallback="error" refuses them')
-    ctx = Context(target=tgt, options=dict(options or {}))
+    check_dump_dir(dump_ir)
+    ctx = Context(target=tgt, options=check_options(options))
     ctx.options["fallback"] = fallback
     ctx.options["allow_train"] = allow_train
     ctx.options["parallel"] = cfg = parse_parallel(parallel, rank=_world_rank())
     if devices is not None:
         ctx.options["devices"] = devices
     if device_map is not None:
-        ctx.options["device_map"] = device_map
+        ctx.options["device_map"] = check_device_map(device_map)
     if pins is not None:
-        ctx.options["pins"] = dict(pins)
+        ctx.options["pins"] = check_pins(pins)
     if not cfg.is_single and compile_to is None:
         join_world(cfg.tp, cfg.pp, tgt.torch_device, ctx.options.get("device_map"))
     ctx.options["example_leaves"] = pytree.tree_leaves((args, kwargs))

@@ -62,6 +62,11 @@ class ArgumentError(KilnError):
     """The call's arguments do not match the compiled signature (count or structure)."""
 
 
+class IndexOutOfRangeError(KilnError, IndexError):
+    """An index tensor held a position outside the dim it indexes, found at run time.
+    Eager PyTorch raises IndexError for the same call, so this is one too."""
+
+
 class DeviceError(KilnError):
     """A device is used but not declared, or a tensor is on the wrong device."""
 

@@ -82,6 +82,7 @@ class PassManager:
                 f"unknown stage {compile_to!r} for compile_to",
                 hint="choose one of: " + ", ".join(STAGES),
             )
+        self._make_dump_dir()
         total = sum(len(s.passes) for s in self.stages)
         step = 0
         with progress(total=total, desc="kiln compile", unit="pass") as bar:
@@ -112,9 +113,20 @@ class PassManager:
                 + (f"({len(problems) - 1} more problems)" if len(problems) > 1 else ""),
             )
 
+    def _make_dump_dir(self) -> None:
+        """Before the first pass, so a dump path that cannot be a directory fails at once."""
+        if self.dump_dir is None:
+            return
+        try:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            why = "a file is in the way" if isinstance(e, FileExistsError) else e.strerror or e
+            raise KilnError(f"cannot write IR dumps to {self.dump_dir}: {why}",
+                            where="dump_ir= (kiln compile --dump-ir) or KILN_DUMP_IR",
+                            hint="name a directory, or a path where one can be made") from None
+
     def _dump(self, ir, step: int, stage: Stage, p: Pass) -> None:
         if self.dump_dir is None:
             return
-        self.dump_dir.mkdir(parents=True, exist_ok=True)
         path = self.dump_dir / f"{step:02d}-{stage.name}-{p.name}.txt"
         path.write_text(print_ir(ir))

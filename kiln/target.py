@@ -115,6 +115,11 @@ def get_target(spec: str | Target | None) -> Target:
     """Parse a target name: 'cpu', 'cuda' (the local GPU), 'cuda:sm_90', 'rocm:gfx942'."""
     if isinstance(spec, Target):
         return spec
+    if spec is not None and not isinstance(spec, str):
+        raise TargetError(
+            f"a target is named by a string, got {type(spec).__name__} {spec!r}",
+            hint="choose one of: cuda, " + ", ".join(TARGETS),
+        )
     name = (spec or "cpu").strip().lower()
     if name == "cuda":
         return detect_cuda()

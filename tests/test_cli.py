@@ -51,6 +51,10 @@ def helper():
     raise ValueError("the factory broke")
 
 
+def bad_kwargs():
+    return {"model": Net(), "args": (torch.randint(0, 50, (6,)),), "kwargs": 5}
+
+
 class Weird(torch.nn.Module):
     def forward(self, x):
         return torch.special.erfinv(x)
@@ -212,6 +216,59 @@ def test_size_outside_bounds_and_unknown_name(artifact, capsys):
     assert "outside the bounds of T: [2, 40]" in _fails(capsys, "run", artifact, "--size",
                                                          "T=41")
     assert "T (s" in _fails(capsys, "run", artifact, "--size", "seq=4")
+
+
+def test_factory_kwargs_that_are_not_a_dict(model_file, capsys):
+    assert "returned kwargs of type int" in _fails(capsys, "compile", f"{model_file}:bad_kwargs")
+
+
+def test_output_and_dump_paths_blocked_by_a_file(model_file, tmp_path, capsys):
+    (tmp_path / "f").write_text("x")
+    assert "a file is in the way" in _fails(capsys, "compile", f"{model_file}:make", "-o",
+                                            tmp_path / "f" / "net.kiln")
+    assert "cannot write IR dumps" in _fails(capsys, "compile", f"{model_file}:make",
+                                             "--dump-ir", tmp_path / "f")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["run", "tiny-llama", "--prompt-len", "0"], "--prompt-len must be at least 1, got 0"),
+    (["run", "tiny-llama", "--steps", "-2"], "--steps must be at least 1, got -2"),
+    (["run", "tiny-llama", "--prompt-len", "9999"], "exceeds tiny-llama's context of 128"),
+    (["bench", "--device", "cpu", "--preset", "tiny", "--iters", "0"], "--iters must be at "
+     "least 1"),
+    (["bench", "--device", "cpu", "--preset", "tiny", "--layers", "-1"], "--layers must be "
+     "at least 1"),
+    (["generate", "--random-weights", "--config", "tiny", "--prompt", "x", "-tp", "0"],
+     "tensor_parallel_size must be a positive int, got 0"),
+    (["generate", "--random-weights", "--config", "tiny", "--prompt", "x",
+      "--max-seq-len", "-5"], "max_seq_len must be a positive int, got -5"),
+    (["generate", "--random-weights", "--config", "tiny", "--prompt", "x", "--cache",
+      "paged", "--block-size", "0"], "block_size must be a positive int, got 0"),
+    (["generate", "--random-weights", "--config", "tiny", "--prompt", "x", "--top-p", "5"],
+     "top_p must be in (0, 1], got 5.0"),
+])
+def test_bad_numbers_fail_before_any_compile(argv, message, capsys):
+    assert message in _fails(capsys, *argv)
+
+
+def test_bench_out_blocked_by_a_file(tmp_path, capsys):
+    (tmp_path / "f").write_text("x")
+    assert "--out" in _fails(capsys, "bench", "--device", "cpu", "--preset", "tiny", "--out",
+                             tmp_path / "f")
+
+
+def test_an_unexpected_exception_is_reported_as_a_kiln_bug(model_file, capsys, monkeypatch):
+    import kiln.cli.model_spec as model_spec
+
+    def broken(*a, **k):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(model_spec, "compile_model", broken)
+    monkeypatch.setattr("kiln.cli.compile.compile_model", broken)
+    rc, _, err = _run(capsys, "compile", f"{model_file}:make")
+    assert rc == 3
+    assert "Traceback" in err and "kiln: internal error: RuntimeError: planted" in err
+    assert "this is a kiln bug" in err
 
 
 def test_malformed_size_is_a_usage_error(artifact, capsys):

@@ -11,6 +11,7 @@ import torch
 
 import kiln
 from kiln.errors import (
+    ArgumentError,
     ArtifactError,
     ExportError,
     KilnError,
@@ -51,9 +52,15 @@ class Erfinv(torch.nn.Module):
         return torch.special.erfinv(y) + 1
 
 
+class BoolMaskReshaped(torch.nn.Module):
+    def forward(self, x):
+        return x[x > 0].reshape(2, 3)  # export pins the size to 6 with run-time asserts
+
+
 @pytest.mark.parametrize("model,op,line", [
     (NonZero, "aten.nonzero.default", "torch.nonzero(x > 0)"),
     (BoolMask, "aten.index.Tensor", "x[x > 0]"),
+    (BoolMaskReshaped, "aten.index.Tensor", "x[x > 0]"),
 ])
 def test_data_dependent_size_names_the_op_and_line(model, op, line):
     with pytest.raises(UnsupportedOpError) as e:
@@ -148,6 +155,75 @@ def test_unknown_target_and_stage():
     assert "cuda:sm_90" in e.value.hint
     with pytest.raises(KilnError, match="unknown stage 'lower'"):
         kiln.compile(Add(), (torch.randn(2), torch.randn(2)), compile_to="lower")
+
+
+def test_target_that_is_not_a_string():
+    with pytest.raises(TargetError, match="named by a string, got int 90"):
+        kiln.compile(Add(), (torch.randn(2), torch.randn(2)), target=90)
+
+
+@pytest.mark.parametrize("options,message,hint", [
+    (["tune", "none"], "options= must be a dict, got list", "options={'tune'"),
+    ({"tunee": "none"}, "unknown option 'tunee'", "did you mean 'tune'?"),
+    ({"fallback": "error"}, "unknown option 'fallback'", "kiln.compile(..., fallback=...)"),
+    ({"tune": "fastest"}, "options['tune'] is 'fastest', not one of none, fast, full", None),
+    ({"tune_timeout": "60"}, "positive number of seconds, got '60'", None),
+    ({"tune_workers": 0}, "tune_workers'] must be a positive int, got 0", None),
+])
+def test_bad_options_name_the_option(options, message, hint):
+    with pytest.raises(ArgumentError) as e:
+        kiln.compile(Add(), (torch.randn(2), torch.randn(2)), options=options)
+    assert message in e.value.what
+    assert hint is None or hint in e.value.hint
+
+
+@pytest.mark.parametrize("kwargs", [[torch.randn(4, 3)], {1: torch.randn(2)}, "y"])
+def test_kwargs_that_are_not_a_dict_of_names(kwargs):
+    with pytest.raises(ArgumentError, match="kwargs must be a dict"):
+        kiln.compile(Add(), (torch.randn(2),), kwargs)
+
+
+def test_dump_ir_that_cannot_be_a_directory(tmp_path):
+    (tmp_path / "f").write_text("x")
+    x = torch.randn(2)
+    with pytest.raises(KilnError, match="cannot write IR dumps to .*a file is in the way"):
+        kiln.compile(Add(), (x, x), dump_ir=tmp_path / "f")
+    with pytest.raises(ArgumentError, match="dump_ir= must be a directory path, got int"):
+        kiln.compile(Add(), (x, x), dump_ir=3)
+
+
+class Lin(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"device_map": [1]}, "device_map= must map device indices to device indices"),
+    ({"device_map": {"a": 0}}, "device_map= must map device indices to device indices"),
+    ({"pins": ["proj.weight"]}, "pins= must map state names to device indices"),
+    ({"pins": {"proj.weight": "cuda:1"}}, "pins= must map state names to device indices"),
+    ({"pins": {"proj.weihgt": 0}}, "pins names 'proj.weihgt', which is not a weight"),
+])
+def test_bad_device_map_and_pins(kw, message):
+    with pytest.raises(ArgumentError) as e:
+        kiln.compile(Lin(), (torch.randn(2, 4),), **kw)
+    assert message in e.value.what
+    if "weihgt" in message:
+        assert "did you mean 'proj.weight'?" in e.value.hint
+
+
+def test_pins_may_name_a_weight_another_pipeline_stage_holds():
+    from kiln.models.llama import example_inputs, tiny_llama
+
+    model = tiny_llama()
+    args, ds = example_inputs(model.cfg)
+    kg = kiln.compile(model, args, dynamic_shapes=ds, compile_to="parallel", devices=2,
+                      parallel={"pp": 2, "rank": 1}, pins={"model.embed_tokens.weight": 0})
+    assert "model.embed_tokens.weight" not in kg.state  # stage 0's, still a valid pin
 
 
 def test_unreadable_artifact_is_a_kiln_error(tmp_path):

@@ -22,6 +22,7 @@ from kiln.artifact.manifest import (
     decode_dtype,
     plan_from_json,
 )
+from kiln.artifact.paths import artifact_path
 from kiln.artifact.save import FORMAT_NAME, KERNELS_DIR, MANIFEST_FILE, versions
 from kiln.artifact.weights import load_weights
 from kiln.codegen.kernel_plan import KernelPlan
@@ -80,11 +81,10 @@ def read_manifest(directory: Path) -> dict:
     return manifest
 
 
-def _target(saved: dict, requested) -> Target:
+def _target(saved: dict, tgt: Target | None) -> Target:
     compiled_for = Target(**saved)
-    if requested is None:
+    if tgt is None:
         return compiled_for
-    tgt = get_target(requested)
     if tgt.name != compiled_for.name:
         raise ArtifactError(
             f"the artifact was compiled for {compiled_for.name}, not {tgt.name}",
@@ -110,7 +110,7 @@ def _kernel(entry: dict, region, target: Target, directory: Path):
             raise ManifestFormatError(f"region {region.name}'s kernel has no compiled binary")
         try:
             binary = Binary.load(directory / KERNELS_DIR, entry["binary"])
-        except OSError as e:
+        except (OSError, ValueError) as e:  # missing, or unreadable JSON (not the manifest)
             raise ArtifactError(f"cannot read the kernel binary of region {region.name}: {e}",
                                 where=str(directory / KERNELS_DIR), hint=_RECOMPILE) from None
         return TritonKernel(region, spec, config, binary)
@@ -178,11 +178,12 @@ def _weights_device(target: Target) -> str:
 
 
 def load(path, target=None) -> Artifact:
-    directory = Path(path)
+    directory = artifact_path(path)
+    requested = None if target is None else get_target(target)  # the caller's, not the file's
     manifest = read_manifest(directory)
     where = str(directory / MANIFEST_FILE)
     try:
-        tgt = _target(manifest["target"], target)
+        tgt = _target(manifest["target"], requested)
         plan = plan_from_json(manifest["plan"])
         problems = verify_plan(plan)
         if problems:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kiln.artifact.paths import artifact_path
 from kiln.errors import ArtifactError, DistributedError
 
 PARALLEL_FILE = "parallel.json"
@@ -22,7 +23,7 @@ FORMAT = "kiln-parallel"
 
 
 def rank_dir(path, rank: int) -> Path:
-    return Path(path) / f"rank{rank}"
+    return artifact_path(path) / f"rank{rank}"
 
 
 def write_parallel_manifest(path, tp: int, pp: int) -> None:
@@ -36,7 +37,7 @@ def write_parallel_manifest(path, tp: int, pp: int) -> None:
 
 def read_parallel_manifest(path) -> dict | None:
     """The multi-device manifest at `path`, or None for a single-device artifact."""
-    f = Path(path) / PARALLEL_FILE
+    f = artifact_path(path) / PARALLEL_FILE
     if not f.is_file():
         return None
     try:
@@ -44,7 +45,7 @@ def read_parallel_manifest(path) -> dict | None:
         if body.get("format") != FORMAT:
             raise ValueError(f"format {body.get('format')!r}")
         return {"tp": int(body["tp"]), "pp": int(body["pp"]), "ranks": list(body["ranks"])}
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ArtifactError(f"{f} is not a valid kiln multi-device manifest: {e}",
                             hint="save the module again from every rank") from None
 

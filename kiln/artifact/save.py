@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from kiln.artifact.manifest import FORMAT_VERSION, plan_to_json
+from kiln.artifact.paths import artifact_path
 from kiln.artifact.weights import save_weights
 from kiln.errors import ArtifactError
 
@@ -65,25 +66,38 @@ def build_manifest(module, directory: Path) -> dict:
 
 def save(module, path) -> Path:
     """Write `module` to the directory `path` (replacing an artifact already there)."""
-    final = Path(path)
+    final = artifact_path(path)
     if final.exists() and not (final / MANIFEST_FILE).is_file():
         what = "a file" if not final.is_dir() else "a directory that is not a kiln artifact"
         if final.is_file() or any(final.iterdir()):
             raise ArtifactError(f"cannot save to {final}: it is {what}",
                                 hint="choose a new path (e.g. model.kiln) or remove it first")
-    final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:  # a file where a parent directory should be, no permission
+        raise _cannot_write(final, e) from None
     try:
         manifest = build_manifest(module, tmp)
         manifest["weights"] = save_weights(module.state, tmp)
         (tmp / MANIFEST_FILE).write_text(dumps(manifest) + "\n")
         _replace(tmp, final)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):  # the disk filled up, the directory went away
+            raise _cannot_write(final, e) from e
         raise
     return final
+
+
+def _cannot_write(final: Path, e: OSError) -> ArtifactError:
+    why = e.strerror or str(e)
+    if isinstance(e, (FileExistsError, NotADirectoryError)):
+        why = "a file is in the way of its directory"
+    return ArtifactError(f"cannot save to {final}: {why}", where=e.filename and str(e.filename),
+                         hint="choose a path in a writable directory (e.g. model.kiln)")
 
 
 def dumps(obj, indent: str = "") -> str:

@@ -43,6 +43,9 @@ def _plan(args) -> sweep.Plan:
     if unknown:
         raise ArgumentError(f"unknown runner(s) {', '.join(unknown)}",
                             hint=f"--runners takes a list of {', '.join(RUNNERS)}")
+    for flag, value in (("--iters", args.iters), ("--layers", args.layers)):
+        if value is not None and value < 1:
+            raise ArgumentError(f"{flag} must be at least 1, got {value}")
     d = DEFAULTS[args.preset]
     dtype = args.dtype or ("float16" if args.device == "cuda" else "float32")
     plan = sweep.Plan(
@@ -63,7 +66,9 @@ def _plan(args) -> sweep.Plan:
 
 def cmd_bench(args) -> int:
     baseline = _read_baseline(args.check) if args.check else None
-    data = report.to_json(sweep.run(_plan(args)))
+    plan = _plan(args)
+    _check_out(Path(args.out))
+    data = report.to_json(sweep.run(plan))
     print(report.table(data))
     out = Path(args.out)
     for note in report.save(data, out):
@@ -87,6 +92,17 @@ def cmd_bench(args) -> int:
     print(f"check against {args.check}: {len(compared)} rows, {len(slower)} slower",
           file=sys.stderr)
     return 1 if slower else 0
+
+
+def _check_out(out: Path) -> None:
+    """The output directory can be made, checked before minutes of measuring."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) \
+            else e.strerror or e
+        raise ArgumentError(f"--out {out}: cannot make the directory: {why}",
+                            hint="name a directory (it is created if missing)") from None
 
 
 def _read_baseline(path: str) -> dict:

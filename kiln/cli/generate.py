@@ -13,6 +13,7 @@ from kiln.errors import KilnError
 def cmd_generate(args) -> int:
     """Load a checkpoint (or a preset with random weights), compile it, stream text."""
     from kiln.models import load
+    from kiln.models.generate import check_sampling
 
     if args.config is not None and not args.random_weights:
         raise KilnError("--config names a preset for --random-weights",
@@ -26,6 +27,7 @@ def cmd_generate(args) -> int:
         raise KilnError("give a prompt with --prompt TEXT or --prompt-ids 1,2,3 (repeat "
                         "either for a batch)")
     _check_tokenizer(args)  # before minutes of compiling, not after
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     t0 = time.perf_counter()
     llm = load(source, dtype=args.dtype, target=args.target, max_seq_len=args.max_seq_len,
                max_batch_size=len(prompts), paged=args.cache == "paged",

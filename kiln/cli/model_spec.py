@@ -96,6 +96,9 @@ def _as_model_spec(spec: str, out) -> ModelSpec:
     if isinstance(out, dict):
         if "model" not in out or "args" not in out:
             raise KilnError(f"{spec} returned a dict without 'model' and 'args'", hint=want)
+        if not isinstance(out.get("kwargs") or {}, dict):
+            raise KilnError(f"{spec} returned kwargs of type {type(out['kwargs']).__name__}",
+                            hint="kwargs is a dict of keyword arguments; " + want)
         m = ModelSpec(out["model"], out["args"], dict(out.get("kwargs") or {}),
                       out.get("dynamic_shapes"))
     elif isinstance(out, tuple) and len(out) in (2, 3):

@@ -14,6 +14,7 @@ import time
 import torch
 
 from kiln.cli.model_spec import ModelSpec, compile_options
+from kiln.errors import ArgumentError
 from kiln.models.generate import LLM
 from kiln.target import get_target
 
@@ -24,6 +25,12 @@ def is_llm(model) -> bool:
 
 def run_llm(args, spec: ModelSpec) -> int:
     """Compile a built-in LLM, prefill a random prompt, decode --steps tokens greedily."""
+    for flag, value in (("--prompt-len", args.prompt_len), ("--steps", args.steps)):
+        if value < 1:
+            raise ArgumentError(f"{flag} must be at least 1, got {value}")
+    if args.prompt_len > spec.model.cfg.max_seq_len:
+        raise ArgumentError(f"--prompt-len {args.prompt_len} exceeds {args.model}'s context "
+                            f"of {spec.model.cfg.max_seq_len} positions")
     eager = copy.deepcopy(spec.model)  # the LLM shares (and updates) the model's KV cache
     target = get_target(args.target or "cpu")
     model = spec.model

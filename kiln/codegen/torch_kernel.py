@@ -4,16 +4,20 @@ Each op is the same ATen call the graph holds, so results match eager PyTorch.
 Outputs are written into the buffers the memory planner assigned: directly through
 the op's `out=` overload where ATen has one, else by a copy. In kiln's value
 semantics a `view` is a logical reshape, so it runs as `reshape` (our producers'
-layouts need not match eager's strides).
+layouts need not match eager's strides). For the same reason an input may arrive as a
+strided view (a transpose runs as a permute): the few ATen kernels that refuse one
+get their input made contiguous (_CONTIGUOUS), as eager's composite wrappers do.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 
 from kiln.codegen.integer_products import integer_product
+from kiln.errors import IndexOutOfRangeError
 from kiln.ir.ops import INPLACE_OF, STRICT_VIEWS, resolve
 from kiln.ir.plan import Op, Ref, Region, Sym
 from kiln.ir.printer import print_region
@@ -52,6 +56,15 @@ def _entry(fn):
 
 
 _CONSTANT = object()
+
+# Ops whose ATen kernel requires contiguous tensors at these argument positions (eager
+# calls them through wrappers that make the input contiguous first: F.group_norm; or
+# the model did, with a .contiguous() that kiln's strideless values drop).
+_CONTIGUOUS = {"aten.native_group_norm.default": (0,), "aten.view_as_complex.default": (0,)}
+
+
+def _contiguous(binder):
+    return lambda local, env: binder(local, env).contiguous()
 
 
 class TorchKernel:
@@ -114,7 +127,8 @@ class TorchKernel:
             b = self._binder(a)
             args.append(self._fixed(a) if b is _CONSTANT else None)
             if b is not _CONSTANT:
-                slots.append((j, b))
+                slots.append((j, _contiguous(b) if j in _CONTIGUOUS.get(op.target, ())
+                              else b))
         kwargs, kslots = {}, []
         for k, v in op.kwargs.items():
             b = self._binder(v)
@@ -133,24 +147,29 @@ class TorchKernel:
     def run(self, inputs: dict[str, torch.Tensor], outs: dict[str, torch.Tensor],
             env: dict[str, int]) -> None:
         local = dict(inputs)
-        for op, (fn, fixed, slots, fixed_kw, kslots, mode, plain) in zip(self.region.ops,
-                                                                         self._steps):
-            args = list(fixed)
-            for j, b in slots:
-                args[j] = b(local, env)
-            kwargs = dict(fixed_kw)
-            for k, b in kslots:
-                kwargs[k] = b(local, env)
-            name = op.name
-            if mode == "inplace":
-                dest = outs[name]
-                fn(dest, *args[1:], **kwargs)
-                local[name] = dest
-            elif mode == "out" and name in outs:
-                fn(*args, **kwargs, out=outs[name])
-                local[name] = outs[name]
-            else:
-                local[name] = plain(*args, **kwargs)
+        try:
+            for op, (fn, fixed, slots, fixed_kw, kslots, mode, plain) in zip(self.region.ops,
+                                                                             self._steps):
+                args = list(fixed)
+                for j, b in slots:
+                    args[j] = b(local, env)
+                kwargs = dict(fixed_kw)
+                for k, b in kslots:
+                    kwargs[k] = b(local, env)
+                name = op.name
+                if mode == "inplace":
+                    dest = outs[name]
+                    fn(dest, *args[1:], **kwargs)
+                    local[name] = dest
+                elif mode == "out" and name in outs:
+                    fn(*args, **kwargs, out=outs[name])
+                    local[name] = outs[name]
+                else:
+                    local[name] = plain(*args, **kwargs)
+        except (IndexError, RuntimeError) as e:  # the user's data, or a kiln bug: re-raised
+            if not _BAD_INDEX.search(str(e)):
+                raise
+            raise _index_error(op, e) from e
         for o in self.region.outputs:
             if local[o] is not outs[o]:
                 outs[o].copy_(local[o])
@@ -160,3 +179,19 @@ class TorchKernel:
 
     def to_json(self) -> dict:
         return {"kind": self.kind}
+
+
+# ATen's messages for an index value outside its dim (embedding, index_select, index,
+# gather, scatter, index_put/copy/add), not for a bad dim ("Dimension out of range").
+_BAD_INDEX = re.compile(r"\bindex (-?\d+ )?(is )?out of (range|bounds)\b")
+
+
+def _index_error(op: Op, e: Exception) -> IndexOutOfRangeError:
+    """The user's data indexed past a dim: say so at the model's line, not as a raw
+    IndexError from inside kiln."""
+    return IndexOutOfRangeError(
+        f"{op.target} was given an index outside the dim it indexes: {e}",
+        where=op.where or op.name,
+        hint="index values must lie in [-size, size) of the indexed dim (token ids below "
+        "the vocabulary size); eager PyTorch refuses them too. State the module updates "
+        "in place may be partly written by this call")

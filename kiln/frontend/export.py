@@ -18,6 +18,7 @@ import warnings
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch._decomp import decomposition_table
 
 from kiln.errors import (
@@ -32,6 +33,7 @@ from kiln.errors import (
 from kiln.frontend.decompositions import DECOMPOSE, FALLBACKS, OVERRIDES
 from kiln.frontend.dim_names import dim_names
 from kiln.frontend.reduction_shapes import fix_reduction_shapes
+from kiln.frontend.scalar_index import select_by_tensor_as_index
 from kiln.frontend.train_mode import check_inference_mode
 from kiln.ir import treespec
 from kiln.ir.graph import GraphInput, GraphOutput, KilnGraph, where
@@ -51,6 +53,7 @@ KEEP_WHOLE = [torch.ops.aten.scaled_dot_product_attention.default,
 def export_model(model: torch.nn.Module, args: tuple, kwargs=None, dynamic_shapes=None):
     """torch.export with kiln's error messages."""
     _check_dim_axes(model, args, kwargs or {}, dynamic_shapes)
+    args, kwargs = _distinct_inputs(tuple(args), kwargs or {})
     registered: set[str] = set()
     while True:
         try:
@@ -67,6 +70,25 @@ def export_model(model: torch.nn.Module, args: tuple, kwargs=None, dynamic_shape
             if cls is None or cls in registered:
                 raise _export_error(e) from None
             registered.add(cls)  # a dataclass of tensors: a pytree node, then try again
+
+
+def _distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The example inputs with every tensor that shares memory with an earlier one
+    (`(x, x)`, a common way to write a test) replaced by a copy. torch.export traces
+    such inputs as one value, so `forward(x, y): x + y` exported from `(x, x)` became
+    `y + y` and ignored its first argument on every later call."""
+    seen: set[int] = set()
+
+    def distinct(t):
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_meta:
+            return t
+        key = t.untyped_storage().data_ptr()
+        if key in seen and t.numel():
+            return t.clone()
+        seen.add(key)
+        return t
+
+    return pytree.tree_map(distinct, (args, kwargs))
 
 
 def _unknown_dataclass(text: str) -> str | None:
@@ -318,18 +340,35 @@ def _is_symint_op(node: fx.Node) -> bool:
 
 def _check_no_unbacked(ep: torch.export.ExportedProgram) -> None:
     for node in ep.graph.nodes:
+        if _pinned_data_size(node):
+            _data_dependent(node.args[0])
         val = node.meta.get("val")
         shapes = val.shape if isinstance(val, torch.Tensor) else ()
         for d in shapes:
             expr = getattr(getattr(d, "node", None), "expr", None)
             if expr is not None and any(s.name.startswith("u") for s in expr.free_symbols):
-                raise UnsupportedOpError(
-                    f"{op_name(node.target)} produces a tensor whose size depends on its "
-                    "data",
-                    where=where(node) or node.name,
-                    hint="kiln plans memory from sizes known at call time; use a fixed-size "
-                    "formulation (e.g. a mask with torch.where instead of nonzero/masked_select)",
-                )
+                _data_dependent(node)
+
+
+def _pinned_data_size(node: fx.Node) -> bool:
+    """A size read that export resolved to a plain int: the size was data-dependent (an
+    unbacked symbol) until a later use pinned it (`x[x > 0].reshape(2, 3)` asserts 6
+    elements at run time). A static dim has no size read; a dynamic one reads a SymInt."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.sym_size.int \
+            or not isinstance(node.args[0], fx.Node):
+        return False
+    val = node.meta.get("val")
+    expr = getattr(getattr(val, "node", None), "expr", val)  # a SymInt's, or the int
+    return isinstance(expr, int) or getattr(expr, "is_Integer", False)
+
+
+def _data_dependent(node: fx.Node):
+    raise UnsupportedOpError(
+        f"{op_name(node.target)} produces a tensor whose size depends on its data",
+        where=where(node) or node.name,
+        hint="kiln plans memory from sizes known at call time; use a fixed-size "
+        "formulation (e.g. a mask with torch.where instead of nonzero/masked_select)",
+    )
 
 
 def to_kiln_graph(ep: torch.export.ExportedProgram) -> KilnGraph:
@@ -367,6 +406,8 @@ def to_kiln_graph(ep: torch.export.ExportedProgram) -> KilnGraph:
     state.update(ep.constants)
     symbols = {}
     for sym, vr in ep.range_constraints.items():
+        if str(sym).startswith("u"):
+            continue  # unbacked: no shape uses one (_check_no_unbacked), so not a size
         hi = vr.upper
         symbols[str(sym)] = Bounds(int(vr.lower), int(hi) if hi.is_Integer else None)
     gm = ep.graph_module
@@ -395,6 +436,7 @@ def import_model(model, args, kwargs=None, dynamic_shapes=None,
     ep = decompose(ep)
     _check_no_unbacked(ep)
     _drop_asserts(ep.graph_module)
+    select_by_tensor_as_index(ep.graph_module)
     _strided_copies_as_clones(ep.graph_module)
     fix_reduction_shapes(ep.graph_module)
     fallen = check_supported(ep.graph_module, fallback)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kiln.errors import ArgumentError
 from kiln.frontend.export import import_model
 from kiln.ir.graph import KilnGraph, named_devices
 from kiln.pipeline import Context, Pass
@@ -29,11 +31,25 @@ def _import(src: ModelSource, ctx: Context) -> KilnGraph:
     kg = import_model(src.model, src.args, src.kwargs, src.dynamic_shapes,
                       fallback=ctx.options.get("fallback", "allow"),
                       allow_train=ctx.options.get("allow_train", False))
+    _check_pin_names(kg.state, ctx.options.get("pins") or {})
     # The weights leave the IR here; kiln.compile hands them to the CompiledModule.
     ctx.options["state"] = kg.state
     kg.devices_named = named_devices(kg)
     ctx.options["fallback_ops"] = kg.fallback_ops
     return kg
+
+
+def _check_pin_names(state: dict, pins: dict[str, int]) -> None:
+    """A pin (kiln.compile's pins=) names a weight or buffer of the model; a misspelt one
+    would pin nothing. Checked here, where the whole model's state is known (a pipeline
+    stage later holds only its own)."""
+    for name in pins:
+        if name not in state:
+            close = difflib.get_close_matches(name, list(state), n=1)
+            raise ArgumentError(
+                f"pins names {name!r}, which is not a weight or buffer of the model",
+                hint=(f"did you mean {close[0]!r}? " if close else "")
+                + "pins take state-dict names (model.state_dict().keys())")
 
 
 import_pass = Pass("export", _import)

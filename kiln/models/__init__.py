@@ -70,15 +70,18 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
     elsewhere kiln spawns the other ranks on this machine (kiln.models.spawn) and returns
     rank 0's LLM. A checkpoint's weights are read as each rank's slices only.
     """
-    from kiln.errors import ArgumentError, CheckpointError, KilnError
+    from kiln.errors import ArgumentError, CheckpointError, KilnError, ShapeError
     from kiln.models import hf
     from kiln.models.deepseek_v3 import DeepseekV3
     from kiln.models.fp8 import check_quantize, keeps_fp8
     from kiln.models.generate import LLM
     from kiln.models.llama import PRESETS, Llama
+    from kiln.models.load_args import check_load_args
     from kiln.models.tokenizer import ByteTokenizer, load_tokenizer
     from kiln.target import get_target
 
+    check_load_args(source, dtype, max_seq_len, max_batch_size, block_size, num_blocks, seed,
+                    tensor_parallel_size, pipeline_parallel_size)
     check_quantize(quantize)
     if quantize is not None and keep_fp8 is False:
         raise ArgumentError(f"quantize={quantize!r} makes fp8 weights; keep_fp8=False "
@@ -139,6 +142,10 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
     elif str(source) in PRESETS:
         keeps_fp8(keep_fp8, {}, tgt.is_gpu, f"preset {source}")  # refuses True
         cfg = PRESETS[str(source)]
+        if max_seq_len is not None and max_seq_len > cfg.max_seq_len:
+            raise ShapeError(f"max_seq_len {max_seq_len} exceeds preset {source}'s context "
+                             f"of {cfg.max_seq_len} positions", where=str(source),
+                             hint=f"give max_seq_len <= {cfg.max_seq_len}")
         if max_seq_len is not None:
             cfg = cfg.with_(max_seq_len=max_seq_len)
         default = torch.float32 if tgt.name == "cpu" else torch.bfloat16

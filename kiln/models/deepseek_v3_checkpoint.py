@@ -49,6 +49,7 @@ FP32_SUFFIXES = ("e_score_correction_bias",)
 def config_from_hf(hf_cfg: dict, where: str = "config.json",
                    max_seq_len: int | None = None) -> DeepseekV3Config:
     """Map a DeepSeek-V3 config.json (dict) onto DeepseekV3Config."""
+    hf.check_config_values(hf_cfg, where, head_dim_from_hidden=False)
     act = hf_cfg.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"hidden_act {act!r} is not supported", where=where,

@@ -25,6 +25,7 @@ Prefill, whose length varies, runs without graphs.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -92,7 +93,10 @@ class LLM:
         self.parallel = parallel
         self.tokenizer, self.stop_ids = tokenizer, set(stop_ids)
         self.target = get_target(target)
+        if cuda_graphs and not self.target.is_gpu:  # said before minutes of compiling
+            raise ArgumentError("CUDA graphs need a GPU target", hint="target='cuda'")
         self.device = torch.device(self.target.torch_device)
+        check_cache_sizes(max_batch_size, block_size, num_blocks)
         self.max_batch_size, self.paged = max_batch_size, paged
         self.needs_seq_lens = getattr(model, "needs_seq_lens", False)
         model.setup_cache(max_batch_size=max_batch_size, paged=paged,
@@ -109,8 +113,6 @@ class LLM:
         self.cuda_graphs = (self.target.is_gpu and not staged) if cuda_graphs is None \
             else cuda_graphs
         if self.cuda_graphs:
-            if not self.target.is_gpu:
-                raise ArgumentError("CUDA graphs need a GPU target", hint="target='cuda'")
             self.decode_module.cuda_graphs(max_graphs=len(self.buckets))
             self._capture_buckets()
         self._warm_prefill()
@@ -226,7 +228,7 @@ class LLM:
         """
         if self.paged != (block_table is not None):
             raise ArgumentError("a block_table is needed with the paged cache, and only then")
-        B, T = tokens.shape
+        B, T = _check_tokens(tokens, input_pos)
         args = {"tokens": tokens, "input_pos": input_pos.expand(B, T)}
         if self.paged:
             args["block_table"] = block_table
@@ -259,14 +261,15 @@ class LLM:
         context is full. on_text(str) receives text as it is produced (one prompt only).
         Returns a Generation, or a list of them for a list of prompts.
         """
-        single = isinstance(prompt, str) or (
-            isinstance(prompt, (list, tuple)) and (not prompt or isinstance(prompt[0], int))
-        ) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1)
-        prompts = [prompt] if single else list(prompt)
+        single, prompts = _prompts(prompt)
+        if on_text is not None and not callable(on_text):
+            raise ArgumentError(f"on_text must be a function of the new text, got "
+                                f"{type(on_text).__name__}")
         if on_text is not None and len(prompts) != 1:
             raise ArgumentError("on_text streams one prompt; got a batch of "
                                 f"{len(prompts)}")
-        _check_sampling(max_new_tokens, temperature, top_k, top_p)
+        check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
+        stop = _stops(stop)
         stop_ids = set() if ignore_eos else set(self.stop_ids)
         stop_ids |= {s for s in stop if isinstance(s, int)}
         stops = [s for s in stop if isinstance(s, str)]
@@ -367,8 +370,12 @@ class LLM:
                     "cannot be encoded", hint="pass the prompt as token ids")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = [int(i) for i in (prompt.tolist() if isinstance(prompt, torch.Tensor)
-                                    else prompt)]
+            ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+            if not all(_is_int(i) for i in ids):
+                bad = next(i for i in ids if not _is_int(i))
+                raise ArgumentError(f"a prompt of token ids holds {bad!r}, not an int",
+                                    hint="give text, or a list of int token ids")
+            ids = [int(i) for i in ids]
         if not ids:
             raise ArgumentError("the prompt is empty (no tokens)")
         bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
@@ -399,12 +406,85 @@ class LLM:
                           s.t_last - s.t_first)
 
 
-def _check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
-    if max_new_tokens < 1:
-        raise ArgumentError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ArgumentError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ArgumentError(f"top_k must be at least 1, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ArgumentError(f"top_p must be in (0, 1], got {top_p}")
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _prompts(prompt) -> tuple[bool, list]:
+    """(one prompt?, the prompts): text, a list (or 1-D tensor) of token ids, or a list
+    (or 2-D tensor) of those."""
+    if isinstance(prompt, str):
+        return True, [prompt]
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() in (1, 2) and not prompt.is_floating_point():
+            return prompt.dim() == 1, [prompt] if prompt.dim() == 1 else list(prompt)
+        raise ArgumentError(f"a prompt tensor must hold int token ids in 1 or 2 dims, got "
+                            f"{prompt.dtype} of shape {list(prompt.shape)}")
+    if isinstance(prompt, (list, tuple)):
+        if not prompt or _is_int(prompt[0]):
+            return True, [prompt]
+        if all(isinstance(p, (str, list, tuple, torch.Tensor)) for p in prompt):
+            return False, list(prompt)
+    raise ArgumentError(f"cannot read a prompt from {type(prompt).__name__} {prompt!r:.60}",
+                        hint="give text, a list of int token ids, or a list of those "
+                        "(a batch)")
+
+
+def _stops(stop) -> list:
+    """`stop` as a list of strings and token ids (one string or id alone is one stop)."""
+    if isinstance(stop, (str, int)) and not isinstance(stop, bool):
+        return [stop]
+    if isinstance(stop, (list, tuple, set)) and all(
+            isinstance(s, str) or _is_int(s) for s in stop):
+        return list(stop)
+    raise ArgumentError(f"stop must be a string, a token id or a list of those, got "
+                        f"{stop!r:.60}")
+
+
+def _check_tokens(tokens, input_pos) -> tuple[int, int]:
+    """(B, T) of forward's tokens [B, T]; input_pos is [T] or [B, T]."""
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or \
+            tokens.is_floating_point():
+        raise ShapeError(f"tokens must be an int tensor [batch, length], got "
+                         f"{_describe(tokens)}")
+    B, T = tokens.shape
+    if not isinstance(input_pos, torch.Tensor) or \
+            list(input_pos.shape) not in ([T], [B, T], [1, T]):
+        raise ShapeError(f"input_pos must be [{T}] or [{B}, {T}] like tokens, got "
+                         f"{_describe(input_pos)}",
+                         hint="the position of each token: e.g. torch.arange(T) in prefill")
+    return B, T
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} of shape {list(x.shape)}"
+    return type(x).__name__
+
+
+def check_sampling(max_new_tokens, temperature, top_k, top_p, seed=None) -> None:
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ArgumentError(f"max_new_tokens must be at least 1, got {max_new_tokens!r}")
+    if not _is_number(temperature) or temperature < 0:
+        raise ArgumentError(f"temperature must be >= 0 (0 is greedy), got {temperature!r}")
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        raise ArgumentError(f"top_k must be at least 1, got {top_k!r}")
+    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
+        raise ArgumentError(f"top_p must be in (0, 1], got {top_p!r}")
+    if seed is not None and not _is_int(seed):
+        raise ArgumentError(f"seed must be an int, got {seed!r}")
+
+
+def check_cache_sizes(max_batch_size, block_size, num_blocks) -> None:
+    """The KV cache's sizes are positive ints (a 0 or a str failed deep inside torch)."""
+    for name, v in (("max_batch_size", max_batch_size), ("block_size", block_size)):
+        if not _is_int(v) or v < 1:
+            raise ArgumentError(f"{name} must be a positive int, got {v!r}")
+    if num_blocks is not None and (not _is_int(num_blocks) or num_blocks < 2):
+        raise ArgumentError(f"num_blocks must be at least 2 (block 0 is reserved), got "
+                            f"{num_blocks!r}", hint="or leave it None: enough for every row "
+                            "at the full context")

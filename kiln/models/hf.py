@@ -39,7 +39,7 @@ IGNORED_PREFIXES = ("mtp.",)  # Qwen3-Next's multi-token-prediction head (kiln d
 
 def read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path.name} is missing from {path.parent}",
                               where=str(path),
@@ -47,6 +47,53 @@ def read_json(path: Path) -> dict:
                               "(config.json and *.safetensors)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path.name} is not valid JSON: {e}", where=str(path)) from None
+    except OSError as e:  # a directory of that name, no permission
+        raise CheckpointError(f"cannot read {path.name}: {e.strerror or e}",
+                              where=str(path)) from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path.name} holds a JSON {type(data).__name__}, not an object",
+                              where=str(path), hint="a Hugging Face checkpoint's "
+                              f"{path.name} is one JSON object")
+    return data
+
+
+# config.json entries that are sizes or counts: positive ints when present (null only
+# for NULLABLE ones, which then take their defaults)
+NULLABLE = ("num_key_value_heads", "head_dim", "sliding_window", "q_lora_rank")
+SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "intermediate_size", "head_dim",
+             "max_position_embeddings", "sliding_window", "moe_intermediate_size",
+             "n_routed_experts", "num_experts", "num_experts_per_tok", "q_lora_rank",
+             "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+             "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+             "linear_value_head_dim", "linear_conv_kernel_dim")
+
+
+def check_config_values(hf: dict, where: str, head_dim_from_hidden: bool = True) -> None:
+    """Every size in config.json is a positive int, the heads divide as attention needs
+    and the RoPE entry is an object; a 0, -1 or "x" used to fail deep inside torch
+    (negative dims, // by zero) or as a raw TypeError."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise CheckpointError(f"config.json's {key} is {hf[key]!r}, not an object",
+                                  where=where)
+    for key in SIZE_KEYS:
+        v = hf.get(key)
+        if key not in hf or (v is None and key in NULLABLE):
+            continue
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise CheckpointError(f"config.json's {key} is {v!r}, not a positive int",
+                                  where=where)
+    heads, kv = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise CheckpointError(f"num_attention_heads {heads} is not a multiple of "
+                              f"num_key_value_heads {kv}", where=where,
+                              hint="grouped-query attention shares each key/value head "
+                              "among a whole number of query heads")
+    dim = hf.get("hidden_size")
+    if head_dim_from_hidden and heads and dim and hf.get("head_dim") is None and dim % heads:
+        raise CheckpointError(f"hidden_size {dim} is not a multiple of num_attention_heads "
+                              f"{heads}, and config.json gives no head_dim", where=where)
 
 
 def family(hf: dict, where: str) -> str:
@@ -80,6 +127,7 @@ def config_from_hf(hf: dict, where: str = "config.json",
     """Map a Hugging Face config.json (dict) onto LlamaConfig (or Qwen3NextConfig for a
     Qwen3-Next checkpoint); reject what kiln cannot run."""
     fam = family(hf, where)
+    check_config_values(hf, where)
     if fam == "qwen3_next":
         return Qwen3NextConfig.from_hf(hf, context_length(hf, where, max_seq_len), where)
     act = hf.get("hidden_act", "silu")
@@ -138,7 +186,11 @@ def rope_from_hf(hf: dict, where: str, supported) -> tuple[float, str, dict]:
     error. transformers >= 5 writes rope_parameters; older configs rope_theta +
     rope_scaling."""
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 0:
+        raise CheckpointError(f"config.json's rope_theta is {theta!r}, not a positive "
+                              "number", where=where)
+    theta = float(theta)
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in supported:
         raise CheckpointError(f"RoPE type {kind!r} is not supported", where=where,

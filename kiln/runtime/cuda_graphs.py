@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.errors import TargetError
 from kiln.ir.plan import Ref, Role
 from kiln.runtime.memory_plan import Arena
 from kiln.runtime.program import Program
@@ -36,7 +37,13 @@ class GraphRunner:
 
     def __init__(self, program: Program, max_graphs: int = 16, warmup: int = 2):
         if program.device.type != "cuda":
-            raise ValueError("CUDA graphs need a program compiled for a CUDA target")
+            raise TargetError(f"CUDA graphs need a module compiled for a CUDA target, not "
+                              f"{program.kplan.target}",
+                              hint="compile with target='cuda', or call the module without "
+                              "cuda_graphs()")
+        if not torch.cuda.is_available():
+            raise TargetError("CUDA graphs need a GPU, and torch sees none here",
+                              hint="call the module without cuda_graphs() on this machine")
         self.program = program
         self.max_graphs = max_graphs
         self.warmup = warmup

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 import kiln
 import kiln.artifact.weights as weights_mod
-from kiln.errors import ArtifactError
+from kiln.errors import ArtifactError, TargetError
 
 
 class Net(torch.nn.Module):
@@ -170,3 +170,36 @@ def test_other_target_is_refused(art):
     assert "--target interpret" in e.value.hint
     x = torch.randn(3, 8)  # the same artifact loads for its own target
     torch.testing.assert_close(kiln.load(art, target="cpu")(x), _net_from_weights(art, x))
+
+
+@pytest.mark.parametrize("path", [None, 3, ""])
+def test_path_that_is_not_a_path(saved, path):
+    with pytest.raises(ArtifactError, match="named by a directory path"):
+        kiln.load(path)
+    with pytest.raises(ArtifactError, match="named by a directory path"):
+        kiln.load(saved).save(path)
+
+
+def test_save_where_a_file_is_in_the_way(saved, tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ArtifactError, match="cannot save to .*a file is in the way") as e:
+        kiln.load(saved).save(tmp_path / "f" / "net.kiln")
+    assert str(tmp_path / "f") in e.value.where
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]  # nothing left behind
+
+
+def test_bad_requested_target_is_the_callers_error_not_the_manifests(saved):
+    with pytest.raises(TargetError, match="named by a string, got int 5"):
+        kiln.load(saved, target=5)
+
+
+def test_foreign_parallel_manifest(art):
+    (art / "parallel.json").write_text("[1, 2]")
+    with pytest.raises(ArtifactError, match="not a valid kiln multi-device manifest"):
+        kiln.load(art)
+
+
+def test_cuda_graphs_of_a_cpu_module(saved):
+    with pytest.raises(TargetError, match="CUDA graphs need a module compiled for a CUDA "
+                       "target, not cpu"):
+        kiln.load(saved).cuda_graphs()

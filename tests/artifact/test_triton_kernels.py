@@ -104,6 +104,13 @@ def test_gpu_binaries_from_another_triton_are_refused(affine_gen, tmp_path):
         kiln.load(tmp_path / "g.kiln")
 
 
+def test_a_corrupt_kernel_file_is_named_not_the_manifest(affine_gen, tmp_path):
+    _compile("cuda:sm_90").save(tmp_path / "g.kiln")
+    (tmp_path / "g.kiln" / "kernels" / "r0.json").write_text("{garbage")
+    with pytest.raises(ArtifactError, match="cannot read the kernel binary of region r0"):
+        kiln.load(tmp_path / "g.kiln")
+
+
 @pytest.mark.gpu
 def test_gpu_artifact_round_trip_on_the_gpu(affine_gen, tmp_path):
     exe = _compile("cuda")

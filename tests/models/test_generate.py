@@ -119,6 +119,43 @@ def test_bad_generation_arguments(llms):
         llm.generate([])
 
 
+@pytest.mark.parametrize("args,kw,message", [
+    ((None,), {}, "cannot read a prompt from NoneType"),
+    ((3,), {}, "cannot read a prompt from int"),
+    (([5, "a"],), {}, "a prompt of token ids holds 'a', not an int"),
+    (([1.5],), {}, "cannot read a prompt from list"),
+    ((torch.rand(3),), {}, "a prompt tensor must hold int token ids"),
+    (("hi",), {"max_new_tokens": "3"}, "max_new_tokens must be at least 1, got '3'"),
+    (("hi",), {"temperature": "hot"}, "temperature must be >= 0"),
+    (("hi",), {"top_k": 2.5}, "top_k must be at least 1"),
+    (("hi",), {"seed": "s"}, "seed must be an int, got 's'"),
+    (("hi",), {"stop": [None]}, "stop must be a string, a token id or a list"),
+    (("hi",), {"on_text": 5}, "on_text must be a function"),
+])
+def test_generation_arguments_of_the_wrong_type(llms, args, kw, message):
+    with pytest.raises(ArgumentError, match=message):
+        llms(FAMILY).generate(*args, **kw)
+
+
+def test_one_stop_string_is_one_stop_not_its_characters(llms):
+    llm = llms(FAMILY)
+    whole = llm.generate([5, 6, 7], max_new_tokens=6, ignore_eos=True)
+    assert llm.generate([5, 6, 7], max_new_tokens=6, ignore_eos=True,
+                        stop="no such text").ids == whole.ids
+    assert llm.generate([5, 6, 7], max_new_tokens=6, ignore_eos=True,
+                        stop=whole.ids[1]).ids == whole.ids[:2]
+
+
+@pytest.mark.parametrize("tokens,pos,message", [
+    (torch.tensor([5, 6]), torch.arange(2), "tokens must be an int tensor"),
+    (torch.tensor([[5, 6]]), torch.arange(3), "input_pos must be .2. or .1, 2. like tokens"),
+    ("hi", torch.arange(2), "tokens must be an int tensor .batch, length., got str"),
+])
+def test_forward_shapes(llms, tokens, pos, message):
+    with pytest.raises(ShapeError, match=message):
+        llms(FAMILY).forward(tokens, pos)
+
+
 def test_cli_generate_on_a_checkpoint(checkpoints, llms, capsys):
     path, _ = checkpoints[FAMILY]
     expected = llms(FAMILY).generate("kiln compiles", max_new_tokens=12, ignore_eos=True)
