@@ -123,7 +123,7 @@ class LLM:
         self.model, self.compile_options, self.parallel = None, None, None
         self._setup(saved.cfg, saved.tokenizer, saved.stop_ids, saved.target,
                     saved.max_batch_size, saved.cache_layout is not None,
-                    saved.needs_seq_lens, saved.name, None)
+                    saved.needs_seq_lens, saved.name, path)
         self.dtype, self.cache_layout = saved.dtype, saved.cache_layout
         self.prefill_module, self.decode_module = saved.prefill, saved.decode
         self.compile_s = 0.0

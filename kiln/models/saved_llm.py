@@ -44,8 +44,8 @@ CONFIGS = {c.__name__: c for c in (LlamaConfig, Qwen3NextConfig, DeepseekV3Confi
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _recompile(path, flag: str = "") -> str:
-    return f"compile it again: kiln compile --model CHECKPOINT -o {path}{flag}"
+def _recompile(path, flag: str = "", source: str = "CHECKPOINT") -> str:
+    return f"compile it again: kiln compile --model {source} -o {path}{flag}"
 
 
 def is_saved_llm(path) -> bool:
@@ -98,11 +98,12 @@ def _config_json(cfg) -> dict:
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init}
 
 
-def _config_from_json(j: dict, where: str):
+def _config_from_json(j: dict, where: str, hint: str):
     j = dict(j)
     cls = CONFIGS.get(j.pop("class", None))
     if cls is None:
-        raise ArtifactError(f"{where} names no model config kiln knows", where=where)
+        raise ArtifactError(f"{where} names no model config kiln knows "
+                            f"({', '.join(CONFIGS)})", hint=hint)
     kw = {}
     for f in dataclasses.fields(cls):
         if f.init and f.name in j:
@@ -112,7 +113,7 @@ def _config_from_json(j: dict, where: str):
         return cls(**kw)
     except (TypeError, ValueError) as e:
         raise ArtifactError(f"{where} holds a {cls.__name__} kiln cannot build: {e}",
-                            where=where) from None
+                            hint=hint) from None
 
 
 # ---- loading ---------------------------------------------------------------------------
@@ -162,17 +163,18 @@ def read_saved_llm(path, target=None, asked: dict | None = None) -> SavedLLM:
     body = read_manifest(path)
     where = str(path / LLM_FILE)
     try:
-        tgt = _check_target(path, body["target"], target)
+        source = str(body.get("name") or "CHECKPOINT")
+        tgt = _check_target(path, body["target"], target, source)
         dtype = DTYPES[body["dtype"]]
-        cfg = _config_from_json(body["config"], where)
+        cfg = _config_from_json(body["config"], where, _recompile(path, "", source))
         cache = body["cache"]
         layout = None if cache["kind"] == "contiguous" else PagedLayout(
             int(cache["block_size"]), int(cache["blocks_per_seq"]), int(cache["num_blocks"]))
         max_batch = int(body["max_batch_size"])
-        _check_asked(path, asked or {}, dtype, cfg.max_seq_len, max_batch, layout)
+        _check_asked(path, asked or {}, dtype, cfg.max_seq_len, max_batch, layout, source)
         tokenizer = _tokenizer(path, body.get("tokenizer"))
         fields = (list(map(int, body["stop_ids"])), bool(body["needs_seq_lens"]),
-                  bool(body["cuda_graphs"]), str(body.get("name", path)))
+                  bool(body["cuda_graphs"]), source)
     except (KeyError, TypeError, ValueError) as e:
         detail = f"missing entry {e}" if isinstance(e, KeyError) else str(e)
         raise ArtifactError(f"{where} is not a valid kiln LLM manifest: {detail}",
@@ -187,7 +189,7 @@ def read_saved_llm(path, target=None, asked: dict | None = None) -> SavedLLM:
                     dtype, max_batch, layout, needs_seq_lens, cuda_graphs, name)
 
 
-def _check_target(path: Path, saved: str, requested) -> kiln.Target:
+def _check_target(path: Path, saved: str, requested, source: str) -> kiln.Target:
     """The target the LLM was compiled for, if this machine can run it."""
     tgt = get_target(saved)
     if requested is not None:
@@ -195,24 +197,24 @@ def _check_target(path: Path, saved: str, requested) -> kiln.Target:
         if asked.name != tgt.name:
             raise ArtifactError(f"{path} was compiled for {tgt.name}, not {asked.name}",
                                 hint=f"load it with no target (or {tgt.name}), or "
-                                + _recompile(path, f" --target {asked.name}"))
+                                + _recompile(path, f" --target {asked.name}", source))
     if tgt.is_gpu:
         if not torch.cuda.is_available():
             raise ArtifactError(f"{path} was compiled for {tgt.name}, and this machine "
                                 "has no GPU", hint="generate on a machine with that GPU, "
-                                "or " + _recompile(path, " --target cpu"))
+                                "or " + _recompile(path, " --target cpu", source))
         here = get_target("cuda")
         if here.name != tgt.name:
             raise ArtifactError(f"{path} was compiled for {tgt.name}; this GPU is "
-                                f"{here.name}", hint=_recompile(path, " --target cuda"))
+                                f"{here.name}", hint=_recompile(path, " --target cuda", source))
     return tgt
 
 
 def _check_asked(path: Path, asked: dict, dtype, max_seq_len: int, max_batch: int,
-                 layout) -> None:
+                 layout, source: str) -> None:
     """Load arguments a compiled LLM cannot honour: each an ArgumentError saying how."""
     def wrong(what: str, flag: str):
-        raise ArgumentError(f"{path} was compiled {what}", hint=_recompile(path, flag))
+        raise ArgumentError(f"{path} was compiled {what}", hint=_recompile(path, flag, source))
 
     want = asked.get("dtype")
     want = str(want).removeprefix("torch.") if want is not None else None
