@@ -86,7 +86,7 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target=N
                         pipeline_parallel_size=pipeline_parallel_size)
     check_quantize(quantize)
     tgt = get_target(target)
-    device = tgt.torch_device
+    device = tgt.torch_device if not tgt.is_gpu or torch.cuda.is_available() else "cpu"
     parallel = ({"tp": tensor_parallel_size, "pp": pipeline_parallel_size}
                 if tensor_parallel_size * pipeline_parallel_size > 1 else None)
     if parallel is not None and quantize is not None:

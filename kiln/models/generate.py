@@ -144,7 +144,10 @@ class LLM:
         self.checkpoint = checkpoint
         self.tokenizer, self.stop_ids = tokenizer, set(stop_ids)
         self.target = get_target(target)
-        self.device = torch.device(self.target.torch_device)
+        # compiling for a GPU on a machine without one (compile-only): the model, the
+        # examples and the weights stay on the CPU; the LLM can be saved, not run
+        self.runnable = not self.target.is_gpu or torch.cuda.is_available()
+        self.device = torch.device(self.target.torch_device if self.runnable else "cpu")
         self.max_batch_size, self.paged = max_batch_size, paged
         self.needs_seq_lens = needs_seq_lens
         self.cache_layout = None  # a PagedLayout with the paged cache
@@ -155,12 +158,13 @@ class LLM:
         self.buckets.append(self.max_batch_size)
         self.cuda_graphs = (self.target.is_gpu and not staged) if cuda_graphs is None \
             else cuda_graphs
-        if self.cuda_graphs:
-            if not self.target.is_gpu:
-                raise ArgumentError("CUDA graphs need a GPU target", hint="target='cuda'")
-            self.decode_module.cuda_graphs(max_graphs=len(self.buckets))
-            self._capture_buckets()
-        self._warm_prefill()
+        if self.cuda_graphs and not self.target.is_gpu:
+            raise ArgumentError("CUDA graphs need a GPU target", hint="target='cuda'")
+        if self.runnable:
+            if self.cuda_graphs:
+                self.decode_module.cuda_graphs(max_graphs=len(self.buckets))
+                self._capture_buckets()
+            self._warm_prefill()
         self.load_s = time.perf_counter() - t0
 
     def _materialize(self, read_weights) -> None:

@@ -222,3 +222,24 @@ def test_arguments_it_can_honour(saved):
     llm = kiln.models.load(saved, target="cpu", dtype="float32", max_seq_len=128,
                            max_batch_size=2)
     assert llm.max_batch_size == 3 and llm.model is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only: a machine without a GPU")
+def test_compile_only_for_a_gpu_and_a_second_compile_tunes_nothing(tmp_path, monkeypatch):
+    """Without the GPU an LLM compiles for it (kernels built, not run) and saves; a second
+    compile of the same model takes every kernel from KILN_CACHE_DIR, compiling none."""
+    import kiln.codegen.autotune.tuner as tuner
+    from kiln.models.generate import LLM
+    from kiln.models.llama import tiny_llama
+
+    llm = LLM(tiny_llama(n_layers=1, dtype=torch.bfloat16), target="cuda:sm_90")
+    assert not llm.runnable and llm.cuda_graphs
+    assert list((tmp_path / "kiln-cache" / "autotune" / "choices").iterdir())
+    monkeypatch.setattr(tuner, "get_pool", lambda *a: pytest.fail("a kernel was compiled"))
+    LLM(tiny_llama(n_layers=1, dtype=torch.bfloat16), target="cuda:sm_90")
+    llm.save(tmp_path / "g.kiln")
+    assert list((tmp_path / "g.kiln" / "decode" / "kernels").glob("*.cubin"))
+    with pytest.raises(ArtifactError, match="compiled for cuda:sm_90, and this machine has "
+                       "no GPU"):
+        kiln.models.load(tmp_path / "g.kiln")
