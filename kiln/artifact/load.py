@@ -62,8 +62,9 @@ def read_manifest(directory: Path) -> dict:
     if not path.is_file() and (directory / GROUP_FILE).is_file():
         raise ArtifactError(f"{directory} holds several compiled modules sharing weights "
                             "(kiln.save_modules), not one",
-                            hint="load them with kiln.load_modules(DIR); a saved LLM with "
-                            "kiln.models.load(DIR) or `kiln generate DIR`")
+                            hint="load them with kiln.load_modules(DIR) (a saved LLM: "
+                            "kiln.models.load(DIR) or `kiln generate DIR`); each member "
+                            "directory (DIR/decode) is an artifact of its own")
     if not path.is_file():
         raise ArtifactError(f"{directory} is not a kiln artifact: it has no {MANIFEST_FILE}",
                             hint=_RECOMPILE)

@@ -49,8 +49,9 @@ def _compile_llm(args) -> int:
     source = args.checkpoint
     if args.model is not None:
         raise KilnError(f"name one thing to compile: MODEL {args.model} or --model {source}")
+    strict = args.fallback if args.fallback != "allow" else None
     for flag, value in (("--compile-to", args.compile_to), ("--dump-ir", args.dump_ir),
-                        ("--tune", args.tune)):
+                        ("--tune", args.tune), ("--fallback", strict)):
         if value is not None:
             raise KilnError(f"{flag} is for MODEL, not for an LLM (--model)")
     if is_saved_llm(source):
