@@ -7,7 +7,8 @@ artifact directory. Every KilnError ends the command with `kiln: error: ...` on
 stderr and exit status 2, never a traceback.
 
 One module per command (compile, run, run_llm, generate, explain); args.py holds the
-flags, model_spec.py names and loads models, inputs.py draws random arguments.
+flags, model_spec.py names and loads models, inputs.py draws random arguments, timing.py
+times kiln beside eager PyTorch.
 """
 
 from __future__ import annotations
