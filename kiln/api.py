@@ -4,6 +4,8 @@
 like torch.export + torch.compile: it returns a callable that takes and returns
 what the model does. `compile_to=<stage>` returns that stage's IR instead. Each
 pass lives in its stage's package; this module only puts them in order.
+kiln.load reads back what CompiledModule.save wrote; kiln.save_modules and
+kiln.load_modules do the same for modules that share weights.
 """
 
 from __future__ import annotations
@@ -148,3 +150,26 @@ def load(path, target: str | Target | None = None) -> CompiledModule:
     join_world(cfg.tp, cfg.pp, art.program.kplan.target.torch_device)
     return CompiledModule(art.program, art.state, example_sizes=art.example_sizes,
                           parallel=cfg)
+
+
+def save_modules(path, modules: dict[str, CompiledModule], *, empty_state: bool = False,
+                 files: dict | None = None) -> None:
+    """Save compiled modules that share weights (an LLM's prefill and decode) in one
+    directory, each shared tensor once; kiln.load_modules gives them back sharing them.
+
+    empty_state=True stores the buffers they update in place (KV caches) as shapes
+    only (they load as zeros); `files` (name -> text, bytes or a pathlib.Path to copy)
+    are kept beside them.
+    """
+    from kiln.artifact.group import save_group
+
+    save_group(modules, path, empty_state=empty_state, files=files)
+
+
+def load_modules(path, target: str | Target | None = None) -> dict[str, CompiledModule]:
+    """The modules saved with kiln.save_modules, by name, sharing their tensors again."""
+    from kiln.artifact.group import load_group
+
+    setup_logging()
+    return {name: CompiledModule(art.program, art.state, example_sizes=art.example_sizes)
+            for name, art in load_group(path, target).items()}

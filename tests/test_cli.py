@@ -1,6 +1,7 @@
 """The `kiln` command, through kiln.cli.main (fast), plus the entry point's --help."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -103,7 +104,7 @@ def test_run_artifact_on_random_inputs_at_chosen_size(artifact, capsys):
     assert rc == 0
     assert "sizes: T=7" in out and "inputs: random" in out
     assert "output['h']: f32[7, 8]  mean" in out and "output['norm']: f32[7]" in out
-    assert "first call:" in out and "median of 2" in out
+    assert "kiln: first call" in out and "(of 2)" in out and "eager" not in out
 
 
 def test_run_artifact_default_size_is_the_example(artifact, capsys):
@@ -116,6 +117,17 @@ def test_run_model_compares_with_eager(model_file, capsys):
     assert rc == 0 and "example args" in out
     errs = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if "rel err" in line]
     assert len(errs) == 2 and max(errs) < 1e-5
+    assert re.search(r"kiln: first call [\d.]+ ms; eager: first call [\d.]+ ms", out)
+
+
+def test_run_model_times_eager_beside_kiln(model_file, capsys):
+    rc, out, _ = _run(capsys, "run", f"{model_file}:make", "--repeat", "3")
+    assert rc == 0
+    line = re.search(r"kiln: first call ([\d.]+) ms, then median ([\d.]+) ms \(of 3\); "
+                     r"eager: median ([\d.]+) ms \(kiln/eager ([\d.]+)x\)", out)
+    assert line, out
+    kiln_ms, eager_ms, ratio = (float(line[i]) for i in (2, 3, 4))
+    assert eager_ms > 0 and ratio == pytest.approx(kiln_ms / eager_ms, rel=0.05, abs=0.01)
 
 
 def test_explain_artifact_and_model(artifact, model_file, capsys):
@@ -152,6 +164,10 @@ def test_builtin_llm_prefill_and_decode(capsys):
     assert rc == 0
     assert "generated (3 tokens)" in out and "ms/token" in out
     assert float(out.rsplit("eager PyTorch: ", 1)[1]) < 1e-5
+    assert re.search(r"prefill \(4 tokens, same prompt\): kiln [\d.]+ ms, eager [\d.]+ ms "
+                     r"\(kiln/eager [\d.]+x\)", out), out
+    assert re.search(r"decode per token \(median of 2 steps, same tokens\): kiln [\d.]+ ms, "
+                     r"eager [\d.]+ ms \(kiln/eager [\d.]+x\)", out), out
 
 
 # ---- user mistakes: "kiln: error: ...", exit status 2, no traceback -----------------

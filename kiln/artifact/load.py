@@ -23,7 +23,7 @@ from kiln.artifact.manifest import (
     plan_from_json,
 )
 from kiln.artifact.paths import artifact_path
-from kiln.artifact.save import FORMAT_NAME, KERNELS_DIR, MANIFEST_FILE, versions
+from kiln.artifact.save import FORMAT_NAME, GROUP_FILE, KERNELS_DIR, MANIFEST_FILE, versions
 from kiln.artifact.weights import load_weights
 from kiln.codegen.kernel_plan import KernelPlan
 from kiln.codegen.torch_kernel import TorchKernel
@@ -60,6 +60,12 @@ def read_manifest(directory: Path) -> dict:
         raise ArtifactError(f"{directory} is a file, not a kiln artifact directory",
                             hint="a kiln artifact is the directory written by `kiln compile`")
     path = directory / MANIFEST_FILE
+    if not path.is_file() and (directory / GROUP_FILE).is_file():
+        raise ArtifactError(f"{directory} holds several compiled modules sharing weights "
+                            "(kiln.save_modules), not one",
+                            hint="load them with kiln.load_modules(DIR) (a saved LLM: "
+                            "kiln.models.load(DIR) or `kiln generate DIR`); each member "
+                            "directory (DIR/decode) is an artifact of its own")
     if not path.is_file():
         raise ArtifactError(f"{directory} is not a kiln artifact: it has no {MANIFEST_FILE}",
                             hint=_RECOMPILE)
@@ -177,7 +183,9 @@ def _weights_device(target: Target) -> str:
     return target.torch_device
 
 
-def load(path, target=None) -> Artifact:
+def load(path, target=None, shared: dict | None = None) -> Artifact:
+    """The artifact at `path`; `shared` (see load_weights) lets modules saved together
+    share their tensors."""
     directory = artifact_path(path)
     requested = None if target is None else get_target(target)  # the caller's, not the file's
     manifest = read_manifest(directory)
@@ -205,7 +213,7 @@ def load(path, target=None) -> Artifact:
         detail = f"missing entry {e}" if isinstance(e, KeyError) else str(e)
         raise ArtifactError(f"{where} is not a valid kiln manifest: {detail}",
                             hint=_RECOMPILE) from None
-    state = load_weights(directory, weights_entry, _weights_device(tgt))
+    state = load_weights(directory, weights_entry, _weights_device(tgt), shared)
     program = Program(KernelPlan(plan, tgt, kernels), mem)
     log.info("loaded %s: %d regions for %s", directory, len(plan.regions), tgt)
     return Artifact(program, state, example_sizes, manifest.get("versions", {}))

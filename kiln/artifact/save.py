@@ -26,6 +26,7 @@ from kiln.artifact.weights import save_weights
 from kiln.errors import ArtifactError
 
 MANIFEST_FILE = "manifest.json"
+GROUP_FILE = "modules.json"  # modules saved together (group.py)
 KERNELS_DIR = "kernels"
 FORMAT_NAME = "kiln-artifact"
 
@@ -66,8 +67,22 @@ def build_manifest(module, directory: Path) -> dict:
 
 def save(module, path) -> Path:
     """Write `module` to the directory `path` (replacing an artifact already there)."""
+    def write(tmp: Path) -> None:
+        manifest = build_manifest(module, tmp)
+        manifest["weights"] = save_weights(module.state, tmp)
+        (tmp / MANIFEST_FILE).write_text(dumps(manifest) + "\n")
+
+    return write_directory(path, write)
+
+
+def write_directory(path, write, replaces: tuple[str, ...] = (MANIFEST_FILE,)) -> Path:
+    """Make the directory `path` by `write(tmp)` into a sibling and renaming it into place.
+
+    An existing `path` is replaced only if it is empty or holds one of the files in
+    `replaces` (it is a kiln artifact): a user's other directory is never deleted.
+    """
     final = artifact_path(path)
-    if final.exists() and not (final / MANIFEST_FILE).is_file():
+    if final.exists() and not any((final / f).is_file() for f in replaces):
         what = "a file" if not final.is_dir() else "a directory that is not a kiln artifact"
         if final.is_file() or any(final.iterdir()):
             raise ArtifactError(f"cannot save to {final}: it is {what}",
@@ -80,9 +95,7 @@ def save(module, path) -> Path:
     except OSError as e:  # a file where a parent directory should be, no permission
         raise _cannot_write(final, e) from None
     try:
-        manifest = build_manifest(module, tmp)
-        manifest["weights"] = save_weights(module.state, tmp)
-        (tmp / MANIFEST_FILE).write_text(dumps(manifest) + "\n")
+        write(tmp)
         _replace(tmp, final)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)

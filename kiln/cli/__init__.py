@@ -8,7 +8,8 @@ stderr and exit status 2, never a traceback. Any other exception is a kiln bug: 
 traceback is printed for the report, then `kiln: internal error: ...`, status 3.
 
 One module per command (compile, run, run_llm, generate, explain); args.py holds the
-flags, model_spec.py names and loads models, inputs.py draws random arguments.
+flags, model_spec.py names and loads models, inputs.py draws random arguments, timing.py
+times kiln beside eager PyTorch.
 """
 
 from __future__ import annotations

@@ -45,9 +45,10 @@ def _size(text: str) -> tuple[str, int]:
     return name.strip(), int(value)
 
 
-def _add_model(sp, artifacts: bool) -> None:
+def _add_model(sp, artifacts: bool, optional: bool = False) -> None:
     what = "path/to/file.py:factory or a built-in (tiny-llama)"
     sp.add_argument("model", metavar="MODEL|ARTIFACT" if artifacts else "MODEL",
+                    nargs="?" if optional else None,
                     help=what + (", or an artifact directory from `kiln compile`"
                                  if artifacts else ""))
     sp.add_argument("--target", default=None,
@@ -67,6 +68,26 @@ def _add_tune(sp) -> None:
                     "(default: the autotuner's own)")
 
 
+def _add_llm_compile(c) -> None:
+    """`kiln compile --model DIR`: what the saved LLM is compiled for."""
+    c.add_argument("--model", dest="checkpoint", metavar="DIR",
+                   help="an LLM to compile for `kiln generate`: a Hugging Face checkpoint "
+                   "directory or a preset with random weights (tiny, llama3-8b, ...)")
+    c.add_argument("--random-weights", action="store_true",
+                   help="--model DIR: random weights of its config.json")
+    c.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                   help="--model: default the checkpoint's")
+    c.add_argument("--max-seq-len", type=int, default=None,
+                   help="--model: context length (default: the model's, at most 4096)")
+    c.add_argument("--max-batch-size", type=int, default=1,
+                   help="--model: most prompts generated at once (default: 1)")
+    c.add_argument("--cache", choices=["contiguous", "paged"], default="contiguous",
+                   help="--model: the KV cache's layout")
+    c.add_argument("--block-size", type=int, default=16, help="--model: paged cache block size")
+    c.add_argument("--quantize", choices=["fp8"], default=None,
+                   help="--model: the Llama families' projections as block-scaled fp8")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kiln", epilog=EPILOG,
@@ -78,11 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     c = sub.add_parser(
-        "compile", epilog=EPILOG, help="compile a model and save the artifact",
+        "compile", epilog=EPILOG, help="compile a model (or an LLM checkpoint) and save it",
         description="Compile MODEL for a target and save it as an artifact directory "
         "(manifest.json + weights.safetensors) that `kiln run` and kiln.load() use "
-        "without recompiling.")
-    _add_model(c, artifacts=False)
+        "without recompiling. With --model DIR instead, compile an LLM checkpoint (or a "
+        "preset) for generation and save it (prefill and decode modules, weights once, "
+        "tokenizer, config) for `kiln generate ART` and kiln.models.load(ART).")
+    _add_model(c, artifacts=False, optional=True)
+    _add_llm_compile(c)
     c.add_argument("-o", "--output", metavar="DIR",
                    help="artifact directory to write (default: <model>.kiln)")
     c.add_argument("--compile-to", choices=list(STAGES), metavar="STAGE",
@@ -112,13 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=cmd_run)
 
     g = sub.add_parser(
-        "generate", help="generate text from a Hugging Face checkpoint",
+        "generate", help="generate text from a Hugging Face checkpoint or a compiled LLM",
         description="Load a Hugging Face checkpoint directory (Llama 2/3/3.1, Mistral, "
         "Qwen2, Qwen3-Next: config.json, *.safetensors, tokenizer.json), or a preset with "
         "random weights, compile it with kiln and generate: text streams to stdout, a summary "
-        "(time to first token, tokens/s) goes to stderr. Several --prompt run as a batch.")
+        "(time to first token, tokens/s) goes to stderr. Several --prompt run as a batch. "
+        "An LLM saved by `kiln compile --model DIR -o ART` starts without compiling: "
+        "`kiln generate ART --prompt ...`.")
+    g.add_argument("artifact", nargs="?", metavar="ART",
+                   help="a compiled LLM from `kiln compile --model DIR -o ART`")
     g.add_argument("--model", help="checkpoint directory (config.json, *.safetensors, "
-                   "tokenizer.json)")
+                   "tokenizer.json), or a compiled LLM (ART)")
     g.add_argument("--random-weights", action="store_true",
                    help="random weights: with --config NAME (a preset) or --model DIR's config")
     g.add_argument("--config", help="preset for --random-weights: tiny, llama3-8b, "
@@ -137,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-id", action="append", type=int, default=[],
                    help="stop token id (repeatable), besides the checkpoint's eos")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at eos")
-    g.add_argument("--target", default="cpu", help="cpu, cuda, cuda:sm_90, ...")
+    g.add_argument("--target", default=None, help="cpu, cuda, cuda:sm_90, ... (default: cpu; "
+                   "a compiled LLM's own)")
     g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                    help="default: the checkpoint's")
     g.add_argument("--max-seq-len", type=int, default=None,

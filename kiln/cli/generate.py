@@ -1,4 +1,4 @@
-"""`kiln generate`: text from a checkpoint (or a preset), through kiln.models.LLM."""
+"""`kiln generate`: text from a checkpoint, a preset or a compiled LLM (kiln.models.LLM)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,12 @@ def cmd_generate(args) -> int:
     """Load a checkpoint (or a preset with random weights), compile it, stream text."""
     from kiln.models import load
     from kiln.models.generate import check_sampling
+    from kiln.models.saved_llm import is_saved_llm
 
+    if args.artifact is not None:
+        if args.model is not None:
+            raise KilnError(f"name one model: {args.artifact} or --model {args.model}")
+        args.model = args.artifact
     if args.config is not None and not args.random_weights:
         raise KilnError("--config names a preset for --random-weights",
                         hint="add --random-weights, or load a checkpoint with --model DIR")
@@ -39,8 +44,14 @@ def cmd_generate(args) -> int:
     if os.environ.get("RANK", "0") != "0":  # under torchrun: rank 0 prints for all
         _generate_quietly(llm, args)
         return 0
-    print(f"loaded {source} and compiled for {llm.target} in "
-          f"{time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    secs = time.perf_counter() - t0
+    if is_saved_llm(source):
+        print(f"loaded {source} (compiled for {llm.target}) in {secs:.2f} s", file=sys.stderr)
+    else:
+        tip = "" if args.random_weights else \
+            f" (`kiln compile --model {source} -o DIR` saves it compiled, to start in seconds)"
+        print(f"loaded {source} and compiled for {llm.target} in {secs:.2f} s{tip}",
+              file=sys.stderr)
     stop = list(args.stop) + list(args.stop_id)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=stop,

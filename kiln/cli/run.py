@@ -1,20 +1,20 @@
 """`kiln run MODEL|ARTIFACT`: run a compiled module, summarise its outputs, time it.
 
 An artifact runs on random inputs matching its signature; a model runs on its
-example args (compared with eager PyTorch), or on random inputs with --size. The
-built-in LLMs generate instead (kiln.cli.run_llm).
+example args, or on random inputs with --size, and eager PyTorch runs the same calls:
+outputs compared, times side by side. The built-in LLMs generate instead
+(kiln.cli.run_llm).
 """
 
 from __future__ import annotations
 
 import copy
-import statistics
-import time
 
 import torch
 import torch.utils._pytree as pytree
 
 from kiln.cli.model_spec import compile_model, is_artifact, load_artifact, load_model_spec
+from kiln.cli.timing import side_by_side, timed_calls, to_device
 
 
 def cmd_run(args) -> int:
@@ -54,21 +54,18 @@ def _random_call(exe, args):
 
 
 def _time_and_report(exe, call_args, call_kwargs, args, reference) -> int:
-    """Call `exe` 1 + --repeat times; summarise the first call's outputs (vs eager)."""
-    times, first = [], None
-    for _ in range(1 + max(args.repeat, 0)):
-        t0 = time.perf_counter()
-        out = exe(*call_args, **call_kwargs)
-        if exe.program.device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        first = out if first is None else first
-    ref = reference(*call_args, **call_kwargs) if reference is not None else None
+    """Call `exe` 1 + --repeat times, and the eager model (if any) as often on the same
+    inputs; summarise the first call's outputs (vs eager's) and both times."""
+    device = exe.program.device
+    n = 1 + max(args.repeat, 0)
+    first, times = timed_calls(lambda: exe(*call_args, **call_kwargs), n, device)
+    ref, eager_times = None, None
+    if reference is not None:
+        eager = reference.to(device) if device.type != "cpu" else reference
+        e_args, e_kwargs = to_device((call_args, call_kwargs), device)
+        ref, eager_times = timed_calls(lambda: eager(*e_args, **e_kwargs), n, device)
     _print_outputs(first, ref)
-    line = f"first call: {times[0] * 1e3:.2f} ms"
-    if len(times) > 1:
-        line += f"   then median of {len(times) - 1}: {statistics.median(times[1:]) * 1e3:.2f} ms"
-    print(line)
+    print(side_by_side(times, eager_times))
     return 0
 
 

@@ -2,18 +2,21 @@
 
 The LLM compiles a prefill and a decode module and runs its own generation loop;
 this command only picks a random prompt, reports timings, and replays the prompt and
-the generated tokens through both the compiled modules and eager PyTorch to report
-the worst relative error of the logits.
+the generated tokens through both the compiled modules and eager PyTorch, timing both
+alike (kiln's and eager's time per token side by side) and reporting the worst
+relative error of the logits.
 """
 
 from __future__ import annotations
 
 import copy
 import time
+from dataclasses import dataclass
 
 import torch
 
 from kiln.cli.model_spec import ModelSpec, compile_options
+from kiln.cli.timing import timed_calls, to_device, versus
 from kiln.errors import ArgumentError
 from kiln.models.generate import LLM
 from kiln.target import get_target
@@ -60,22 +63,46 @@ def run_llm(args, spec: ModelSpec) -> int:
           f"prefill: {result.time_to_first_token_s * 1e3:.2f} ms   "
           f"decode: {per_tok * 1e3:.2f} ms/token "
           f"({1 / per_tok if per_tok else float('inf'):.1f} tok/s)")
-    print(f"max relative error vs eager PyTorch: {_worst_error(llm, eager, prompt, tokens):.2e}")
+    replay = _replay(llm, eager, prompt, tokens)
+    print(versus(f"prefill ({args.prompt_len} tokens, same prompt)", replay.kiln_prefill,
+                 replay.eager_prefill))
+    if replay.kiln_decode:
+        print(versus(f"decode per token (median of {len(replay.kiln_decode)} steps, same "
+                     "tokens)", replay.kiln_decode, replay.eager_decode))
+    print(f"max relative error vs eager PyTorch: {replay.worst:.2e}")
     return 0
 
 
-def _worst_error(llm: LLM, eager, prompt: torch.Tensor, tokens: list[int]) -> float:
+@dataclass
+class Replay:
+    worst: float  # the worst relative error of the logits
+    kiln_prefill: list[float]  # seconds
+    eager_prefill: list[float]
+    kiln_decode: list[float]  # one per decode step
+    eager_decode: list[float]
+
+
+def _replay(llm: LLM, eager, prompt: torch.Tensor, tokens: list[int]) -> Replay:
     """Replay the prompt (prefill) and each generated token but the last (decode steps)
-    through the compiled modules and eager PyTorch; the worst relative error."""
+    through the compiled modules and eager PyTorch, timing every call alike; the worst
+    relative error. Each side's prefill runs twice (it rewrites the same positions), the
+    second timed: eager's first call would time PyTorch warming up."""
     def err(got, ref):
         got, ref = got.double().cpu(), ref.double().cpu()
         return ((got - ref).norm() / ref.norm()).item()
 
+    device = llm.device
+    eager = eager.to(device) if device.type != "cpu" else eager
     n = prompt.shape[1]
-    with torch.no_grad():
-        pos = torch.arange(n)
-        worst = err(llm.forward(prompt, pos), eager(prompt, pos))
-        for i, tok in enumerate(tokens[:-1]):
-            t, p = torch.tensor([[tok]]), torch.tensor([n + i])
-            worst = max(worst, err(llm.forward(t, p), eager(t, p)))
-    return worst
+    pos = torch.arange(n)
+    got, k_pre = timed_calls(lambda: llm.forward(prompt, pos), 2, device)
+    ref, e_pre = timed_calls(lambda: eager(*to_device((prompt, pos), device)), 2, device)
+    out = Replay(err(got, ref), k_pre[1:], e_pre[1:], [], [])
+    for i, tok in enumerate(tokens[:-1]):
+        t, p = torch.tensor([[tok]]), torch.tensor([n + i])
+        got, k = timed_calls(lambda: llm.forward(t, p), 1, device)  # noqa: B023 - called now
+        ref, e = timed_calls(lambda: eager(*to_device((t, p), device)), 1, device)  # noqa: B023
+        out.worst = max(out.worst, err(got, ref))
+        out.kiln_decode += k
+        out.eager_decode += e
+    return out

@@ -34,7 +34,7 @@ def builtin(name: str):
     return BUILTINS[name]()
 
 
-def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="cpu",
+def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target=None,
          max_seq_len: int | None = None, max_batch_size: int = 1, paged: bool = False,
          block_size: int = 16, num_blocks: int | None = None,
          random_weights: bool = False, seed: int = 0, cuda_graphs: bool | None = None,
@@ -47,7 +47,13 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
       DeepSeek-V3 (model_type "deepseek_v3", bf16 or fp8 weights); with
       random_weights=True only its config.json is read;
     - a preset name (kiln.models.llama.PRESETS: tiny, llama3-8b, llama2-70b, ...):
-      random weights and a byte tokenizer.
+      random weights and a byte tokenizer;
+    - a directory written by LLM.save (`kiln compile --model DIR -o ART`): loaded
+      without compiling (kiln.models.saved_llm), for the target it was compiled for;
+      arguments it cannot honour (another dtype, a longer context, a larger batch) are
+      an ArgumentError saying how to recompile.
+
+    target defaults to the CPU (a saved LLM: its own).
 
     dtype defaults to the checkpoint's (float32 for presets on the CPU, bfloat16 on a
     GPU). max_seq_len bounds the context (prompt and generated tokens); paged=True uses
@@ -77,17 +83,24 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
     from kiln.models.generate import LLM
     from kiln.models.llama import PRESETS, Llama
     from kiln.models.load_args import check_load_args
+    from kiln.models.saved_llm import is_saved_llm
     from kiln.models.tokenizer import ByteTokenizer, load_tokenizer
     from kiln.target import get_target
 
     check_load_args(source, dtype, max_seq_len, max_batch_size, block_size, num_blocks, seed,
                     tensor_parallel_size, pipeline_parallel_size)
+    if is_saved_llm(source):
+        return LLM.load(source, target, cuda_graphs, dtype=dtype, max_seq_len=max_seq_len,
+                        max_batch_size=max_batch_size, paged=paged, quantize=quantize,
+                        random_weights=random_weights,
+                        tensor_parallel_size=tensor_parallel_size,
+                        pipeline_parallel_size=pipeline_parallel_size)
     check_quantize(quantize)
     if quantize is not None and keep_fp8 is False:
         raise ArgumentError(f"quantize={quantize!r} makes fp8 weights; keep_fp8=False "
                             "asks for none", hint="drop one of the two")
     tgt = get_target(target)
-    device = tgt.torch_device
+    device = tgt.torch_device if not tgt.is_gpu or torch.cuda.is_available() else "cpu"
     parallel = ({"tp": tensor_parallel_size, "pp": pipeline_parallel_size}
                 if tensor_parallel_size * pipeline_parallel_size > 1 else None)
     if parallel is not None and quantize is not None:
@@ -165,7 +178,8 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target="
         _quantize_fp8(model)
     return LLM(model, tokenizer, stop_ids, target=tgt, max_batch_size=max_batch_size,
                paged=paged, block_size=block_size, num_blocks=num_blocks, name=str(source),
-               cuda_graphs=cuda_graphs, parallel=parallel, read_weights=read_weights)
+               cuda_graphs=cuda_graphs, parallel=parallel, read_weights=read_weights,
+               checkpoint=path if path.is_dir() else None)
 
 
 def _quantize_fp8(model) -> None:

@@ -20,6 +20,10 @@ On a GPU, decode steps replay captured CUDA graphs, one per batch-size bucket (1
 of an unused cache row (contiguous) or the reserved block 0 (paged), and the paged
 block table always has its full width, so every step of a bucket is the same graph.
 Prefill, whose length varies, runs without graphs.
+
+LLM.save writes both modules (their weights once) with the config and tokenizer, and
+LLM.load reads them back without compiling (saved_llm.py): a loaded LLM has no
+nn.Module (`model` is None), only the compiled modules and the cache's layout.
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ from torch.export import Dim
 import kiln
 from kiln.errors import ArgumentError, CheckpointError, ShapeError
 from kiln.models.decoding import TextStream, sample
-from kiln.models.kv_cache import BlockAllocator
+from kiln.models.kv_cache import BlockAllocator, PagedLayout
 from kiln.models.llama import Llama
+from kiln.models.saved_llm import read_saved_llm, save_llm
 from kiln.target import get_target
 
 
@@ -79,43 +84,91 @@ class _Seq:
 
 
 class LLM:
-    """A model compiled for generation. Build it with kiln.models.load."""
+    """A model compiled for generation. Build it with kiln.models.load; `save` it to load
+    it back later without compiling (kiln.models.saved_llm)."""
 
     def __init__(self, model: Llama, tokenizer=None, stop_ids=(), *, target="cpu",
                  max_batch_size: int = 1, paged: bool = False, block_size: int = 16,
                  num_blocks: int | None = None, name: str = "",
                  cuda_graphs: bool | None = None, compile_options: dict | None = None,
-                 parallel: dict | None = None, read_weights=None):
-        self.model, self.cfg, self.name = model, model.cfg, name
+                 parallel: dict | None = None, read_weights=None, checkpoint=None):
+        self.model = model
         self.compile_options = compile_options  # kiln.compile's options (e.g. tune)
         # {"tp": T, "pp": P}: this process is one rank (under torchrun) of a multi-device
         # plan; read_weights(wanted) then reads its parts of a model built on meta
         self.parallel = parallel
-        self.tokenizer, self.stop_ids = tokenizer, set(stop_ids)
-        self.target = get_target(target)
+        self._setup(model.cfg, tokenizer, stop_ids, target, max_batch_size, paged,
+                    getattr(model, "needs_seq_lens", False), name, checkpoint)
         if cuda_graphs and not self.target.is_gpu:  # said before minutes of compiling
             raise ArgumentError("CUDA graphs need a GPU target", hint="target='cuda'")
-        self.device = torch.device(self.target.torch_device)
         check_cache_sizes(max_batch_size, block_size, num_blocks)
-        self.max_batch_size, self.paged = max_batch_size, paged
-        self.needs_seq_lens = getattr(model, "needs_seq_lens", False)
+        self.dtype = model.lm_head.weight.dtype
         model.setup_cache(max_batch_size=max_batch_size, paged=paged,
                           block_size=block_size, num_blocks=num_blocks)
+        if paged:
+            c = model.cache
+            self.cache_layout = PagedLayout(c.block_size, c.blocks_per_seq, c.num_blocks)
         t0 = time.perf_counter()
         self.prefill_module = self._compile(seq_len=None)
         self.decode_module = self._compile(seq_len=1)
         if read_weights is not None:
             self._materialize(read_weights)
         self.compile_s = time.perf_counter() - t0
-        self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch_size]
-        self.buckets.append(max_batch_size)
         staged = bool(parallel) and parallel.get("pp", 1) > 1  # no CUDA graphs of stages yet
+        self._start(cuda_graphs, staged, t0)
+
+    @classmethod
+    def load(cls, path, target=None, cuda_graphs: bool | None = None, **asked) -> LLM:
+        """The LLM saved at `path` by LLM.save, without compiling; `asked` holds
+        kiln.models.load's other arguments, checked against what was compiled."""
+        t0 = time.perf_counter()
+        saved = read_saved_llm(path, target, asked)
+        self = cls.__new__(cls)
+        self.model, self.compile_options, self.parallel = None, None, None
+        self._setup(saved.cfg, saved.tokenizer, saved.stop_ids, saved.target,
+                    saved.max_batch_size, saved.cache_layout is not None,
+                    saved.needs_seq_lens, saved.name, path)
+        self.dtype, self.cache_layout = saved.dtype, saved.cache_layout
+        self.prefill_module, self.decode_module = saved.prefill, saved.decode
+        self.compile_s = 0.0
+        self._start(saved.cuda_graphs if cuda_graphs is None else cuda_graphs, False, t0)
+        return self
+
+    def save(self, path) -> None:
+        """Write the compiled modules (weights once, KV caches as shapes only), the
+        config, the tokenizer and the stop ids to the directory `path`, for
+        kiln.models.load(path) / `kiln generate path`."""
+        save_llm(self, path)
+
+    def _setup(self, cfg, tokenizer, stop_ids, target, max_batch_size: int, paged: bool,
+               needs_seq_lens: bool, name: str, checkpoint) -> None:
+        """What every LLM holds, compiled now or loaded."""
+        self.cfg, self.name = cfg, name
+        # the checkpoint directory it came from: save copies its tokenizer and config
+        self.checkpoint = checkpoint
+        self.tokenizer, self.stop_ids = tokenizer, set(stop_ids)
+        self.target = get_target(target)
+        # compiling for a GPU on a machine without one (compile-only): the model, the
+        # examples and the weights stay on the CPU; the LLM can be saved, not run
+        self.runnable = not self.target.is_gpu or torch.cuda.is_available()
+        self.device = torch.device(self.target.torch_device if self.runnable else "cpu")
+        self.max_batch_size, self.paged = max_batch_size, paged
+        self.needs_seq_lens = needs_seq_lens
+        self.cache_layout = None  # a PagedLayout with the paged cache
+
+    def _start(self, cuda_graphs: bool | None, staged: bool, t0: float) -> None:
+        """Ready the compiled modules for requests: capture the decode graphs, warm prefill."""
+        self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_batch_size]
+        self.buckets.append(self.max_batch_size)
         self.cuda_graphs = (self.target.is_gpu and not staged) if cuda_graphs is None \
             else cuda_graphs
-        if self.cuda_graphs:
-            self.decode_module.cuda_graphs(max_graphs=len(self.buckets))
-            self._capture_buckets()
-        self._warm_prefill()
+        if self.cuda_graphs and not self.target.is_gpu:
+            raise ArgumentError("CUDA graphs need a GPU target", hint="target='cuda'")
+        if self.runnable:
+            if self.cuda_graphs:
+                self.decode_module.cuda_graphs(max_graphs=len(self.buckets))
+                self._capture_buckets()
+            self._warm_prefill()
         self.load_s = time.perf_counter() - t0
 
     def _materialize(self, read_weights) -> None:
@@ -169,7 +222,7 @@ class LLM:
                 "input_pos": torch.arange(t, device=dev).expand(b, t).contiguous()}
         shapes = {"tokens": dims, "input_pos": dims}
         if self.paged:
-            cache = self.model.cache
+            cache = self.cache_layout
             w = min(max(2, math.ceil(t / cache.block_size)), cache.blocks_per_seq)
             width = Dim("blocks", min=1, max=cache.blocks_per_seq) if w > 1 else None
             args["block_table"] = torch.zeros(b, w, dtype=torch.long, device=dev)
@@ -194,7 +247,7 @@ class LLM:
         for b in self.buckets:
             table = None
             if self.paged:
-                table = torch.zeros(b, self.model.cache.blocks_per_seq, dtype=torch.long,
+                table = torch.zeros(b, self.cache_layout.blocks_per_seq, dtype=torch.long,
                                     device=self.device)
             zeros = torch.zeros(b, 1, dtype=torch.long, device=self.device)
             self.forward(zeros, zeros, table)
@@ -297,7 +350,7 @@ class LLM:
             elif seq.pos >= self.max_seq_len:
                 seq.finish = "context"
 
-        alloc = BlockAllocator(self.model.cache) if self.paged else None
+        alloc = BlockAllocator(self.cache_layout) if self.paged else None
         try:
             t0 = time.perf_counter()
             first = pick(self._prefill(seqs, alloc))
@@ -352,7 +405,7 @@ class LLM:
         if alloc is not None:
             for s in batch:
                 alloc.reserve(s.row, s.pos + 1)
-            width = self.model.cache.blocks_per_seq if self.cuda_graphs else None
+            width = self.cache_layout.blocks_per_seq if self.cuda_graphs else None
             table = alloc.block_table([s.row for s in batch], width)
             if rows > n:  # pad rows own only block 0, which is never handed out
                 table = torch.cat([table, table.new_zeros(rows - n, table.shape[1])])

@@ -305,7 +305,10 @@ def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device
                 for n in file_names:
                     t = st.get_tensor(n)
                     bar.update(t.nbytes)
-                    _assign(model, n, t.to(device=device, dtype=_dtype_of(n, t, dtype)))
+                    # copy=True: safetensors' tensors sit at unaligned addresses, and CPU
+                    # BLAS rounds differently there than on torch's aligned memory
+                    _assign(model, n, t.to(device=device, dtype=_dtype_of(n, t, dtype),
+                                           copy=True))
                     del t
     model.tie_weights()
 

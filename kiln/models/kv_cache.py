@@ -14,7 +14,8 @@ position of each of the S entries; attention masks what lies after the query.
   unused table entries (and padding rows) point at it, and what they write there is
   never read unmasked.
 - BlockAllocator: the host side of the paged cache, a free list of blocks and each
-  sequence's blocks in order.
+  sequence's blocks in order. It needs only the cache's PagedLayout (a saved LLM has
+  no cache module, only its compiled modules' buffers).
 - ContiguousLatentCache / PagedLatentCache: the same two layouts for multi-head latent
   attention (DeepSeek-V3), which caches one row per token shared by every head (the
   compressed kv latent and the rotary key) instead of keys and values per head.
@@ -27,6 +28,7 @@ position of each of the S entries; attention masks what lies after the query.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -81,10 +83,19 @@ class PagedKVCache(nn.Module):
         return k_all, v_all
 
 
-class BlockAllocator:
-    """Which blocks of a PagedKVCache each sequence owns; the rest are on the free list."""
+@dataclass(frozen=True)
+class PagedLayout:
+    """A paged cache's geometry: all that its host side (block tables) needs."""
 
-    def __init__(self, cache: PagedKVCache):
+    block_size: int
+    blocks_per_seq: int
+    num_blocks: int
+
+
+class BlockAllocator:
+    """Which blocks of a paged cache each sequence owns; the rest are on the free list."""
+
+    def __init__(self, cache: PagedKVCache | PagedLatentCache | PagedLayout):
         self.block_size = cache.block_size
         self.blocks_per_seq = cache.blocks_per_seq
         self.num_blocks = cache.num_blocks

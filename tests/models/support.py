@@ -66,7 +66,7 @@ def make_checkpoint(path, family: str, seed: int = 0, **overrides):
 
 def run_alone(llm, prompt, steps):
     """Logits of a prompt's prefill (at its last token) and of `steps` decode tokens."""
-    alloc = BlockAllocator(llm.model.cache) if llm.paged else None
+    alloc = BlockAllocator(llm.cache_layout) if llm.paged else None
     n = len(prompt)
 
     def table(positions):
@@ -83,7 +83,7 @@ def run_alone(llm, prompt, steps):
 
 def run_batched(llm, prompts, steps):
     """The same, for all prompts at once: a right-padded prefill, then batched decode."""
-    alloc = BlockAllocator(llm.model.cache) if llm.paged else None
+    alloc = BlockAllocator(llm.cache_layout) if llm.paged else None
     lens = [len(p) for p in prompts]
     T = max(lens)
     tokens = torch.zeros(len(prompts), T, dtype=torch.long)
@@ -97,7 +97,7 @@ def run_batched(llm, prompts, steps):
             alloc.reserve(i, n)
         return alloc.block_table(list(range(len(prompts))), width)
 
-    width = -(-T // llm.model.cache.block_size) if llm.paged else None
+    width = -(-T // llm.cache_layout.block_size) if llm.paged else None
     logits = llm.forward(tokens, torch.arange(T), table(lens, width))
     out = [[logits[i, n - 1]] for i, n in enumerate(lens)]
     for j in range(steps.shape[1]):

@@ -94,6 +94,19 @@ def test_greedy_tokens_match_transformers(checkpoint, llm):
     assert [g.ids for g in both] == [ref, _greedy_reference(hf_model, other)]
 
 
+def test_saved_llm_generates_the_same_tokens(checkpoint, llm, tmp_path):
+    """The MoE model's config (DeepseekV3Config) and its latent cache survive a save."""
+    import kiln.models
+
+    llm.save(tmp_path / "dsv3.kiln")
+    loaded = kiln.models.load(tmp_path / "dsv3.kiln")
+    prompt = torch.randint(3, CONFIG["vocab_size"], (7,),
+                           generator=torch.Generator().manual_seed(1)).tolist()
+    assert loaded.cfg == llm.cfg
+    assert loaded.generate(prompt, max_new_tokens=16, ignore_eos=True).ids == \
+        _greedy_reference(checkpoint[1], prompt)
+
+
 def _weights_read(compiled) -> set[str]:
     """The parameters and buffers a compiled module's kernels read."""
     plan = compiled.plan

@@ -98,3 +98,17 @@ def test_cuda_graph_decode_gives_graph_free_tokens(paged, checkpoints):
             assert set(llm.decode_module._graphs.graphs) and len(
                 llm.decode_module._graphs.graphs) <= len(llm.buckets)
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_saved_llm_on_cuda_generates_the_same_tokens(paged, gpu_llms, tmp_path):
+    """A saved GPU LLM loads its kernel binaries (nothing compiled), captures its decode
+    graphs again and decodes exactly as the LLM it was saved from."""
+    llm = gpu_llms("llama3.1", torch.bfloat16, paged)
+    llm.save(tmp_path / "llm.kiln")
+    loaded = kiln.models.load(tmp_path / "llm.kiln")
+    assert loaded.target == llm.target and loaded.cuda_graphs and loaded.paged == paged
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+    assert [g.ids for g in loaded.generate(prompts, max_new_tokens=12, ignore_eos=True)] == \
+        [g.ids for g in llm.generate(prompts, max_new_tokens=12, ignore_eos=True)]
+    assert loaded.load_s < llm.load_s

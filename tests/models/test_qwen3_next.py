@@ -95,6 +95,23 @@ def test_greedy_generation_matches_transformers(checkpoint, llm):
     assert ours.ids == ref
 
 
+def test_saved_llm_generates_the_same_tokens(checkpoint, llm, tmp_path):
+    """The linear-attention state (and seq_lens in prefill) survive a save and a load."""
+    import kiln.models
+
+    llm.save(tmp_path / "qwen3next.kiln")
+    loaded = kiln.models.load(tmp_path / "qwen3next.kiln")
+    assert loaded.needs_seq_lens and loaded.cfg == llm.cfg
+    state = [n for n in loaded.decode_module.state if n.endswith(".recurrent")]
+    assert state and loaded.prefill_module.state[state[0]] is loaded.decode_module.state[state[0]]
+    prompts = [torch.randint(3, VOCAB, (n,)).tolist() for n in (9, 4)]
+    ours = loaded.generate(prompts, max_new_tokens=8, ignore_eos=True)
+    assert [g.ids for g in ours] == \
+        [g.ids for g in llm.generate(prompts, max_new_tokens=8, ignore_eos=True)]
+    ref = checkpoint[1].generate(torch.tensor([prompts[0]]), max_new_tokens=8, do_sample=False)
+    assert ours[0].ids == ref[0, len(prompts[0]):].tolist()
+
+
 def test_a_batch_of_different_lengths_matches_each_prompt_alone(checkpoint, llm):
     _, hf_model = checkpoint
     prompts = [torch.randint(3, VOCAB, (n,)).tolist() for n in (11, 4)]
