@@ -29,12 +29,12 @@ from safetensors import safe_open
 from kiln.errors import CheckpointError, ShapeError
 from kiln.models import hf
 from kiln.models.deepseek_v3 import ROPE_TYPES, DeepseekV3, DeepseekV3Config
+from kiln.models.moe import checkpoint_slot
 from kiln.progress import progress
 
 log = logging.getLogger("kiln.models")
 
 SCALE_SUFFIX = "_scale_inv"
-EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 FP32_SUFFIXES = ("e_score_correction_bias",)
 
 
@@ -128,8 +128,9 @@ def _target(name: str, cfg: DeepseekV3Config) -> tuple[str, int | None] | None:
         return None
     if parts[:2] == ["model", "layers"] and int(parts[2]) >= cfg.n_layers:
         return None  # multi-token prediction
-    if len(parts) == 8 and parts[3:5] == ["mlp", "experts"] and parts[6] in EXPERT_WEIGHTS:
-        return ".".join(parts[:5] + [parts[6]]), int(parts[5])
+    stacked = checkpoint_slot(name)
+    if stacked is not None:
+        return stacked
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None
     return name, None
@@ -183,24 +184,15 @@ def tensor_map(model: DeepseekV3, found: dict) -> dict[str, tuple[str, int | Non
 
 def _place(model: nn.Module, name: str, slot: int | None, t: torch.Tensor,
            dtype: torch.dtype, device) -> None:
-    owner, _, attr = name.rpartition(".")
-    module = model.get_submodule(owner)
-    current = getattr(module, attr)
     if name.endswith(FP32_SUFFIXES):
         dtype = torch.float32
-    if slot is None:
-        t = t.to(device=device, dtype=dtype)
-        if isinstance(current, nn.Parameter):
-            setattr(module, attr, nn.Parameter(t, requires_grad=False))
-        else:
-            setattr(module, attr, t)
-        return
-    if current.is_meta:  # the stacked experts' first slot: allocate them all
-        current = nn.Parameter(torch.empty(current.shape, dtype=dtype, device=device),
-                               requires_grad=False)
-        setattr(module, attr, current)
-    with torch.no_grad():
-        current[slot].copy_(t)
+    t = t.to(device=device, dtype=dtype)
+    owner, _, attr = name.rpartition(".")
+    module = model.get_submodule(owner)
+    if slot is None and not isinstance(getattr(module, attr), nn.Parameter):
+        setattr(module, attr, t)  # a buffer (the router's score correction)
+    else:
+        hf.place(model, name, slot, t)
 
 
 def load_weights(model: DeepseekV3, files: list[Path], dtype: torch.dtype, device,
