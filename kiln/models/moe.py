@@ -20,11 +20,13 @@ static shapes, so the experts run in one of three static-shape forms (`form`):
   expert runs once over its contiguous rows. On a GPU target that is kiln's grouped
   GEMM kernel (every expert in one launch, each expert's weights read once per tile
   of its rows, the routing done on the device); elsewhere the op's PyTorch form.
-- "gathered" (tiny decode batches): w[ids] gathers each token's chosen experts'
-  weights, [N, k, I, dim], and runs them as batched matmuls. It reads only the chosen
-  experts' bytes, which is what decode is bound by (V3: 8 of 256 experts, 0.7 of
-  22.5 GB per layer in bf16), but copies N * k experts' weights, once per token that
-  chose one: right for a few rows only.
+- "gathered" (tiny decode batches): each token's chosen experts' weights are read
+  through the ids, w[ids] [N, k, I, dim], inside a multiply and a sum over each
+  weight row (kiln compiles each product to one reduction kernel that reads every
+  row at its expert's offset: no copy of the weights, no matmul). It reads only the
+  chosen experts' bytes, which is what decode is bound by (V3: 8 of 256 experts, 0.7
+  of 22.5 GB per layer in bf16; Qwen3-Next: 10 of 512, 63 MB of 3.2 GB), but once
+  per token that chose an expert: right for a few rows only.
 - "dense": every expert runs on every token and a [N, E] matrix that is zero outside
   the chosen experts combines them: E / k times the routed flops (32x for V3) and
   every expert read. A reference for tests.
@@ -115,11 +117,19 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, intermediate))
 
     def gathered(self, x, weights, ids):
-        """x [N, dim], weights/ids [N, k]: only the chosen experts' weights are read."""
-        h = F.silu(torch.einsum("nd,nkid->nki", x, self.gate_proj[ids]))
-        h = h * torch.einsum("nd,nkid->nki", x, self.up_proj[ids])
-        y = torch.einsum("nki,nkdi->nkd", h, self.down_proj[ids])
-        return (y.float() * weights[:, :, None]).sum(1).to(x.dtype)
+        """x [N, dim], weights/ids [N, k]: only the chosen experts' weights are read.
+
+        Each product is a multiply and a sum over the weight's rows read through the
+        ids, in fp32, not a matmul of w[ids]: kiln fuses the gather into the sum's
+        reduction kernel (every weight row read once, at its expert's offset), where a
+        matmul would first copy the chosen experts' weights (read, write, read again).
+        Eager PyTorch materialises the gathered rows either way."""
+        xf = x.float()[:, None, None, :]  # [N, 1, 1, dim]
+        g = (xf * self.gate_proj[ids].float()).sum(-1)  # [N, k, I]
+        u = (xf * self.up_proj[ids].float()).sum(-1)
+        h = (F.silu(g) * u).to(x.dtype).float()  # rounded where a matmul's output would be
+        y = (h[:, :, None, :] * self.down_proj[ids].float()).sum(-1)  # [N, k, dim]
+        return (y * weights[:, :, None]).sum(1).to(x.dtype)
 
     def grouped(self, x, weights, ids):
         """The pairs sorted by expert, each expert once over its rows (kiln.ops)."""

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kiln.errors import ArgumentError, CheckpointError, KilnError, ShapeError
+from kiln.ir.plan import RegionKind
 from kiln.models.hf import config_from_hf, read_json
 from kiln.models.qwen3_next import Qwen3NextConfig
 from tests.helpers import rel_err
@@ -123,6 +124,11 @@ def test_compiled_prefill_groups_the_experts_and_small_decode_gathers_them(llm):
                 if op.target == "kiln.moe_experts.default"]
 
     assert len(moe_ops(llm.prefill_module)) == 1 and not moe_ops(llm.decode_module)
+    # gathered: each expert weight read through the ids inside its product's sum (a
+    # reduction region), never copied out first
+    reads = [r.kind for r in llm.decode_module.plan.regions for op in r.ops
+             if op.target == "aten.index.Tensor" and "_mlp_experts_" in op.args[0].name]
+    assert reads == [RegionKind.REDUCTION] * 3, reads
     mlp = llm.model.model.layers[0].mlp
     assert mlp.decode_batch == 2 and mlp.form_for(object(), 1) == "gathered"
     symbolic = object()  # a traced batch: not an int
