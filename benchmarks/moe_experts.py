@@ -9,8 +9,8 @@ random (routing weights random, fp32). Timed per N:
   --tune says): the module call, and its kernel launched alone;
 - torch sorted: the op's PyTorch form (argsort by expert, one matmul chain per expert
   over its rows, each token's rows summed), what eager grouped MoE code runs;
-- torch gathered: kiln.models.moe's gathered form (each token's chosen experts'
-  weights copied, batched matmuls), where the copies fit in --gather-gb;
+- torch gathered: each token's chosen experts' weights copied (w[ids]) and run as
+  batched matmuls, eager's fastest gathered form, where the copies fit in --gather-gb;
 - torch dense: every expert on every token, zero-weighted off the choice (its
   [N, 256, 2048] activations), where they fit in --dense-gb.
 

@@ -46,7 +46,7 @@ import kiln.ops
 from kiln.errors import KilnError, ShapeError
 from kiln.models.kv_cache import ContiguousLatentCache, PagedLatentCache
 from kiln.models.llama import MLP, RMSNorm, attention_mask
-from kiln.models.moe import FORMS, MLPSizes, MoE
+from kiln.models.moe import MLPSizes, MoE, set_decode_batch, use_expert_form
 
 ROPE_TYPES = ("default", "yarn")
 
@@ -366,13 +366,9 @@ class DeepseekV3(nn.Module):
         if attention not in ("auto", "absorbed", "expanded"):
             raise KilnError(f"unknown attention form {attention!r}",
                             hint="auto, absorbed or expanded")
-        if experts not in FORMS:
-            raise KilnError(f"unknown experts form {experts!r}",
-                            hint="auto, grouped, gathered or dense")
+        use_expert_form(self, experts)
         for layer in self.model.layers:
             layer.self_attn.form = attention
-            if isinstance(layer.mlp, MoE):
-                layer.mlp.form = experts
 
     @property
     def cache(self) -> ContiguousLatentCache | PagedLatentCache | None:
@@ -386,9 +382,8 @@ class DeepseekV3(nn.Module):
         dtype = dtype or self.lm_head.weight.dtype
         device = self.lm_head.weight.device
         cfg = self.cfg
+        set_decode_batch(self, max_batch_size)
         for layer in self.model.layers:
-            if isinstance(layer.mlp, MoE):
-                layer.mlp.decode_batch = max_batch_size
             if paged:
                 cache = PagedLatentCache(cfg.max_seq_len, cfg.latent_dim, max_batch_size,
                                          block_size, num_blocks, dtype)

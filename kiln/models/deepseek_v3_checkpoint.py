@@ -37,12 +37,12 @@ from kiln.errors import CheckpointError, ShapeError
 from kiln.models import hf
 from kiln.models.deepseek_v3 import ROPE_TYPES, DeepseekV3, DeepseekV3Config
 from kiln.models.fp8 import is_fp8_checkpoint, keeps_fp8, use_fp8_layout
+from kiln.models.moe import checkpoint_slot
 from kiln.progress import progress
 
 log = logging.getLogger("kiln.models")
 
 SCALE_SUFFIX = "_scale_inv"
-EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 FP32_SUFFIXES = ("e_score_correction_bias",)
 
 
@@ -137,8 +137,9 @@ def _target(name: str, cfg: DeepseekV3Config) -> tuple[str, int | None] | None:
         return None
     if parts[:2] == ["model", "layers"] and int(parts[2]) >= cfg.n_layers:
         return None  # multi-token prediction
-    if len(parts) == 8 and parts[3:5] == ["mlp", "experts"] and parts[6] in EXPERT_WEIGHTS:
-        return ".".join(parts[:5] + [parts[6]]), int(parts[5])
+    stacked = checkpoint_slot(name)
+    if stacked is not None:
+        return stacked
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None
     return name, None
@@ -217,19 +218,11 @@ def _place(model: nn.Module, name: str, slot: int | None, t: torch.Tensor,
         dtype = current.dtype
     elif name.endswith(FP32_SUFFIXES) or name.endswith(SCALE_SUFFIX):
         dtype = torch.float32
-    if slot is None:
-        t = t.to(device=device, dtype=dtype)
-        if isinstance(current, nn.Parameter):
-            setattr(module, attr, nn.Parameter(t, requires_grad=False))
-        else:
-            setattr(module, attr, t)
-        return
-    if current.is_meta:  # the stacked experts' first slot: allocate them all
-        current = nn.Parameter(torch.empty(current.shape, dtype=dtype, device=device),
-                               requires_grad=False)
-        setattr(module, attr, current)
-    with torch.no_grad():
-        current[slot].copy_(t)
+    t = t.to(device=device, dtype=dtype)
+    if slot is None and not isinstance(current, nn.Parameter):
+        setattr(module, attr, t)  # a buffer (the router's score correction)
+    else:
+        hf.place(model, name, slot, t)
 
 
 def _read(n: str, t: torch.Tensor, dest: str, model: nn.Module, found: dict, opened,

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from kiln.errors import CheckpointError, KilnError, ShapeError
 from kiln.models import fp8
 from kiln.models.llama import ROPE_TYPES, Llama, LlamaConfig
+from kiln.models.moe import EXPERT_WEIGHTS, Experts, checkpoint_slot
 from kiln.models.qwen3_next import Qwen3Next, Qwen3NextConfig
 from kiln.progress import progress
 
@@ -253,21 +254,35 @@ def read_headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
     return found
 
 
-def check_tensors(model: nn.Module, found: dict) -> list[str]:
-    """The names to load; raises for a missing tensor or a wrong shape."""
+def check_tensors(model: nn.Module, found: dict) -> dict[str, tuple[str, int | None]]:
+    """checkpoint name -> (the model parameter it fills, the expert's slot when that is
+    a stacked Experts tensor, else None); raises for a missing tensor, a wrong shape or
+    one the model lacks."""
     want = {n: tuple(p.shape) for n, p in model.named_parameters()}  # tied ones once
-    missing = [n for n in want if n not in found]
+    stacked = {f"{name}.{w}" for name, m in model.named_modules() if isinstance(m, Experts)
+               for w in EXPERT_WEIGHTS}
+    expected = {(n, None) for n in want if n not in stacked}
+    expected |= {(n, e) for n in stacked for e in range(want[n][0])}
+    mapping = {}
+    for name in found:
+        target = checkpoint_slot(name) or (name, None)
+        if target in expected:
+            mapping[name] = target
+    missing = sorted(expected - set(mapping.values()), key=lambda t: (t[0], t[1] or 0))
     if missing:
+        names = [n if e is None else f"{n}[expert {e}]" for n, e in missing]
         raise CheckpointError(
-            f"{len(missing)} tensor(s) missing from the checkpoint: {', '.join(missing[:4])}"
-            + (" ..." if len(missing) > 4 else ""),
-            hint="the checkpoint does not match its config.json (layers, tied embeddings)")
-    for name, shape in want.items():
+            f"{len(names)} tensor(s) missing from the checkpoint: {', '.join(names[:4])}"
+            + (" ..." if len(names) > 4 else ""),
+            hint="the checkpoint does not match its config.json (layers, tied embeddings, "
+            "experts)")
+    for name, (dest, slot) in mapping.items():
         f, got = found[name]
+        shape = want[dest] if slot is None else want[dest][1:]
         if got != shape:
             raise ShapeError(f"tensor {name} in {f.name} has shape {list(got)}, config.json "
                              f"implies {list(shape)}", where=str(f))
-    extra = [n for n in found if n not in want and not n.endswith(IGNORED_SUFFIXES)
+    extra = [n for n in found if n not in mapping and not n.endswith(IGNORED_SUFFIXES)
              and not n.startswith(IGNORED_PREFIXES)
              and not (n == "lm_head.weight" and model.cfg.tie_word_embeddings)]
     if extra:
@@ -275,12 +290,25 @@ def check_tensors(model: nn.Module, found: dict) -> list[str]:
             f"the checkpoint has {len(extra)} tensor(s) the model lacks: "
             f"{', '.join(extra[:4])}" + (" ..." if len(extra) > 4 else ""),
             hint="config.json does not describe this checkpoint (layer count, biases?)")
-    return list(want)
+    return mapping
 
 
-def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+def place(model: nn.Module, name: str, slot: int | None, tensor: torch.Tensor) -> None:
+    """Make `tensor` the parameter `name` of `model`, or, with a slot, copy it into that
+    expert's slot of the stacked parameter (allocated, in tensor's dtype and device,
+    when its first expert arrives)."""
     owner, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(owner), attr, nn.Parameter(tensor, requires_grad=False))
+    module = model.get_submodule(owner)
+    if slot is None:
+        setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+        return
+    current = getattr(module, attr)
+    if current.is_meta:
+        current = nn.Parameter(torch.empty(current.shape, dtype=tensor.dtype,
+                                           device=tensor.device), requires_grad=False)
+        setattr(module, attr, current)
+    with torch.no_grad():
+        current[slot].copy_(tensor)
 
 
 def _dtype_of(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
@@ -294,9 +322,9 @@ def _dtype_of(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
 def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device) -> None:
     """Read every tensor of the checkpoint into `model` (built on the meta device)."""
     found = read_headers(files)
-    names = check_tensors(model, found)
+    mapping = check_tensors(model, found)
     by_file: dict[Path, list[str]] = {}
-    for n in names:
+    for n in mapping:
         by_file.setdefault(found[n][0], []).append(n)
     total = sum(f.stat().st_size for f in by_file)
     with progress(total=total, desc="loading weights", unit="B", unit_scale=True) as bar:
@@ -307,8 +335,8 @@ def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device
                     bar.update(t.nbytes)
                     # copy=True: safetensors' tensors sit at unaligned addresses, and CPU
                     # BLAS rounds differently there than on torch's aligned memory
-                    _assign(model, n, t.to(device=device, dtype=_dtype_of(n, t, dtype),
-                                           copy=True))
+                    place(model, *mapping[n], t.to(device=device, dtype=_dtype_of(n, t, dtype),
+                                                   copy=True))
                     del t
     model.tie_weights()
 
@@ -318,29 +346,47 @@ def read_parts(model: nn.Module, files: list[Path], wanted: dict, dtype: torch.d
     """The tensors a rank of a multi-device plan holds, read from the checkpoint: for
     each state name in `wanted`, `(axis, [(start, end), ...])` reads only those ranges
     of that axis (this rank's slices, via safetensors' lazy slices), None the whole
-    tensor. Never reads the whole model into one process."""
+    tensor. Never reads the whole model into one process. A stacked Experts tensor is
+    read expert by expert (axis 0 picks experts; another axis cuts each)."""
     found = read_headers(files)
-    check_tensors(model, found)
-    tied = {n: "model.embed_tokens.weight" for n in ("lm_head.weight",)
-            if getattr(model.cfg, "tie_word_embeddings", False)}
+    sources: dict[str, list[tuple[int | None, str]]] = {}  # model name -> its pieces
+    for name, (dest, slot) in check_tensors(model, found).items():
+        sources.setdefault(dest, []).append((slot, name))
+    if getattr(model.cfg, "tie_word_embeddings", False):
+        sources["lm_head.weight"] = sources["model.embed_tokens.weight"]
     out: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name in wanted:
-        by_file.setdefault(found[tied.get(name, name)][0], []).append(name)
-    for f, names in by_file.items():
-        with reading(f), safe_open(str(f), framework="pt") as st:
-            for name in names:
-                part = st.get_slice(tied.get(name, name))
-                cut = wanted[name]
-                if cut is None:
-                    t = part[:]
-                else:
-                    axis, ranges = cut
-                    lead = (slice(None),) * axis
-                    pieces = [part[(*lead, slice(a, b))] for a, b in ranges]
-                    t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, axis)
-                out[name] = t.to(device=device, dtype=dtype).contiguous()
+    with contextlib.ExitStack() as stack:
+        handles = {}
+
+        def read(name: str, cut):
+            f = found[name][0]
+            if f not in handles:
+                handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
+            with reading(f):
+                return _read_cut(handles[f].get_slice(name), cut)
+
+        for name, cut in wanted.items():
+            pieces = sorted(sources[name], key=lambda p: p[0] or 0)
+            if pieces[0][0] is None:
+                t = read(pieces[0][1], cut)
+            elif cut is not None and cut[0] == 0:  # these experts, whole
+                chosen = [pieces[e][1] for a, b in cut[1] for e in range(a, b)]
+                t = torch.stack([read(n, None) for n in chosen])
+            else:
+                inner = None if cut is None else (cut[0] - 1, cut[1])
+                t = torch.stack([read(n, inner) for _, n in pieces])
+            out[name] = t.to(device=device, dtype=dtype).contiguous()
     return out
+
+
+def _read_cut(part, cut) -> torch.Tensor:
+    """A safetensors slice read whole (cut None) or at (axis, [(start, end), ...])."""
+    if cut is None:
+        return part[:]
+    axis, ranges = cut
+    lead = (slice(None),) * axis
+    pieces = [part[(*lead, slice(a, b))] for a, b in ranges]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, axis)
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
-"""DeepSeek-V3's mixture of experts: a group-limited sigmoid router, routed experts
-and shared experts, with static shapes so torch.export can capture it.
+"""Routed experts in static-shape forms torch.export can capture, and DeepSeek-V3's
+mixture of experts (a group-limited sigmoid router, routed experts, shared experts).
+Qwen3-Next's MoE (qwen3_next.py) routes its own way and runs the same experts.
 
 Routing (per token, in fp32 as the reference does):
   scores = sigmoid(x @ W_gate^T)                          [E]
@@ -19,11 +20,13 @@ static shapes, so the experts run in one of three static-shape forms (`form`):
   expert runs once over its contiguous rows. On a GPU target that is kiln's grouped
   GEMM kernel (every expert in one launch, each expert's weights read once per tile
   of its rows, the routing done on the device); elsewhere the op's PyTorch form.
-- "gathered" (tiny decode batches): w[ids] gathers each token's chosen experts'
-  weights, [N, k, I, dim], and runs them as batched matmuls. It reads only the chosen
-  experts' bytes, which is what decode is bound by (V3: 8 of 256 experts, 0.7 of
-  22.5 GB per layer in bf16), but copies N * k experts' weights, once per token that
-  chose one: right for a few rows only.
+- "gathered" (tiny decode batches): each token's chosen experts' weights are read
+  through the ids, w[ids] [N, k, I, dim], inside a multiply and a sum over each
+  weight row (kiln compiles each product to one reduction kernel that reads every
+  row at its expert's offset: no copy of the weights, no matmul). It reads only the
+  chosen experts' bytes, which is what decode is bound by (V3: 8 of 256 experts, 0.7
+  of 22.5 GB per layer in bf16; Qwen3-Next: 10 of 512, 63 MB of 3.2 GB), but once
+  per token that chose an expert: right for a few rows only.
 - "dense": every expert runs on every token and a [N, E] matrix that is zero outside
   the chosen experts combines them: E / k times the routed flops (32x for V3) and
   every expert read. A reference for tests.
@@ -32,6 +35,10 @@ static shapes, so the experts run in one of three static-shape forms (`form`):
 GATHERED_MAX_ROWS rows, grouped otherwise. A decode module compiled for a dynamic
 batch does not know its rows when traced: it goes by `decode_batch`, the most rows a
 step can have (the model's setup_cache sets it to the cache's max batch).
+
+Checkpoints in Hugging Face's layout store one tensor per expert
+(model.layers.L.mlp.experts.E.gate_proj.weight); `checkpoint_slot` says which stacked
+tensor and slot each fills, for every loader.
 """
 
 from __future__ import annotations
@@ -43,10 +50,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kiln.ops
+from kiln.errors import KilnError
 from kiln.models.llama import MLP
 
 GATHERED_MAX_ROWS = 4  # decode steps of at most this many rows use the gathered form
 FORMS = ("auto", "grouped", "gathered", "dense")
+EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -87,22 +96,40 @@ class Router(nn.Module):
         return weights * cfg.routed_scaling_factor, ids
 
 
+def checkpoint_slot(name: str) -> tuple[str, int] | None:
+    """(the stacked Experts tensor, the expert's slot) that a checkpoint's per-expert
+    tensor model.layers.L.mlp.experts.E.<gate|up|down>_proj.weight fills; None for
+    any other name."""
+    parts = name.split(".")
+    if (len(parts) == 8 and parts[:2] == ["model", "layers"] and parts[3:5] == ["mlp", "experts"]
+            and parts[5].isdigit() and parts[6] in EXPERT_WEIGHTS and parts[7] == "weight"):
+        return ".".join(parts[:5] + [parts[6]]), int(parts[5])
+    return None
+
+
 class Experts(nn.Module):
     """The routed experts' SwiGLU weights stacked: gate/up [E, I, dim], down [E, dim, I]."""
 
-    def __init__(self, cfg):
+    def __init__(self, n_experts: int, intermediate: int, dim: int):
         super().__init__()
-        E, inter, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.dim
-        self.gate_proj = nn.Parameter(torch.empty(E, inter, D))
-        self.up_proj = nn.Parameter(torch.empty(E, inter, D))
-        self.down_proj = nn.Parameter(torch.empty(E, D, inter))
+        self.gate_proj = nn.Parameter(torch.empty(n_experts, intermediate, dim))
+        self.up_proj = nn.Parameter(torch.empty(n_experts, intermediate, dim))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, dim, intermediate))
 
     def gathered(self, x, weights, ids):
-        """x [N, dim], weights/ids [N, k]: only the chosen experts' weights are read."""
-        h = F.silu(torch.einsum("nd,nkid->nki", x, self.gate_proj[ids]))
-        h = h * torch.einsum("nd,nkid->nki", x, self.up_proj[ids])
-        y = torch.einsum("nki,nkdi->nkd", h, self.down_proj[ids])
-        return (y.float() * weights[:, :, None]).sum(1).to(x.dtype)
+        """x [N, dim], weights/ids [N, k]: only the chosen experts' weights are read.
+
+        Each product is a multiply and a sum over the weight's rows read through the
+        ids, in fp32, not a matmul of w[ids]: kiln fuses the gather into the sum's
+        reduction kernel (every weight row read once, at its expert's offset), where a
+        matmul would first copy the chosen experts' weights (read, write, read again).
+        Eager PyTorch materialises the gathered rows either way."""
+        xf = x.float()[:, None, None, :]  # [N, 1, 1, dim]
+        g = (xf * self.gate_proj[ids].float()).sum(-1)  # [N, k, I]
+        u = (xf * self.up_proj[ids].float()).sum(-1)
+        h = (F.silu(g) * u).to(x.dtype).float()  # rounded where a matmul's output would be
+        y = (h[:, :, None, :] * self.down_proj[ids].float()).sum(-1)  # [N, k, dim]
+        return (y * weights[:, :, None]).sum(1).to(x.dtype)
 
     def grouped(self, x, weights, ids):
         """The pairs sorted by expert, each expert once over its rows (kiln.ops)."""
@@ -119,24 +146,18 @@ class Experts(nn.Module):
         return (y.float() * combine[:, :, None]).sum(1).to(x.dtype)
 
 
-class MoE(nn.Module):
-    """HF's DeepseekV3MoE: router, routed experts, shared experts."""
+class RoutedMoE(nn.Module):
+    """What every routed MoE shares: an `experts` (Experts, set by the subclass) run in
+    the form `form` asks for, "auto" choosing by the call's rows and tokens."""
 
-    def __init__(self, cfg):
+    def __init__(self):
         super().__init__()
         self.form = "auto"
         self.decode_batch = 1  # the most rows a decode step routes (setup_cache sets it)
-        self.gate = Router(cfg)
-        self.experts = Experts(cfg)
-        self.shared_experts = MLP(MLPSizes(cfg.dim,
-                                            cfg.moe_intermediate_size * cfg.n_shared_experts))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, D = x.shape
-        flat = x.reshape(B * T, D)
-        weights, ids = self.gate(flat)
-        run = getattr(self.experts, self.form_for(B, T))
-        return run(flat, weights, ids).view(B, T, D) + self.shared_experts(x)
+    def run_experts(self, flat, weights, ids, B, T) -> torch.Tensor:
+        """flat [B * T, dim], weights [B * T, k] fp32, ids [B * T, k] -> [B * T, dim]."""
+        return getattr(self.experts, self.form_for(B, T))(flat, weights, ids)
 
     def form_for(self, B, T) -> str:
         """The experts' form for a call of B rows of T tokens. Under torch.export a
@@ -147,3 +168,37 @@ class MoE(nn.Module):
         decode = isinstance(T, int) and T == 1
         rows = B if isinstance(B, int) else self.decode_batch
         return "gathered" if decode and rows <= GATHERED_MAX_ROWS else "grouped"
+
+
+def use_expert_form(model: nn.Module, form: str) -> None:
+    """Run every RoutedMoE of `model` in `form` (FORMS; tests compare them)."""
+    if form not in FORMS:
+        raise KilnError(f"unknown experts form {form!r}", hint=", ".join(FORMS))
+    for m in model.modules():
+        if isinstance(m, RoutedMoE):
+            m.form = form
+
+
+def set_decode_batch(model: nn.Module, rows: int) -> None:
+    """Tell every RoutedMoE of `model` the most rows a decode step routes (the cache's
+    max batch): auto's choice for a decode module with a dynamic batch."""
+    for m in model.modules():
+        if isinstance(m, RoutedMoE):
+            m.decode_batch = rows
+
+
+class MoE(RoutedMoE):
+    """HF's DeepseekV3MoE: router, routed experts, shared experts."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.dim)
+        self.shared_experts = MLP(MLPSizes(cfg.dim,
+                                            cfg.moe_intermediate_size * cfg.n_shared_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        flat = x.reshape(B * T, D)
+        weights, ids = self.gate(flat)
+        return self.run_experts(flat, weights, ids, B, T).view(B, T, D) + self.shared_experts(x)

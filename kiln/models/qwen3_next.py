@@ -27,12 +27,14 @@ ignores and which must not advance the recurrent state, so the linear layers giv
 them no decay and no update (beta = 0) and keep the convolution inputs of the last
 real token.
 
-The MoE is computed densely: every token runs every expert, and the routing weights
-(zero off each token's top k) scale the hidden activations before the down
-projection. That is three matmuls against all experts' weights concatenated (kiln
-folds the concatenation into one weight at compile time), with no data-dependent
-sizes for torch.export, at num_experts / top_k times the expert FLOPs of a sparse
-dispatch. It is right for tiny models and the CPU, not for the 512-expert original.
+The MoE routes as Hugging Face's Qwen3NextSparseMoeBlock does (softmax over every
+expert, the top k, renormalised with norm_topk_prob) and runs the chosen experts in
+one of kiln.models.moe's static-shape forms: "grouped" (kiln.ops.moe_experts: the
+pairs sorted by expert, each expert once over its rows) for prefill and decode
+batches over 4, "gathered" (only the chosen experts' weights read) for smaller decode
+steps, "dense" (every expert on every token) as a reference. The routed experts'
+weights are stacked per layer ([n_experts, ...] tensors); the loader (hf.py) fills
+each slot from the checkpoint's per-expert tensors.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import kiln.ops
 from kiln.errors import ArgumentError, CheckpointError
 from kiln.models.kv_cache import ContiguousKVCache, LinearAttentionState
 from kiln.models.llama import attention_mask, rotate_half
+from kiln.models.moe import Experts, RoutedMoE, set_decode_batch, use_expert_form
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -314,39 +317,35 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class SparseMoE(nn.Module):
-    """Top-k routed experts plus a gated shared expert (dense formulation: see the top)."""
+class SparseMoE(RoutedMoE):
+    """HF's Qwen3NextSparseMoeBlock: top-k routed experts (forms: see the top) plus a
+    shared expert scaled by a sigmoid gate."""
 
     def __init__(self, cfg: Qwen3NextConfig):
         super().__init__()
         self.cfg = cfg
         self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)  # the router
-        self.experts = nn.ModuleList(MLP(cfg.dim, cfg.moe_intermediate_size)
-                                     for _ in range(cfg.n_experts))
+        self.experts = Experts(cfg.n_experts, cfg.moe_intermediate_size, cfg.dim)
         self.shared_expert = MLP(cfg.dim, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.dim, 1, bias=False)
 
-    def routing(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, E]: each token's weight for each expert, zero off its top k."""
+    def routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, dim] -> (weights [N, k] fp32, expert ids [N, k]): softmax in fp32 over
+        the router's logits (in x's dtype), the top k, renormalised to sum 1 with
+        norm_topk_prob, then rounded to x's dtype as the reference does."""
         c = self.cfg
-        probs = F.softmax(self.gate(x).float(), dim=-1)
-        top, chosen = probs.topk(c.experts_per_token, dim=-1)
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, ids = probs.topk(c.experts_per_token, dim=-1)
         if c.norm_topk_prob:
-            top = top / top.sum(-1, keepdim=True)
-        experts = torch.arange(c.n_experts, device=x.device)
-        return ((chosen[..., None] == experts) * top[..., None]).sum(1).to(x.dtype)
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights.to(x.dtype).float(), ids
 
     def forward(self, x):
         B, T, D = x.shape
-        x = x.reshape(B * T, D)
-        weights = self.routing(x)
-        gate_w = torch.cat([e.gate_proj.weight for e in self.experts])  # [E * I, D]
-        up_w = torch.cat([e.up_proj.weight for e in self.experts])
-        down_w = torch.cat([e.down_proj.weight for e in self.experts], dim=1)  # [D, E * I]
-        h = F.silu(F.linear(x, gate_w)) * F.linear(x, up_w)
-        h = (h.view(B * T, self.cfg.n_experts, -1) * weights[:, :, None]).view(B * T, -1)
-        routed = F.linear(h, down_w)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        flat = x.reshape(B * T, D)
+        weights, ids = self.routing(flat)
+        routed = self.run_experts(flat, weights, ids, B, T)
+        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return (routed + shared).view(B, T, D)
 
 
@@ -404,6 +403,11 @@ class Qwen3Next(nn.Module):
         """(Re)compute the RoPE tables on `device`: after building on the meta device."""
         self.rope_cos, self.rope_sin = rope_tables(self.cfg, device)
 
+    def use_forms(self, experts: str = "auto") -> None:
+        """Run every MoE layer's experts in one form (tests compare them): "grouped" |
+        "gathered" | "dense" | "auto"."""
+        use_expert_form(self, experts)
+
     @property
     def cache(self) -> ContiguousKVCache | None:
         """The first attention layer's KV cache (all layers have one after setup_cache)."""
@@ -414,7 +418,8 @@ class Qwen3Next(nn.Module):
 
     def setup_cache(self, dtype: torch.dtype | None = None, *, max_batch_size: int = 1,
                     paged: bool = False, **_paged_options) -> None:
-        """A KV cache for each attention layer, a state for each linear one."""
+        """A KV cache for each attention layer, a state for each linear one; the MoE
+        layers learn the most rows a decode step can route (their form depends on it)."""
         if paged:
             raise ArgumentError("Qwen3-Next runs with the contiguous cache only",
                                 hint="load it with paged=False: its linear-attention "
@@ -422,6 +427,7 @@ class Qwen3Next(nn.Module):
         dtype = dtype or self.lm_head.weight.dtype
         device = self.lm_head.weight.device
         c = self.cfg
+        set_decode_batch(self, max_batch_size)
         for layer in self.model.layers:
             if layer.layer_type == "full_attention":
                 layer.self_attn.kv_cache = ContiguousKVCache(c, max_batch_size, dtype).to(device)

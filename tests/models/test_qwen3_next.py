@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.errors import ArgumentError, CheckpointError
+from kiln.errors import ArgumentError, CheckpointError, KilnError, ShapeError
+from kiln.ir.plan import RegionKind
 from kiln.models.hf import config_from_hf, read_json
 from kiln.models.qwen3_next import Qwen3NextConfig
 from tests.helpers import rel_err
@@ -66,7 +67,8 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint, llm):
 
 def test_interpret_target_runs_the_generated_gated_delta_kernel(checkpoint):
     """On a Triton target the op is kiln's own kernel (templates/gated_delta), read
-    through the model's views of its projections, in prefill and in decode."""
+    through the model's views of its projections, in prefill and in decode; the
+    prefill's experts are the grouped MoE kernel (templates/moe)."""
     import kiln.models
     from kiln.codegen.build.triton_kernel import TritonKernel
 
@@ -76,6 +78,10 @@ def test_interpret_target_runs_the_generated_gated_delta_kernel(checkpoint):
         kernels = [exe.program.kplan.kernels[r.name] for r in exe.program.plan.regions
                    if any(op.target == "kiln.gated_delta_rule.default" for op in r.ops)]
         assert kernels and all(isinstance(k, TritonKernel) for k in kernels)
+    pre = llm.prefill_module.program  # the prefill's experts: the grouped MoE kernel
+    moe = [pre.kplan.kernels[r.name] for r in pre.plan.regions
+           if any(op.target == "kiln.moe_experts.default" for op in r.ops)]
+    assert len(moe) == 1 and isinstance(moe[0], TritonKernel)
     tokens = torch.randint(0, VOCAB, (1, 19))
     with torch.no_grad():
         ref = hf_model(tokens).logits
@@ -83,6 +89,55 @@ def test_interpret_target_runs_the_generated_gated_delta_kernel(checkpoint):
     out += [llm.forward(tokens[:, p:p + 1], torch.tensor([p])) for p in (17, 18)]
     out = torch.cat(out, dim=1)
     assert rel_err(out, ref) <= 1e-4, rel_err(out, ref)
+
+
+def test_expert_forms_agree_and_auto_groups_prefill_and_gathers_decode(checkpoint):
+    from kiln.models.hf import load_checkpoint
+
+    model, _ = load_checkpoint(checkpoint[0], torch.float32, max_seq_len=32)
+    model.setup_cache()
+    tokens = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(3))
+
+    def run(prefill, decode):
+        """Logits of a 6-token prefill with experts in form `prefill`, 6 steps in `decode`."""
+        with torch.no_grad():
+            model.use_forms(prefill)
+            out = [model(tokens[:, :6], torch.arange(6))]
+            model.use_forms(decode)
+            out += [model(tokens[:, p:p + 1], torch.tensor([p])) for p in range(6, 12)]
+        return torch.cat(out, dim=1)
+
+    dense = run("dense", "dense")
+    assert rel_err(run("grouped", "grouped"), dense) <= 1e-5
+    assert rel_err(run("gathered", "gathered"), dense) <= 1e-5
+    assert torch.equal(run("auto", "auto"), run("grouped", "gathered"))
+    with pytest.raises(KilnError, match="unknown experts form 'sparse'"):
+        model.use_forms("sparse")
+
+
+def test_compiled_prefill_groups_the_experts_and_small_decode_gathers_them(llm):
+    """auto, as DeepSeek-V3's MoE: the prefill (dynamic T) runs kiln::moe_experts; a
+    decode module of at most four rows (this one: two) gathers the chosen experts'
+    weights; more rows group."""
+    def moe_ops(compiled):
+        return [op for r in compiled.plan.regions for op in r.ops
+                if op.target == "kiln.moe_experts.default"]
+
+    assert len(moe_ops(llm.prefill_module)) == 1 and not moe_ops(llm.decode_module)
+    # gathered: each expert weight read through the ids inside its product's sum (a
+    # reduction region), never copied out first
+    reads = [r.kind for r in llm.decode_module.plan.regions for op in r.ops
+             if op.target == "aten.index.Tensor" and "_mlp_experts_" in op.args[0].name]
+    assert reads == [RegionKind.REDUCTION] * 3, reads
+    mlp = llm.model.model.layers[0].mlp
+    assert mlp.decode_batch == 2 and mlp.form_for(object(), 1) == "gathered"
+    symbolic = object()  # a traced batch: not an int
+    mlp.decode_batch = 8
+    try:
+        assert mlp.form_for(symbolic, 1) == "grouped" and mlp.form_for(3, 1) == "gathered"
+        assert mlp.form_for(1, symbolic) == "grouped" and mlp.form_for(1, 5) == "grouped"
+    finally:
+        mlp.decode_batch = 2
 
 
 def test_greedy_generation_matches_transformers(checkpoint, llm):
@@ -124,7 +179,9 @@ def test_a_batch_of_different_lengths_matches_each_prompt_alone(checkpoint, llm)
 def test_config_decides_layers_and_feed_forward(checkpoint, llm):
     layers = llm.model.model.layers
     assert [layer.layer_type for layer in layers] == CONFIG["layer_types"]
-    assert len(layers[0].mlp.experts) == 4 and hasattr(layers[1].mlp, "gate_proj")
+    assert layers[0].mlp.experts.gate_proj.shape == (4, 32, 64)  # stacked per layer
+    assert layers[0].mlp.experts.down_proj.shape == (4, 64, 32)
+    assert hasattr(layers[1].mlp, "gate_proj")
     state = layers[0].linear_attn.state
     assert state.recurrent.shape == (2, 4, 16, 8) and state.recurrent.dtype == torch.float32
     assert state.conv.shape == (2, 3, 2 * 32 + 32)
@@ -146,11 +203,50 @@ def test_bad_config_and_paged_cache_are_refused(checkpoint, llm):
 def test_multi_token_prediction_weights_are_skipped_unknown_ones_refused(llm, tmp_path):
     from kiln.models.hf import check_tensors
 
-    found = {n: (tmp_path / "model.safetensors", tuple(p.shape))
-             for n, p in llm.model.named_parameters()}
-    found["mtp.fc.weight"] = (tmp_path / "model.safetensors", (64, 128))
-    assert sorted(check_tensors(llm.model, found)) == sorted(
-        n for n, _ in llm.model.named_parameters())
-    found["model.layers.0.linear_attn.extra.weight"] = (tmp_path / "model.safetensors", (4,))
+    f = tmp_path / "model.safetensors"
+    found = {n: (f, tuple(p.shape)) for n, p in llm.model.named_parameters()
+             if ".mlp.experts." not in n}
+    for e in range(4):  # one tensor per expert, as Hugging Face stores them
+        for w, shape in (("gate_proj", (32, 64)), ("up_proj", (32, 64)),
+                         ("down_proj", (64, 32))):
+            found[f"model.layers.0.mlp.experts.{e}.{w}.weight"] = (f, shape)
+    found["mtp.fc.weight"] = (f, (64, 128))
+    mapping = check_tensors(llm.model, found)
+    assert "mtp.fc.weight" not in mapping
+    assert mapping["model.layers.0.mlp.experts.3.down_proj.weight"] == (
+        "model.layers.0.mlp.experts.down_proj", 3)
+    assert {dest for dest, _ in mapping.values()} == {
+        n for n, _ in llm.model.named_parameters()}
+    found["model.layers.0.linear_attn.extra.weight"] = (f, (4,))
     with pytest.raises(CheckpointError, match="tensor\\(s\\) the model lacks"):
         check_tensors(llm.model, found)
+    del found["model.layers.0.linear_attn.extra.weight"]
+    found["model.layers.0.mlp.experts.4.up_proj.weight"] = (f, (32, 64))  # a fifth expert
+    with pytest.raises(CheckpointError, match="experts.4.up_proj"):
+        check_tensors(llm.model, found)
+    del found["model.layers.0.mlp.experts.4.up_proj.weight"]
+    del found["model.layers.0.mlp.experts.2.up_proj.weight"]
+    with pytest.raises(CheckpointError, match="missing .*up_proj\\[expert 2\\]"):
+        check_tensors(llm.model, found)
+    found["model.layers.0.mlp.experts.2.up_proj.weight"] = (f, (64, 32))
+    with pytest.raises(ShapeError, match="experts.2.up_proj.weight .* shape \\[64, 32\\]"):
+        check_tensors(llm.model, found)
+
+
+def test_a_rank_reads_its_parts_of_the_stacked_experts(checkpoint, llm):
+    """A multi-device plan's rank reads slices of a stacked Experts tensor expert by
+    expert: axis 0 picks experts, another axis cuts each expert's tensor."""
+    from kiln.models.hf import load_checkpoint, read_parts, weight_files
+
+    path = checkpoint[0]
+    meta, _ = load_checkpoint(path, torch.float32, weights=False)
+    experts = "model.layers.0.mlp.experts."
+    wanted = {experts + "gate_proj": (1, [(0, 8), (16, 24)]), experts + "up_proj": (0, [(1, 3)]),
+              experts + "down_proj": None, "lm_head.weight": (0, [(0, 10)])}
+    parts = read_parts(meta, weight_files(path), wanted, torch.float32, "cpu")
+    full = dict(llm.model.named_parameters(remove_duplicate=False))
+    gate = full[experts + "gate_proj"]
+    assert torch.equal(parts[experts + "gate_proj"], torch.cat([gate[:, 0:8], gate[:, 16:24]], 1))
+    assert torch.equal(parts[experts + "up_proj"], full[experts + "up_proj"][1:3])
+    assert torch.equal(parts[experts + "down_proj"], full[experts + "down_proj"])
+    assert torch.equal(parts["lm_head.weight"], full["lm_head.weight"][:10])

@@ -1,5 +1,5 @@
 """kiln.ops.moe_experts against the per-token loop over chosen experts written out here
-and the model's gathered and dense forms: several shapes, experts that get no token,
+and gathered (copied weights) and dense forms: several shapes, experts that get no token,
 every token on one expert, one token, fp32 and bf16; torch.export keeps it whole with
 a dynamic token count; bad input is refused with kiln's errors."""
 
@@ -27,7 +27,7 @@ def loop_reference(x, weights, ids, gate, up, down):
 
 
 def gathered(x, weights, ids, gate, up, down):
-    """kiln.models.moe's gathered form: the chosen experts' weights copied per token."""
+    """A gathered form: the chosen experts' weights copied per token, batched matmuls."""
     h = F.silu(torch.einsum("nd,nkid->nki", x, gate[ids]))
     h = h * torch.einsum("nd,nkid->nki", x, up[ids])
     y = torch.einsum("nki,nkdi->nkd", h, down[ids])
