@@ -20,7 +20,6 @@ import hashlib
 from dataclasses import dataclass, field
 
 import torch
-import triton
 
 from kiln.ir.symbolic import Dim, parse, to_str
 
@@ -195,7 +194,12 @@ class KernelSpec:
         )
 
 
-_SCOPE = {"cdiv": triton.cdiv, "max": max, "min": min, "int": int, "__builtins__": {}}
+def _cdiv(x: int, y: int) -> int:
+    """triton.cdiv's arithmetic (newer Triton makes it a constexpr function, slow to call)."""
+    return (x + y - 1) // y
+
+
+_SCOPE = {"cdiv": _cdiv, "max": max, "min": min, "int": int, "__builtins__": {}}
 
 
 @functools.lru_cache(maxsize=1024)
