@@ -118,6 +118,11 @@ class Arena:
         self._cache_key = None
         self._views: dict[str, torch.Tensor] = {}
 
+    @property
+    def storage(self) -> torch.Tensor | None:
+        """The allocation the views point into; a new one when a call needs more."""
+        return self._storage
+
     def views(self, env: dict[str, int]) -> dict[str, torch.Tensor]:
         key = tuple(sorted(env.items()))
         if key == self._cache_key:
