@@ -43,7 +43,7 @@ def callable_for(name: str):
 
 
 def _constant(value):
-    return lambda local, env: value
+    return lambda local: value
 
 
 def _entry(fn):

@@ -17,7 +17,8 @@ D, SLOTS = 16, 32
 
 
 class Block(torch.nn.Module):
-    """RMSNorm, a state write at given positions, a split SwiGLU, a read of the state."""
+    """RMSNorm, a state write at given positions, a split SwiGLU, a read of the state,
+    a column gather (an index list of None and a tensor)."""
 
     def __init__(self, d=D, f=24, slots=SLOTS):
         super().__init__()
@@ -25,12 +26,14 @@ class Block(torch.nn.Module):
         self.w13 = torch.nn.Linear(d, 2 * f, bias=False)
         self.w2 = torch.nn.Linear(f, d, bias=False)
         self.register_buffer("cache", torch.zeros(slots, d))
+        self.register_buffer("cols", torch.randperm(d))
 
     def forward(self, x, pos):
         h = self.norm(x)
         self.cache.index_copy_(0, pos, h)
         g, u = self.w13(h).chunk(2, -1)
-        return x + self.w2(F.silu(g) * u) + self.cache.sum(0)
+        y = x + self.w2(F.silu(g) * u) + self.cache.sum(0)
+        return y[:, self.cols]
 
 
 def _compiled(target):
