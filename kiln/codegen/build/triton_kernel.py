@@ -121,10 +121,10 @@ class TritonKernel:
                 template.append(sizes[a.name])
             else:
                 template.append(a.expr)
-        template += [scratch_buffer(b, i, b.numel_for(sizes, self.config), device)
-                     for i, b in enumerate(self.spec.scratch)]
+        grid, numels = self.spec.launch_sizes(sizes, self._params)
+        template += [scratch_buffer(b, i, n, device)
+                     for i, (b, n) in enumerate(zip(self.spec.scratch, numels))]
         template += self._tunables
-        grid = self.spec.grid_for(sizes, self.config, self._params)
         zeros = [fixed.get(v, v) for v in self.spec.zero_outputs]
         if 0 in grid:
             launch = None
