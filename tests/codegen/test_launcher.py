@@ -5,12 +5,13 @@ pointers and other tensors as tensors (inputs made dense)."""
 
 import pytest
 import torch
-from triton import knobs
 
 from kiln.codegen.build.launcher import current_stream, hooks_set, launch_for
 from kiln.codegen.build.spec import Config
 from kiln.codegen.build.triton_kernel import TritonKernel
 from tests.codegen.test_triton_core import axpy_spec
+
+knobs = pytest.importorskip("triton.knobs")  # Triton >= 3.4; older ones launch the public way
 
 
 class FakeCompiled:
