@@ -118,3 +118,12 @@ def test_an_empty_grid_launches_nothing():
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_no_stream_off_gpus(device):
     assert current_stream(torch.device(device)) == 0
+
+
+def test_launch_args_for_benchmarks_timing_their_own_launch():
+    k = TritonKernel(None, axpy_spec(), Config.make(4, 1, XBLOCK=16), interpret=True)
+    x, y, out = torch.randn(3, 7).t(), torch.randn(7, 3), torch.empty(7, 3)
+    args, sizes = k.launch_args({"x": x, "y": y}, {"out": out}, {"s0": 7})
+    assert sizes == {"n": 21}
+    assert torch.equal(args[0], x) and args[0].is_contiguous()
+    assert args[1] is y and args[2] is out and args[3:] == [21, 2.0, 16]

@@ -95,6 +95,28 @@ class TritonKernel:
         """The kernel's size arguments by parameter name, at the sizes `env`."""
         return {a.name: evaluate(a.expr, env) for a in self.spec.args if a.kind == "size"}
 
+    def launch_args(self, inputs: dict[str, torch.Tensor], outs: dict[str, torch.Tensor],
+                    env: dict[str, int]) -> tuple[list, dict[str, int]]:
+        """Every argument of a launch as tensors and numbers (inputs made dense, sizes,
+        constexprs, scratch, tunables) and the size arguments by name: for benchmarks
+        that time a launch of their own."""
+        values, sizes = {**inputs, **outs}, self.sizes(env)
+        args = []
+        for a in self.spec.args:
+            if a.kind == "tensor":
+                t = values[a.value]
+                if a.value not in outs and (not t.is_contiguous() or t.data_ptr() % 16):
+                    t = t.contiguous().clone()
+                args.append(t)
+            else:
+                args.append(sizes[a.name] if a.kind == "size" else a.expr)
+        if self.spec.scratch:
+            device = next(x.device for x in args if isinstance(x, torch.Tensor))
+            _, numels = self.spec.launch_sizes(sizes, self.config.as_dict())
+            args += [scratch_buffer(b, i, n, device)
+                     for i, (b, n) in enumerate(zip(self.spec.scratch, numels))]
+        return args + [self.config[t] for t in self.spec.tunables], sizes
+
     def bind(self, env: dict[str, int], fixed: dict[str, torch.Tensor],
              device: torch.device, outputs: frozenset[str] | None = None) -> BoundLaunch:
         """This kernel's launch at the sizes `env`, everything that depends only on them
