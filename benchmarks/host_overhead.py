@@ -16,6 +16,7 @@ What it reports (microseconds, the least of --repeats means of --iters calls eac
 - `alternating_sizes_call`: calls alternating between two sizes;
 - `new_size_call`: a call at sizes the module keeps nothing for (all bound afresh);
 - `guards`: checking the arguments and binding the sizes;
+- `arena_views`: laying out the arena and making its views at sizes not kept;
 - `runtime`: Program.run with every kernel a no-op (the runtime's own per-step work);
 - `triton` / `torch`: Program.run with only that kind's kernels real, minus `runtime`,
   per kernel of that kind (and per op for torch regions); torch regions run with
@@ -216,6 +217,7 @@ def measure(module, forms: dict[str, dict], tokens: int, other: int, iters: int,
         use_kernels(prog, forms, "triton", "torch")
         call = timed_us(lambda: module(*args), iters, repeats)
         guards = timed_us(lambda: prog.bind(flat, prog.plan.user_inputs), iters * 10, repeats)
+        arena = timed_us(lambda: (_forget_sizes(prog), prog.arena.views(env)), iters, repeats)
         use_kernels(prog, forms, "triton")  # recorded ATen results fit one size only
         alt = _inputs(other)
         pair = timed_us(lambda: (module(*args), module(*alt)), max(1, iters // 2), repeats)
@@ -227,6 +229,7 @@ def measure(module, forms: dict[str, dict], tokens: int, other: int, iters: int,
         "alternating_sizes_call_us": pair / 2,
         "new_size_call_us": new_size,
         "guards_us": guards,
+        "arena_views_us": arena, "arena_values": len(prog.mem.slot_of),
         "runtime_us": runtime, "runtime_us_per_step": runtime / steps,
         "triton_us_per_kernel": per(triton_us, n_triton),
         "torch_us_per_region": per(torch_us, n_torch),
@@ -246,6 +249,7 @@ def report(r: dict) -> str:
         "(torch regions no-ops from here)",
         f"  call, at unseen sizes    {f(r['new_size_call_us'])} us",
         f"  guards (bind sizes)      {f(r['guards_us'])} us",
+        f"  arena views, new sizes   {f(r['arena_views_us'])} us for {r['arena_values']} values",
         f"  runtime, no-op kernels   {f(r['runtime_us'])} us = "
         f"{f(r['runtime_us_per_step'])} us/step",
         f"  triton kernel            {f(r['triton_us_per_kernel'])} us each",

@@ -127,36 +127,36 @@ class TritonKernel:
         16-byte aligned, at each launch (the region's `outputs` are written, not read)."""
         if outputs is None:
             outputs = frozenset(self.region.outputs if self.region is not None else ())
-        template, holes, kept = [], [], []
         sizes = self.sizes(env)
+        grid, numels = self.spec.launch_sizes(sizes, self._params)
+        if 0 in grid:
+            launch = None
+        else:
+            launch = self._interpreted if self.interpret else self._gpu_launch()
+        # On a GPU kiln's own memory (the arena's views, scratch) is passed as device
+        # pointers: Triton's launcher then skips reading and checking each one.
+        pointers = launch is not None and not self.interpret
+        template, holes, kept = [], [], []
         for pos, a in enumerate(self.spec.args):
             if a.kind == "tensor":
                 t = fixed.get(a.value)
                 if t is not None and (not t.is_contiguous() or t.data_ptr() % 16):
                     t = None  # kernels assume dense, 16-byte-aligned tensors
-                template.append(t)
                 if t is None:
+                    template.append(None)
                     holes.append((pos, a.value, a.value not in outputs))
                 else:
+                    template.append(t.data_ptr() if pointers else t)
                     kept.append(t)
             elif a.kind == "size":
                 template.append(sizes[a.name])
             else:
                 template.append(a.expr)
-        grid, numels = self.spec.launch_sizes(sizes, self._params)
-        template += [scratch_buffer(b, i, n, device)
-                     for i, (b, n) in enumerate(zip(self.spec.scratch, numels))]
+        for i, (b, n) in enumerate(zip(self.spec.scratch, numels)):
+            t = scratch_buffer(b, i, n, device)
+            template.append(t.data_ptr() if pointers else t)
         template += self._tunables
         zeros = [fixed.get(v, v) for v in self.spec.zero_outputs]
-        if 0 in grid:
-            launch = None
-        elif self.interpret:
-            launch = self._interpreted
-        else:
-            launch = self._gpu_launch()
-            # kiln's own memory (the arena's views, scratch) is passed as device
-            # pointers: Triton's launcher then skips reading and checking each one
-            template = [t.data_ptr() if isinstance(t, torch.Tensor) else t for t in template]
         return BoundLaunch(launch, grid, template, holes, zeros, kept)
 
     def _interpreted(self, gx, gy, gz, stream, args) -> None:
