@@ -6,9 +6,11 @@ pointers and other tensors as tensors (inputs made dense)."""
 import pytest
 import torch
 
-from kiln.codegen.build.launcher import current_stream, hooks_set, launch_for
+from kiln.codegen.build.compiler import compile_binary
+from kiln.codegen.build.launcher import current_stream, direct_entry, hooks_set, launch_for
 from kiln.codegen.build.spec import Config
 from kiln.codegen.build.triton_kernel import TritonKernel
+from kiln.target import get_target
 from tests.codegen.test_triton_core import axpy_spec
 
 knobs = pytest.importorskip("triton.knobs")  # Triton >= 3.4; older ones launch the public way
@@ -127,3 +129,20 @@ def test_launch_args_for_benchmarks_timing_their_own_launch():
     assert sizes == {"n": 21}
     assert torch.equal(args[0], x) and args[0].is_contiguous()
     assert args[1] is y and args[2] is out and args[3:] == [21, 2.0, 16]
+
+
+@pytest.mark.gpu
+def test_this_triton_launches_the_direct_way_and_right(monkeypatch):
+    spec, cfg = axpy_spec(), Config.make(4, 1, XBLOCK=1024)
+    binary = compile_binary(spec, cfg, get_target("cuda"))
+    assert direct_entry(binary.kernel(spec, cfg)) is not None  # the fast path, here
+    k = TritonKernel(None, spec, cfg, binary)
+    x, y = (torch.randn(1001, 3, device="cuda") for _ in range(2))
+    arena_x = torch.empty_like(x).copy_(x)  # bound as a pointer
+    for hooked in (False, True):
+        if hooked:
+            monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
+        out = torch.full_like(x, float("nan"))
+        k.bind({"s0": 1001}, {"x": arena_x}, x.device, frozenset({"out"}))(
+            {"y": y, "out": out}, current_stream(x.device))
+        torch.testing.assert_close(out, 2 * x + y)
