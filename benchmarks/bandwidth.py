@@ -149,7 +149,7 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 def launcher(kernel: TritonKernel, inputs, outs, env, config=None, binary=None):
     """A zero-argument launch of `kernel` (its binary, args and grid fixed once), with
     the zeroing of the outputs it adds into, as TritonKernel.run does."""
-    args, sizes = kernel._args(inputs, outs, env)
+    args, sizes = kernel.launch_args(inputs, outs, env)
     config = config or kernel.config
     # the launcher takes every parameter, constexpr tunables included (as TritonKernel.run)
     args = args[: len(kernel.spec.args)] + [config[t] for t in kernel.spec.tunables]
@@ -239,7 +239,7 @@ def run_case(name, fn, shapes, dtype, weights, copy_gbs, target, args):
         form = kernel.spec.meta.get("form", kernel.spec.template)
         row = {"case": name, "dtype": _n(dtype), "shape": [list(s) for s in shapes],
                "kernel": kernel.spec.name, "form": form, "config": str(kernel.config),
-               "grid": list(kernel.spec.grid_for(kernel._args(inputs, outs, env)[1],
+               "grid": list(kernel.spec.grid_for(kernel.sizes(env),
                                                  kernel.config)),
                "us": ms * 1e3, "bytes": nbytes, "GB/s": gbs, "pct_copy": 100 * gbs / copy_gbs,
                "rel_err": err, "correct": ok,

@@ -197,7 +197,7 @@ class Sweep:
         kernel.run(inputs, outs, env)
         torch.cuda.synchronize()
         err = max(rel_err(outs[o], ref[o]) for o in outs)
-        args, sizes = kernel._args(inputs, outs, env)
+        args, sizes = kernel.launch_args(inputs, outs, env)
         grid = spec.grid_for(sizes, config)
         launch = binary.kernel(spec, config)[grid]
         ms = self.bench(lambda: launch(*args))

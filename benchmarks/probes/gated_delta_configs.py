@@ -54,7 +54,7 @@ def one(config_json: str, T: int, H: int, K: int) -> dict:
     fn = load_kernel(spec.source, spec.name)
     tk = TritonKernel.__new__(TritonKernel)
     tk.spec, tk.config, tk._tunables = spec, cfg, [cfg[t] for t in spec.tunables]
-    a, sizes = tk._args(inputs, outs, {})
+    a, sizes = tk.launch_args(inputs, outs, {})
     for _ in range(3):  # repeated: the counters must come back to zero
         fn[spec.grid_for(sizes, cfg)](*a, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     torch.cuda.synchronize()

@@ -65,7 +65,7 @@ def main():
             tk = TritonKernel.__new__(TritonKernel)
             tk.spec, tk.config = spec, cfg
             tk._tunables = [cfg[t] for t in spec.tunables]
-            args_, sizes = tk._args(inputs, outs, {})
+            args_, sizes = tk.launch_args(inputs, outs, {})
             grid = spec.grid_for(sizes, cfg)
 
             def launch(fn=fn, grid=grid, args_=args_, w=w, st=st):

@@ -216,8 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layers of the model (default: the preset's)")
     b.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
                    help="default: float16 on cuda, float32 on cpu")
-    b.add_argument("--prefill", metavar="N,N", help="prompt lengths (8b: 128,2048)")
-    b.add_argument("--contexts", metavar="N,N", help="decode contexts (8b: 128,2048)")
+    b.add_argument("--prefill", metavar="N,N",
+                   help="prompt lengths (8b: 128,2048; '' for no prefill rows)")
+    b.add_argument("--contexts", metavar="N,N",
+                   help="decode contexts (8b: 128,2048; '' for no decode rows: with "
+                   "--sweep '' a prefill-only run)")
     b.add_argument("--batches", metavar="B,B", help="batch sizes of every runner (8b: 1,4)")
     b.add_argument("--sweep", metavar="B,B",
                    help="kiln's decode throughput batch sizes (8b: 1,4,16,64; '' for none)")

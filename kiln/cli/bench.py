@@ -34,6 +34,11 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
     return values
 
 
+def _lengths(text: str | None, flag: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    """The preset's lengths when the flag is not given; none for '' (skip those rows)."""
+    return default if text is None else _ints(text, flag)
+
+
 def _plan(args) -> sweep.Plan:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ArgumentError("--device cuda, but this machine has no CUDA GPU",
@@ -51,10 +56,16 @@ def _plan(args) -> sweep.Plan:
     plan = sweep.Plan(
         device=args.device, preset=args.preset, dtype=getattr(torch, dtype),
         layers=args.layers, runners=runners, iters=args.iters,
-        prefill=_ints(args.prefill, "--prefill") or d["prefill"],
-        contexts=_ints(args.contexts, "--contexts") or d["contexts"],
+        prefill=_lengths(args.prefill, "--prefill", d["prefill"]),
+        contexts=_lengths(args.contexts, "--contexts", d["contexts"]),
         batches=_ints(args.batches, "--batches") or d["batches"],
         sweep=_ints(args.sweep, "--sweep") if args.sweep is not None else d["sweep"])
+    if not plan.prefill and not plan.contexts:
+        raise ArgumentError("--prefill '' and --contexts '' leave nothing to measure",
+                            hint="give prompt lengths, decode contexts, or both")
+    if plan.sweep and not plan.contexts:
+        raise ArgumentError("--sweep measures decode, but --contexts '' gives no context",
+                            hint="add --sweep '' for a prefill-only run")
     limit = plan.shape().max_len
     too_long = [n for n in (*plan.prefill, *plan.contexts) if n >= limit]
     if too_long:

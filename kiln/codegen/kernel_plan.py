@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -14,13 +15,23 @@ from kiln.target import Target
 
 
 class Kernel(Protocol):
-    """Runs one region: reads `inputs`, writes each output into its buffer in `outs`."""
+    """Runs one region: reads `inputs`, writes each output into its buffer in `outs`.
+
+    `bind` is the runtime's fast path: the region's launch at the sizes `env`, with what
+    depends only on them worked out once; `fixed` values (the arena's views: dense,
+    aligned, the same tensors on every call at these sizes) may be bound in too. The
+    result is called as `launch(values, stream)` with every value by name, the outputs'
+    buffers among them.
+    """
 
     kind: str
     region: Region
 
     def run(self, inputs: dict[str, torch.Tensor], outs: dict[str, torch.Tensor],
             env: dict[str, int]) -> None: ...
+
+    def bind(self, env: dict[str, int], fixed: dict[str, torch.Tensor],
+             device: torch.device) -> Callable[[dict[str, torch.Tensor], int], None]: ...
 
     def describe(self) -> str: ...
 

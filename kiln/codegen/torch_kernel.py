@@ -47,7 +47,7 @@ def callable_for(name: str):
 
 
 def _constant(value):
-    return lambda local, env: value
+    return lambda local: value
 
 
 def _entry(fn):
@@ -67,13 +67,62 @@ def _contiguous(binder):
     return lambda local, env: binder(local, env).contiguous()
 
 
+class BoundOps:
+    """A torch region's ops bound to a set of sizes (TorchKernel.bind)."""
+
+    __slots__ = ("inputs", "outputs", "steps", "ops")
+
+    def __init__(self, region: Region, steps: list):
+        self.inputs = list(region.inputs)
+        self.outputs = list(region.outputs)
+        self.steps = steps
+        self.ops = list(region.ops)
+
+    def __call__(self, values: dict[str, torch.Tensor], stream: int) -> None:
+        local = {i: values[i] for i in self.inputs}  # intermediates, freed at the end
+        for op, step in zip(self.ops, self.steps):
+            try:
+                self._step(step, values, local)
+            except (IndexError, RuntimeError) as e:  # the user's data, or a kiln bug
+                if not _BAD_INDEX.search(str(e)):
+                    raise
+                raise _index_error(op, e) from e
+        for o in self.outputs:
+            if local[o] is not values[o]:
+                values[o].copy_(local[o])
+
+    @staticmethod
+    def _step(step, values: dict[str, torch.Tensor], local: dict) -> None:
+        name, fn, fixed, slots, fixed_kw, kslots, mode, plain = step
+        args = fixed
+        if slots:
+            args = list(fixed)
+            for j, b in slots:
+                args[j] = b(local)
+        kwargs = fixed_kw
+        if kslots:
+            kwargs = dict(fixed_kw)
+            for k, b in kslots:
+                kwargs[k] = b(local)
+        if mode == "inplace":
+            dest = values[name]
+            fn(dest, *args[1:], **kwargs)
+            local[name] = dest
+        elif mode == "out" and name in values:
+            dest = values[name]
+            fn(*args, **kwargs, out=dest)
+            local[name] = dest
+        else:
+            local[name] = plain(*args, **kwargs)
+
+
 class TorchKernel:
     """Runs `region` with torch ops on whatever device its tensors live on.
 
     On the CPU target every region runs this way, so its per-op host cost is the
-    module's: each op's arguments are bound once here (constants kept, only the
-    references to values and symbolic sizes filled in per call), and the ATen op is
-    called through its C++ entry point.
+    module's: each op's arguments are bound once per set of sizes (constants and
+    symbolic sizes kept, only the references to values filled in per call), and the
+    ATen op is called through its C++ entry point.
     """
 
     kind = "torch"
@@ -87,92 +136,74 @@ class TorchKernel:
                       if o not in region.inplace
                       and integer_product(region.op(o).target, region.op(o).dtype,
                                           self.device) is None}
-        self._steps = [self._step(i, op) for i, op in enumerate(region.ops)]
+        self._last = (None, None)  # run()'s binding: (sizes, bound ops)
 
-    def _binder(self, a):
-        """_CONSTANT if `a` is the same on every call, else a function (local, env) -> it."""
+    def _binder(self, a, env):
+        """_CONSTANT if `a` is the same on every call at the sizes `env`, else a function
+        local -> it."""
         if isinstance(a, Ref):
             name = a.name
-            return lambda local, env: local[name]
-        if isinstance(a, Sym):
-            if isinstance(a.expr, int):
-                return _CONSTANT
-            size = compile_expr(a.expr)
-            return lambda local, env: size(env)
+            return lambda local: local[name]
         if isinstance(a, list | tuple):
-            parts = [self._binder(x) for x in a]
+            parts = [self._binder(x, env) for x in a]
             if all(p is _CONSTANT for p in parts):
                 return _CONSTANT
-            fns = [_constant(self._fixed(x)) if p is _CONSTANT else p
+            fns = [_constant(self._fixed(x, env)) if p is _CONSTANT else p
                    for p, x in zip(parts, a)]
             kind = type(a)
-            return lambda local, env: kind(f(local, env) for f in fns)
+            return lambda local: kind(f(local) for f in fns)
         return _CONSTANT
 
-    def _fixed(self, a):
-        """An argument's constant value (a device is this kernel's)."""
+    def _fixed(self, a, env):
+        """An argument's value at the sizes `env` (a device is this kernel's)."""
         if isinstance(a, torch.device):
             return self.device
         if isinstance(a, Sym):
-            return a.expr
+            return a.expr if isinstance(a.expr, int) else compile_expr(a.expr)(env)
         if isinstance(a, list | tuple):
-            return type(a)(self._fixed(x) for x in a)
+            return type(a)(self._fixed(x, env) for x in a)
         return a
 
-    def _step(self, i: int, op: Op):
-        """(fn, fixed args, [(position, binder)], fixed kwargs, [(name, binder)], mode,
-        the op itself for when its `out=` form has no planned buffer to write)."""
+    def _step(self, i: int, op: Op, env):
+        """(name, fn, fixed args, [(position, binder)], fixed kwargs, [(name, binder)],
+        mode, the op itself for when its `out=` form has no planned buffer to write)."""
         args, slots = [], []
         for j, a in enumerate(op.args):
-            b = self._binder(a)
-            args.append(self._fixed(a) if b is _CONSTANT else None)
+            b = self._binder(a, env)
+            args.append(self._fixed(a, env) if b is _CONSTANT else None)
             if b is not _CONSTANT:
                 slots.append((j, _contiguous(b) if j in _CONTIGUOUS.get(op.target, ())
                               else b))
         kwargs, kslots = {}, []
         for k, v in op.kwargs.items():
-            b = self._binder(v)
+            b = self._binder(v, env)
             if b is _CONSTANT:
-                kwargs[k] = self._fixed(v)
+                kwargs[k] = self._fixed(v, env)
             else:
                 kslots.append((k, b))
         plain = _entry(self._fns[i])
         if op.name in self.region.inplace:
-            return resolve(INPLACE_OF[op.target]), args, slots, kwargs, kslots, "inplace", plain
-        out_fn = self._outs.get(op.name)
-        if out_fn is not None:
-            return out_fn, args, slots, kwargs, kslots, "out", plain
-        return plain, args, slots, kwargs, kslots, "call", plain
+            fn, mode = resolve(INPLACE_OF[op.target]), "inplace"
+        elif self._outs.get(op.name) is not None:
+            fn, mode = self._outs[op.name], "out"
+        else:
+            fn, mode = plain, "call"
+        return op.name, fn, args, slots, kwargs, kslots, mode, plain
+
+    def bind(self, env: dict[str, int], fixed: dict | None = None,
+             device: torch.device | None = None) -> BoundOps:
+        """The region's ops with their arguments bound at the sizes `env`: call the result
+        with every value by name (and a stream, unused: ATen launches on the current
+        one)."""
+        return BoundOps(self.region, [self._step(i, op, env)
+                                      for i, op in enumerate(self.region.ops)])
 
     def run(self, inputs: dict[str, torch.Tensor], outs: dict[str, torch.Tensor],
             env: dict[str, int]) -> None:
-        local = dict(inputs)
-        try:
-            for op, (fn, fixed, slots, fixed_kw, kslots, mode, plain) in zip(self.region.ops,
-                                                                             self._steps):
-                args = list(fixed)
-                for j, b in slots:
-                    args[j] = b(local, env)
-                kwargs = dict(fixed_kw)
-                for k, b in kslots:
-                    kwargs[k] = b(local, env)
-                name = op.name
-                if mode == "inplace":
-                    dest = outs[name]
-                    fn(dest, *args[1:], **kwargs)
-                    local[name] = dest
-                elif mode == "out" and name in outs:
-                    fn(*args, **kwargs, out=outs[name])
-                    local[name] = outs[name]
-                else:
-                    local[name] = plain(*args, **kwargs)
-        except (IndexError, RuntimeError) as e:  # the user's data, or a kiln bug: re-raised
-            if not _BAD_INDEX.search(str(e)):
-                raise
-            raise _index_error(op, e) from e
-        for o in self.region.outputs:
-            if local[o] is not outs[o]:
-                outs[o].copy_(local[o])
+        key = tuple(sorted(env.items()))
+        if self._last[0] != key:
+            self._last = (key, self.bind(env))
+        self._last[1]({**inputs, **outs}, 0)
 
     def describe(self) -> str:
         return f"torch ops on {self.device.type}:\n" + print_region(self.region, "  ")

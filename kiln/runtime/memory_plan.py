@@ -118,6 +118,11 @@ class Arena:
         self._cache_key = None
         self._views: dict[str, torch.Tensor] = {}
 
+    @property
+    def storage(self) -> torch.Tensor | None:
+        """The allocation the views point into; a new one when a call needs more."""
+        return self._storage
+
     def views(self, env: dict[str, int]) -> dict[str, torch.Tensor]:
         key = tuple(sorted(env.items()))
         if key == self._cache_key:
@@ -125,12 +130,23 @@ class Arena:
         total, offsets = self.mem.layout(env)
         if self._storage is None or self._storage.numel() < total:
             self._storage = torch.empty(total, dtype=torch.uint8, device=self.device)
-        views = {}
+        views, typed = {}, {}
         for v, slot in self.mem.slot_of.items():
             tv = self.plan.values[v]
             shape = [evaluate(d, env) for d in tv.shape]
-            n = evaluate(self.mem.nbytes[v], env)
-            start = offsets[slot]
-            views[v] = self._storage[start:start + n].view(tv.dtype).view(shape)
+            base = typed.get(tv.dtype)
+            if base is None:  # the storage (a multiple of ALIGN bytes) as this dtype
+                base = typed[tv.dtype] = self._storage.view(tv.dtype)
+            # one as_strided per value: a third of a slice and two views' host time
+            views[v] = base.as_strided(shape, _dense_strides(shape),
+                                       offsets[slot] // tv.dtype.itemsize)
         self._cache_key, self._views = key, views
         return views
+
+
+def _dense_strides(shape: list[int]) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)  # as torch lays out tensors with an empty dim
+    return strides[::-1]

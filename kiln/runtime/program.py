@@ -2,12 +2,21 @@
 
 Inputs are checked first (guards), so a bad call fails before any kernel runs and
 no state (KV cache) is half-updated.
+
+A prefill's kernels are small enough that host work per launch decides its speed
+(kiln issue 10), so everything that depends only on the call's sizes (the arena's
+views, each kernel's size arguments, grid and scratch, fresh outputs' shapes) is
+worked out once per set of sizes and kept (`_Bound`, for the KEPT_SIZES sets used
+last); a call at sizes seen before only checks its arguments, looks up the tensors that
+change per call (inputs, weights, state) and launches. Growing the arena drops every
+kept set, since their views point into the old storage.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kiln.codegen.build.launcher import current_stream
 from kiln.codegen.kernel_plan import KernelPlan
 from kiln.errors import ArgumentError
 from kiln.ir.plan import Role
@@ -16,23 +25,42 @@ from kiln.runtime.guards import bind_symbols
 from kiln.runtime.memory_plan import Arena, MemoryPlan
 
 
+class _Bound:
+    """A Program's run at one set of sizes: the arena's views (in `storage`) and per
+    region its bound launch, its outputs that alias state tensors, and the shapes of
+    those allocated fresh on every call."""
+
+    __slots__ = ("storage", "planned", "steps")
+
+    def __init__(self, storage, planned: dict[str, torch.Tensor], steps: list):
+        self.storage = storage
+        self.planned = planned
+        self.steps = steps
+
+
 class Program:
+    KEPT_SIZES = 16  # sets of sizes whose bound launches are kept
+
     def __init__(self, kplan: KernelPlan, mem: MemoryPlan):
         self.kplan = kplan
         self.plan = kplan.plan
         self.mem = mem
         self.device = torch.device(kplan.target.torch_device)
         self.arena = Arena(mem, self.plan, self.device)
+        self._bound: dict[tuple, _Bound] = {}
         self._build_steps()
-        self._weights = {n: v.target for n, v in self.plan.values.items()
-                         if v.role in (Role.WEIGHT, Role.STATE)}
+        weights = [(n, v.target) for n, v in self.plan.values.items()
+                   if v.role in (Role.WEIGHT, Role.STATE)]
+        self._weight_names = [n for n, _ in weights]
+        self._weight_targets = [t for _, t in weights]
 
     def _build_steps(self) -> None:
-        # Per region, decided once: its kernel, the values it reads, and where each
-        # output goes (a state tensor written in place, the arena, or a fresh tensor).
-        self._steps = [(self.kplan.kernels[r.name], list(r.inputs),
+        # Per region, decided once: its kernel and where each output goes (a state
+        # tensor written in place, the arena, or a fresh tensor).
+        self._steps = [(self.kplan.kernels[r.name],
                         [(o, r.inplace.get(o), self.plan.values[o]) for o in r.outputs])
                        for r in self.plan.regions]
+        self._bound.clear()
 
     def set_kernel(self, region: str, kernel) -> None:
         """Run `region` with another kernel (e.g. a different config of the same spec)."""
@@ -59,25 +87,50 @@ class Program:
                                 hint="pass the values the earlier stages sent, in plan.recv order")
         return self._run(args, received, state, env, None)
 
+    def _bind_sizes(self, env: dict[str, int], arena: Arena) -> _Bound:
+        planned = arena.views(env)
+        steps = []
+        for kernel, outputs in self._steps:
+            aliases = [(o, state_value) for o, state_value, _ in outputs
+                       if state_value is not None]
+            fresh = [(o, [evaluate(d, env) for d in v.shape], v.dtype)
+                     for o, state_value, v in outputs
+                     if state_value is None and o not in planned]
+            steps.append((kernel.bind(env, planned, self.device), aliases, fresh))
+        return _Bound(arena.storage, planned, steps)
+
+    def _bound_for(self, env: dict[str, int], arena: Arena | None) -> _Bound:
+        """The run bound at these sizes: kept for the program's own arena, made afresh
+        for another (a CUDA graph's, which runs only while being captured)."""
+        if arena is not None and arena is not self.arena:
+            return self._bind_sizes(env, arena)
+        key = tuple(sorted(env.items()))
+        bound = self._bound.pop(key, None)
+        if bound is None or bound.storage is not self.arena.storage:
+            bound = self._bind_sizes(env, self.arena)
+            if any(b.storage is not bound.storage for b in self._bound.values()):
+                self._bound.clear()  # the arena grew: the others' views are stale
+            elif len(self._bound) >= self.KEPT_SIZES:
+                del self._bound[next(iter(self._bound))]
+        self._bound[key] = bound  # most recently used last
+        return bound
+
     def _run(self, args, received, state, env, arena):
         if env is None:
             env = self.bind(args)
-        values: dict[str, torch.Tensor] = {n: state[t] for n, t in self._weights.items()}
+        bound = self._bound_for(env, arena)
+        values: dict[str, torch.Tensor] = dict(zip(
+            self._weight_names, map(state.__getitem__, self._weight_targets)))
+        values.update(bound.planned)
         values.update(zip(self.plan.user_inputs, args))
         values.update(zip((name for name, _ in self.plan.recv), received))
-        planned = (arena or self.arena).views(env)
-        for kernel, inputs, outputs in self._steps:
-            outs = {}
-            for o, state_value, v in outputs:
-                if state_value is not None:
-                    outs[o] = values[state_value]
-                elif o in planned:
-                    outs[o] = planned[o]
-                else:
-                    outs[o] = torch.empty([evaluate(d, env) for d in v.shape], dtype=v.dtype,
-                                          device=self.device)
-            kernel.run({i: values[i] for i in inputs}, outs, env)
-            values.update(outs)
+        stream, device = current_stream(self.device), self.device
+        for launch, aliases, fresh in bound.steps:
+            for o, state_value in aliases:
+                values[o] = values[state_value]
+            for o, shape, dtype in fresh:
+                values[o] = torch.empty(shape, dtype=dtype, device=device)
+            launch(values, stream)
         for target, v in self.plan.state_writes.items():
             state[target].copy_(values[v])
         return [values[o] for o in self.plan.outputs], [values[o] for o, _ in self.plan.send]

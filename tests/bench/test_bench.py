@@ -62,6 +62,15 @@ def test_check_exits_nonzero_on_a_slowdown(tmp_path, capsys):
     assert "slower: decode 20 b1" in err and "1 slower" in err
 
 
+def test_prefill_only_run(tmp_path):
+    out = tmp_path / "o"
+    argv = SMOKE + ["--out", str(out), "--contexts", "", "--sweep", "", "--batches", "1",
+                    "--runners", "eager"]
+    assert main(argv) == 0
+    data = json.loads((out / "bench.json").read_text())
+    assert [r["key"] for r in data["rows"]] == ["prefill 12 b1"]
+
+
 def test_bad_flags_are_refused_before_measuring(tmp_path, capsys):
     out = str(tmp_path / "o")
     assert main(SMOKE + ["--out", out, "--check", str(tmp_path / "missing.json")]) == 2
@@ -72,6 +81,10 @@ def test_bad_flags_are_refused_before_measuring(tmp_path, capsys):
     assert "do not fit" in capsys.readouterr().err
     assert main(SMOKE + ["--out", out, "--prefill", "12,x"]) == 2
     assert "comma-separated integers" in capsys.readouterr().err
+    assert main(SMOKE + ["--out", out, "--prefill", "", "--contexts", ""]) == 2
+    assert "nothing to measure" in capsys.readouterr().err
+    assert main(SMOKE + ["--out", out, "--contexts", ""]) == 2  # the sweep is decode
+    assert "--sweep ''" in capsys.readouterr().err
     garbage = tmp_path / "garbage.json"
     garbage.write_text("{not json")
     assert main(SMOKE + ["--out", out, "--check", str(garbage)]) == 2

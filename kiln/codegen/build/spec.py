@@ -20,7 +20,6 @@ import hashlib
 from dataclasses import dataclass, field
 
 import torch
-import triton
 
 from kiln.ir.symbolic import Dim, parse, to_str
 
@@ -174,6 +173,17 @@ class KernelSpec:
         g = eval(_grid_code(self.grid), _SCOPE, env)  # noqa: S307 - kiln's own expressions
         return g + (1,) * (3 - len(g))
 
+    def launch_sizes(self, sizes: dict[str, int], params: dict[str, int],
+                     ) -> tuple[tuple[int, int, int], list[int]]:
+        """The grid (as grid_for) and each scratch buffer's numel (as Scratch.numel_for),
+        in one evaluation: what binding a launch to a set of sizes needs."""
+        env = dict(sizes)
+        env.update(params)
+        values = eval(_grid_code(self.grid + tuple(b.numel for b in self.scratch)),  # noqa: S307
+                      _SCOPE, env)
+        g = values[:len(self.grid)]
+        return g + (1,) * (3 - len(g)), [max(1, n) for n in values[len(self.grid):]]
+
     def to_json(self) -> dict:
         return {
             "name": self.name, "source": self.source,
@@ -195,7 +205,12 @@ class KernelSpec:
         )
 
 
-_SCOPE = {"cdiv": triton.cdiv, "max": max, "min": min, "int": int, "__builtins__": {}}
+def _cdiv(x: int, y: int) -> int:
+    """triton.cdiv's arithmetic (newer Triton makes it a constexpr function, slow to call)."""
+    return (x + y - 1) // y
+
+
+_SCOPE = {"cdiv": _cdiv, "max": max, "min": min, "int": int, "__builtins__": {}}
 
 
 @functools.lru_cache(maxsize=1024)

@@ -1,11 +1,13 @@
 """TritonKernel: a region's generated kernel at its chosen config, ready to launch.
 
 On a GPU it launches the compiled binary (no JIT, so a loaded artifact never
-recompiles); on the `interpret` target it runs the same source through Triton's
-interpreter on CPU tensors.
+recompiles) through launcher.py; on the `interpret` target it runs the same source
+through Triton's interpreter on CPU tensors. A launch is first bound to a set of sizes
+(`bind`: size arguments, grid, scratch, the arena's tensors), so a Program's call at
+sizes it has seen only looks up the tensors that change per call and launches.
 
-Scratch buffers the spec asks for are allocated here, on the device of the kernel's
-tensors, and shared by every kernel of the process on that device: kiln runs a
+Scratch buffers the spec asks for are allocated here, on the device the kernel is
+bound for, and shared by every kernel of the process on that device: kiln runs a
 device's kernels one after another on one stream, and a kernel leaves its zeroed
 buffers zero again, so one set serves all (a model's 32 layers do not each hold
 their own). A launch that needs more allocates a larger buffer and keeps the old one
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from kiln.codegen.build.compiler import Binary
+from kiln.codegen.build.launcher import Launch, current_stream, launch_for
 from kiln.codegen.build.source import load_kernel
 from kiln.codegen.build.spec import Config, KernelSpec, Scratch
 from kiln.ir.plan import Region
@@ -34,6 +37,42 @@ def scratch_buffer(b: Scratch, position: int, numel: int, device) -> torch.Tenso
     return kept[-1]
 
 
+class BoundLaunch:
+    """One kernel's launch bound to a set of sizes: call it with every value by name and
+    the stream. Only the tensors not fixed at binding (`holes`) are looked up per call."""
+
+    __slots__ = ("launch", "grid", "template", "holes", "zeros", "kept")
+
+    def __init__(self, launch: Launch | None, grid: tuple[int, int, int], template: list,
+                 holes: list[tuple[int, str, bool]], zeros: list, kept: list):
+        self.launch = launch  # None: an empty grid, nothing to launch
+        self.grid = grid
+        self.template = template  # the arguments, None where a hole is
+        self.holes = holes  # (position, value name, is an input: make it dense)
+        self.zeros = zeros  # outputs zeroed before each launch (tensors, or value names)
+        self.kept = kept  # the fixed tensors, whose pointers the template may hold as ints
+
+    def __call__(self, values: dict[str, torch.Tensor], stream: int) -> None:
+        if self.launch is None:
+            self._zero(values)
+            return
+        args = self.template
+        if self.holes:
+            args = args.copy()
+            for pos, name, check in self.holes:
+                t = values[name]
+                if check and (not t.is_contiguous() or t.data_ptr() % 16):
+                    t = t.contiguous().clone()  # kernels assume dense, 16-byte-aligned inputs
+                args[pos] = t
+        self._zero(values)
+        gx, gy, gz = self.grid
+        self.launch(gx, gy, gz, stream, args)
+
+    def _zero(self, values) -> None:
+        for z in self.zeros:  # the kernel adds partial results into these
+            (values[z] if isinstance(z, str) else z).zero_()
+
+
 class TritonKernel:
     kind = "triton"
 
@@ -49,40 +88,95 @@ class TritonKernel:
         self._fn = load_kernel(spec.source, spec.name, interpret=True) if interpret else None
         if not interpret and binary is None:
             raise ValueError(f"kernel {spec.name} needs a compiled binary to run on a GPU")
+        self._gpu = None  # the GPU launch, made on first use (it loads the module)
+        self._last = (None, None)  # run()'s binding: (sizes and device, bound launch)
 
-    def _args(self, inputs, outs, env):
-        args, sizes = [], {}
+    def sizes(self, env: dict[str, int]) -> dict[str, int]:
+        """The kernel's size arguments by parameter name, at the sizes `env`."""
+        return {a.name: evaluate(a.expr, env) for a in self.spec.args if a.kind == "size"}
+
+    def launch_args(self, inputs: dict[str, torch.Tensor], outs: dict[str, torch.Tensor],
+                    env: dict[str, int]) -> tuple[list, dict[str, int]]:
+        """Every argument of a launch as tensors and numbers (inputs made dense, sizes,
+        constexprs, scratch, tunables) and the size arguments by name: for benchmarks
+        that time a launch of their own."""
+        values, sizes = {**inputs, **outs}, self.sizes(env)
+        args = []
         for a in self.spec.args:
             if a.kind == "tensor":
-                t = outs[a.value] if a.value in outs else inputs[a.value]
+                t = values[a.value]
                 if a.value not in outs and (not t.is_contiguous() or t.data_ptr() % 16):
-                    t = t.contiguous().clone()  # kernels assume dense, 16-byte-aligned inputs
+                    t = t.contiguous().clone()
                 args.append(t)
-            elif a.kind == "size":
-                v = evaluate(a.expr, env)
-                sizes[a.name] = v
-                args.append(v)
             else:
-                args.append(a.expr)
+                args.append(sizes[a.name] if a.kind == "size" else a.expr)
         if self.spec.scratch:
-            device = next((x.device for x in args if isinstance(x, torch.Tensor)), "cpu")
-            args += [scratch_buffer(b, i, b.numel_for(sizes, self.config), device)
-                     for i, b in enumerate(self.spec.scratch)]
-        return args + self._tunables, sizes
+            device = next(x.device for x in args if isinstance(x, torch.Tensor))
+            _, numels = self.spec.launch_sizes(sizes, self.config.as_dict())
+            args += [scratch_buffer(b, i, n, device)
+                     for i, (b, n) in enumerate(zip(self.spec.scratch, numels))]
+        return args + [self.config[t] for t in self.spec.tunables], sizes
+
+    def bind(self, env: dict[str, int], fixed: dict[str, torch.Tensor],
+             device: torch.device, outputs: frozenset[str] | None = None) -> BoundLaunch:
+        """This kernel's launch at the sizes `env`, everything that depends only on them
+        worked out once: size arguments, grid, scratch buffers (on `device`), and the
+        tensors of `fixed` (values that are the same tensor on every call at these
+        sizes: the arena's views). The result takes every value by name and the
+        stream; the other tensors are looked up, and inputs among them made dense and
+        16-byte aligned, at each launch (the region's `outputs` are written, not read)."""
+        if outputs is None:
+            outputs = frozenset(self.region.outputs if self.region is not None else ())
+        sizes = self.sizes(env)
+        grid, numels = self.spec.launch_sizes(sizes, self._params)
+        if 0 in grid:
+            launch = None
+        else:
+            launch = self._interpreted if self.interpret else self._gpu_launch()
+        # On a GPU kiln's own memory (the arena's views, scratch) is passed as device
+        # pointers: Triton's launcher then skips reading and checking each one.
+        pointers = launch is not None and not self.interpret
+        template, holes, kept = [], [], []
+        for pos, a in enumerate(self.spec.args):
+            if a.kind == "tensor":
+                t = fixed.get(a.value)
+                if t is not None and (not t.is_contiguous() or t.data_ptr() % 16):
+                    t = None  # kernels assume dense, 16-byte-aligned tensors
+                if t is None:
+                    template.append(None)
+                    holes.append((pos, a.value, a.value not in outputs))
+                else:
+                    template.append(t.data_ptr() if pointers else t)
+                    kept.append(t)
+            elif a.kind == "size":
+                template.append(sizes[a.name])
+            else:
+                template.append(a.expr)
+        for i, (b, n) in enumerate(zip(self.spec.scratch, numels)):
+            t = scratch_buffer(b, i, n, device)
+            template.append(t.data_ptr() if pointers else t)
+        template += self._tunables
+        zeros = [fixed.get(v, v) for v in self.spec.zero_outputs]
+        return BoundLaunch(launch, grid, template, holes, zeros, kept)
+
+    def _interpreted(self, gx, gy, gz, stream, args) -> None:
+        self._fn[gx, gy, gz](*args, num_warps=self.config.num_warps,
+                             num_stages=self.config.num_stages)
+
+    def _gpu_launch(self):
+        if self._gpu is None:
+            self._gpu = launch_for(self.binary.kernel(self.spec, self.config))
+        return self._gpu
 
     def run(self, inputs: dict[str, torch.Tensor], outs: dict[str, torch.Tensor],
             env: dict[str, int]) -> None:
-        args, sizes = self._args(inputs, outs, env)
-        for v in self.spec.zero_outputs:  # the kernel adds partial results into these
-            outs[v].zero_()
-        grid = self.spec.grid_for(sizes, self.config, self._params)
-        if 0 in grid:
-            return
-        if self.interpret:
-            self._fn[grid](*args, num_warps=self.config.num_warps,
-                           num_stages=self.config.num_stages)
-        else:
-            self.binary.kernel(self.spec, self.config)[grid](*args)
+        values = {**inputs, **outs}
+        device = next((values[a.value].device for a in self.spec.args if a.kind == "tensor"),
+                      torch.device("cpu"))
+        key = (tuple(sorted(env.items())), device, frozenset(outs))
+        if self._last[0] != key:  # the tuner times one size many times
+            self._last = (key, self.bind(env, {}, device, key[2]))
+        self._last[1](values, current_stream(device))
 
     def describe(self) -> str:
         res = self.binary.resources if self.binary else None
