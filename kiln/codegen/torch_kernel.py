@@ -64,7 +64,7 @@ _CONTIGUOUS = {"aten.native_group_norm.default": (0,), "aten.view_as_complex.def
 
 
 def _contiguous(binder):
-    return lambda local, env: binder(local, env).contiguous()
+    return lambda local: binder(local).contiguous()
 
 
 class BoundOps:
