@@ -32,6 +32,10 @@ def _steps(run, tokens):
     return torch.cat(out, 1).float().cpu()
 
 
+@pytest.mark.xfail(run=False, reason="an attention candidate (value head dim 16) reads "
+                   "shared memory out of bounds on an H100 while timed and poisons the CUDA "
+                   "context (tests/fuzz/FINDINGS.md, open 2026-11-25); needs timing in a "
+                   "worker process")
 def test_fp8_checkpoint_stays_fp8_on_cuda(fp8_dir, monkeypatch):
     dequantised = []
     real = ds.dequantize_blocks
