@@ -162,7 +162,7 @@ def test_interpreted_gemm_split_k_matches_the_op(K, bias):
     state = {"p_weight": m.weight, "b_weight_scale_inv": m.weight_scale_inv,
              "p_bias": m.bias}  # the exported names of the module's tensors
     inputs = {v: values.get(v, state.get(v)) for v in region.inputs}
-    _, sizes = kernel._args(inputs, {o: None for o in region.outputs}, {})
+    _, sizes = kernel.launch_args(inputs, {o: None for o in region.outputs}, {})
     assert kernel.spec.grid_for(sizes, config)[1] == -(-K // 256)  # 2 K blocks a split
     outs = []
     for _ in range(2):

@@ -42,6 +42,7 @@ from kiln.codegen.templates import split_k as split
 from kiln.codegen.templates.attention.causal_mask import is_causal_mask
 from kiln.codegen.templates.matmul.configs import can_split
 from kiln.codegen.templates.matmul.template import dot_operand
+from kiln.codegen.templates.op_operands import operand_shape as _shape
 from kiln.ir.plan import DispatchPlan, Ref, Region
 from kiln.ir.symbolic import Dim, bounds_of, same_dim
 from kiln.target import Target
@@ -85,12 +86,6 @@ def sdpa_arguments(op) -> dict:
     out.update(dict(zip(names, op.args)))
     out.update(op.kwargs)
     return out
-
-
-def _shape(region: Region, plan: DispatchPlan, name: str) -> tuple:
-    if name in region.inputs:
-        return tuple(plan.values[name].shape)
-    return tuple(region.op(name).shape)
 
 
 def analyse(region: Region, plan: DispatchPlan) -> AttentionShape:

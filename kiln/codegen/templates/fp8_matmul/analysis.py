@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from kiln.codegen.expr.values import CodegenUnsupported
+from kiln.codegen.templates.op_operands import operand_dtype as _dtype
+from kiln.codegen.templates.op_operands import operand_shape as _shape
 from kiln.ir.plan import DispatchPlan, Ref, Region
 from kiln.ir.symbolic import Dim, numel
 from kiln.ops.fp8_linear import BLOCK  # the quantisation block: K step and scale block
@@ -45,18 +47,6 @@ class Fp8Shape:
     @property
     def n_blocks(self) -> int:
         return -(-self.n // BLOCK)
-
-
-def _shape(region: Region, plan: DispatchPlan, name: str) -> tuple:
-    if name in region.inputs:
-        return tuple(plan.values[name].shape)
-    return tuple(region.op(name).shape)
-
-
-def _dtype(region: Region, plan: DispatchPlan, name: str) -> torch.dtype:
-    if name in region.inputs:
-        return plan.values[name].dtype
-    return region.op(name).dtype
 
 
 def _anchor(region: Region, op: str):

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from kiln.codegen.expr.values import CodegenUnsupported
+from kiln.codegen.templates.op_operands import operand_dtype as _dtype
+from kiln.codegen.templates.op_operands import operand_shape as _shape
 from kiln.ir.plan import DispatchPlan, Ref, Region
 from kiln.ir.symbolic import Dim, same_dim
 
@@ -48,18 +50,6 @@ class DeltaShape:
     @property
     def static_t(self) -> int | None:
         return self.seq if isinstance(self.seq, int) and self.cu_seqlens is None else None
-
-
-def _shape(region: Region, plan: DispatchPlan, name: str) -> tuple:
-    if name in region.inputs:
-        return tuple(plan.values[name].shape)
-    return tuple(region.op(name).shape)
-
-
-def _dtype(region: Region, plan: DispatchPlan, name: str) -> torch.dtype:
-    if name in region.inputs:
-        return plan.values[name].dtype
-    return region.op(name).dtype
 
 
 def analyse(region: Region, plan: DispatchPlan) -> DeltaShape:

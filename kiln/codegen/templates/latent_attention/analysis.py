@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from kiln.codegen.expr.values import CodegenUnsupported
+from kiln.codegen.templates.op_operands import operand_dtype as _dtype
+from kiln.codegen.templates.op_operands import operand_shape as _shape
 from kiln.ir.plan import DispatchPlan, Ref, Region
 from kiln.ir.symbolic import Dim
 
@@ -49,18 +51,6 @@ class LatentShape:
     def keys(self) -> Dim:
         """Keys a batch row can have: the contiguous length, or the table's reach."""
         return self.cache_len * self.table_width if self.paged else self.cache_len
-
-
-def _shape(region: Region, plan: DispatchPlan, name: str) -> tuple:
-    if name in region.inputs:
-        return tuple(plan.values[name].shape)
-    return tuple(region.op(name).shape)
-
-
-def _dtype(region: Region, plan: DispatchPlan, name: str) -> torch.dtype:
-    if name in region.inputs:
-        return plan.values[name].dtype
-    return region.op(name).dtype
 
 
 def analyse(region: Region, plan: DispatchPlan) -> LatentShape:

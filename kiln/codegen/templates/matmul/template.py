@@ -51,6 +51,7 @@ from kiln.codegen.expr.kernel_args import SymbolicArgs
 from kiln.codegen.expr.values import CodegenUnsupported, Cond, Val, mask_of
 from kiln.codegen.templates import split_k as split
 from kiln.codegen.templates.matmul import configs as cfg
+from kiln.codegen.templates.op_operands import operand_shape as _shape
 from kiln.ir.ops import MATMULS, bind_args
 from kiln.ir.plan import DispatchPlan, Ref, Region
 from kiln.ir.symbolic import Dim, bounds_of, numel, same_dim
@@ -110,12 +111,6 @@ def analyse(region: Region, plan: DispatchPlan) -> MatmulShape:
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
-
-
-def _shape(region: Region, plan: DispatchPlan, name: str) -> tuple:
-    if name in region.inputs:
-        return tuple(plan.values[name].shape)
-    return tuple(region.op(name).shape)
 
 
 def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from kiln.codegen.expr.values import CodegenUnsupported
+from kiln.codegen.templates.op_operands import operand_dtype as _dtype
+from kiln.codegen.templates.op_operands import operand_shape as _shape
 from kiln.ir.plan import DispatchPlan, Ref, Region
 from kiln.ir.symbolic import Dim
 from kiln.ops.moe_experts import routing_bound
@@ -43,18 +45,6 @@ class MoeShape:
         """N * k (token, expert) pairs: the sorted row buffer's size, and the bound on
         every expert's rows."""
         return routing_bound(self.tokens, self.top_k)
-
-
-def _shape(region: Region, plan: DispatchPlan, name: str) -> tuple:
-    if name in region.inputs:
-        return tuple(plan.values[name].shape)
-    return tuple(region.op(name).shape)
-
-
-def _dtype(region: Region, plan: DispatchPlan, name: str) -> torch.dtype:
-    if name in region.inputs:
-        return plan.values[name].dtype
-    return region.op(name).dtype
 
 
 def analyse(region: Region, plan: DispatchPlan) -> MoeShape:
