@@ -44,6 +44,7 @@ import json
 import time
 
 import torch
+from measure import rel_err, sync, timed_ms
 
 import kiln
 from kiln.codegen.build.compiler import compile_binary
@@ -75,24 +76,8 @@ class Linear(torch.nn.Module):
         return fp8_linear(x, self.weight, self.weight_scale_inv)
 
 
-def sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
-def timed_ms(fn, device, reps: int = 5) -> float:
-    """Median milliseconds of `fn`: triton's do_bench on a GPU, wall clock elsewhere."""
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, return_mode="median"))
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def graph_ms(fn) -> float:
@@ -102,9 +87,6 @@ def graph_ms(fn) -> float:
     return float(do_bench_cudagraph(fn, return_mode="median"))
 
 
-def rel_err(out, ref) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def fp8_regions(exe):

@@ -35,6 +35,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from measure import copy_bandwidth, rel_err, timed_ms
 
 import kiln
 from kiln.codegen.build.triton_kernel import TritonKernel
@@ -94,35 +95,10 @@ def torch_dense(m, x, weights, ids):
     return (y.float() * combine[:, :, None]).sum(1).to(x.dtype)
 
 
-def rel_err(out, ref) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def timed_ms(fn, device, reps: int = 5) -> float:
-    """Median milliseconds of `fn`: triton's do_bench on a GPU, wall clock elsewhere."""
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, return_mode="median"))
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
-def copy_bandwidth(device) -> float | None:
-    """Bytes per second of a device-to-device copy of 1 GiB (read + write counted)."""
-    if device != "cuda":
-        return None
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = timed_ms(lambda: dst.copy_(src), device)
-    return 2 * n / (ms * 1e-3)
 
 
 def moe_kernel(exe):
