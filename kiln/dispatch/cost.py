@@ -12,7 +12,12 @@ evaluated at any size (the example's, the upper bounds):
   writes only the elements it scatters;
 - flops: matmul 2·M·N·K (per batch), attention 2·B·H·Tq·Tk·(D + Dv) ≈ 4·B·H·Tq·Tk·D,
   pointwise ops one per output element, reductions a few per input element; casts,
-  copies, views, gathers and scatters move data and compute nothing.
+  copies, views, gathers and scatters move data and compute nothing;
+- kiln's own ops (kiln.ops) by what they compute: fp8 linear and scaled mm 2·M·N·K;
+  the routed experts 6·N·k·I·D (gate, up, down for each of a token's k experts);
+  latent attention 2·B·T·H·S·(2R + P) over every key the cache can hold (the kernel
+  stops at each row's position: an upper bound); the gated delta rule 6·B·T·HV·K·V
+  (its recurrence: decay, update and read of a K x V state per token and value head).
 """
 
 from __future__ import annotations
@@ -142,7 +147,45 @@ def _bytes_written(region: Region, plan: DispatchPlan, shapes: _Shapes) -> Dim:
     return total
 
 
+def _fp8_matmul_flops(op: Op, shapes: _Shapes, weight_arg: int) -> Dim:
+    x, w = shapes.of(op.args[0]), shapes.of(op.args[weight_arg])
+    return 0 if x is None or w is None else 2 * numel(x[:-1]) * w[0] * w[1]
+
+
+def _moe_flops(op: Op, shapes: _Shapes) -> Dim:
+    x, ids, gate = (shapes.of(op.args[i]) for i in (0, 2, 3))
+    if x is None or ids is None or gate is None:
+        return 0
+    return 6 * x[0] * ids[-1] * gate[1] * gate[2]
+
+
+def _latent_flops(op: Op, shapes: _Shapes) -> Dim:
+    q, qr, kv = (shapes.of(op.args[i]) for i in (0, 1, 2))
+    table = shapes.of(op.args[6]) if len(op.args) > 6 else None
+    if q is None or qr is None or kv is None:
+        return 0
+    keys = table[1] * kv[1] if table is not None else kv[-2]
+    return 2 * numel(q[:-1]) * keys * (2 * q[-1] + qr[-1])
+
+
+def _delta_flops(op: Op, shapes: _Shapes) -> Dim:
+    q, v = shapes.of(op.args[0]), shapes.of(op.args[2])
+    return 0 if q is None or v is None else 6 * numel(v[:-1]) * q[-1] * v[-1]
+
+
+_KILN_OP_FLOPS = {
+    "kiln.fp8_linear.default": lambda op, s: _fp8_matmul_flops(op, s, 1),
+    "kiln.fp8_scaled_mm.default": lambda op, s: _fp8_matmul_flops(op, s, 2),
+    "kiln.fp8_quantize.default": lambda op, s: s.numel(op.args[0]),
+    "kiln.moe_experts.default": _moe_flops,
+    "kiln.latent_attention.default": _latent_flops,
+    "kiln.gated_delta_rule.default": _delta_flops,
+}
+
+
 def op_flops(op: Op, shapes: _Shapes) -> Dim:
+    if op.target in _KILN_OP_FLOPS:
+        return _KILN_OP_FLOPS[op.target](op, shapes)
     cat = category(op.target)
     if cat == OpCategory.MATMUL:
         return _matmul_flops(op, shapes)

@@ -128,3 +128,58 @@ def test_in_place_scatter_writes_only_what_it_scatters():
     assert _eq(c.read, t * 8 + t * 8 * 4)  # the index and the rows, not the 64x8 cache
     assert _eq(c.written, t * 8 * 4)
     assert evaluate(c.bytes, {str(t): 2}) < 64 * 8 * 4
+
+
+def _extern_flops(model, args, dims=None):
+    plan = _plan(model, args, None if dims is None else (dims,))  # forward(*args)
+    (r,) = [r for r in plan.regions if any(op.target.startswith("kiln.") for op in r.ops)]
+    return region_cost(r, plan).flops, plan
+
+
+class _Op(torch.nn.Module):
+    def __init__(self, fn, *weights):
+        super().__init__()
+        self.fn = fn
+        self.w = torch.nn.ParameterList([torch.nn.Parameter(w, requires_grad=False)
+                                         for w in weights])
+
+    def forward(self, *args):
+        return self.fn(*args, *self.w)
+
+
+def test_kiln_ops_count_what_they_compute():
+    """Flops of kiln's own ops (extern regions report 0 for unknown ops): the routed
+    experts 6·N·k·I·D, latent attention 2·B·T·H·S·(2R + P) over the cache's reach (a
+    paged one's table x block), the gated delta rule 6·B·T·HV·K·V, fp8 linear 2·M·N·K,
+    symbolic in the token count."""
+    from kiln.ops import fp8_linear, gated_delta_rule, latent_attention, moe_experts
+    from kiln.ops.fp8_linear import quantize_weight
+
+    T = kiln.Dim("tokens", min=1, max=64)
+    E, W, D, k = 6, 5, 16, 3  # experts, expert width, dim, experts per token
+    moe = _Op(moe_experts, torch.randn(E, W, D), torch.randn(E, W, D), torch.randn(E, D, W))
+    args = (torch.randn(7, D), torch.rand(7, k), torch.randint(0, E, (7, k)))
+    flops, plan = _extern_flops(moe, args, ({0: T},) * 3)
+    assert _eq(flops, 6 * _sym(plan) * k * W * D)
+
+    B, H, R, P, blocks, block = 2, 4, 32, 8, 3, 4
+    table = torch.arange(B * blocks).view(B, blocks)
+    pool = torch.randn(B * blocks, block, R + P)
+    mla = _Op(lambda q, qr, pool, pos, table: latent_attention(
+        q, qr, pool[..., :R], pool[..., R:], pos, 0.1, table))
+    args = (torch.randn(B, 1, H, R), torch.randn(B, 1, H, P), pool,
+            torch.tensor([[5], [9]]), table)
+    flops, _ = _extern_flops(mla, args)
+    assert flops == 2 * B * H * blocks * block * (2 * R + P)
+
+    HV, K, V = 4, 8, 8
+    q, kk = torch.randn(1, 7, 2, K), torch.randn(1, 7, 2, K)
+    delta = _Op(lambda q, k, v, g, b: gated_delta_rule(q, k, v, g, b)[0])
+    args = (q, kk, torch.randn(1, 7, HV, V), -torch.rand(1, 7, HV), torch.rand(1, 7, HV))
+    flops, plan = _extern_flops(delta, args, ({1: T},) * 5)
+    assert _eq(flops, 6 * _sym(plan) * HV * K * V)
+
+    wq, ws = quantize_weight(torch.randn(40, 300))
+    fp8 = _Op(lambda x, w, s: fp8_linear(x, w, s, None), wq, ws)
+    flops, plan = _extern_flops(fp8, (torch.randn(5, 300),), ({0: T},))
+    assert _eq(flops, 2 * _sym(plan) * 40 * 300)
