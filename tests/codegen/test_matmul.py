@@ -91,6 +91,42 @@ def test_swiglu_silu_mul_fuses_into_a_matmul_epilogue():
             assert rel_err(exe(x), model(x)) <= 1e-5
 
 
+class FusedGateUp(torch.nn.Module):
+    """gpt-fast's MLP: one [2F, D] projection chunked into gate and up halves."""
+
+    def __init__(self, d=32, f=24, bias=False):
+        super().__init__()
+        self.w13 = torch.nn.Linear(d, 2 * f, bias=bias)
+        self.w2 = torch.nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_swiglu_after_chunk_computes_both_halves_in_one_kernel(bias):
+    """The epilogue reads the product F columns right of the tile: one program computes
+    both column blocks (the [T, 2F] product is never stored), in the tiled form and in
+    the GEMV form of a decode-sized module."""
+    model = FusedGateUp(bias=bias)
+    x = torch.randn(1, 9, 32)
+    prefill = kiln.compile(model, (x,), dynamic_shapes=({1: T},), target="interpret")
+    decode = kiln.compile(model, (x[:, :1],), target="interpret")
+    for exe, form, sizes in ((prefill, "tiled", (9, 33, 1)), (decode, "gemv", (1,))):
+        fused = [r for r in exe.plan.regions if any(o.target == "aten.mul.Tensor"
+                                                     for o in r.ops)]
+        assert len(fused) == 1 and fused[0].kind == RegionKind.MATMUL
+        kernel = exe.program.kplan.kernels[fused[0].name]
+        assert kernel.kind == "triton", fused[0].notes
+        assert kernel.spec.meta["form"] == form
+        assert kernel.spec.meta["column_shifts"] == [24]
+        for t in sizes:
+            x = torch.randn(1, t, 32)
+            with torch.no_grad():
+                assert rel_err(exe(x), model(x)) <= 1e-5, (form, t)
+
+
 class Bmm(torch.nn.Module):
     def forward(self, a, b):
         return torch.bmm(a, b.transpose(1, 2)) * 0.5

@@ -141,3 +141,18 @@ def gemv_configs(n, k) -> list[Config]:
         for cap in (GEMV_SPLIT_CAP, 1):
             out.append(Config.make(warps, 1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=cap))
     return out or [Config.make(1, 1, BLOCK_N=16, BLOCK_K=16, SPLIT_K=1)]
+
+
+def paired(configs: list[Config], blocks: int) -> list[Config]:
+    """The configs of a program that computes `blocks` column blocks of the product (an
+    epilogue reading it at shifted columns): each accumulator gets BLOCK_N / blocks
+    columns, so the registers held match the single-block tile's, and K is not split (a
+    part would have to hold every block)."""
+    out: list[Config] = []
+    for c in configs:
+        params = {**c.as_dict(), "SPLIT_K": 1}
+        params["BLOCK_N"] = max(16, params["BLOCK_N"] // pow2(blocks))
+        made = Config.make(c.num_warps, c.num_stages, **params)
+        if made not in out:
+            out.append(made)
+    return out

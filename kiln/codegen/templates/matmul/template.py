@@ -44,6 +44,7 @@ from kiln.codegen.expr.indexing import (
     Var,
     broadcast_index,
     delinearize,
+    known_nonneg,
     modidx,
     reshape_index,
 )
@@ -113,14 +114,39 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+MAX_SHIFTS = 3  # column offsets at which one program computes the product
+
+
+class _Shifted(Exception):
+    """The epilogue reads the product `shift` columns right of the tile's own."""
+
+    def __init__(self, shift: int):
+        super().__init__(shift)
+        self.shift = shift
+
+
 def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
-    """The matmul (or GEMV) kernel of `region`; raises CodegenUnsupported saying why not."""
-    return _MatmulSource(region, plan, target, analyse(region, plan)).spec()
+    """The matmul (or GEMV) kernel of `region`; raises CodegenUnsupported saying why not.
+
+    An epilogue that reads the product at a constant column offset as well as at the
+    tile's own columns (SwiGLU after `chunk`: silu(p[:, :F]) * p[:, F:]) gets a program
+    that computes both column blocks from one pass over A, so the [M, 2F] product is
+    never stored; the offsets are found by generating, and generating again."""
+    shape, shifts = analyse(region, plan), ()
+    while True:
+        try:
+            return _MatmulSource(region, plan, target, shape, shifts).spec()
+        except _Shifted as e:
+            if len(shifts) == MAX_SHIFTS:
+                raise CodegenUnsupported(f"the epilogue reads the product at more than "
+                                         f"{MAX_SHIFTS} column offsets") from None
+            shifts += (e.shift,)
 
 
 class _MatmulSource:
-    def __init__(self, region, plan, target, shape: MatmulShape):
-        self.region, self.plan, self.s = region, plan, shape
+    def __init__(self, region, plan, target, shape: MatmulShape, shifts: tuple = ()):
+        self.region, self.plan, self.s, self.shifts = region, plan, shape, shifts
+        self.shifted: dict = {}  # shift -> the product at those columns (set by _finish)
         self.p = SymbolicArgs(plan.symbols)
         self.anchor = region.anchor()
         self.rows, self.cols, self.out_index, self.at = self._layout()
@@ -156,7 +182,32 @@ class _MatmulSource:
         # A size-1 dim is read at index 0 by broadcasting ops: the same element as the tile's.
         if all(d == 1 or a.equals(b) for a, b, d in zip(index, self.at, self.anchor.shape)):
             return self.product
-        return None  # the epilogue reads the product elsewhere: not this template's
+        shift = self._column_shift(index)
+        if shift is None:
+            return None  # the epilogue reads the product elsewhere: not this template's
+        if shift not in self.shifts:
+            raise _Shifted(shift)
+        return self.shifted[shift]
+
+    def _column_shift(self, index) -> int | None:
+        """C when `index` is the tile's own element C > 0 columns right, within the
+        product for every column the tile stores (cols + C <= N); else None."""
+        lead = zip(index[:-1], self.at[:-1], self.anchor.shape[:-1])
+        if not all(d == 1 or a.equals(b) for a, b, d in lead):
+            return None
+        own = Lin.of(self.at[-1])
+        if own.var_names() != {"rn2"}:
+            return None
+        diff = Lin.of(index[-1]) - own
+        if diff.terms or not isinstance(diff.const, int) or diff.const <= 0:
+            return None
+        room = self.s.n - self.cols - diff.const
+        return diff.const if known_nonneg(room) else None
+
+    def _accs(self) -> list[tuple[str, str, int]]:
+        """(accumulator, B's column variable, column shift) of each product block."""
+        return [("acc", "rb2", 0)] + [(f"acc_{i}", f"rb2_{i}", c)
+                                      for i, c in enumerate(self.shifts, 1)]
 
     def _batch(self) -> tuple:
         return (Lin.of(Var("pid_b", self.s.batch, block=False)),) if self.s.batched else ()
@@ -180,6 +231,8 @@ class _MatmulSource:
             tiles = f"cdiv({p.grid(self.rows)}, BLOCK_M) * cdiv({p.grid(self.cols)}, BLOCK_N)"
             fill, least = cfg.TILED_FILL, cfg.MIN_SPLIT_BLOCKS
             part = "BLOCK_M * BLOCK_N"
+        if self.shifts:
+            configs = cfg.paired(configs, 1 + len(self.shifts))
         # K needs no mask when every config's BLOCK_K divides it (splits are whole blocks)
         self.even_k = isinstance(s.k, int) and all(s.k % c["BLOCK_K"] == 0 for c in configs)
         all_tiles = f"{tiles} * {batch}"
@@ -194,16 +247,16 @@ class _MatmulSource:
         meta = {"form": "gemv" if self.gemv else "tiled", "dtype": _name(s.dtype),
                 "out_dtype": _name(self.plan.values[out].dtype),
                 "m_pad": cfg.pow2(self.m_hi) if self.gemv else None,
-                "epilogue_loads": self._epilogue_loads}
+                "epilogue_loads": self._epilogue_loads, "column_shifts": list(self.shifts)}
         return KernelSpec(self.name, source, p.args(), tunables, (tiles, batch, n_split),
                           configs, configs[0], "matmul", meta, 64 if p.needs_int64 else 32,
                           scratch=split.scratch(all_tiles, n_split, part))
 
-    def _dot(self, x: str, w: str) -> str:
+    def _dot(self, x: str, w: str, acc: str = "acc") -> str:
         x, w = dot_operand(x, self.s.dtype, self.em.target), dot_operand(w, self.s.dtype,
                                                                            self.em.target)
         ieee = ', input_precision="ieee"' if self.s.dtype == torch.float32 else ""
-        return f"tl.dot({x}, {w}, acc{ieee}, out_dtype=tl.float32)"
+        return f"tl.dot({x}, {w}, {acc}{ieee}, out_dtype=tl.float32)"
 
     def _load(self, name: str, index, mask, span: tuple, shape: str,
               k_var: str, k_ok: str | None) -> tuple[list[str], str]:
@@ -252,24 +305,28 @@ class _MatmulSource:
             f"rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N){wide}",
             # Wrapped rows / columns read valid memory; only the store is masked.
             f"ra2 = (rm % {m})[:, None]",
-            f"rb2 = (rn % {n})[None, :]",
+            *[f"{rb} = ((rn + {c}) % {n})[None, :]" if c else f"{rb} = (rn % {n})[None, :]"
+              for _, rb, c in self._accs()],
             "rk = tl.arange(0, BLOCK_K)",
-            "acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)",
+            *[f"{acc} = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)"
+              for acc, _, _ in self._accs()],
             *self._k_range(k),
             "for k0 in range(lo, hi, BLOCK_K):",
         ]
         kk_a, kk_b = Var("ka2", s.k), Var("kb2", s.k)
         a_idx = self._batch() + (Lin.of(Var("ra2", s.m)), Lin.of(kk_a))
-        b_idx = self._batch() + (Lin.of(kk_b), Lin.of(Var("rb2", s.n)))
         ka_ok, kb_ok = self._k_mask("ka_ok", "ka2"), self._k_mask("kb_ok", "kb2")
         a_lines, a = self._load(s.a, a_idx, mask_of(ka_ok), ("ra2", "ka2"),
                                 "[BLOCK_M, BLOCK_K]", "ka2", ka_ok and ka_ok.code)
-        b_lines, b = self._load(s.b, b_idx, mask_of(kb_ok), ("kb2", "rb2"),
-                                "[BLOCK_K, BLOCK_N]", "kb2", kb_ok and kb_ok.code)
         loop = ["kk = k0 + rk", "ka2 = kk[None, :]", "kb2 = kk[:, None]"]
         if not self.even_k:
             loop += [f"ka_ok = ka2 < {k}", f"kb_ok = kb2 < {k}"]
-        loop += [*a_lines, *b_lines, f"acc = {self._dot(a, b)}"]
+        loop += a_lines
+        for acc, rb, _ in self._accs():
+            b_idx = self._batch() + (Lin.of(kk_b), Lin.of(Var(rb, s.n)))
+            b_lines, b = self._load(s.b, b_idx, mask_of(kb_ok), ("kb2", rb),
+                                    "[BLOCK_K, BLOCK_N]", "kb2", kb_ok and kb_ok.code)
+            loop += [*b_lines, f"{acc} = {self._dot(a, b, acc)}"]
         tail = ["rm2 = rm[:, None]", "rn2 = rn[None, :]", f"m_ok = rm2 < {rows}",
                 f"n_ok = rn2 < {cols}"]
         offs = "tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]"
@@ -299,8 +356,10 @@ class _MatmulSource:
             "n_split = tl.num_programs(2)",
             f"rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N){wide}",
             f"rm = tl.arange(0, {mp})",
-            f"rb2 = (rn % {n})[None, :]",
-            f"acc = tl.zeros([{mp}, BLOCK_N], dtype=tl.float32)",
+            *[f"{rb} = ((rn + {c}) % {n})[None, :]" if c else f"{rb} = (rn % {n})[None, :]"
+              for _, rb, c in self._accs()],
+            *[f"{acc} = tl.zeros([{mp}, BLOCK_N], dtype=tl.float32)"
+              for acc, _, _ in self._accs()],
         ]
         # Rows past M read row M - 1 (valid memory, one mask-free vector load per row);
         # only the store is masked.
@@ -313,21 +372,24 @@ class _MatmulSource:
                 head.append(f"row{mi} = tl.minimum({mi}, {m} - 1)")
         head += [*self._k_range(k), "for k0 in range(lo, hi, BLOCK_K):"]
         kk_b, kk_a = Var("kb2", s.k), Var("kk", s.k)
-        b_idx = self._batch() + (Lin.of(kk_b), Lin.of(Var("rb2", s.n)))
         kb_ok = self._k_mask("kb_ok", "kb2")
-        b_lines, w = self._load(s.b, b_idx, mask_of(kb_ok), ("kb2", "rb2"),
-                                "[BLOCK_K, BLOCK_N]", "kb2", kb_ok and kb_ok.code)
         loop = [f"kk = k0 + tl.arange(0, BLOCK_K){wide}", "kb2 = kk[:, None]"]
         if not self.even_k:
             loop += [f"k_ok = kk < {k}", f"kb_ok = kb2 < {k}"]
-        loop += [*b_lines, f"w = {w}.to(tl.float32)"]
+        for i, (_, rb, _) in enumerate(self._accs()):
+            b_idx = self._batch() + (Lin.of(kk_b), Lin.of(Var(rb, s.n)))
+            b_lines, w = self._load(s.b, b_idx, mask_of(kb_ok), ("kb2", rb),
+                                    "[BLOCK_K, BLOCK_N]", "kb2", kb_ok and kb_ok.code)
+            loop += [*b_lines, f"w{i} = {w}.to(tl.float32)"]
         for mi in range(mp):  # rows unrolled: the weight tile is loaded once for all
             row = Lin.of(mi) if static_rows else Lin.of(Opaque(f"row{mi}", s.m))
             k_ok = self._k_mask("k_ok", "kk")
             a_lines, x = self._load(s.a, self._batch() + (row, Lin.of(kk_a)), mask_of(k_ok),
                                     ("kk",), "[BLOCK_K]", "kk", k_ok and k_ok.code)
-            loop += [*a_lines, f"part = tl.sum({x}.to(tl.float32)[:, None] * w, 0)",
-                     f"acc += tl.where(rm[:, None] == {mi}, part[None, :], 0.0)"]
+            loop += a_lines
+            for i, (acc, _, _) in enumerate(self._accs()):
+                loop += [f"part = tl.sum({x}.to(tl.float32)[:, None] * w{i}, 0)",
+                         f"{acc} += tl.where(rm[:, None] == {mi}, part[None, :], 0.0)"]
         tail = ["rm2 = rm[:, None]", "rn2 = rn[None, :]", f"m_ok = rm2 < {rows}",
                 f"n_ok = rn2 < {cols}"]
         offs = f"tl.arange(0, {mp})[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]"
@@ -340,16 +402,20 @@ class _MatmulSource:
         s, em = self.s, self.em
         mask = mask_of(Cond("m_ok", frozenset({"rm2"})), Cond("n_ok", frozenset({"rn2"})))
         em.lines = []
-        if s.alpha != 1.0:
-            em.lines.append(f"acc = acc * {s.alpha!r}")
-        if s.bias is not None:
-            bshape = _shape(self.region, self.plan, s.bias.name)
-            bidx = broadcast_index(self.at, self.anchor.shape, bshape)
-            bias = em.value(s.bias.name, bidx, mask)
-            scale = f" * {s.beta!r}" if s.beta != 1.0 else ""
-            em.lines.append(f"acc = acc + {bias}.to(tl.float32){scale}")
-        # the product in its own dtype, rounded as eager rounds it (the emitter's cast)
-        self.product = em.cast(Val("acc", torch.float32, frozenset({"rm2", "rn2"})), s.dtype)
+        products = {}
+        for acc, _, c in self._accs():
+            if s.alpha != 1.0:
+                em.lines.append(f"{acc} = {acc} * {s.alpha!r}")
+            if s.bias is not None:
+                bshape = _shape(self.region, self.plan, s.bias.name)
+                at = self.at[:-1] + (Lin.of(self.at[-1]) + c,)
+                bias = em.value(s.bias.name, broadcast_index(at, self.anchor.shape, bshape),
+                                mask)
+                scale = f" * {s.beta!r}" if s.beta != 1.0 else ""
+                em.lines.append(f"{acc} = {acc} + {bias}.to(tl.float32){scale}")
+            # the product in its own dtype, rounded as eager rounds it (the emitter's cast)
+            products[c] = em.cast(Val(acc, torch.float32, frozenset({"rm2", "rn2"})), s.dtype)
+        self.product, self.shifted = products.pop(0), products
         out, idx = self.region.outputs[0], self.out_index
         # a size-1 dim's index is constant: the pointer block still spans the whole tile
         em.store(out, idx, em.value(out, idx, mask), mask, span=("rm2", "rn2"))
