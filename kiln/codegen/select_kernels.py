@@ -7,7 +7,8 @@ KernelSpec; build.resources keeps only configs that fit the target (splitting th
 region when none can), and the autotuner picks one that compiles. A region whose
 template declines (it raises CodegenUnsupported, saying why), or whose every config
 fails, runs as its extern form (torch ops on the device: cuBLAS, SDPA), and the
-region's note says why.
+region's note says why; a template that can run the anchor but not its epilogue
+(EpilogueApart) gets the region split in two instead.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from kiln.codegen.autotune.tuner import choose
 from kiln.codegen.build.resources import fitted_spec
 from kiln.codegen.build.spec import KernelSpec
-from kiln.codegen.expr.values import CodegenUnsupported
+from kiln.codegen.expr.values import CodegenUnsupported, EpilogueApart
 from kiln.codegen.kernel_plan import KernelPlan
 from kiln.codegen.templates import copy, pointwise
 from kiln.codegen.templates.attention import template as attention
@@ -31,6 +32,7 @@ from kiln.codegen.templates.matmul import template as matmul
 from kiln.codegen.templates.moe import template as moe
 from kiln.codegen.templates.reduction import row_kernel as reduction
 from kiln.codegen.torch_kernel import TorchKernel
+from kiln.dispatch.split import split_epilogue
 from kiln.ir.ops import is_fallback
 from kiln.ir.plan import DispatchPlan, Region, RegionKind
 from kiln.pipeline import as_pass
@@ -78,6 +80,11 @@ def kernel_for(region: Region, plan: DispatchPlan, target: Target, ctx):
     try:
         # Only configs that can fit the target; may split the region (new regions in plan).
         spec = fitted_spec(region, plan, target, template)
+    except EpilogueApart as e:
+        # The product gets a kernel of its own (select_kernels' loop reaches the new
+        # region); this region, now its epilogue alone, is chosen for again.
+        split_epilogue(plan, region, str(e))
+        return kernel_for(region, plan, target, ctx)
     except CodegenUnsupported as e:
         region.notes.append(f"extern: the {region.kind.value} template declines: {e}")
         log.info("region %s: %s template declines: %s", region.name, region.kind.value, e)

@@ -12,6 +12,12 @@ value (contiguous, memory-planned); the anchor region keeps only the views betwe
 that value and the anchor, so its template reads it like any input. Both regions
 get a note saying what was split and why.
 
+`split_epilogue(plan, region, why)` does the converse for a template that can run the
+anchor but not the ops after it (a tiled matmul whose epilogue reads the product at
+other columns than the tile's): the anchor, with the views feeding it, becomes a
+region of its own whose output is the product, and the region keeps the epilogue as
+a pointwise region reading it.
+
 Assumes a verified plan (every region's ops in dependency order, refs defined);
 establishes the same, with the new region's output produced before it is read.
 """
@@ -104,6 +110,32 @@ def split_prologue(plan: DispatchPlan, region: Region, operand: str, why: str) -
     plan.regions.insert(plan.regions.index(region), new)
     log.info("split region %s: %%%s now comes from %s (%s)", region.name, point.name,
              new.name, why)
+    return new
+
+
+def split_epilogue(plan: DispatchPlan, region: Region, why: str) -> Region:
+    """Move the anchor of `region` into a new region before it, the product its output;
+    `region` keeps the epilogue. Returns the new region."""
+    anchor = region.anchor()
+    moved = [copy.deepcopy(o) for o in _closure(region, [anchor.name], set())]
+    new = Region(_fresh_name(plan, f"{region.name}_product"), region.kind, moved,
+                 _inputs_of(moved, region.inputs), [anchor.name], device=region.device,
+                 label=region.label)
+    plan.values[anchor.name] = TensorValue(anchor.name, tuple(anchor.shape), anchor.dtype,
+                                           Role.TEMP)
+    kept = _closure(region, list(region.outputs), {anchor.name})
+    region.ops = kept
+    region.inputs = _inputs_of(kept, region.inputs + [anchor.name])
+    region.kind = (RegionKind.POINTWISE if any(category(o.target) == OpCategory.POINTWISE
+                                               for o in kept) else RegionKind.COPY)
+    region.label = None
+    n_compute = sum(_is_compute(o) for o in kept)
+    region.notes.append(f"split: the product %{anchor.name} moved to region {new.name}; "
+                        f"this region keeps its epilogue ({n_compute} ops): {why}")
+    new.notes.append(f"split from region {region.name} (its epilogue stays there): {why}")
+    plan.regions.insert(plan.regions.index(region), new)
+    log.info("split region %s: its product %%%s now comes from %s (%s)", region.name,
+             anchor.name, new.name, why)
     return new
 
 

@@ -196,6 +196,40 @@ def test_decode_form_packs_the_query_group_into_one_tile():
         assert rel_err(exe(q, k, v), model(q, k, v)) <= 1e-5
 
 
+class RepeatedKV(torch.nn.Module):
+    """GQA written out, as gpt-fast (repeat_interleave) and transformers (repeat_kv:
+    expand then reshape) write it, over a boolean mask."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    def forward(self, q, k, v, mask):
+        g = q.shape[1] // k.shape[1]
+        if self.how == "repeat_interleave":
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        else:
+            b, h, s, d = k.shape
+            k, v = (x[:, :, None].expand(b, h, g, s, d).reshape(b, h * g, s, d)
+                    for x in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("how", ["repeat_interleave", "expand_reshape"])
+def test_repeated_kv_heads_are_read_once_per_group(how):
+    """The query heads of a repeated kv head share one tile: K and V are read once."""
+    model = RepeatedKV(how)
+    for t in (1, 5):  # decode, prefill
+        q, k, v = _qkv(2, 8, 2, t, 24)
+        mask = torch.rand(t, 24) > 0.3
+        mask[:, 0] = True
+        exe = kiln.compile(model, (q, k, v, mask), target="interpret")
+        _, kernel = _attention_kernel(exe)
+        assert kernel.kind == "triton" and kernel.spec.meta["group"] == 4
+        assert "kvh = pid_z % 2" in kernel.spec.source
+        assert rel_err(exe(q, k, v, mask), model(q, k, v, mask)) <= 1e-5, (how, t)
+
+
 def test_dropout_is_left_to_the_extern_form():
     class Dropout(torch.nn.Module):
         def forward(self, q, k, v):

@@ -105,26 +105,37 @@ class FusedGateUp(torch.nn.Module):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_swiglu_after_chunk_computes_both_halves_in_one_kernel(bias):
-    """The epilogue reads the product F columns right of the tile: one program computes
-    both column blocks (the [T, 2F] product is never stored), in the tiled form and in
-    the GEMV form of a decode-sized module."""
+def test_swiglu_after_chunk_streams_both_halves_in_one_gemv(bias):
+    """Decode: the epilogue reads the product F columns right of the tile, so one GEMV
+    program streams both column blocks of the weight (the product is never stored)."""
     model = FusedGateUp(bias=bias)
+    x = torch.randn(1, 1, 32)
+    exe = kiln.compile(model, (x,), target="interpret")
+    fused = [r for r in exe.plan.regions if any(o.target == "aten.mul.Tensor" for o in r.ops)]
+    assert len(fused) == 1 and fused[0].kind == RegionKind.MATMUL
+    kernel = exe.program.kplan.kernels[fused[0].name]
+    assert kernel.kind == "triton", fused[0].notes
+    assert kernel.spec.meta["form"] == "gemv" and kernel.spec.meta["column_shifts"] == [24]
+    with torch.no_grad():
+        assert rel_err(exe(x), model(x)) <= 1e-5
+
+
+def test_swiglu_after_chunk_splits_a_tiled_product_from_its_epilogue():
+    """Prefill: the tiled product runs as its own region and silu(gate) * up as a
+    pointwise kernel after it, rather than the whole region as torch ops."""
+    model = FusedGateUp(bias=True)
     x = torch.randn(1, 9, 32)
-    prefill = kiln.compile(model, (x,), dynamic_shapes=({1: T},), target="interpret")
-    decode = kiln.compile(model, (x[:, :1],), target="interpret")
-    for exe, form, sizes in ((prefill, "tiled", (9, 33, 1)), (decode, "gemv", (1,))):
-        fused = [r for r in exe.plan.regions if any(o.target == "aten.mul.Tensor"
-                                                     for o in r.ops)]
-        assert len(fused) == 1 and fused[0].kind == RegionKind.MATMUL
-        kernel = exe.program.kplan.kernels[fused[0].name]
-        assert kernel.kind == "triton", fused[0].notes
-        assert kernel.spec.meta["form"] == form
-        assert kernel.spec.meta["column_shifts"] == [24]
-        for t in sizes:
-            x = torch.randn(1, t, 32)
-            with torch.no_grad():
-                assert rel_err(exe(x), model(x)) <= 1e-5, (form, t)
+    exe = kiln.compile(model, (x,), dynamic_shapes=({1: T},), target="interpret")
+    epilogue = next(r for r in exe.plan.regions if any(o.target == "aten.mul.Tensor"
+                                                       for o in r.ops))
+    assert epilogue.kind == RegionKind.POINTWISE
+    assert any(n.startswith("split: the product") for n in epilogue.notes)
+    assert all(k.kind == "triton" for k in exe.program.kplan.kernels.values())
+    assert len(_kernels(exe)) == 2  # w13 alone, w2
+    for t in (9, 33, 1):
+        x = torch.randn(1, t, 32)
+        with torch.no_grad():
+            assert rel_err(exe(x), model(x)) <= 1e-5, t
 
 
 class Bmm(torch.nn.Module):

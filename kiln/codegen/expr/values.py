@@ -21,6 +21,11 @@ class CodegenUnsupported(Exception):
     declines with this message, and the region runs extern with it as its note."""
 
 
+class EpilogueApart(CodegenUnsupported):
+    """The template can run the region's anchor but not its epilogue: the region is
+    split in two (kiln.dispatch.split.split_epilogue) rather than run extern."""
+
+
 TL = {
     torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16",
     torch.float64: "tl.float64", torch.int64: "tl.int64", torch.int32: "tl.int32",

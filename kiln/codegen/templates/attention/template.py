@@ -40,6 +40,7 @@ from kiln.codegen.expr.kernel_args import SymbolicArgs
 from kiln.codegen.expr.values import CodegenUnsupported, Cond, Val, mask_of
 from kiln.codegen.templates import split_k as split
 from kiln.codegen.templates.attention.causal_mask import is_causal_mask
+from kiln.codegen.templates.attention.repeated_heads import repeated_heads
 from kiln.codegen.templates.matmul.configs import can_split
 from kiln.codegen.templates.matmul.template import dot_operand
 from kiln.codegen.templates.op_operands import operand_shape as _shape
@@ -73,6 +74,7 @@ class AttentionShape:
     head_dim: int
     value_dim: int
     dtype: torch.dtype
+    kv_repeat: int = 1  # K/V hold H heads, head h a repeat of kv head h // kv_repeat
 
     @property
     def group(self) -> int:
@@ -114,6 +116,10 @@ def analyse(region: Region, plan: DispatchPlan) -> AttentionShape:
         raise CodegenUnsupported(f"key head dim {ks[3]} differs from the query's {D}")
     if not (Hkv == H or Hkv == 1 or (a["enable_gqa"] and H % Hkv == 0)):
         raise CodegenUnsupported(f"{H} query heads over {Hkv} key heads")
+    repeat = 1
+    if Hkv == H > 1:  # GQA written out: pack the query heads of each kv head in a tile
+        rk, rv = (repeated_heads(region, plan, r.name, H) for r in refs[1:])
+        repeat = rk if rk == rv else 1
     for x in (ks, vs):
         if not (same_dim(x[0], B) or same_dim(x[0], 1)) or not same_dim(x[2], S):
             raise CodegenUnsupported("key/value batch or length differs from the query's")
@@ -134,7 +140,8 @@ def analyse(region: Region, plan: DispatchPlan) -> AttentionShape:
         mask, kind, causal = None, None, True  # skip the blocks above the diagonal
     scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(D)
     return AttentionShape(refs[0].name, refs[1].name, refs[2].name, mask, kind, causal,
-                          float(scale), B, H, Hkv, Tq, S, D, Dv, anchor.dtype)
+                          float(scale), B, H, Hkv // repeat, Tq, S, D, Dv, anchor.dtype,
+                          repeat)
 
 
 def _pow2(n: int) -> int:
@@ -378,7 +385,7 @@ class _AttentionSource:
         if causal, at or before every row's query: no key, row or causal masks."""
         s, p = self.s, self.p
         d, dv, slen = s.head_dim, s.value_dim, p.dim(s.s)
-        kvh = Lin.of(Var("kvh", s.kv_heads, block=False))
+        kvh = Lin.of(Var("kvh", s.kv_heads, block=False)) * s.kv_repeat  # K/V's head
         nk_c = None if full else Cond("nk_ok", frozenset({"nk"}))
         nv_c = None if full else Cond("nv_ok", frozenset({"nv"}))
         dk_c = Cond(f"dk < {d}", frozenset({"dk"})) if d != dp else None

@@ -144,8 +144,8 @@ def gemv_configs(n, k) -> list[Config]:
 
 
 def paired(configs: list[Config], blocks: int) -> list[Config]:
-    """The configs of a program that computes `blocks` column blocks of the product (an
-    epilogue reading it at shifted columns): each accumulator gets BLOCK_N / blocks
+    """The configs of a GEMV program that computes `blocks` column blocks of the product
+    (an epilogue reading it at shifted columns): each accumulator gets BLOCK_N / blocks
     columns, so the registers held match the single-block tile's, and K is not split (a
     part would have to hold every block)."""
     out: list[Config] = []
