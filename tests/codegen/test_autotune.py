@@ -307,6 +307,7 @@ def fake_gpu(monkeypatch):
         config = getattr(kernel, "config", None)
         return {"out": torch.full((4,), 2.0 if config in times.get("wrong", ()) else 1.0)}
 
+    monkeypatch.setenv("KILN_TUNE_TIMING", "inprocess")  # bench and outputs run here
     monkeypatch.setattr(tune_module, "gpu_for", lambda target: True)
     monkeypatch.setattr(tune_module, "example_buffers", lambda *a: ({}, {}))
     monkeypatch.setattr(tune_module, "bench", bench)
