@@ -433,10 +433,12 @@ def test_untimed_tuning_starts_no_run_worker(compiles, monkeypatch):
     """Without the target's GPU (compile-only, cpu, interpret) nothing is timed, so no
     run worker starts: isolation costs those targets nothing."""
     from kiln.codegen.autotune import isolated_runs
+    from kiln.codegen.autotune import tuner as tune_module
 
     def no_worker():
         raise AssertionError("a run worker was asked for")
     monkeypatch.setattr(isolated_runs, "get_run_pool", no_worker)
+    monkeypatch.setattr(tune_module, "get_run_pool", no_worker)
     kernel, region = tune(add_spec(W4, [W8]), compiler="compile_stand_in", tune="full",
                           example_env={"s0": 100})
     assert kernel.config == W4 and "untimed" in region.notes[-1]

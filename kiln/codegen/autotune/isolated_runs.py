@@ -93,8 +93,11 @@ class IsolatedRuns:
             task.update(spec=self.spec, config=config.to_json(),
                         binary=dataclasses.replace(binary, _kernel=None))
         ((_, out),) = get_run_pool().run([RunJob(what, task, self.runner)], self.timeout)
+        key = "ms" if what == "time" else "mismatch"
+        if out.status == OK and isinstance(out.result, dict) and key in out.result:
+            return Ran(value=out.result[key])
         if out.status == OK:
-            return Ran(value=out.result["ms" if what == "time" else "mismatch"])
+            return Ran(error=f"the runner's reply has no {key!r}: {out.result!r}"[:300])
         if out.status == NO_WORKER:
             raise NoRunWorker(out.reason)
         if out.status in (FAULT, CRASH, HANG):

@@ -63,7 +63,14 @@ from kiln.codegen.autotune.timing import (
     timing_env,
 )
 from kiln.codegen.autotune.verify import mismatch, outputs
-from kiln.codegen.autotune.worker_pool import NO_WORKER, OK, Job, Outcome, get_pool
+from kiln.codegen.autotune.worker_pool import (
+    NO_WORKER,
+    OK,
+    Job,
+    Outcome,
+    get_pool,
+    get_run_pool,
+)
 from kiln.codegen.build.resources import over_limits, precheck
 from kiln.codegen.build.spec import Config, KernelSpec
 from kiln.codegen.build.triton_kernel import TritonKernel
@@ -142,6 +149,8 @@ class Tuner:
         choice = self.cache.get(key)
         cached = choice is not None
         if choice is None:
+            if sizes is not None and self.timing == "worker":
+                get_run_pool().prestart()  # it imports torch while the compiles run
             outcomes = self._compile(region, spec, configs, stop_early=sizes is None)
             choice = self._decide(region, spec, configs, outcomes, plan, sizes is not None)
             # A fallback caused by errors that may not recur (see quarantine.py) is redone,
