@@ -5,9 +5,10 @@ process it runs in, so the compiling process must never run one. Each candidate'
 timing, and each check of its outputs, is one job for the process's run worker
 (worker_pool.get_run_pool, run_worker.py), made of what describes it (the region,
 the spec, the config, its binary, the buffers' shapes and dtypes), never of tensors.
-Jobs are small and the worker lives as long as the process, so a candidate costs its
-timing plus a pipe round trip; a worker that faulted, crashed or hung is replaced
-before the next job.
+Jobs are small and the worker lives for the whole compile (started while the first
+timed region compiles, stopped by select_kernels at the end, so its CUDA context and
+memory do not stay beside the compiled model), so a candidate costs its timing plus a
+pipe round trip; a worker that faulted, crashed or hung is replaced before the next job.
 
 A run ends as one of:
     a number / a verdict   the candidate ran

@@ -82,6 +82,8 @@ def fault_of(e: BaseException) -> str | None:
 
 
 def run_job(job: dict) -> dict:
+    import torch
+
     _apply_env(job["env"])
     try:
         result = resolve(job["fn"])(job["task"])
@@ -89,8 +91,12 @@ def run_job(job: dict) -> dict:
         why = fault_of(e)
         if why is not None:
             return {"id": job["id"], "status": FAULT, "reason": why, "retire": True}
-        return {"id": job["id"], "status": "error", "reason": _reason(e)}
-    return {"id": job["id"], "status": "ok", "result": result}
+        reply = {"id": job["id"], "status": "error", "reason": _reason(e)}
+    else:
+        reply = {"id": job["id"], "status": "ok", "result": result}
+    if torch.cuda.is_initialized():  # the job's buffers: GPU memory the parent may want
+        torch.cuda.empty_cache()
+    return reply
 
 
 def _warm_up() -> None:

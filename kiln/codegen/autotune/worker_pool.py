@@ -333,12 +333,22 @@ _run_pool: WorkerPool | None = None
 
 def get_run_pool() -> WorkerPool:
     """The process's run worker (one: candidates timed side by side on one GPU would
-    slow each other), started on first use and kept for every later tuning."""
+    slow each other), started on first use and kept for the rest of the compile
+    (select_kernels stops it when every region has its kernel)."""
     global _run_pool
     if _run_pool is None:
         _run_pool = WorkerPool(1, RUN_WORKER, "run")
         atexit.register(shutdown)
     return _run_pool
+
+
+def stop_run_worker() -> None:
+    """Stop the run worker, freeing its CUDA context (and the GPU memory it holds) for the
+    model that was just compiled; the next timed tuning starts another."""
+    global _run_pool
+    if _run_pool is not None:
+        _run_pool.close()
+        _run_pool = None
 
 
 def shutdown() -> None:
