@@ -12,13 +12,16 @@ size in a fresh child process, checked against the region's torch form. This
 process never touches CUDA, so a faulting candidate costs only its child.
 
     python benchmarks/attention_candidates_memcheck.py --out /tmp/attn_candidates.json
-    python benchmarks/attention_candidates_memcheck.py --memcheck --out /tmp/attn_mc.json
+    python benchmarks/attention_candidates_memcheck.py --memcheck --fast --out /tmp/mc.json
+    python benchmarks/attention_candidates_memcheck.py --memcheck --only 0,1,2 --out ...
 
 --memcheck wraps each child in `compute-sanitizer --tool memcheck` and records its
 error count and first report lines per config. The printed lines name each config
 as it starts ("=== [i/n] <config> seq=<T>"), so the whole script can also run under
-one compute-sanitizer (it follows child processes). --small runs three candidates at
-one size (a smoke run; on a machine without a GPU, only the capture).
+one compute-sanitizer (it follows child processes; then use --jobs 1). --fast runs
+only the 8 fast-mode candidates (the ones the failing run timed); --jobs runs that
+many candidates side by side. --small runs three candidates at one size (a smoke
+run; on a machine without a GPU, only the capture).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -158,6 +162,9 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="comma-separated candidate indices")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per candidate")
     ap.add_argument("--small", action="store_true", help="three candidates, one size")
+    ap.add_argument("--fast", action="store_true", help="only the fast-mode candidates "
+                    "(those the failing run timed)")
+    ap.add_argument("--jobs", type=int, default=4, help="candidates run side by side")
     ap.add_argument("--run-one", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--capture", default=None, help=argparse.SUPPRESS)
@@ -180,23 +187,33 @@ def main() -> None:
     print(f"kernel {got['spec'].name}: {len(configs)} candidates "
           f"({len(got['fast'])} in fast mode), meta {got['spec'].meta}", flush=True)
     picks = ([int(i) for i in args.only.split(",")] if args.only
+             else [i for i, c in enumerate(configs) if str(c) in got["fast"]] if args.fast
              else range(3) if args.small else range(len(configs)))
-    results = []
     have_gpu = subprocess.run([sys.executable, "-c", "import torch,sys; "
                                "sys.exit(0 if torch.cuda.is_available() else 1)"]).returncode == 0
-    for i in picks:
+
+    lock = threading.Lock()
+
+    def say(text: str) -> None:
+        with lock:
+            print(text, flush=True)
+
+    def one(i: int) -> dict:
         c = configs[i]
-        print(f"=== [{i}/{len(configs)}] {c}{' (fast)' if str(c) in got['fast'] else ''} "
-              f"seq={sizes}", flush=True)
+        say(f"=== [{i}/{len(configs)}] {c}{' (fast)' if str(c) in got['fast'] else ''} "
+            f"seq={sizes}")
         rec = {"index": i, "config": str(c), "fast": str(c) in got["fast"]}
-        if have_gpu:
-            rec.update(_child(path, i, sizes, args.memcheck, args.timeout))
-            print(f"    {rec['status']}: rel_err {rec.get('rel_err')} shared "
-                  f"{rec.get('shared')} memcheck {rec.get('memcheck_errors')} "
-                  f"{rec['report'][:2]}", flush=True)
-        else:
-            rec["status"] = "not run (no GPU)"
-        results.append(rec)
+        if not have_gpu:
+            return {**rec, "status": "not run (no GPU)"}
+        rec.update(_child(path, i, sizes, args.memcheck, args.timeout))
+        say(f"    [{i}] {c}: {rec['status']}: rel_err {rec.get('rel_err')} shared "
+            f"{rec.get('shared')} memcheck {rec.get('memcheck_errors')} {rec['report'][:2]}")
+        return rec
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        results = list(pool.map(one, picks))
     faulty = [r["config"] for r in results if r.get("status") == "fault"]
     print("faulting configs:", faulty or "none", flush=True)
     Path(args.out).write_text(json.dumps({
