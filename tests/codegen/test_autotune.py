@@ -385,39 +385,42 @@ def planted_runs(tmp_path, monkeypatch):
 def test_a_candidate_that_faults_kills_or_hangs_its_run_worker_is_quarantined(
         planted_runs, compiles):
     """Issue 13: a candidate whose run faults (a CUDA error poisons its process's
-    context), ends its worker or passes its deadline is quarantined as runtime_fault;
-    the worker is replaced and the others are timed; the fastest is checked (one that
-    mismatches is quarantined as wrong); the next tuning neither compiles nor runs the
-    faulty ones."""
+    context), ends its worker or passes its deadline, while timed or while its outputs
+    are checked, is quarantined as runtime_fault; the worker is replaced and the others
+    are timed; the fastest are checked (one that mismatches is quarantined as wrong);
+    the next tuning neither compiles nor runs the faulty ones."""
     from kiln.codegen.autotune.worker_pool import get_run_pool
 
     plan, tune_planted, runs = planted_runs
-    fault, dies, hangs, wrong, ok = (Config.make(4, 1, XBLOCK=2 ** i) for i in range(6, 11))
-    spec = add_spec(ok, [fault, dies, hangs, wrong])
+    fault, dies, hangs, check_faults, wrong, ok = (Config.make(4, 1, XBLOCK=2 ** i)
+                                                   for i in range(6, 12))
+    spec = add_spec(ok, [fault, dies, hangs, check_faults, wrong])
     plan.update({fault: "fault", dies: "exit", hangs: "hang",
+                 check_faults: {"ms": 0.4, "check": "fault"},
                  wrong: {"ms": 0.5, "check": "wrong"}, ok: 1.0, "extern": 3.0})
     started = get_run_pool().workers_started
     kernel, region = tune_planted(spec, tune_run_timeout=2)
     assert kernel.config == ok, region.notes[-1]
-    assert region.notes[-1].count("runtime_fault") == 3
+    assert region.notes[-1].count("runtime_fault") == 4
     target = get_target("cuda:sm_90")
     failed = {c: Quarantine().get(FailureKey.of(spec, c, target)) for c in plan if c != "extern"}
     assert {c: f.kind for c, f in failed.items() if f} == {
-        fault: "runtime_fault", dies: "runtime_fault", hangs: "runtime_fault", wrong: "wrong"}
+        fault: "runtime_fault", dies: "runtime_fault", hangs: "runtime_fault",
+        check_faults: "runtime_fault", wrong: "wrong"}
     assert "illegal memory access" in failed[fault].reason
     assert "exited with status 7" in failed[dies].reason
     assert "2 s limit" in failed[hangs].reason
     assert all(f.never_retried for f in failed.values() if f)
-    assert get_run_pool().workers_started - started == 4  # the first, one after each fault
+    assert get_run_pool().workers_started - started == 5  # the first, one after each fault
     # every run made its inputs from their description, at the timed size (512 rows)
     assert all(line.endswith("x=(512, 3),y=(512, 3)") for line in runs())
     assert [line.split(" ")[:2] for line in runs() if line.startswith("verify")] == [
-        ["verify", str(wrong)], ["verify", str(ok)]]
+        ["verify", str(check_faults)], ["verify", str(wrong)], ["verify", str(ok)]]
 
     forget_choices()
     before = len(compiles()), len(runs())
     kernel, _ = tune_planted(spec)
-    assert kernel.config == ok and get_run_pool().workers_started - started == 4
+    assert kernel.config == ok and get_run_pool().workers_started - started == 5
     tried = compiles()[before[0]:] + runs()[before[1]:]
     assert sorted(line.split(" ")[1] for line in tried) == sorted(
         [str(ok), str(ok), str(ok), "extern"])  # compiled, timed, checked; extern timed
