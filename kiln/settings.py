@@ -14,6 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kiln.errors import KilnError
+
 # name -> (default, what it does); README's "Environment" section points here.
 SETTINGS: dict[str, tuple[str | None, str]] = {
     "KILN_LOG": (None, "<stage>[,<stage>] or all: log those stages (kiln.<stage> loggers) "
@@ -25,6 +27,10 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
                       "is a terminal)"),
     "KILN_TUNE": ("fast", "none|fast|full: the autotuner's default mode (kiln.compile's "
                   "options={'tune': ...} and `kiln compile --tune` override it)"),
+    "KILN_TUNE_TIMING": ("worker", "worker|inprocess: where the autotuner times and checks "
+                         "candidates on the GPU: in its run worker, whose CUDA context a "
+                         "faulting candidate may poison, or in the compiling process "
+                         "itself (the old way, for debugging a kernel under a debugger)"),
     "KILN_DIST_TIMEOUT": ("300", "seconds a rank waits on its peers (a collective, a "
                           "transfer) before a dead or stuck peer is a DistributedError"),
 }
@@ -81,6 +87,15 @@ def progress_enabled() -> bool:
 def tune_mode() -> str | None:
     """KILN_TUNE, or None when unset (the tuner then uses its own default)."""
     return _get("KILN_TUNE") or None
+
+
+def tune_timing() -> str:
+    """KILN_TUNE_TIMING: "worker" or "inprocess" (anything else is a KilnError)."""
+    value = (_get("KILN_TUNE_TIMING") or SETTINGS["KILN_TUNE_TIMING"][0]).strip().lower()
+    if value not in ("worker", "inprocess"):
+        raise KilnError(f"KILN_TUNE_TIMING={value!r} is not a timing place",
+                        hint="set it to 'worker' (the default) or 'inprocess'")
+    return value
 
 
 def dist_timeout_s() -> float:

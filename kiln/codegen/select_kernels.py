@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable
 
 from kiln.codegen.autotune.tuner import choose
+from kiln.codegen.autotune.worker_pool import stop_run_worker
 from kiln.codegen.build.resources import fitted_spec
 from kiln.codegen.build.spec import KernelSpec
 from kiln.codegen.expr.values import CodegenUnsupported, EpilogueApart
@@ -106,6 +107,15 @@ def select_kernels(plan: DispatchPlan, ctx) -> KernelPlan:
     target = ctx.target
     kp = KernelPlan(plan, target)
     pending = list(plan.regions)
+    try:
+        _select(plan, ctx, kp, pending)
+    finally:  # its CUDA context would hold GPU memory the compiled model may want
+        stop_run_worker()
+    return kp
+
+
+def _select(plan: DispatchPlan, ctx, kp: KernelPlan, pending: list[Region]) -> None:
+    target = ctx.target
     while pending:
         region = pending.pop(0)
         fallen = sorted({op.target for op in region.ops if is_fallback(op.target)})
@@ -123,4 +133,3 @@ def select_kernels(plan: DispatchPlan, ctx) -> KernelPlan:
             kp.kernels[region.name] = TorchKernel(region, target.torch_device)
         # A split inserts regions before the one it split: they need kernels too.
         pending += [r for r in plan.regions if r.name not in kp.kernels and r not in pending]
-    return kp

@@ -307,6 +307,7 @@ def fake_gpu(monkeypatch):
         config = getattr(kernel, "config", None)
         return {"out": torch.full((4,), 2.0 if config in times.get("wrong", ()) else 1.0)}
 
+    monkeypatch.setenv("KILN_TUNE_TIMING", "inprocess")  # bench and outputs run here
     monkeypatch.setattr(tune_module, "gpu_for", lambda target: True)
     monkeypatch.setattr(tune_module, "example_buffers", lambda *a: ({}, {}))
     monkeypatch.setattr(tune_module, "bench", bench)
@@ -357,6 +358,109 @@ def test_when_no_candidate_matches_the_inputs_are_blamed_not_the_configs(fake_gp
     assert Quarantine().get(FailureKey.of(spec, other, get_target("cuda:sm_90"))) is None
 
 
+@pytest.fixture
+def planted_runs(tmp_path, monkeypatch):
+    """Pretend the GPU is here and time in the run worker with crashy.measure_planted:
+    set plan[config] (or plan["extern"]) to what its run does; runs() lists them."""
+    import json
+
+    from kiln.codegen.autotune import tuner as tune_module
+
+    log, plan = tmp_path / "runs.log", {}
+    monkeypatch.setattr(tune_module, "gpu_for", lambda target: True)
+    monkeypatch.setenv("KILN_TEST_RUN_LOG", str(log))
+
+    def tune_planted(spec, **options):
+        monkeypatch.setenv("KILN_TEST_RUN_PLAN", json.dumps({str(k): v
+                                                             for k, v in plan.items()}))
+        return tune(spec, "cuda:sm_90", "compile_stand_in", tune="full",
+                    example_env={"s0": 100}, tune_runner=CRASHY + "measure_planted",
+                    **options)
+
+    def runs():
+        return log.read_text().splitlines() if log.exists() else []
+    return plan, tune_planted, runs
+
+
+def test_a_candidate_that_faults_kills_or_hangs_its_run_worker_is_quarantined(
+        planted_runs, compiles):
+    """Issue 13: a candidate whose run faults (a CUDA error poisons its process's
+    context), ends its worker or passes its deadline, while timed or while its outputs
+    are checked, is quarantined as runtime_fault; the worker is replaced and the others
+    are timed; the fastest are checked (one that mismatches is quarantined as wrong);
+    the next tuning neither compiles nor runs the faulty ones."""
+    from kiln.codegen.autotune.worker_pool import get_run_pool
+
+    plan, tune_planted, runs = planted_runs
+    fault, dies, hangs, check_faults, wrong, ok = (Config.make(4, 1, XBLOCK=2 ** i)
+                                                   for i in range(6, 12))
+    spec = add_spec(ok, [fault, dies, hangs, check_faults, wrong])
+    plan.update({fault: "fault", dies: "exit", hangs: "hang",
+                 check_faults: {"ms": 0.4, "check": "fault"},
+                 wrong: {"ms": 0.5, "check": "wrong"}, ok: 1.0, "extern": 3.0})
+    started = get_run_pool().workers_started
+    kernel, region = tune_planted(spec, tune_run_timeout=2)
+    assert kernel.config == ok, region.notes[-1]
+    assert region.notes[-1].count("runtime_fault") == 4
+    target = get_target("cuda:sm_90")
+    failed = {c: Quarantine().get(FailureKey.of(spec, c, target)) for c in plan if c != "extern"}
+    assert {c: f.kind for c, f in failed.items() if f} == {
+        fault: "runtime_fault", dies: "runtime_fault", hangs: "runtime_fault",
+        check_faults: "runtime_fault", wrong: "wrong"}
+    assert "illegal memory access" in failed[fault].reason
+    assert "exited with status 7" in failed[dies].reason
+    assert "2 s limit" in failed[hangs].reason
+    assert all(f.never_retried for f in failed.values() if f)
+    assert get_run_pool().workers_started - started == 5  # the first, one after each fault
+    # every run made its inputs from their description, at the timed size (512 rows)
+    assert all(line.endswith("x=(512, 3),y=(512, 3)") for line in runs())
+    assert [line.split(" ")[:2] for line in runs() if line.startswith("verify")] == [
+        ["verify", str(check_faults)], ["verify", str(wrong)], ["verify", str(ok)]]
+
+    forget_choices()
+    before = len(compiles()), len(runs())
+    kernel, _ = tune_planted(spec)
+    assert kernel.config == ok and get_run_pool().workers_started - started == 5
+    tried = compiles()[before[0]:] + runs()[before[1]:]
+    assert sorted(line.split(" ")[1] for line in tried) == sorted(
+        [str(ok), str(ok), str(ok), "extern"])  # compiled, timed, checked; extern timed
+
+
+def test_bad_tune_timing_setting_is_named(monkeypatch):
+    monkeypatch.setenv("KILN_TUNE_TIMING", "sometimes")
+    with pytest.raises(KilnError, match="sometimes"):
+        tune(add_spec(W4, []), compiler="compile_stand_in", example_env={"s0": 4})
+
+
+def test_untimed_tuning_starts_no_run_worker(compiles, monkeypatch):
+    """Without the target's GPU (compile-only, cpu, interpret) nothing is timed, so no
+    run worker starts: isolation costs those targets nothing."""
+    from kiln.codegen.autotune import isolated_runs
+    from kiln.codegen.autotune import tuner as tune_module
+
+    def no_worker():
+        raise AssertionError("a run worker was asked for")
+    monkeypatch.setattr(isolated_runs, "get_run_pool", no_worker)
+    monkeypatch.setattr(tune_module, "get_run_pool", no_worker)
+    kernel, region = tune(add_spec(W4, [W8]), compiler="compile_stand_in", tune="full",
+                          example_env={"s0": 100})
+    assert kernel.config == W4 and "untimed" in region.notes[-1]
+    assert choose(*add_plan()[:1], add_spec(W4, []), get_target("interpret"), None).interpret
+
+
+def test_run_errors_are_told_from_cuda_faults():
+    """A CUDA error ends the run worker's usefulness (its context is lost); any other
+    error is the candidate failing to run, and the worker carries on."""
+    from kiln.codegen.autotune.run_worker import fault_of
+
+    assert fault_of(ValueError("bad launch argument")) is None
+    assert fault_of(torch.OutOfMemoryError("CUDA out of memory")) is None
+    for text in ("CUDA error: an illegal memory access was encountered",
+                 "CUDA error: misaligned address", "Triton Error [CUDA]: unspecified "
+                 "launch failure"):
+        assert text.split(": ")[-1] in fault_of(RuntimeError(text))
+
+
 def test_mismatch_compares_floating_outputs_where_the_reference_is_finite():
     from kiln.codegen.autotune.verify import mismatch
 
@@ -377,6 +481,9 @@ def test_mismatch_compares_floating_outputs_where_the_reference_is_finite():
     ({"tune_timeout": -1}, "-1"),
     ({"tune_compiler": "tests.codegen.crashy:no_such_function"}, "no_such_function"),
     ({"tune_compiler": "no_such_module:compile"}, "no_such_module"),
+    ({"tune_timing": "gpu"}, "gpu"),
+    ({"tune_runner": "no_such_module:measure"}, "no_such_module"),
+    ({"tune_run_timeout": -2}, "-2"),
 ])
 def test_bad_tune_options_are_named(options, named):
     spec = add_spec(W4, [])
@@ -394,6 +501,38 @@ def test_gpu_tuning_times_candidates_and_extern():
     ctx = Context(target, {"tune": "full", "example_env": {"s0": 4096}})
     kernel = choose(region, spec, target, ctx, plan)
     assert "timed" in region.notes[-1] and "extern" in region.notes[-1]
+    x, y = torch.randn(1000, 3, device="cuda"), torch.randn(1000, 3, device="cuda")
+    out = torch.empty_like(x)
+    kernel.run({"x": x, "y": y}, {"out": out}, {"s0": 1000})
+    torch.testing.assert_close(out, x + y)
+
+
+FAULTY_ADD_SOURCE = ADD_SOURCE.replace(
+    "    mask = offs < n\n",
+    "    mask = offs < n\n"
+    "    if XBLOCK == 2048:  # planted: x read 4 TiB past its buffer (an illegal address)\n"
+    "        x_ptr += 1 << 40\n")
+
+
+@pytest.mark.gpu
+def test_gpu_a_candidate_that_faults_is_quarantined_and_the_compile_goes_on(tmp_path,
+                                                                           monkeypatch):
+    """Issue 13 on a real GPU: a candidate's illegal address while it is timed poisons
+    only the run worker's CUDA context; it is quarantined, the tuning picks among the
+    others, and the winner runs correctly in this process."""
+    import dataclasses
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))  # a fresh quarantine
+    region, plan = add_plan()
+    bad = Config.make(4, 1, XBLOCK=2048)
+    spec = dataclasses.replace(add_spec(Config.make(4, 1, XBLOCK=256), [bad, W4]),
+                               source=FAULTY_ADD_SOURCE)
+    target = get_target("cuda")
+    ctx = Context(target, {"tune": "full", "example_env": {"s0": 4096}})
+    kernel = choose(region, spec, target, ctx, plan)
+    failure = Quarantine().get(FailureKey.of(spec, bad, target))
+    assert failure is not None and failure.kind == "runtime_fault", region.notes[-1]
+    assert "illegal" in failure.reason.lower()
     x, y = torch.randn(1000, 3, device="cuda"), torch.randn(1000, 3, device="cuda")
     out = torch.empty_like(x)
     kernel.run({"x": x, "y": y}, {"out": out}, {"s0": 1000})

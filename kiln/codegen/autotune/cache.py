@@ -39,6 +39,7 @@ class Choice:
     binary: Binary | None = None
     ms: float | None = None  # the winner's median time when timed
     note: str = ""  # how it was chosen, for the region's notes
+    final: bool = True  # False: made without the timing it should have had; not cached
 
 
 def choice_key(spec: KernelSpec, configs: list[Config], target: Target, mode: str,

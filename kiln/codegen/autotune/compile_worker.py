@@ -84,15 +84,17 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="kiln-parent-watch").start()
 
 
-def main(argv: list[str]) -> None:
+def serve(argv: list[str], handle, warm_up) -> None:
+    """A worker's life: take the parent's sys.path, `warm_up()` (the slow imports),
+    say "ready", then answer each job with `handle(job)` until the input closes. A reply
+    with "retire" set is this worker's last (its state is lost): it exits after it."""
     inbox = Connection(int(argv[1]), writable=False)
     outbox = Connection(int(argv[2]), readable=False)
     init = inbox.recv()
     sys.path[:0] = [p for p in init["sys_path"] if p not in sys.path]
     _no_core_dumps()
     _exit_with_parent()
-    import kiln.codegen.build.compiler  # noqa: F401 - torch + triton: the slow imports
-
+    warm_up()
     outbox.send({"status": "ready", "pid": os.getpid()})
     while True:
         try:
@@ -101,12 +103,24 @@ def main(argv: list[str]) -> None:
             return
         if job is None:
             return
-        reply = run_job(job)
+        reply = handle(job)
         try:
             outbox.send(reply)
         except Exception as e:  # the result would not pickle: report that instead
             outbox.send({"id": job["id"], "status": "error",
                          "reason": f"result could not be sent back: {_reason(e)}"})
+        if reply.get("retire"):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+
+
+def _warm_up() -> None:
+    import kiln.codegen.build.compiler  # noqa: F401 - torch + triton: the slow imports
+
+
+def main(argv: list[str]) -> None:
+    serve(argv, run_job, _warm_up)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ and, for the kinds that are facts about that key, never compiles it again:
                 Triton's OutOfResources)                              never retried
     wrong       compiled and ran, but its outputs differ from the torch
                 form where another config's agree (verify.py)          never retried
+    runtime_fault  compiled, but running it on the GPU faulted (illegal or
+                misaligned address, launch failure), crashed or hung
+                the run worker (run_worker.py)                          never retried
     error       the compiler raised (CompilationError, PTXASError...)  recorded, retried
 
 Ordinary compile errors are retried on the next tuning because they may come from
@@ -43,7 +46,8 @@ from kiln.target import Target
 log = logging.getLogger("kiln.codegen")
 
 CRASH, HANG, OVER_LIMIT, WRONG, ERROR = "crash", "hang", "over_limit", "wrong", "error"
-NEVER_RETRIED = frozenset({CRASH, HANG, OVER_LIMIT, WRONG})
+RUNTIME_FAULT = "runtime_fault"
+NEVER_RETRIED = frozenset({CRASH, HANG, OVER_LIMIT, WRONG, RUNTIME_FAULT})
 
 
 def _read(path: Path) -> Failure | None:
@@ -91,7 +95,7 @@ class FailureKey:
 @dataclass
 class Failure:
     key: FailureKey
-    kind: str  # CRASH, HANG, OVER_LIMIT, WRONG or ERROR
+    kind: str  # CRASH, HANG, OVER_LIMIT, WRONG, RUNTIME_FAULT or ERROR
     reason: str
     kernel: str  # the kernel's name, for people reading the records
     compile_fn: str

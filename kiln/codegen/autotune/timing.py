@@ -8,13 +8,17 @@ the same `Kernel.run` the runtime uses, and is measured with triton.testing.do_b
 run counts as infinitely slow rather than failing the compile.
 
 Integer inputs are zeros and boolean ones are all true: random integers would make
-out-of-range indices, and a device-side fault poisons the whole CUDA context.
+out-of-range indices, and a device-side fault poisons the whole CUDA context. The
+tuner runs all this in its run worker (run_worker.py), so a candidate that faults
+anyway poisons that process's context, not the compiling one's: buffers are described
+here (Buffers) and made where they are used (make_buffers).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -74,29 +78,45 @@ def sizes_bucket(region: Region, plan: DispatchPlan, env: dict[str, int]) -> str
     return ",".join(parts) or "static"
 
 
-def _random(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+def _random(shape: tuple[int, ...], dtype: torch.dtype, device: str,
+            gen: torch.Generator | None = None) -> torch.Tensor:
     if dtype.itemsize == 1 and dtype.is_floating_point:  # fp8: no randn of its own
-        return torch.randn(shape, device=device).to(dtype)
+        return torch.randn(shape, device=device, generator=gen).to(dtype)
     if dtype.is_floating_point or dtype.is_complex:
-        return torch.randn(shape, dtype=dtype, device=device)
+        return torch.randn(shape, dtype=dtype, device=device, generator=gen)
     if dtype == torch.bool:
         return torch.ones(shape, dtype=dtype, device=device)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def _choices(shape: tuple[int, ...], n: int, device: str) -> torch.Tensor:
+def _choices(shape: tuple[int, ...], n: int, device: str,
+             gen: torch.Generator | None = None) -> torch.Tensor:
     """Per row (the last dim), distinct random values below n: a router's expert
     choices (a row has at most n of them; the rest repeat)."""
     rows = math.prod(shape[:-1])
-    picks = torch.rand(rows, n, device=device).argsort(-1)[:, :shape[-1]]
+    picks = torch.rand(rows, n, device=device, generator=gen).argsort(-1)[:, :shape[-1]]
     if picks.shape[-1] < shape[-1]:
         picks = picks.repeat(1, -(-shape[-1] // max(1, n)))[:, :shape[-1]]
     return picks.reshape(shape)
 
 
-def example_buffers(region: Region, plan: DispatchPlan, env: dict[str, int], device: str,
-                    fill: dict[str, str] | None = None):
-    """Random inputs and empty outputs for `region` at the sizes in `env`.
+@dataclass(frozen=True)
+class Buffers:
+    """What the timing buffers are, with no tensor in it: it travels to the run worker,
+    which makes the tensors in its own CUDA context (make_buffers).
+
+    inputs / outputs: value name -> (shape, dtype); fill: input name -> an integer
+    value, or ("choose_from", n) for distinct random values below n per row."""
+
+    inputs: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    outputs: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    fill: dict[str, int | tuple[str, int]]
+
+
+def buffer_specs(region: Region, plan: DispatchPlan, env: dict[str, int],
+                 fill: dict[str, str] | None = None) -> Buffers:
+    """The shapes and dtypes of `region`'s inputs and outputs at the sizes in `env`,
+    and the values of its integer inputs.
 
     Integer inputs are zeros (always valid indices) unless `fill` (a template's
     KernelSpec.meta["timing_fill"]: input -> size expression, or {"choose_from": size
@@ -107,33 +127,54 @@ def example_buffers(region: Region, plan: DispatchPlan, env: dict[str, int], dev
     def meta(v):
         tv = plan.values.get(v)
         shape, dtype = (tv.shape, tv.dtype) if tv else (region.op(v).shape, region.op(v).dtype)
-        return tuple(evaluate(d, env) for d in shape), dtype
+        return tuple(int(evaluate(d, env)) for d in shape), dtype
 
-    inputs = {v: _random(*meta(v), device) for v in region.inputs}
+    values = {}
     for v, how in (fill or {}).items():
-        if v not in inputs:
-            continue
-        if isinstance(how, dict):  # {"choose_from": n}: each row distinct values below n
-            inputs[v].copy_(_choices(inputs[v].shape, evaluate(parse(how["choose_from"]), env),
-                                     device))
+        if v in region.inputs:
+            values[v] = (("choose_from", int(evaluate(parse(how["choose_from"]), env)))
+                         if isinstance(how, dict) else int(evaluate(parse(how), env)))
+    return Buffers({v: meta(v) for v in region.inputs},
+                   {o: meta(o) for o in region.outputs}, values)
+
+
+def make_buffers(b: Buffers, device: str, seed: int = 0):
+    """Random inputs (the same for the same seed) and empty outputs, on `device`."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    inputs = {v: _random(shape, dtype, device, gen) for v, (shape, dtype) in b.inputs.items()}
+    for v, how in b.fill.items():
+        if isinstance(how, tuple):  # ("choose_from", n): each row distinct values below n
+            inputs[v].copy_(_choices(inputs[v].shape, how[1], device, gen))
         else:
-            inputs[v].fill_(evaluate(parse(how), env))
-    outs = {o: torch.empty(meta(o)[0], dtype=meta(o)[1], device=device)
-            for o in region.outputs}
+            inputs[v].fill_(how)
+    outs = {o: torch.empty(shape, dtype=dtype, device=device)
+            for o, (shape, dtype) in b.outputs.items()}
     return inputs, outs
 
 
-def bench(kernel, inputs, outs, env) -> float:
-    """Median milliseconds of `kernel.run` (math.inf when it fails to run)."""
+def example_buffers(region: Region, plan: DispatchPlan, env: dict[str, int], device: str,
+                    fill: dict[str, str] | None = None):
+    """Random inputs and empty outputs for `region` at the sizes in `env` (buffer_specs)."""
+    return make_buffers(buffer_specs(region, plan, env, fill), device)
+
+
+def timed_ms(kernel, inputs, outs, env) -> float:
+    """Median milliseconds of `kernel.run`; whatever the run raises propagates."""
     from triton.testing import do_bench
 
     def run():
         kernel.run(inputs, outs, env)
 
+    run()  # loads the binary; launch errors surface here
+    torch.cuda.synchronize()
+    return float(do_bench(run, warmup=WARMUP_MS, rep=REP_MS, return_mode="median"))
+
+
+def bench(kernel, inputs, outs, env) -> float:
+    """Median milliseconds of `kernel.run` (math.inf when it fails to run)."""
     try:
-        run()  # loads the binary; launch errors surface here
-        torch.cuda.synchronize()
-        return float(do_bench(run, warmup=WARMUP_MS, rep=REP_MS, return_mode="median"))
+        return timed_ms(kernel, inputs, outs, env)
     except Exception as e:  # a candidate that cannot run is infinitely slow
         log.info("timing %s failed: %s", getattr(kernel, "config", "extern"), e)
         return math.inf

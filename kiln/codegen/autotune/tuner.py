@@ -16,7 +16,13 @@ did) or hangs takes the whole compile with it. Here:
    failure is recorded in the quarantine (quarantine.py).
 3. With a GPU of the target's kind, the survivors and the extern torch form are timed
    on the example's sizes, dynamic dims raised toward a typical prompt's 512
-   (timing.py), and the fastest wins. Without one, the
+   (timing.py), and the fastest whose outputs match the torch form's wins (verify.py).
+   Timing and checking run in the run worker, a process with its own CUDA context
+   (isolated_runs.py, run_worker.py): a candidate that faults there (an illegal
+   address poisons the context it runs in) or hangs is quarantined as runtime_fault
+   and the others go on; the compiling process runs only the winner.
+   KILN_TUNE_TIMING=inprocess (or the "tune_timing" option) times in this process
+   instead, for debugging. Without a GPU, the
    default wins if it compiled and fits, else the first that does in the spec's order
    (compiling stops as soon as that is known).
 4. If nothing compiled and fits, the region runs as its extern form (torch ops), with a
@@ -26,7 +32,9 @@ did) or hangs takes the whole compile with it. Here:
 
 The `interpret` target runs the spec's default config in Triton's interpreter (no
 compile, nothing to tune). KILN_TUNE sets the default mode. Other options:
-"tune_timeout" (seconds per compile, default 120) and "tune_workers" (pool size).
+"tune_timeout" (seconds per compile, default 120), "tune_workers" (pool size),
+"tune_run_timeout" (seconds per timing in the run worker, default 60) and
+"tune_runner" (the run worker's import path, "module:function"; tests plant faults).
 """
 
 from __future__ import annotations
@@ -39,15 +47,30 @@ from kiln.codegen.autotune import quarantine as q
 from kiln.codegen.autotune.cache import Choice, ChoiceCache, choice_key
 from kiln.codegen.autotune.candidates import MODES, candidates
 from kiln.codegen.autotune.compile_worker import resolve
+from kiln.codegen.autotune.isolated_runs import (
+    DEFAULT_RUN_TIMEOUT,
+    DEFAULT_RUNNER,
+    IsolatedRuns,
+    NoRunWorker,
+    Ran,
+)
 from kiln.codegen.autotune.timing import (
     bench,
+    buffer_specs,
     example_buffers,
     gpu_for,
     sizes_bucket,
     timing_env,
 )
 from kiln.codegen.autotune.verify import mismatch, outputs
-from kiln.codegen.autotune.worker_pool import NO_WORKER, OK, Job, Outcome, get_pool
+from kiln.codegen.autotune.worker_pool import (
+    NO_WORKER,
+    OK,
+    Job,
+    Outcome,
+    get_pool,
+    get_run_pool,
+)
 from kiln.codegen.build.resources import over_limits, precheck
 from kiln.codegen.build.spec import Config, KernelSpec
 from kiln.codegen.build.triton_kernel import TritonKernel
@@ -55,7 +78,7 @@ from kiln.codegen.torch_kernel import TorchKernel
 from kiln.errors import KilnError
 from kiln.ir.plan import DispatchPlan, Region
 from kiln.progress import progress
-from kiln.settings import tune_mode
+from kiln.settings import tune_mode, tune_timing
 from kiln.target import Target
 
 log = logging.getLogger("kiln.codegen")
@@ -80,13 +103,21 @@ def choose(region: Region, spec: KernelSpec, target: Target, ctx,
 class Tuner:
     def __init__(self, target: Target, mode: str = "fast", compile_fn: str = DEFAULT_COMPILER,
                  timeout: float = DEFAULT_TIMEOUT, workers: int | None = None,
-                 example_env: dict[str, int] | None = None, estimator=None):
+                 example_env: dict[str, int] | None = None, estimator=None,
+                 timing: str = "worker", runner: str = DEFAULT_RUNNER,
+                 run_timeout: float = DEFAULT_RUN_TIMEOUT):
         if mode not in MODES:
             raise KilnError(f"unknown tune mode {mode!r}", hint="choose one of: "
                             + ", ".join(MODES))
         _check_compiler(compile_fn)
-        if not timeout > 0:
-            raise KilnError(f"tune timeout must be positive, got {timeout!r}")
+        _check_compiler(runner, "tune runner", "fn(task)")
+        for name, seconds in (("tune timeout", timeout), ("tune run timeout", run_timeout)):
+            if not (isinstance(seconds, int | float) and seconds > 0):
+                raise KilnError(f"{name} must be a positive number of seconds, "
+                                f"got {seconds!r}")
+        if timing not in ("worker", "inprocess"):
+            raise KilnError(f"unknown tune timing {timing!r}",
+                            hint="choose 'worker' (the default) or 'inprocess'")
         self.target = target
         self.mode = mode
         self.compile_fn = compile_fn
@@ -94,6 +125,9 @@ class Tuner:
         self.workers = workers
         self.example_env = example_env
         self.estimator = estimator  # None: the resource model's own estimate
+        self.timing = timing
+        self.runner = runner
+        self.run_timeout = float(run_timeout)
         self.quarantine = q.Quarantine()
         self.cache = ChoiceCache()
 
@@ -102,7 +136,10 @@ class Tuner:
         return cls(target, options.get("tune") or tune_mode() or "fast",
                    options.get("tune_compiler") or DEFAULT_COMPILER,
                    options.get("tune_timeout") or DEFAULT_TIMEOUT,
-                   options.get("tune_workers"), options.get("example_env"))
+                   options.get("tune_workers"), options.get("example_env"),
+                   timing=options.get("tune_timing") or tune_timing(),
+                   runner=options.get("tune_runner") or DEFAULT_RUNNER,
+                   run_timeout=options.get("tune_run_timeout") or DEFAULT_RUN_TIMEOUT)
 
     def choose(self, region: Region, spec: KernelSpec, plan: DispatchPlan | None = None):
         configs = candidates(spec, self.mode)
@@ -112,10 +149,14 @@ class Tuner:
         choice = self.cache.get(key)
         cached = choice is not None
         if choice is None:
+            if sizes is not None and self.timing == "worker":
+                get_run_pool().prestart()  # it imports torch while the compiles run
             outcomes = self._compile(region, spec, configs, stop_early=sizes is None)
             choice = self._decide(region, spec, configs, outcomes, plan, sizes is not None)
-            # A fallback caused by errors that may not recur (see quarantine.py) is redone.
-            if choice.kind == "triton" or choice.ms is not None or _all_permanent(outcomes):
+            # A fallback caused by errors that may not recur (see quarantine.py) is redone,
+            # as is a choice that should have been timed but could not be.
+            if choice.final and (choice.kind == "triton" or choice.ms is not None
+                                 or _all_permanent(outcomes)):
                 self.cache.put(key, choice)
         head = "tuned" if choice.kind == "triton" else "extern"
         region.notes.append(f"{head}{' (cached)' if cached else ''}: {choice.note}")
@@ -199,17 +240,22 @@ class Tuner:
 
     def _fastest(self, region, spec, outcomes, built, plan, tail) -> Choice:
         env = timing_env(plan, self.example_env)
-        inputs, outs = example_buffers(region, plan, env, self.target.torch_device,
-                                       spec.meta.get("timing_fill"))
+        runs = self._runs(region, spec, plan, env)
         times: dict[Config | None, float] = {}
-        with progress(total=len(built) + 1, desc=f"time {region.name}", unit="config") as bar:
-            for c in built:
-                kernel = TritonKernel(region, spec, c, outcomes[c].binary)
-                times[c] = bench(kernel, inputs, outs, env)
+        faults: list[str] = []
+        try:
+            with progress(total=len(built) + 1, desc=f"time {region.name}",
+                          unit="config") as bar:
+                for c in built:
+                    times[c] = self._timed(runs, spec, c, outcomes[c].binary, faults)
+                    bar.update(1)
+                times[None] = self._timed(runs, spec, None, None, faults)
                 bar.update(1)
-            times[None] = bench(TorchKernel(region, self.target.torch_device),
-                                inputs, outs, env)
-            bar.update(1)
+        except NoRunWorker as e:  # nothing can be timed: decide as without a GPU
+            first = built[0]
+            return Choice("triton", first, outcomes[first].binary, final=False,
+                          note=f"[{first}] ({self.mode}, untimed: {e}){tail}")
+        tail += "".join(faults)
         summary = ", ".join(f"[{c}] {t:.4f} ms" if c else f"extern {t:.4f} ms"
                             for c, t in times.items())
         note = f"timed ({self.mode}): {summary}{tail}"
@@ -219,7 +265,7 @@ class Tuner:
         if best is None:
             return Choice("extern", ms=times[None], note=f"extern is fastest; {note}")
         try:
-            best, verdict = self._verified(region, spec, outcomes, times, inputs, outs, env)
+            best, verdict = self._verified(runs, spec, outcomes, times)
         except Exception as e:  # checking must not cost the compile: keep the race's winner
             log.info("%s: outputs not verified: %s", spec.name, e)
             verdict = f"; not verified: {type(e).__name__}: {e}"
@@ -228,54 +274,108 @@ class Tuner:
         return Choice("triton", best, outcomes[best].binary, times[best],
                       f"[{best}] {note}{verdict}")
 
-    def _verified(self, region, spec, outcomes, times, inputs, outs, env):
+    def _runs(self, region, spec, plan, env):
+        """Where candidates run: the run worker, or (KILN_TUNE_TIMING=inprocess) here."""
+        fill = spec.meta.get("timing_fill")
+        if self.timing == "inprocess":
+            return _InProcessRuns(region, spec, plan, env, self.target.torch_device, fill)
+        return IsolatedRuns(region, spec, buffer_specs(region, plan, env, fill), env,
+                            self.runner, self.run_timeout)
+
+    def _timed(self, runs, spec, config, binary, faults: list[str]) -> float:
+        """A candidate's median ms; math.inf when it did not run (a fault quarantines it)."""
+        ran = runs.time(config, binary)
+        if ran.fault is not None:
+            self._faulted(spec, config, ran.fault, faults)
+        elif ran.error is not None:
+            log.info("timing %s failed: %s", config or "extern", ran.error)
+        return math.inf if ran.value is None else float(ran.value)
+
+    def _faulted(self, spec, config, why: str, faults: list[str]) -> None:
+        """Record that running `config` faulted (config None: the torch form, no record)."""
+        faults.append(f"; [{config or 'extern'}] {q.RUNTIME_FAULT}: {why}")
+        log.warning("%s [%s]: faulted while running: %s", spec.name, config or "extern", why)
+        if config is not None:
+            self.quarantine.record(q.FailureKey.of(spec, config, self.target),
+                                   q.RUNTIME_FAULT, why, spec.name, self.compile_fn)
+
+    def _verified(self, runs, spec, outcomes, times):
         """(the fastest candidate whose outputs match the extern form's, a note).
 
-        Candidates faster than it that mismatched are quarantined as wrong. When none
-        matches, the inputs are taken to be at fault (verify.py) and the fastest wins.
+        Candidates faster than it that mismatched are quarantined as wrong, and those
+        that faulted as runtime_fault. When none of those that ran matches, the inputs
+        are taken to be at fault (verify.py) and the fastest of them wins.
         """
         ranked = sorted((c for c in times if c is not None and not math.isinf(times[c])),
                         key=times.get)
         if math.isinf(times[None]):
             return ranked[0], "; not verified: the torch form did not run"
-        want = outputs(TorchKernel(region, self.target.torch_device), inputs, outs, env)
-        wrong = []
+        wrong, faults = [], []
         for c in ranked:
             if times[None] <= times[c]:  # slower than the extern form: extern wins
                 break
-            why = mismatch(outputs(TritonKernel(region, spec, c, outcomes[c].binary),
-                                   inputs, outs, env), want)
-            if why is None:
+            ran = runs.verify(c, outcomes[c].binary)
+            if ran.fault is not None:
+                self._faulted(spec, c, ran.fault, faults)
+                continue
+            if ran.error is not None:
+                raise RuntimeError(ran.error)
+            if ran.value is None:
                 for w, reason in wrong:
                     self.quarantine.record(q.FailureKey.of(spec, w, self.target), q.WRONG,
                                            reason, spec.name, self.compile_fn)
                     log.warning("%s [%s]: wrong outputs: %s", spec.name, w, reason)
-                note = "".join(f"; [{w}] wrong: {r}" for w, r in wrong)
-                return c, note
-            wrong.append((c, why))
+                return c, "".join(f"; [{w}] wrong: {r}" for w, r in wrong) + "".join(faults)
+            wrong.append((c, ran.value))
+        faulted = "".join(faults)
         if not wrong:
-            return None, "extern is fastest of the candidates that match it"
-        if len(wrong) == len(ranked):
-            return ranked[0], ("; no candidate matched the torch form on random inputs "
-                               f"(taken as ill-conditioned inputs): {wrong[0][1]}")
+            return None, f"extern: no candidate faster than it ran its check{faulted}"
+        if len(wrong) == len(ranked) - len(faults):
+            return wrong[0][0], ("; no candidate matched the torch form on random inputs "
+                                 f"(taken as ill-conditioned inputs): {wrong[0][1]}{faulted}")
         return None, ("extern: every candidate faster than it mismatched: "
-                      + "; ".join(f"[{w}] {r}" for w, r in wrong))
+                      + "; ".join(f"[{w}] {r}" for w, r in wrong) + faulted)
 
 
-def _check_compiler(path: str) -> None:
+class _InProcessRuns:
+    """KILN_TUNE_TIMING=inprocess: candidates run in the compiling process, on one set of
+    buffers (a fault here poisons this process's CUDA context: for debugging only)."""
+
+    def __init__(self, region, spec, plan, env, device, fill):
+        self.region, self.spec, self.env, self.device = region, spec, env, device
+        self.inputs, self.outs = example_buffers(region, plan, env, device, fill)
+        self._want = None
+
+    def _kernel(self, config, binary):
+        if config is None:
+            return TorchKernel(self.region, self.device)
+        return TritonKernel(self.region, self.spec, config, binary)
+
+    def time(self, config, binary) -> Ran:
+        return Ran(bench(self._kernel(config, binary), self.inputs, self.outs, self.env))
+
+    def verify(self, config, binary) -> Ran:
+        if self._want is None:
+            self._want = outputs(self._kernel(None, None), self.inputs, self.outs, self.env)
+        got = outputs(self._kernel(config, binary), self.inputs, self.outs, self.env)
+        return Ran(mismatch(got, self._want))
+
+
+def _check_compiler(path: str, what: str = "tune compiler",
+                    call: str = "fn(spec, config, target)") -> None:
     """The workers import `path`; a wrong one is the user's error, named here, once."""
-    module, _, fn = path.partition(":")
+    module, _, fn = str(path).partition(":")
     if not module or not fn:
-        raise KilnError(f"tune compiler {path!r} is not an import path",
+        raise KilnError(f"{what} {path!r} is not an import path",
                         hint="write it as 'package.module:function'")
     try:
         found = callable(resolve(path))
     except (ImportError, AttributeError) as e:
-        raise KilnError(f"tune compiler {path!r} cannot be imported: {e}",
+        raise KilnError(f"{what} {path!r} cannot be imported: {e}",
                         hint="name a function importable from the current directory or "
-                        "PYTHONPATH, called as fn(spec, config, target)") from None
+                        f"PYTHONPATH, called as {call}") from None
     if not found:
-        raise KilnError(f"tune compiler {path!r} is not a function")
+        raise KilnError(f"{what} {path!r} is not a function")
 
 
 def _first_fit(configs: list[Config], outcomes: dict[Config, Outcome]) -> Config | None:

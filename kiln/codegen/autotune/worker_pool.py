@@ -1,10 +1,16 @@
-"""A small pool of compile workers: each job runs in a separate process, with a deadline.
+"""A small pool of worker processes: each job runs in a separate process, with a deadline.
 
 Why (DESIGN.md failure 5): a Triton config aborted in Triton's C++ and took the whole
 process down. Here a compile that aborts ends its worker only (the job comes back as a
 "crash" with the signal and the tail of the worker's stderr); a compile that passes
 its deadline has its worker killed (a "hang"). Either way the worker is replaced on
 demand and the other jobs carry on.
+
+Two kinds of worker serve through this machinery: compile workers (compile_worker.py,
+get_pool) and the run worker that times and checks candidates on the GPU in a CUDA
+context of its own (run_worker.py, get_run_pool: a kernel that faults poisons only
+its worker's context). A worker whose reply says it retires (its CUDA context is
+lost) is replaced before it gets another job.
 
 Workers are fresh interpreters (`python -m kiln.codegen.autotune.compile_worker`), never forks:
 the parent may hold a CUDA context, and multiprocessing's spawn would re-run the user's
@@ -37,6 +43,8 @@ from kiln.target import Target
 
 OK, ERROR, OVER_LIMIT, CRASH, HANG = "ok", "error", "over_limit", "crash", "hang"
 NO_WORKER = "no_worker"  # the pool could not start a worker: not the config's fault
+COMPILE_WORKER = "kiln.codegen.autotune.compile_worker"
+RUN_WORKER = "kiln.codegen.autotune.run_worker"
 STARTUP_TIMEOUT = 300.0  # seconds for a worker to import torch and Triton
 _KILN_ROOT = str(Path(__file__).resolve().parents[3])
 
@@ -48,17 +56,23 @@ class Job:
     target: Target
     compile_fn: str  # "package.module:function", called as fn(spec, config, target)
 
+    def message(self) -> dict:
+        """What a compile worker is sent (compile_worker.run_job reads it)."""
+        return {"fn": self.compile_fn, "spec": self.spec.to_json(),
+                "config": self.config.to_json(), "target": self.target}
+
 
 @dataclass
 class Outcome:
-    status: str  # OK, ERROR, OVER_LIMIT, CRASH, HANG or NO_WORKER
+    status: str  # OK, ERROR, OVER_LIMIT, CRASH, HANG or NO_WORKER (run jobs: FAULT too)
     binary: Binary | None = None
     reason: str = ""
     seconds: float = 0.0
+    result: dict | None = None  # a run job's reply ("ms", "mismatch")
 
 
 class _Worker:
-    def __init__(self):
+    def __init__(self, module: str = COMPILE_WORKER):
         fd, self.log = tempfile.mkstemp(prefix="kiln-tune-worker-", suffix=".log")
         os.close(fd)
         child_reads, parent_writes = os.pipe()
@@ -69,8 +83,7 @@ class _Worker:
         try:
             with open(self.log, "ab") as log:
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "kiln.codegen.autotune.compile_worker",
-                     str(child_reads), str(child_writes)],
+                    [sys.executable, "-m", module, str(child_reads), str(child_writes)],
                     pass_fds=(child_reads, child_writes), stdin=subprocess.DEVNULL,
                     stdout=log, stderr=log, env=env, start_new_session=True)
         except OSError:
@@ -92,11 +105,10 @@ class _Worker:
         self.timeout = 0.0
         self.log_offset = 0
 
-    def submit(self, index: int, job_id: int, job: Job, timeout: float) -> None:
+    def submit(self, index: int, job_id: int, job, timeout: float) -> None:
         self.log_offset = os.path.getsize(self.log)
         env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
-        self.outbox.send({"id": job_id, "fn": job.compile_fn, "spec": job.spec.to_json(),
-                          "config": job.config.to_json(), "target": job.target, "env": env})
+        self.outbox.send({**job.message(), "id": job_id, "env": env})
         self.job = (index, job_id)
         self.started_at = time.monotonic()
         self.timeout = timeout
@@ -144,17 +156,20 @@ class _Worker:
 
 
 class WorkerPool:
-    """Runs compile jobs on up to `size` reused workers; each job gets an Outcome."""
+    """Runs jobs (anything with a message() for `module`'s workers) on up to `size`
+    reused workers; each job gets an Outcome. `what` names the work in failure reasons."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, module: str = COMPILE_WORKER, what: str = "compile"):
         self.size = max(1, size)
+        self.module = module
+        self.what = what
         self.workers: list[_Worker] = []
         self.workers_started = 0  # processes started over the pool's life
         self.jobs_sent = 0  # jobs handed to a worker over the pool's life
         self.start_error: str | None = None  # set once no worker could start
         self._start_failures = 0  # since a worker last became ready
 
-    def run(self, jobs: list[Job], timeout: float,
+    def run(self, jobs: list, timeout: float,
             want_more: Callable[[], bool] = lambda: True) -> Iterator[tuple[int, Outcome]]:
         """Yield (index into jobs, Outcome) as jobs finish, in completion order.
 
@@ -183,6 +198,11 @@ class WorkerPool:
             for w in busy.values():  # abandoned mid-run: a late reply must not be misread
                 self._drop(w, kill=True)
 
+    def prestart(self) -> None:
+        """Start a worker now if none is up, so its start-up overlaps other work."""
+        if self.start_error is None and not self.workers:
+            self._grow(1)
+
     def _dispatch(self, queue, busy, timeout) -> None:
         for w in self.workers:
             if not queue:
@@ -205,9 +225,9 @@ class WorkerPool:
         want = min(self.size - len(self.workers), queued - idle_or_starting)
         for _ in range(max(0, want)):
             try:
-                self.workers.append(_Worker())
+                self.workers.append(_Worker(self.module))
             except OSError as e:
-                self.start_error = f"could not start a compile worker: {e}"
+                self.start_error = f"could not start a {self.what} worker: {e}"
                 return
             self.workers_started += 1
 
@@ -226,7 +246,7 @@ class WorkerPool:
                 index, job_id = w.job
                 busy.pop(job_id, None)
                 self._drop(w, kill=True)
-                yield index, Outcome(HANG, reason=f"compile did not finish within its "
+                yield index, Outcome(HANG, reason=f"{self.what} did not finish within its "
                                      f"{w.timeout:g} s limit; worker killed",
                                      seconds=now - w.started_at)
 
@@ -243,7 +263,7 @@ class WorkerPool:
             index, job_id = w.job
             busy.pop(job_id, None)
             seconds = time.monotonic() - w.started_at
-            why = f"compiler process {w.death()}" + (f": {tail}" if tail else "")
+            why = f"{self.what} worker process {w.death()}" + (f": {tail}" if tail else "")
             self._drop(w, kill=True)
             yield index, Outcome(CRASH, reason=why, seconds=seconds)
             return
@@ -260,7 +280,10 @@ class WorkerPool:
             yield index, Outcome(ERROR, reason=f"worker answered job {msg.get('id')}, "
                                  f"not {job_id}", seconds=seconds)
             return
-        yield index, Outcome(msg["status"], msg.get("binary"), msg.get("reason", ""), seconds)
+        if msg.get("retire"):  # its state is lost (a faulted CUDA context): replace it
+            self._drop(w)
+        yield index, Outcome(msg["status"], msg.get("binary"), msg.get("reason", ""), seconds,
+                             msg.get("result"))
 
     def _start_failed(self, w: _Worker, why: str) -> None:
         """A worker died or stalled before it was ready: a broken environment, not a config.
@@ -305,9 +328,33 @@ def get_pool(size: int | None = None) -> WorkerPool:
     return _pool
 
 
+_run_pool: WorkerPool | None = None
+
+
+def get_run_pool() -> WorkerPool:
+    """The process's run worker (one: candidates timed side by side on one GPU would
+    slow each other), started on first use and kept for the rest of the compile
+    (select_kernels stops it when every region has its kernel)."""
+    global _run_pool
+    if _run_pool is None:
+        _run_pool = WorkerPool(1, RUN_WORKER, "run")
+        atexit.register(shutdown)
+    return _run_pool
+
+
+def stop_run_worker() -> None:
+    """Stop the run worker, freeing its CUDA context (and the GPU memory it holds) for the
+    model that was just compiled; the next timed tuning starts another."""
+    global _run_pool
+    if _run_pool is not None:
+        _run_pool.close()
+        _run_pool = None
+
+
 def shutdown() -> None:
     """Stop every worker (at exit, or to free the processes early)."""
-    global _pool
-    if _pool is not None:
-        _pool.close()
-        _pool = None
+    global _pool, _run_pool
+    for pool in (_pool, _run_pool):
+        if pool is not None:
+            pool.close()
+    _pool = _run_pool = None

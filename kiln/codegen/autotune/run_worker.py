@@ -1,0 +1,118 @@
+"""The run worker: `python -m kiln.codegen.autotune.run_worker <read-fd> <write-fd>`.
+
+Why (issue 13): a candidate of the attention template read shared memory out of
+bounds while it was being timed on an H100; the CUDA error it raised poisons the CUDA
+context of the process it ran in, and that was the user's compile. Here candidates
+are timed and checked in a process with a CUDA context of its own, on buffers it
+makes itself from their shapes and dtypes (timing.Buffers: no CUDA tensor crosses a
+process). A candidate that faults ends only this worker; the tuner quarantines it
+("runtime_fault") and a fresh worker serves the rest.
+
+    job   {"id", "fn": "module:function" (the runner, default measure), "env",
+           "task": {"what": "time" | "verify", "region", "spec", "config", "binary"
+                    (spec/config/binary None: the region's torch form), "buffers",
+                    "sizes", "device", "seed"}}
+    reply {"id", "status": "ok", "result": {"ms": float} | {"mismatch": str | None}}
+        | {"id", "status": "error", "reason"}   raised, CUDA context intact: the
+                                                  candidate cannot run (not a fault)
+        | {"id", "status": "fault", "reason", "retire": True}   a CUDA error: this
+                                                  worker's context is lost; it exits
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+from kiln.codegen.autotune.compile_worker import _apply_env, _reason, resolve, serve
+
+FAULT = "fault"
+
+# What CUDA (and HIP) say when a kernel faulted: the context is unusable after these.
+_FAULT_TEXT = re.compile(r"CUDA error|CUDA_ERROR|cudaError|hipError|illegal memory access|"
+                         r"illegal instruction|misaligned address|unspecified launch failure|"
+                         r"device-side assert|an illegal address|launch failed", re.I)
+
+
+def _kernel(task: dict):
+    from kiln.codegen.build.spec import Config, KernelSpec
+    from kiln.codegen.build.triton_kernel import TritonKernel
+    from kiln.codegen.torch_kernel import TorchKernel
+
+    if task["spec"] is None:
+        return TorchKernel(task["region"], task["device"])
+    return TritonKernel(task["region"], KernelSpec.from_json(task["spec"]),
+                        Config.from_json(task["config"]), task["binary"])
+
+
+def measure(task: dict) -> dict:
+    """Time a candidate ({"ms"}) or compare its outputs with the torch form's
+    ({"mismatch": why, or None when they agree}), on fresh seeded buffers."""
+    from kiln.codegen.autotune.timing import make_buffers, timed_ms
+    from kiln.codegen.autotune.verify import mismatch, outputs
+    from kiln.codegen.torch_kernel import TorchKernel
+
+    if task["device"].startswith("cuda:"):  # the compiling process's current device
+        import torch
+
+        torch.cuda.set_device(task["device"])
+    inputs, outs = make_buffers(task["buffers"], task["device"], task["seed"])
+    kernel, sizes = _kernel(task), task["sizes"]
+    if task["what"] == "time":
+        return {"ms": timed_ms(kernel, inputs, outs, sizes)}
+    want = outputs(TorchKernel(task["region"], task["device"]), inputs, outs, sizes)
+    return {"mismatch": mismatch(outputs(kernel, inputs, outs, sizes), want)}
+
+
+def fault_of(e: BaseException) -> str | None:
+    """Why `e` means the CUDA context is lost (a kernel faulted), or None when it is a
+    plain error this process survives."""
+    import torch
+
+    if isinstance(e, torch.OutOfMemoryError):
+        return None
+    if _FAULT_TEXT.search(str(e)) or isinstance(e, getattr(torch, "AcceleratorError", ())):
+        return _reason(e)
+    if torch.cuda.is_initialized():  # an error that does not say so may still be sticky
+        try:
+            torch.cuda.synchronize()
+        except Exception as after:
+            return f"{_reason(e)}; then {_reason(after)}"
+    return None
+
+
+def run_job(job: dict) -> dict:
+    import torch
+
+    _apply_env(job["env"])
+    try:
+        result = resolve(job["fn"])(job["task"])
+    except Exception as e:
+        why = fault_of(e)
+        if why is not None:
+            return {"id": job["id"], "status": FAULT, "reason": why, "retire": True}
+        reply = {"id": job["id"], "status": "error", "reason": _reason(e)}
+    else:
+        reply = {"id": job["id"], "status": "ok", "result": result}
+    if torch.cuda.is_initialized():  # the job's buffers: GPU memory the parent may want
+        torch.cuda.empty_cache()
+    return reply
+
+
+def _warm_up() -> None:
+    import torch
+    import triton.testing  # noqa: F401
+
+    import kiln.codegen.build.triton_kernel  # noqa: F401
+    import kiln.codegen.torch_kernel  # noqa: F401 - registers kiln's ops
+
+    if torch.cuda.is_available():  # make the context now: its seconds are no job's
+        torch.zeros(1, device="cuda")
+
+
+def main(argv: list[str]) -> None:
+    serve(argv, run_job, _warm_up)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
