@@ -36,6 +36,10 @@ GATHERED_MAX_ROWS rows, grouped otherwise. A decode module compiled for a dynami
 batch does not know its rows when traced: it goes by `decode_batch`, the most rows a
 step can have (the model's setup_cache sets it to the cache's max batch).
 
+Fp8Experts holds the experts in block-scaled fp8 (an fp8 checkpoint's, kept so, or
+quantize="fp8") and has one form, kiln.ops.moe_experts_fp8: its kernel reads only the
+chosen experts at decode, so no gathered fp8 form is needed.
+
 Checkpoints in Hugging Face's layout store one tensor per expert
 (model.layers.L.mlp.experts.E.gate_proj.weight); `checkpoint_slot` says which stacked
 tensor and slot each fills, for every loader.
