@@ -14,15 +14,23 @@ random (routing weights random, fp32). Timed per N:
 - torch dense: every expert on every token, zero-weighted off the choice (its
   [N, 256, 2048] activations), where they fit in --dense-gb.
 
+--fp8: the experts in block-scaled fp8 as DeepSeek-V3's fp8 release stores them (the
+same random weights quantised per expert in 128 x 128 blocks, kiln.ops.quantize_experts;
+11.3 GB), run by kiln.ops.moe_experts_fp8: kiln's fp8 grouped kernel against the op's
+PyTorch form ("torch sorted": every product kiln::fp8_linear's); no gathered or dense
+torch form (they would need the weights dequantised).
+
 Outputs against the torch sorted form (relative error). The floor: the bytes a call
-must move, the weights of the experts the routing chose (each once: gate, up and down)
-plus x read and y written, at the device's copy bandwidth measured in the same run;
-TFLOP/s counts 6 * N * k * I * dim (the routed products).
+must move, the weights of the experts the routing chose (each once: gate, up and down;
+1 byte a weight with --fp8, plus their fp32 block scales) plus x read and y written,
+at the device's copy bandwidth measured in the same run; TFLOP/s counts
+6 * N * k * I * dim (the routed products).
 
 Usage (GPU): PYTHONPATH=. python benchmarks/moe_experts.py --out $OUT/moe.json
+             PYTHONPATH=. python benchmarks/moe_experts.py --fp8 --out $OUT/moe_fp8.json
              (--tune none: kiln's untuned heuristic config)
 Smoke test anywhere: PYTHONPATH=. python benchmarks/moe_experts.py --device cpu --small
-(the interpret target, tiny widths).
+[--fp8] (the interpret target, tiny widths; --fp8 at dim 256 / I 128, whole blocks).
 """
 
 from __future__ import annotations
@@ -39,21 +47,47 @@ from measure import copy_bandwidth, rel_err, timed_ms
 
 import kiln
 from kiln.codegen.build.triton_kernel import TritonKernel
-from kiln.ops import moe_experts
+from kiln.ops import moe_experts, moe_experts_fp8, quantize_experts
 
 V3 = dict(dim=7168, inter=2048, experts=256, top_k=8, tokens=(1, 8, 128, 2048))
 SMALL = dict(dim=64, inter=32, experts=8, top_k=2, tokens=(1, 8, 24))
-OP = "kiln.moe_experts.default"
+SMALL_FP8 = dict(dim=256, inter=128, experts=4, top_k=2, tokens=(1, 8))
+OPS = ("kiln.moe_experts.default", "kiln.moe_experts_fp8.default")
 
 
 class Experts(torch.nn.Module):
+    op = staticmethod(torch.ops.kiln.moe_experts)
+
     def __init__(self, gate, up, down):
         super().__init__()
         self.gate, self.up, self.down = (torch.nn.Parameter(t, requires_grad=False)
                                          for t in (gate, up, down))
 
+    def operands(self):
+        return self.gate, self.up, self.down
+
     def forward(self, x, weights, ids):
-        return moe_experts(x, weights, ids, self.gate, self.up, self.down)
+        return moe_experts(x, weights, ids, *self.operands())
+
+
+class Fp8Experts(torch.nn.Module):
+    """`experts` quantised per expert in 128 x 128 blocks (e4m3 and fp32 scales)."""
+
+    op = staticmethod(torch.ops.kiln.moe_experts_fp8)
+
+    def __init__(self, experts: Experts):
+        super().__init__()
+        for name in ("gate", "up", "down"):
+            q, scale = quantize_experts(getattr(experts, name))
+            setattr(self, name, torch.nn.Parameter(q, requires_grad=False))
+            setattr(self, f"{name}_scale", torch.nn.Parameter(scale, requires_grad=False))
+
+    def operands(self):
+        return (self.gate, self.gate_scale, self.up, self.up_scale, self.down,
+                self.down_scale)
+
+    def forward(self, x, weights, ids):
+        return moe_experts_fp8(x, weights, ids, *self.operands())
 
 
 def make_experts(w, dtype, device, seed=0):
@@ -104,7 +138,7 @@ def torch_dense(m, x, weights, ids):
 def moe_kernel(exe):
     """The kernel kiln chose for the op's region, a description, and the region's notes."""
     for r in exe.program.plan.regions:
-        if any(op.target == OP for op in r.ops):
+        if any(op.target in OPS for op in r.ops):
             k = exe.program.kplan.kernels[r.name]
             what = f"triton [{k.config}]" if isinstance(k, TritonKernel) else k.kind
             return k, what, list(r.notes)
@@ -126,16 +160,17 @@ def launcher(exe, kernel: TritonKernel, args):
 
 
 def floor_bytes(m, x, ids) -> int:
-    """The chosen experts' weights (gate, up and down, each once), x read, y written."""
+    """The chosen experts' weights (gate, up and down, each once; fp8: with their block
+    scales), x read, y written."""
     experts = int(torch.unique(ids).numel())
-    per_expert = m.gate[0].numel() + m.up[0].numel() + m.down[0].numel()
-    return (experts * per_expert + 2 * x.numel()) * x.element_size()
+    per_expert = sum(t[0].numel() * t.element_size() for t in m.operands())
+    return experts * per_expert + 2 * x.numel() * x.element_size()
 
 
 def one_shape(N, w, m, a, dtype, target, options, bandwidth) -> dict:
     args = make_inputs(N, w, dtype, a.device)
     x, weights, ids = args
-    ref = torch.ops.kiln.moe_experts(x, weights, ids, m.gate, m.up, m.down)
+    ref = m.op(x, weights, ids, *m.operands())
     t0 = time.perf_counter()
     exe = kiln.compile(m, args, target=target, options=options)
     out = exe(*args)
@@ -147,15 +182,14 @@ def one_shape(N, w, m, a, dtype, target, options, bandwidth) -> dict:
            "ms": timed_ms(lambda: exe(*args), a.device)}
     if isinstance(kernel, TritonKernel):
         row["ms_kernel"] = timed_ms(launcher(exe, kernel, args), a.device)
-    row["ms_torch_sorted"] = timed_ms(
-        lambda: torch.ops.kiln.moe_experts(x, weights, ids, m.gate, m.up, m.down), a.device)
+    row["ms_torch_sorted"] = timed_ms(lambda: m.op(x, weights, ids, *m.operands()), a.device)
     e, k = x.element_size(), w["top_k"]
     copies = 3 * N * k * w["inter"] * w["dim"] * e
-    if copies <= a.gather_gb * 2**30:
+    if not a.fp8 and copies <= a.gather_gb * 2**30:
         row["err_torch_gathered"] = rel_err(torch_gathered(m, *args), ref)
         row["ms_torch_gathered"] = timed_ms(lambda: torch_gathered(m, *args), a.device)
     activations = N * w["experts"] * (2 * w["inter"] + w["dim"]) * e
-    if activations <= a.dense_gb * 2**30:
+    if not a.fp8 and activations <= a.dense_gb * 2**30:
         row["err_torch_dense"] = rel_err(torch_dense(m, *args), ref)
         row["ms_torch_dense"] = timed_ms(lambda: torch_dense(m, *args), a.device)
     best = min(row["ms"], row.get("ms_kernel", row["ms"]))
@@ -181,7 +215,8 @@ def save(results) -> None:
 
 def table(results) -> str:
     lines = [f"device: {results['device']}  widths: {results['widths']}  dtype: "
-             f"{results['dtype']}  tune: {results['tune']}  copy: "
+             f"{results['dtype']}{' fp8 experts' if results['fp8'] else ''}  tune: "
+             f"{results['tune']}  copy: "
              f"{results.get('copy_gbs') or float('nan'):.0f} GB/s"]
     lines.append(f"{'N':>5s} {'kiln ms':>9s} {'kernel':>9s} {'sorted':>9s} {'gathered':>9s} "
                  f"{'dense':>9s} {'floor':>9s} {'x floor':>8s} {'x torch':>8s} {'TFLOP/s':>8s} "
@@ -202,6 +237,8 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     choices=["cuda", "cpu"])
     ap.add_argument("--small", action="store_true", help="tiny widths (smoke test)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="block-scaled fp8 experts (kiln.ops.moe_experts_fp8)")
     ap.add_argument("--tokens", type=int, nargs="+", help="default 1 8 128 2048")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--tune", default=None, choices=["none", "fast", "full"],
@@ -211,12 +248,13 @@ def main():
     ap.add_argument("--dense-gb", type=float, default=16.0,
                     help="run the dense form where its activations fit in this")
     a = ap.parse_args()
-    widths = dict(SMALL if a.small else V3)
+    widths = dict((SMALL_FP8 if a.fp8 else SMALL) if a.small else V3)
     dtype = getattr(torch, a.dtype)
     target = "cuda" if a.device == "cuda" else "interpret"
     options = {"tune": a.tune} if a.tune else {}
     name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu (interpret target)"
-    results = {"device": name, "dtype": a.dtype, "target": target, "tune": a.tune or "fast",
+    results = {"device": name, "dtype": a.dtype, "fp8": a.fp8, "target": target,
+               "tune": a.tune or "fast",
                "widths": {k: widths[k] for k in ("dim", "inter", "experts", "top_k")},
                "torch": torch.__version__, "rows": []}
     try:
@@ -230,6 +268,10 @@ def main():
     bandwidth = copy_bandwidth(a.device)
     results["copy_gbs"] = bandwidth / 1e9 if bandwidth else None
     m = make_experts(widths, dtype, a.device)
+    if a.fp8:
+        m = Fp8Experts(m)  # the bf16 weights are freed
+        if a.device == "cuda":
+            torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as cache:
         os.environ.setdefault("KILN_CACHE_DIR", cache)
         for N in a.tokens or widths["tokens"]:

@@ -20,7 +20,7 @@ from kiln.ir.printer import type_str
 from kiln.ir.symbolic import Bounds, Dim, bounds_of, evaluate, to_str
 from kiln.ops.moe_experts import routing_bound
 
-MOE_OP = "kiln.moe_experts.default"
+MOE_OPS = ("kiln.moe_experts.default", "kiln.moe_experts_fp8.default")  # ids, gate: args 2, 3
 
 
 def explain(program, example_sizes: dict[str, int] | None = None,
@@ -99,12 +99,12 @@ def _region(r, plan: DispatchPlan, cost: Cost, example, kernels) -> list[str]:
 
 
 def _routing(r, plan: DispatchPlan, example) -> list[str]:
-    """A kiln::moe_experts op's data-dependent sizes (tokens per expert) with the bound
+    """A kiln::moe_experts(_fp8) op's data-dependent sizes (tokens per expert) with the bound
     they carry by construction: an expert has at most all N * k (token, expert) pairs,
     the size of the row buffer the pairs are sorted into."""
     lines = []
     for op in r.ops:
-        if op.target != MOE_OP:
+        if op.target not in MOE_OPS:
             continue
         ids, gate = op.args[2], op.args[3]
         shape = {o.name: o.shape for o in r.ops}

@@ -94,7 +94,7 @@ def test_human_flops(n, text):
 def test_a_moe_region_shows_its_routing_bound():
     """Tokens per expert are data-dependent; the report gives their bound by
     construction, N * k (the sorted row buffer's size), at the example and at max."""
-    from kiln.ops import moe_experts
+    from kiln.ops import moe_experts, moe_experts_fp8, quantize_experts
 
     class Experts(torch.nn.Module):
         def __init__(self):
@@ -115,3 +115,17 @@ def test_a_moe_region_shows_its_routing_bound():
             "900 at max), the row buffer's size") in text
     static = kiln.compile(Experts(), args).explain()
     assert "rows per expert <= N*k = 21, the row buffer's size" in static
+
+    class Fp8Experts(torch.nn.Module):  # the fp8 form: the same routing
+        def __init__(self):
+            super().__init__()
+            dense = Experts()
+            self.w = torch.nn.ParameterList(
+                [torch.nn.Parameter(t, requires_grad=False) for name in ("gate", "up", "down")
+                 for t in quantize_experts(getattr(dense, name).data)])
+
+        def forward(self, x, weights, ids):
+            return moe_experts_fp8(x, weights, ids, *self.w)
+
+    fp8 = kiln.compile(Fp8Experts(), args).explain()
+    assert "routing: 6 experts, k = 3; rows per expert <= N*k = 21" in fp8

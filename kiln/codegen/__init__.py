@@ -16,7 +16,7 @@ Three layers, each a folder named for its question, importing downward only
               gated_delta (kiln::gated_delta_rule), latent_attention
               (kiln::latent_attention), fp8_matmul (kiln::fp8_linear and its split
               form kiln::fp8_quantize + kiln::fp8_scaled_mm), moe
-              (kiln::moe_experts), split_k.
+              (kiln::moe_experts and its fp8 form kiln::moe_experts_fp8), split_k.
 - autotune/   which config of a kernel to run: isolated compile workers, the
               quarantine, the choice cache, timing.
 

@@ -60,6 +60,7 @@ EXTERN_TEMPLATES: dict[str, Template] = {
     latent_attention.OP: latent_attention.generate,
     fp8_matmul.OP: fp8_matmul.generate,
     moe.OP: moe.generate,
+    moe.FP8_OP: moe.generate,
     fp8_quantize.QUANTIZE_OP: fp8_quantize.generate,
     fp8_gemm.SCALED_MM_OP: fp8_gemm.generate,
 }

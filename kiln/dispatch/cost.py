@@ -178,6 +178,7 @@ _KILN_OP_FLOPS = {
     "kiln.fp8_scaled_mm.default": lambda op, s: _fp8_matmul_flops(op, s, 2),
     "kiln.fp8_quantize.default": lambda op, s: s.numel(op.args[0]),
     "kiln.moe_experts.default": _moe_flops,
+    "kiln.moe_experts_fp8.default": _moe_flops,  # gate is argument 3 in both
     "kiln.latent_attention.default": _latent_flops,
     "kiln.gated_delta_rule.default": _delta_flops,
 }

@@ -142,7 +142,7 @@ _register(OpCategory.EXTERN, ["kiln.gated_delta_rule.default", "kiln.all_reduce.
 _register(OpCategory.EXTERN, ["kiln.latent_attention.default"])
 _register(OpCategory.EXTERN, ["kiln.fp8_linear.default", "kiln.fp8_quantize.default",
                              "kiln.fp8_scaled_mm.default"])
-_register(OpCategory.EXTERN, ["kiln.moe_experts.default"])
+_register(OpCategory.EXTERN, ["kiln.moe_experts.default", "kiln.moe_experts_fp8.default"])
 
 # Named sets of ops: each defined here once, named for exactly what it holds.
 

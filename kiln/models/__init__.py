@@ -60,13 +60,14 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target=N
     a paged KV cache of `block_size`-token blocks instead of a contiguous one.
     cuda_graphs (default: on for GPU targets) replays decode steps as CUDA graphs.
 
-    quantize="fp8" makes the decoder projections of the Llama families and DeepSeek-V3
+    quantize="fp8" makes the decoder projections of the Llama families, DeepSeek-V3 and
+    Qwen3-Next (its full attention's and MLPs') and the routed experts of the MoE models
     block-scaled fp8 at load (kiln.models.fp8; embedding, norms, router and LM head stay
-    in dtype, and so do DeepSeek-V3's routed experts: no grouped fp8 MoE kernel yet).
+    in dtype, and so do Qwen3-Next's linear-attention projections).
     An fp8 checkpoint in Hugging Face's layout (quant_method "fp8") loads its fp8
-    projections as they are, never dequantised, when keep_fp8 (default None: on GPU
-    targets yes, on the CPU no) — DeepSeek-V3's routed experts excepted (dequantised
-    into dtype, logged). Without keep_fp8 a DeepSeek-V3 checkpoint is dequantised into
+    projections and routed experts as they are, never dequantised, when keep_fp8
+    (default None: on GPU targets yes, on the CPU no). Without keep_fp8 a DeepSeek-V3
+    checkpoint is dequantised into
     dtype at load; the Llama families' fp8 checkpoints always load as fp8 (keep_fp8=False
     is refused). keep_fp8=True for weights that are not fp8 is an error: quantize="fp8"
     makes them.
@@ -83,6 +84,7 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target=N
     from kiln.models.generate import LLM
     from kiln.models.llama import PRESETS, Llama
     from kiln.models.load_args import check_load_args
+    from kiln.models.qwen3_next import Qwen3Next
     from kiln.models.saved_llm import is_saved_llm
     from kiln.models.tokenizer import ByteTokenizer, load_tokenizer
     from kiln.target import get_target
@@ -172,9 +174,9 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target=N
         raise CheckpointError(f"{source} is neither a checkpoint directory nor a preset",
                               hint=f"presets: {', '.join(PRESETS)}")
     if quantize == "fp8":
-        if not isinstance(model, Llama | DeepseekV3):
-            raise ArgumentError(f"quantize='fp8' is for the Llama families and "
-                                f"DeepSeek-V3, not {type(model).__name__}")
+        if not isinstance(model, Llama | DeepseekV3 | Qwen3Next):
+            raise ArgumentError(f"quantize='fp8' is for the Llama families, DeepSeek-V3 "
+                                f"and Qwen3-Next, not {type(model).__name__}")
         _quantize_fp8(model)
     return LLM(model, tokenizer, stop_ids, target=tgt, max_batch_size=max_batch_size,
                paged=paged, block_size=block_size, num_blocks=num_blocks, name=str(source),
@@ -187,10 +189,8 @@ def _quantize_fp8(model) -> None:
     absorbed attention weights are derived again from its kv_b_proj's fp8 values, so
     decode's absorbed form and prefill's expanded one compute the same model."""
     from kiln.models.deepseek_v3 import DeepseekV3
-    from kiln.models.deepseek_v3_checkpoint import log_experts_in_model_dtype
     from kiln.models.fp8 import quantize_fp8
 
     quantize_fp8(model)
     if isinstance(model, DeepseekV3):
         model.absorb_weights()
-        log_experts_in_model_dtype(model, "quantize='fp8'")

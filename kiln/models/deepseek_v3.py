@@ -30,7 +30,7 @@ layer ([n_experts, ...] tensors, see moe.py); the loader (deepseek_v3_checkpoint
 stacks the checkpoint's per-expert tensors. With fp8 weights (an fp8 checkpoint kept
 fp8, or quantize="fp8") the projections are fp8.Fp8Linear, kv_b_proj included (the
 expanded form runs it as an fp8 linear; W_UK and W_UV come from its dequantised
-values); the routed experts stay in the model's dtype (no grouped fp8 MoE kernel yet).
+values); the routed experts are moe.Fp8Experts (kiln::moe_experts_fp8).
 """
 
 from __future__ import annotations

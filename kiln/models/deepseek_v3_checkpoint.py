@@ -16,9 +16,10 @@ is particular to DeepSeek-V3:
   and scale as stored: no dequantised copy is ever made of them. Without it (the
   default on the CPU) each is dequantised at load (w * scale of its block) into the
   requested dtype;
-- the routed experts are dequantised into their stacked [n_experts, ...] parameters
-  in the model's dtype either way: kiln has no grouped fp8 MoE kernel yet, so they
-  take 2 bytes a weight in bf16 (most of V3's 671B), not 1. The load logs it;
+- the routed experts are stacked per layer ([n_experts, ...]); with keep_fp8 an fp8
+  checkpoint's experts become moe.Fp8Experts (e4m3 weights and their stacked block
+  scales, as stored: 1 byte a weight, most of V3's 671B), run by the fp8 grouped MoE
+  op; without it they are dequantised into the model's dtype like every projection;
 - the multi-token-prediction layer (model.layers.<num_hidden_layers>...) is skipped;
 - the router's e_score_correction_bias stays fp32.
 """
@@ -37,7 +38,7 @@ from kiln.errors import CheckpointError, ShapeError
 from kiln.models import hf
 from kiln.models.deepseek_v3 import ROPE_TYPES, DeepseekV3, DeepseekV3Config
 from kiln.models.fp8 import is_fp8_checkpoint, keeps_fp8, use_fp8_layout
-from kiln.models.moe import checkpoint_slot
+from kiln.models.moe import checkpoint_slot, use_fp8_experts_layout
 from kiln.progress import progress
 
 log = logging.getLogger("kiln.models")
@@ -155,9 +156,6 @@ def tensor_map(model: DeepseekV3, found: dict) -> dict[str, tuple[str, int | Non
     filled: dict[str, set] = {n: set() for n in want}
     mapping, extra = {}, []
     for name, (f, shape) in found.items():
-        if name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in found \
-                and name not in want:
-            continue  # read with its weight, to dequantise it (an Fp8Linear holds it)
         try:
             target = _target(name, cfg)
         except (ValueError, IndexError):
@@ -165,6 +163,9 @@ def tensor_map(model: DeepseekV3, found: dict) -> dict[str, tuple[str, int | Non
         if target is None:
             continue
         dest, slot = target
+        if name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in found \
+                and dest not in want:
+            continue  # read with its weight, to dequantise it (no Fp8Linear/Experts holds it)
         if dest not in want or (slot is not None and not 0 <= slot < want[dest][0]):
             extra.append(name)
             continue
@@ -276,16 +277,11 @@ def load_weights(model: DeepseekV3, found: dict, dtype: torch.dtype, device,
     model.tie_weights()
 
 
-def log_experts_in_model_dtype(model: DeepseekV3, where: str) -> None:
-    """Say what an fp8 load leaves out of fp8: the routed experts (no grouped fp8
-    MoE kernel yet), with what that costs in memory."""
-    experts = [p for n, p in model.named_parameters() if ".mlp.experts." in n]
-    if not experts:
-        return
-    numel = sum(p.numel() for p in experts)
-    log.warning("%s: fp8 projections kept fp8; the routed experts (%.3g GB) are held in "
-                "%s, not fp8 (%.3g GB): kiln has no grouped fp8 MoE kernel yet", where,
-                numel * experts[0].element_size() / 1e9, experts[0].dtype, numel / 1e9)
+def fp8_expert_layers(found: dict, cfg: DeepseekV3Config) -> list[int]:
+    """The decoder layers whose routed experts the checkpoint stores in fp8 (expert 0's
+    gate_proj comes with its block scales; tensor_map requires the rest)."""
+    return [i for i in range(cfg.n_layers)
+            if f"model.layers.{i}.mlp.experts.0.gate_proj.weight{SCALE_SUFFIX}" in found]
 
 
 def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
@@ -312,6 +308,7 @@ def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
         model = DeepseekV3(cfg)
     if keep:
         use_fp8_layout(model, hf_cfg, where, stored=found)
+        use_fp8_experts_layout(model, fp8_expert_layers(found, cfg))
     try:
         load_weights(model, found, dtype, device, block_size(hf_cfg))
     except BaseException as e:
@@ -321,8 +318,6 @@ def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
     model.finish_loading(device)
     log.info("loaded %s (%d shard(s)) as %s on %s%s", path, len(files), dtype, device,
              ", fp8 projections as stored" if keep else "")
-    if keep and any(".mlp.experts." in n and n.endswith(SCALE_SUFFIX) for n in found):
-        log_experts_in_model_dtype(model, str(path))
     return model.eval(), hf_cfg
 
 

@@ -10,10 +10,10 @@ runs as its PyTorch form on the CPU.
 
 Only the decoder layers' projections become fp8 (Llama: q, k, v, o, gate, up, down;
 DeepSeek-V3: its latent attention's q / q_a / q_b, kv_a, kv_b and o, and the gate, up
-and down of the dense MLPs and shared experts): the embedding, the norms, the router
-and the LM head keep the model's dtype, as fp8 releases do. DeepSeek-V3's routed
-experts are stacked [E, ...] parameters, not linears: they stay in the model's dtype
-until a grouped fp8 MoE kernel exists.
+and down of the dense MLPs and shared experts), and the routed experts (stacked [E,
+...] parameters, not linears: moe.Fp8Experts, run by kiln::moe_experts_fp8 with the
+same block scales): the embedding, the norms, the router and the LM head keep the
+model's dtype, as fp8 releases do.
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ from torch import nn
 
 import kiln.ops
 from kiln.errors import ArgumentError, CheckpointError
+from kiln.models.moe import quantize_experts_fp8
 
 QUANTIZATIONS = ("fp8",)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LATENT_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # MLA's
-PARTS = ("self_attn", "mlp", "mlp.shared_experts")  # where a decoder layer's linears sit
+# where a decoder layer's linears sit (Qwen3-Next's shared expert is singular)
+PARTS = ("self_attn", "mlp", "mlp.shared_experts", "mlp.shared_expert")
 BLOCK = (128, 128)
 
 
@@ -91,11 +93,13 @@ def _submodule(module: nn.Module, path: str) -> nn.Module | None:
 
 
 def quantize_fp8(model: nn.Module) -> nn.Module:
-    """Replace `model`'s projections (materialised nn.Linear) by Fp8Linear, in place."""
+    """Replace `model`'s projections (materialised nn.Linear) by Fp8Linear and its routed
+    experts by moe.Fp8Experts, in place."""
     for part, name, _ in _projections(model):
         linear = getattr(part, name)
         if isinstance(linear, nn.Linear):
             setattr(part, name, Fp8Linear.from_linear(linear))
+    quantize_experts_fp8(model)
     return model
 
 

@@ -36,6 +36,10 @@ GATHERED_MAX_ROWS rows, grouped otherwise. A decode module compiled for a dynami
 batch does not know its rows when traced: it goes by `decode_batch`, the most rows a
 step can have (the model's setup_cache sets it to the cache's max batch).
 
+Fp8Experts holds the experts in block-scaled fp8 (an fp8 checkpoint's, kept so, or
+quantize="fp8") and has one form, kiln.ops.moe_experts_fp8: its kernel reads only the
+chosen experts at decode, so no gathered fp8 form is needed.
+
 Checkpoints in Hugging Face's layout store one tensor per expert
 (model.layers.L.mlp.experts.E.gate_proj.weight); `checkpoint_slot` says which stacked
 tensor and slot each fills, for every loader.
@@ -98,12 +102,15 @@ class Router(nn.Module):
 
 def checkpoint_slot(name: str) -> tuple[str, int] | None:
     """(the stacked Experts tensor, the expert's slot) that a checkpoint's per-expert
-    tensor model.layers.L.mlp.experts.E.<gate|up|down>_proj.weight fills; None for
+    tensor model.layers.L.mlp.experts.E.<gate|up|down>_proj.weight fills (an fp8
+    checkpoint's ...<proj>.weight_scale_inv: Fp8Experts' <proj>_scale_inv); None for
     any other name."""
     parts = name.split(".")
     if (len(parts) == 8 and parts[:2] == ["model", "layers"] and parts[3:5] == ["mlp", "experts"]
-            and parts[5].isdigit() and parts[6] in EXPERT_WEIGHTS and parts[7] == "weight"):
-        return ".".join(parts[:5] + [parts[6]]), int(parts[5])
+            and parts[5].isdigit() and parts[6] in EXPERT_WEIGHTS
+            and parts[7] in ("weight", "weight_scale_inv")):
+        suffix = "_scale_inv" if parts[7] == "weight_scale_inv" else ""
+        return ".".join(parts[:5] + [parts[6] + suffix]), int(parts[5])
     return None
 
 
@@ -146,6 +153,55 @@ class Experts(nn.Module):
         return (y.float() * combine[:, :, None]).sum(1).to(x.dtype)
 
 
+class Fp8Experts(nn.Module):
+    """The routed experts in block-scaled fp8: gate/up [E, I, dim] and down [E, dim, I]
+    float8_e4m3fn, each expert's matrix with one fp32 scale per 128 x 128 block
+    (<proj>_scale_inv [E, ceil(out/128), ceil(in/128)]: the real weight is weight *
+    scale, Hugging Face's per-expert weight_scale_inv stacked). Run by
+    kiln.ops.moe_experts_fp8 (every product fp8_linear's): half bf16's bytes.
+
+    It has one form: the grouped op. At decode its kernel reads only the chosen
+    experts' weights (a tile per expert that has rows), which is what the gathered
+    form is for with bf16 experts, so "gathered" (and "dense", a bf16 reference) run
+    it too."""
+
+    def __init__(self, n_experts: int, intermediate: int, dim: int, device=None):
+        super().__init__()
+        for name, shape in (("gate_proj", (n_experts, intermediate, dim)),
+                            ("up_proj", (n_experts, intermediate, dim)),
+                            ("down_proj", (n_experts, dim, intermediate))):
+            w = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
+            scale = torch.ones(kiln.ops.expert_scale_shape(shape), device=device)
+            setattr(self, name, nn.Parameter(w, requires_grad=False))
+            setattr(self, f"{name}_scale_inv", nn.Parameter(scale, requires_grad=False))
+
+    @classmethod
+    def from_experts(cls, experts: Experts) -> Fp8Experts:
+        """`experts` quantised expert by expert in 128 x 128 blocks."""
+        E, inter, dim = experts.gate_proj.shape
+        fp8 = cls(E, inter, dim, device="meta")
+        for name in EXPERT_WEIGHTS:
+            q, s = kiln.ops.quantize_experts(getattr(experts, name).detach())
+            setattr(fp8, name, nn.Parameter(q, requires_grad=False))
+            setattr(fp8, f"{name}_scale_inv", nn.Parameter(s, requires_grad=False))
+        return fp8
+
+    def grouped(self, x, weights, ids):
+        return kiln.ops.moe_experts_fp8(
+            x, weights, ids, self.gate_proj, self.gate_proj_scale_inv, self.up_proj,
+            self.up_proj_scale_inv, self.down_proj, self.down_proj_scale_inv)
+
+    def gathered(self, x, weights, ids):
+        """The grouped op: at decode its kernel reads only the chosen experts."""
+        return self.grouped(x, weights, ids)
+
+    dense = gathered
+
+    def extra_repr(self) -> str:
+        E, inter, dim = self.gate_proj.shape
+        return f"{E} experts, dim {dim}, intermediate {inter}, fp8 e4m3 in 128x128 blocks"
+
+
 class RoutedMoE(nn.Module):
     """What every routed MoE shares: an `experts` (Experts, set by the subclass) run in
     the form `form` asks for, "auto" choosing by the call's rows and tokens."""
@@ -168,6 +224,23 @@ class RoutedMoE(nn.Module):
         decode = isinstance(T, int) and T == 1
         rows = B if isinstance(B, int) else self.decode_batch
         return "gathered" if decode and rows <= GATHERED_MAX_ROWS else "grouped"
+
+
+def quantize_experts_fp8(model: nn.Module) -> None:
+    """Every RoutedMoE's bf16/fp32 Experts of `model` as Fp8Experts, in place."""
+    for m in model.modules():
+        if isinstance(m, RoutedMoE) and isinstance(m.experts, Experts):
+            m.experts = Fp8Experts.from_experts(m.experts)
+
+
+def use_fp8_experts_layout(model: nn.Module, layers) -> None:
+    """Before loading an fp8 checkpoint: the routed experts of `layers` (indices into
+    model.model.layers, on the meta device) become Fp8Experts, so their e4m3 weights and
+    block scales load as stored."""
+    for i in layers:
+        moe = model.model.layers[i].mlp
+        E, inter, dim = moe.experts.gate_proj.shape
+        moe.experts = Fp8Experts(E, inter, dim, device=moe.experts.gate_proj.device)
 
 
 def use_expert_form(model: nn.Module, form: str) -> None:

@@ -10,6 +10,9 @@ from kiln.ops.fp8_linear import dequantize_weight, fp8_linear, quantize_weight
 from kiln.ops.gated_delta_rule import gated_delta_rule
 from kiln.ops.latent_attention import latent_attention
 from kiln.ops.moe_experts import moe_experts
+from kiln.ops.moe_experts_fp8 import moe_experts_fp8, quantize_experts
+from kiln.ops.moe_experts_fp8 import scale_shape as expert_scale_shape
 
-__all__ = ["dequantize_weight", "fp8_linear", "gated_delta_rule", "latent_attention",
-           "moe_experts", "quantize_weight"]
+__all__ = ["dequantize_weight", "expert_scale_shape", "fp8_linear", "gated_delta_rule",
+           "latent_attention", "moe_experts", "moe_experts_fp8", "quantize_experts",
+           "quantize_weight"]

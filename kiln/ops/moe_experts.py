@@ -41,7 +41,7 @@ _INTS = (torch.int32, torch.int64)
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """y [N, dim] in x's dtype: each token's chosen experts' SwiGLU outputs, weighted."""
-    _check(x, weights, ids, gate, up, down)
+    check_operands(x, weights, ids, gate, up, down)
     return torch.ops.kiln.moe_experts(x, weights, ids, gate, up, down)
 
 
@@ -51,44 +51,50 @@ def routing_bound(tokens, top_k: int):
     return tokens * top_k
 
 
-def _check(x, weights, ids, gate, up, down) -> None:
-    """Shapes and dtypes a caller can get wrong, said in the op's own terms."""
+def check_operands(x, weights, ids, gate, up, down, weight_dtype=None,
+                   where: str = _WHERE) -> None:
+    """Shapes and dtypes a caller can get wrong, said in the op's own terms. The experts'
+    weights have x's dtype, or `weight_dtype` (the fp8 form's e4m3)."""
     for name, t, rank in (("x", x, 2), ("weights", weights, 2), ("ids", ids, 2),
                           ("gate", gate, 3), ("up", up, 3), ("down", down, 3)):
         if not isinstance(t, torch.Tensor) or t.dim() != rank:
             got = f"shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ShapeError(f"{name} must be a {rank}-d tensor, got {got}", where=_WHERE,
+            raise ShapeError(f"{name} must be a {rank}-d tensor, got {got}", where=where,
                              hint=_LAYOUT)
     N, dim = x.shape
     E, inter, _ = gate.shape
     if tuple(weights.shape) != tuple(ids.shape) or ids.shape[0] != N:
         raise ShapeError(f"weights {list(weights.shape)} and ids {list(ids.shape)} must both "
-                         f"be [N, k] with N = {N} tokens (x {list(x.shape)})", where=_WHERE,
+                         f"be [N, k] with N = {N} tokens (x {list(x.shape)})", where=where,
                          hint=_LAYOUT)
     want = {"gate": (E, inter, dim), "up": (E, inter, dim), "down": (E, dim, inter)}
     for name, t in (("gate", gate), ("up", up), ("down", down)):
         if tuple(t.shape) != want[name]:
             raise ShapeError(f"{name} has shape {list(t.shape)}; with x {list(x.shape)} and "
                              f"gate {list(gate.shape)} it must be {list(want[name])}",
-                             where=_WHERE, hint=_LAYOUT)
+                             where=where, hint=_LAYOUT)
     if x.dtype not in _FLOATS:
         raise DTypeError(f"x has dtype {x.dtype}; it must be float16, bfloat16 or float32",
-                         where=_WHERE)
+                         where=where)
     for name, t in (("gate", gate), ("up", up), ("down", down)):
-        if t.dtype != x.dtype:
+        if weight_dtype is not None and t.dtype != weight_dtype:
+            raise DTypeError(f"{name} has dtype {t.dtype}; it must be {weight_dtype}",
+                             where=where, hint="kiln.ops.quantize_experts(w) makes the fp8 "
+                             "experts and their block scales from real ones")
+        if weight_dtype is None and t.dtype != x.dtype:
             raise DTypeError(f"{name} has dtype {t.dtype}, x has {x.dtype}: the experts' "
-                             "weights must have x's dtype", where=_WHERE,
+                             "weights must have x's dtype", where=where,
                              hint="cast x or the weights so they agree")
     if weights.dtype != torch.float32:
         raise DTypeError(f"weights has dtype {weights.dtype}; it must be float32",
-                         where=_WHERE, hint="the router's weights: pass weights.float()")
+                         where=where, hint="the router's weights: pass weights.float()")
     if ids.dtype not in _INTS:
         raise DTypeError(f"ids has dtype {ids.dtype}; it must be int32 or int64",
-                         where=_WHERE)
-    _check_ids(ids, E)
+                         where=where)
+    _check_ids(ids, E, where)
 
 
-def _check_ids(ids: torch.Tensor, experts: int) -> None:
+def _check_ids(ids: torch.Tensor, experts: int, where: str = _WHERE) -> None:
     """Expert ids in [0, E), when the values can be seen (not while exporting, nor
     inside a CUDA graph capture, where reading them back is not allowed)."""
     if ids.numel() == 0 or ids.device.type == "meta" or _is_traced(ids):
@@ -99,7 +105,7 @@ def _check_ids(ids: torch.Tensor, experts: int) -> None:
     if lo < 0 or hi >= experts:
         bad = lo if lo < 0 else hi
         raise ShapeError(f"ids holds expert {bad}, outside [0, {experts}) for {experts} "
-                         "experts", where=_WHERE,
+                         "experts", where=where,
                          hint="ids are indices into the stacked experts' first dim")
 
 

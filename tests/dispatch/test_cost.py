@@ -152,7 +152,14 @@ def test_kiln_ops_count_what_they_compute():
     experts 6·N·k·I·D, latent attention 2·B·T·H·S·(2R + P) over the cache's reach (a
     paged one's table x block), the gated delta rule 6·B·T·HV·K·V, fp8 linear 2·M·N·K,
     symbolic in the token count."""
-    from kiln.ops import fp8_linear, gated_delta_rule, latent_attention, moe_experts
+    from kiln.ops import (
+        fp8_linear,
+        gated_delta_rule,
+        latent_attention,
+        moe_experts,
+        moe_experts_fp8,
+        quantize_experts,
+    )
     from kiln.ops.fp8_linear import quantize_weight
 
     T = kiln.Dim("tokens", min=1, max=64)
@@ -160,6 +167,10 @@ def test_kiln_ops_count_what_they_compute():
     moe = _Op(moe_experts, torch.randn(E, W, D), torch.randn(E, W, D), torch.randn(E, D, W))
     args = (torch.randn(7, D), torch.rand(7, k), torch.randint(0, E, (7, k)))
     flops, plan = _extern_flops(moe, args, ({0: T},) * 3)
+    assert _eq(flops, 6 * _sym(plan) * k * W * D)
+    fp8_weights = [t for w in moe.w for t in quantize_experts(w.data)]
+    moe8 = _Op(moe_experts_fp8, *fp8_weights)  # the fp8 form counts the same products
+    flops, plan = _extern_flops(moe8, args, ({0: T},) * 3)
     assert _eq(flops, 6 * _sym(plan) * k * W * D)
 
     B, H, R, P, blocks, block = 2, 4, 32, 8, 3, 4

@@ -3,10 +3,10 @@
 
 Dequantised at load (the CPU default) every tensor equals the reference dequantisation.
 Kept fp8 (keep_fp8=True, the GPU default) the projections are Fp8Linear holding the
-stored bytes; only their activations' per-token fp8 quantisation separates the model
-from the dequantised one (the routed experts are dequantised either way). The CPU
-target runs kiln.ops.fp8_linear's PyTorch form, the interpret target the generated
-kernel.
+stored bytes, the routed experts Fp8Experts (every expert's bytes and scales stacked);
+only their activations' per-token fp8 quantisation separates the model from the
+dequantised one. The CPU target runs kiln.ops.fp8_linear's and moe_experts_fp8's
+PyTorch forms, the interpret target the generated kernels.
 """
 
 import json
@@ -21,6 +21,7 @@ import kiln.models
 from kiln.errors import ArgumentError, CheckpointError, ShapeError
 from kiln.models import deepseek_v3_checkpoint as ds
 from kiln.models.fp8 import Fp8Linear, keeps_fp8
+from kiln.models.moe import Fp8Experts
 from kiln.ops import dequantize_weight
 from tests.helpers import rel_err
 from tests.models.test_deepseek_v3 import CONFIG, make_hf_model
@@ -189,9 +190,10 @@ def test_fp8_checkpoint_loads_dequantised_on_the_cpu(fp8_checkpoint):
 
 def test_kept_fp8_projections_hold_the_stored_bytes(fp8_checkpoint, monkeypatch):
     """Every projection stored as fp8 is an Fp8Linear with the stored e4m3 bytes and
-    scales; only the routed experts are dequantised (counted); W_UK and W_UV are the
-    dequantised kv_b_proj's; run with dequantised products, the model is the
-    dequantised load exactly."""
+    scales, the routed experts an Fp8Experts with every expert's stored bytes and scales
+    in its slot; nothing is dequantised (counted); W_UK and W_UV are the dequantised
+    kv_b_proj's; run with dequantised products, the model is the dequantised load
+    exactly."""
     path, stored, reference, hf_deq, _ = fp8_checkpoint
     cfg = hf_deq.config
     dequantised = []
@@ -199,8 +201,7 @@ def test_kept_fp8_projections_hold_the_stored_bytes(fp8_checkpoint, monkeypatch)
     monkeypatch.setattr(ds, "dequantize_blocks",
                         lambda w, s, b: dequantised.append(w.shape) or real(w, s, b))
     model, _ = ds.load_checkpoint(path, torch.float32, keep_fp8=True)
-    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
-    assert len(dequantised) == moe_layers * cfg.n_routed_experts * 3  # experts only
+    assert dequantised == []
 
     fp8 = {n for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
     assert fp8 == _stored_fp8_projections(stored, cfg)
@@ -215,8 +216,15 @@ def test_kept_fp8_projections_hold_the_stored_bytes(fp8_checkpoint, monkeypatch)
                            stored[f"{name}.weight"].view(torch.uint8)), name
         assert torch.equal(linear.weight_scale_inv, stored[f"{name}.weight_scale_inv"])
     experts = model.model.layers[1].mlp.experts
-    assert experts.down_proj.dtype == torch.float32
-    assert torch.equal(experts.down_proj[3],
+    assert isinstance(experts, Fp8Experts)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        for e in (0, 3, cfg.n_routed_experts - 1):
+            name = f"model.layers.1.mlp.experts.{e}.{proj}"
+            assert torch.equal(getattr(experts, proj)[e].view(torch.uint8),
+                               stored[f"{name}.weight"].view(torch.uint8)), name
+            assert torch.equal(getattr(experts, f"{proj}_scale_inv")[e],
+                               stored[f"{name}.weight_scale_inv"]), name
+    assert torch.equal(dequantize_weight(experts.down_proj[3], experts.down_proj_scale_inv[3]),
                        reference["model.layers.1.mlp.experts.down_proj.3"])
     attn = model.model.layers[1].self_attn
     kv_b = reference["model.layers.1.self_attn.kv_b_proj.weight"].view(
@@ -228,8 +236,18 @@ def test_kept_fp8_projections_hold_the_stored_bytes(fp8_checkpoint, monkeypatch)
                            generator=torch.Generator().manual_seed(6))
     monkeypatch.setattr(Fp8Linear, "forward", lambda self, x: x @ dequantize_weight(
         self.weight, self.weight_scale_inv).t())
+    monkeypatch.setattr(Fp8Experts, "grouped", _dequantised_experts)
     with torch.no_grad():
         assert rel_err(model(tokens, torch.arange(9)), hf_deq(tokens).logits) <= 1e-5
+
+
+def _dequantised_experts(self, x, weights, ids):
+    """Fp8Experts run on its dequantised weights (no activation quantisation)."""
+    real = [torch.stack([dequantize_weight(w[e], getattr(self, f"{name}_scale_inv")[e])
+                         for e in range(w.shape[0])])
+            for name, w in ((n, getattr(self, n)) for n in ("gate_proj", "up_proj",
+                                                            "down_proj"))]
+    return kiln.ops.moe_experts(x, weights, ids, *real)
 
 
 def test_kept_fp8_without_query_lora_and_with_attention_biases(tmp_path, monkeypatch):
@@ -343,7 +361,8 @@ def test_compiled_fp8_llm_is_the_eager_fp8_model(fp8_checkpoint):
 
 def test_interpret_target_runs_the_generated_fp8_kernel(one_layer):
     """One MoE layer on the interpret target: every fp8 projection (prefill's 5 attention
-    ones and the shared expert's 3) is kiln's generated fp8 GEMM, and matches eager."""
+    ones and the shared expert's 3) is kiln's generated fp8 GEMM, the fp8 routed experts
+    its generated grouped fp8 MoE kernel, and the layer matches eager."""
     path = one_layer[1][128][0]
     model, _ = ds.load_checkpoint(path, torch.float32, max_seq_len=16, keep_fp8=True)
     args = (torch.tensor([[3, 17, 90, 4, 55]]), torch.arange(5))
@@ -351,6 +370,9 @@ def test_interpret_target_runs_the_generated_fp8_kernel(one_layer):
     kernels = [exe.program.kplan.kernels[r.name] for r in exe.program.plan.regions
                if any(op.target == "kiln.fp8_linear.default" for op in r.ops)]
     assert len(kernels) == 8
+    kernels += [exe.program.kplan.kernels[r.name] for r in exe.program.plan.regions
+                if any(op.target == "kiln.moe_experts_fp8.default" for op in r.ops)]
+    assert len(kernels) == 9
     assert all(type(k).__name__ == "TritonKernel" for k in kernels)
     with torch.no_grad():
         assert rel_err(exe(*args), model(*args)) <= 1e-5
@@ -361,15 +383,17 @@ def test_interpret_target_runs_the_generated_fp8_kernel(one_layer):
 
 def test_quantize_fp8_makes_the_fp8_checkpoint_s_projections(fp8_checkpoint):
     """quantize="fp8" from an unquantised checkpoint: the same projections as DeepSeek's
-    fp8 release become Fp8Linear (router, experts, head stay); W_UK / W_UV follow the
-    quantised kv_b_proj, so the compiled decode steps match eager."""
+    fp8 release become Fp8Linear, the routed experts Fp8Experts (router and head stay);
+    W_UK / W_UV follow the quantised kv_b_proj, so the compiled decode steps match
+    eager."""
     path, stored, _, hf_deq, unquantised = fp8_checkpoint
     llm = kiln.models.load(unquantised, dtype=torch.float32, max_seq_len=32,
                            quantize="fp8")
     model = llm.model
     fp8 = {n for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
     assert fp8 == _stored_fp8_projections(stored, hf_deq.config)
-    assert model.model.layers[1].mlp.experts.gate_proj.dtype == torch.float32
+    experts = model.model.layers[1].mlp.experts
+    assert isinstance(experts, Fp8Experts) and experts.gate_proj.dtype == torch.float8_e4m3fn
     assert model.lm_head.weight.dtype == model.model.layers[1].mlp.gate.weight.dtype \
         == torch.float32
     attn = model.model.layers[0].self_attn

@@ -1,7 +1,8 @@
-"""A DeepSeek-V3 fp8 checkpoint on a CUDA GPU: its projections stay fp8 by default
-(only the routed experts are dequantised at load), every one runs as kiln's generated
-fp8 GEMM, and prefill and decode steps in bf16 match eager bf16 on the same GPU, or are
-no further than it from the CPU's fp32 run of the same fp8 model."""
+"""A DeepSeek-V3 fp8 checkpoint on a CUDA GPU: its projections and routed experts stay
+fp8 by default (nothing is dequantised at load), every projection runs as kiln's
+generated fp8 GEMM, the experts as its fp8 grouped MoE kernel, and prefill and decode
+steps in bf16 match eager bf16 on the same GPU, or are no further than it from the
+CPU's fp32 run of the same fp8 model."""
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 import kiln.models
 from kiln.models import deepseek_v3_checkpoint as ds
 from kiln.models.fp8 import Fp8Linear
+from kiln.models.moe import Fp8Experts
 from tests.helpers import assert_lowp_close
 from tests.models.test_deepseek_v3 import CONFIG, make_hf_model
 from tests.models.test_deepseek_v3_fp8 import write_fp8_checkpoint
@@ -44,13 +46,16 @@ def test_fp8_checkpoint_stays_fp8_on_cuda(fp8_dir, monkeypatch):
     monkeypatch.setattr(ds, "dequantize_blocks",
                         lambda w, s, b: dequantised.append(w.shape) or real(w, s, b))
     llm = kiln.models.load(fp8_dir, target="cuda", max_seq_len=32)  # bf16, keep_fp8 auto
-    assert len(dequantised) == CONFIG["n_routed_experts"] * 3  # one MoE layer's experts
+    assert dequantised == []
+    experts = llm.model.model.layers[1].mlp.experts
+    assert isinstance(experts, Fp8Experts) and experts.down_proj.is_cuda
     q_b = llm.model.model.layers[1].self_attn.q_b_proj
     assert isinstance(q_b, Fp8Linear) and q_b.weight.is_cuda
     assert q_b.weight.dtype == torch.float8_e4m3fn
     for module in (llm.prefill_module, llm.decode_module):
         kernels = [module.program.kplan.kernels[r.name] for r in module.program.plan.regions
-                   if any(op.target == "kiln.fp8_linear.default" for op in r.ops)]
+                   if any(op.target in ("kiln.fp8_linear.default",
+                                        "kiln.moe_experts_fp8.default") for op in r.ops)]
         assert kernels and all(type(k).__name__ == "TritonKernel" for k in kernels), \
             [type(k).__name__ for k in kernels]
 

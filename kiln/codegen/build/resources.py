@@ -217,6 +217,27 @@ def _moe(spec: KernelSpec, c: Config, target: Target, threads: int):
     return shared, _BASE_REGISTERS + (2 * bm * bn + tile / 4) / threads
 
 
+def _moe_fp8(spec: KernelSpec, c: Config, target: Target, threads: int):
+    """The grouped MoE kernel with fp8 experts (templates/moe/fp8.py), K steps of 128:
+    each loop stages (num_stages - 1 copies) the gathered x or h tile [BM, 128] in x's
+    dtype with the e4m3 weight tiles, 2 BN rows of gate and up or BD = 2 BN of down;
+    beside them one [BM, 128] e4m3 tile quantised in registers and, with wgmma, the
+    weight tiles once more (wgmma reads both operands from shared memory; mma.sync
+    converts the quantised tile through 2 bytes an element). Fitted to every
+    candidate compiled for sm_90 at DeepSeek-V3's widths with bf16 x (exact;
+    tests/codegen/test_moe_fp8.py checks them with KILN_RUN_SLOW=1). Registers, rough
+    and low (sm_90 compiled 128-252, none spilling): the two fp32 accumulators and a
+    step's product, and the weight fragments."""
+    e = _BYTES.get(spec.meta.get("dtype"), 4)
+    bm, bn, bk = c["BM"], c["BN"], 128
+    staged = max(1, c.num_stages - 1) * (e * bm + 2 * bn) * bk
+    regs = _BASE_REGISTERS + (3 * bm * bn + bn * bk) / threads
+    if target.backend == "hip":
+        return staged + bm * bk, regs
+    wgmma = _wgmma(target, bm, c, "fp8")
+    return staged + ((bm + 2 * bn) * bk if wgmma else 2 * bm * bk), regs
+
+
 def _fp8_gemm(spec: KernelSpec, c: Config, target: Target, threads: int):
     """The block-scaled fp8 GEMM on quantised x (templates/fp8_matmul/gemm.py), K steps
     of 128: every stage holds a [BM, 128] x tile and a [128, BN] weight tile, both
@@ -236,7 +257,7 @@ def _fp8_gemm(spec: KernelSpec, c: Config, target: Target, threads: int):
 
 _MODELS = {"matmul": _matmul, "attention": _attention, "gated_delta": _gated_delta,
            "latent_attention": _latent_attention, "fp8_matmul": _fp8_matmul, "moe": _moe,
-           "fp8_gemm": _fp8_gemm}
+           "fp8_gemm": _fp8_gemm, "moe_fp8": _moe_fp8}
 
 
 def violations(res: Resources, target: Target) -> list[str]:

@@ -35,7 +35,7 @@ _TL = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32
 CG = 'cache_modifier=".cg"'  # written by other programs of this launch: read L2
 
 
-def _v(name: str, size, block: bool = True) -> Lin:
+def lin_var(name: str, size, block: bool = True) -> Lin:
     return Lin.of(Var(name, size, block))
 
 
@@ -43,7 +43,7 @@ def _indent(lines: list[str], n: int = 1) -> list[str]:
     return ["    " * n + x for x in lines]
 
 
-def _tail(var: str, size: int) -> Cond | None:
+def tail_cond(var: str, size: int) -> Cond | None:
     """`var < size` where a tile of up to MAX_TILE columns may pass `size`."""
     return Cond(f"{var} < {size}", frozenset({var})) if size % MAX_TILE else None
 
@@ -96,7 +96,7 @@ class MoeBody:
         atomic count) and is written there; tokens with no valid choice get zero rows
         (no pair will arrive to store them)."""
         s, em = self.s, self.em
-        rt, rj = _v("rt", s.tokens), _v("rj", s.top_k)
+        rt, rj = lin_var("rt", s.tokens), lin_var("rj", s.top_k)
         t_ok = Cond("t_ok", frozenset({"rt"}))
         j_ok = Cond(f"rj < {s.top_k}", frozenset({"rj"})) if self.kp != s.top_k else None
         L = [f"tt = ticket{self.wide} * {BT} + tl.arange(0, {BT})",
@@ -124,7 +124,7 @@ class MoeBody:
         s, em = self.s, self.em
         L = [f"zd = z0 + tl.arange(0, {ZB})[None, :]"]
         with em.block() as store:
-            em.store(s.out, (_v("rt", s.tokens), _v("zd", s.dim)),
+            em.store(s.out, (lin_var("rt", s.tokens), lin_var("zd", s.dim)),
                      em.let(f"tl.zeros([{BT}, {ZB}], tl.float32)", torch.float32,
                             frozenset({"rt", "zd"})),
                      mask_of(Cond("none", frozenset({"rt"})),
@@ -190,23 +190,29 @@ class MoeBody:
 
     # ---- gate / up ------------------------------------------------------------------------
 
-    def _gate_up(self) -> list[str]:
-        """One tile's rows times BN rows of its expert's gate and up (x gathered by
-        token, read once for both), silu(gate) * up stored to moe_h; then the tile
-        counts one more of its column blocks done."""
+    def _gate_up_step(self) -> list[str]:
+        """One BK step of the gate and up products: `acc_g`, `acc_u` += x tile times
+        the weight tiles (x read once for both)."""
         s = self.s
-        k_ok = _tail("ok", s.dim)
+        k_ok = tail_cond("ok", s.dim)
         x_mask = mask_of(self.r_ok, k_ok)
-        w_mask = mask_of(_tail("wn", s.inter), k_ok)
-        ok, wn = _v("ok", s.dim), _v("wn", s.inter)
+        w_mask = mask_of(tail_cond("wn", s.inter), k_ok)
+        ok, wn = lin_var("ok", s.dim), lin_var("wn", s.inter)
         step = ["ok = k0 + tl.arange(0, BK)[None, :]"]
         step += self._operand("xt", s.x, (self.tok, ok), x_mask, "[BM, BK]", {"om", "ok"})
         step += self._operand("gt", s.gate, (self.expert, wn, ok), w_mask, "[BN, BK]",
                               {"wn", "ok"})
         step += self._operand("ut", s.up, (self.expert, wn, ok), w_mask, "[BN, BK]",
                               {"wn", "ok"})
-        step += [f"acc_g = {self._dot('xt', 'tl.trans(gt)', 'acc_g')}",
-                 f"acc_u = {self._dot('xt', 'tl.trans(ut)', 'acc_u')}"]
+        return step + [f"acc_g = {self._dot('xt', 'tl.trans(gt)', 'acc_g')}",
+                       f"acc_u = {self._dot('xt', 'tl.trans(ut)', 'acc_u')}"]
+
+    def _gate_up(self) -> list[str]:
+        """One tile's rows times BN rows of its expert's gate and up (x gathered by
+        token, read once for both), silu(gate) * up stored to moe_h; then the tile
+        counts one more of its column blocks done."""
+        s = self.s
+        step = self._gate_up_step()
         with self.em.block() as cast:
             h = self.em.cast(Val("h", torch.float32, frozenset({"om", "on"})), s.dtype)
         L = [*self._tile("ticket - n_route", "nb_up", "nb"),
@@ -218,7 +224,7 @@ class MoeBody:
                  "acc_u = tl.zeros([BM, BN], tl.float32)",
                  f"for k0 in range(0, {s.dim}, BK):",
                  *_indent(step),
-                 "h = acc_g * tl.sigmoid(acc_g) * acc_u  # silu(gate) * up",
+                 *self._swiglu(),
                  *cast,
                  f"tl.store(moe_h + h_row * {s.inter} + on, {h.code}, "
                  f"mask=r_ok & (on < {s.inter}))",
@@ -226,7 +232,32 @@ class MoeBody:
                  'tl.atomic_add(tile_ctr + s, 1, sem="release")'])]
         return L
 
+    def _swiglu(self) -> list[str]:
+        """`h` (fp32) = silu(gate) * up of the accumulators."""
+        return ["h = acc_g * tl.sigmoid(acc_g) * acc_u  # silu(gate) * up"]
+
     # ---- down and the combine ---------------------------------------------------------------
+
+    def _weighted(self, weight: str) -> list[str]:
+        """`o` (fp32) = the down product times each row's routing weight."""
+        return [f"o = acc * {weight}"]
+
+    def _h_tile(self) -> list[str]:
+        """`ht` [BM, BK]: the tile's rows of moe_h at this step (zeros past them)."""
+        s = self.s
+        h_mask = mask_code(mask_of(self.r_ok, tail_cond("ok", s.inter)))
+        return ["ok = k0 + tl.arange(0, BK)[None, :]",
+                f"ht = tl.load(moe_h + h_row * {s.inter} + ok, mask={h_mask}, other=0.0, {CG})"]
+
+    def _down_step(self) -> list[str]:
+        """One BK step of the down product: `acc` += the h tile times the down tile."""
+        s = self.s
+        ok, wd = lin_var("ok", s.inter), lin_var("wd", s.dim)
+        w_mask = mask_of(tail_cond("wd", s.dim), tail_cond("ok", s.inter))
+        step = self._h_tile()
+        step += self._operand("dt", s.down, (self.expert, wd, ok), w_mask, "[BD, BK]",
+                              {"wd", "ok"})
+        return step + [f"acc = {self._dot('ht', 'tl.trans(dt)', 'acc')}"]
 
     def _down(self) -> list[str]:
         """Once every gate/up column block of its tile is stored: the tile's rows times
@@ -235,15 +266,7 @@ class MoeBody:
         and the program that brings a token's last pair sums the token's rows in the
         order of j and stores y."""
         s = self.s
-        ok, wd = _v("ok", s.inter), _v("wd", s.dim)
-        k_ok = _tail("ok", s.inter)
-        w_mask = mask_of(_tail("wd", s.dim), k_ok)
-        h_mask = mask_code(mask_of(self.r_ok, k_ok))
-        step = ["ok = k0 + tl.arange(0, BK)[None, :]",
-                f"ht = tl.load(moe_h + h_row * {s.inter} + ok, mask={h_mask}, other=0.0, {CG})"]
-        step += self._operand("dt", s.down, (self.expert, wd, ok), w_mask, "[BD, BK]",
-                              {"wd", "ok"})
-        step.append(f"acc = {self._dot('ht', 'tl.trans(dt)', 'acc')}")
+        step = self._down_step()
         with self.em.block() as weight:
             w = self.em.value(s.weights, (self.tok, Lin.of(Opaque("jj", s.top_k,
                                                                  frozenset({"om"})))),
@@ -261,7 +284,7 @@ class MoeBody:
                  f"for k0 in range(0, {s.inter}, BK):",
                  *_indent(step),
                  *weight,
-                 f"o = acc * {w.code}",
+                 *self._weighted(w.code),
                  *cast,
                  f"d_ok = od < {s.dim}",
                  f"tl.store(moe_o + pair{self.wide} * {s.dim} + od, {o.code}, mask=r_ok & d_ok)",
@@ -279,7 +302,7 @@ class MoeBody:
         """`n_valid` [BM, 1]: how many of each row's token's k ids name an expert (the
         pairs that arrive for it)."""
         s, em = self.s, self.em
-        cj = _v("cj", s.top_k)
+        cj = lin_var("cj", s.top_k)
         j_ok = Cond(f"cj < {s.top_k}", frozenset({"cj"})) if self.kp != s.top_k else None
         with em.block() as load:
             ids = em.value(s.ids, (self.tok, cj), mask_of(self.r_ok, j_ok))
@@ -292,11 +315,11 @@ class MoeBody:
         the order of j (the same whatever program brought which), stored as y; the
         token's counter is zeroed for the next launch."""
         s, em = self.s, self.em
-        jv = _v("j", s.top_k, False)
+        jv = lin_var("j", s.top_k, False)
         with em.block() as load:
             idj = em.value(s.ids, (self.tok, jv), mask_of(Cond("last", frozenset({"om"}))))
         with em.block() as store:
-            em.store(s.out, (self.tok, _v("od", s.dim)),
+            em.store(s.out, (self.tok, lin_var("od", s.dim)),
                      Val("y", torch.float32, frozenset({"om", "od"})),
                      mask_of(Cond("last", frozenset({"om"})), Cond("d_ok", frozenset({"od"}))))
         return [

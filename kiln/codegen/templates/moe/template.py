@@ -35,6 +35,11 @@ last program to finish zeroes the counters for the next launch.
 Configs: BM rows per tile (16 for decode), BN gate/up columns (two accumulators) with
 BD = 2 * BN down columns (one), BK reduction step, warps for the accumulators, 2-4
 pipeline stages. build/resources.py has its shared-memory model.
+
+kiln::moe_experts_fp8 (e4m3 experts with 128 x 128 block scales) is the same launch
+with fp8 K loops (fp8.py: activations quantised per row and 128-block in the
+kernel, e4m3 tl.dot, the block scales applied per 128-wide K step); it declines
+where Triton has no e4m3 (before sm_89), and the op runs as its PyTorch form.
 """
 
 from __future__ import annotations
@@ -45,17 +50,20 @@ from kiln.codegen.build.spec import Config, KernelSpec, Scratch
 from kiln.codegen.expr.emit import Emitter, kernel_name, module_source
 from kiln.codegen.expr.kernel_args import INT32_MAX, SymbolicArgs
 from kiln.codegen.expr.values import CodegenUnsupported
-from kiln.codegen.templates.moe.analysis import OP, MoeShape, analyse
+from kiln.codegen.templates.fp8_matmul.common import fp8_type
+from kiln.codegen.templates.moe.analysis import FP8_OP, OP, MoeShape, analyse
 from kiln.codegen.templates.moe.body import BT, COUNTS, SCRATCH, MoeBody
+from kiln.codegen.templates.moe.fp8 import Fp8MoeBody
 from kiln.ir.plan import DispatchPlan, Region
 from kiln.ir.symbolic import bounds_of
 from kiln.target import Target
 
-__all__ = ["OP", "config_space", "generate", "heuristic"]
+__all__ = ["FP8_OP", "OP", "config_space", "generate", "heuristic"]
 
 ROWS = (16, 32, 64, 128)
 COLUMNS = (64, 128)  # BN; BD is twice it
 STEPS = {64: (3, 4), 128: (2, 3)}  # BK -> pipeline stages
+FP8_STEPS = {128: (2, 3, 4)}  # fp8 experts: a K step is one 128-wide scale block
 DECODE_PAIRS = 64  # at most this many pairs: decode, bound by reading the weights
 
 
@@ -64,19 +72,24 @@ def config_space(shape: MoeShape, pairs_hi: int | None) -> list[Config]:
     BD = 2 * BN down columns, K steps with their stages, largest first. 4 warps up to
     64 x 64 tiles, 8 above; 128 x 128 (two 128 x 128 fp32 accumulators) is left out."""
     top = max(16, _pow2(pairs_hi)) if pairs_hi is not None else ROWS[-1]
+    steps = FP8_STEPS if shape.fp8 else STEPS
     configs = []
     for bm in reversed([b for b in ROWS if b <= top]):
         for bn in reversed(COLUMNS):
             if bm * bn > 128 * 64:
                 continue
-            for bk, stages in STEPS.items():
+            for bk, stages in steps.items():
                 for st in stages:
-                    configs.append(_config(bm, bn, bk, st))
+                    configs.append(_config(bm, bn, bk, st, shape.fp8))
     return configs
 
 
-def _config(bm: int, bn: int, bk: int, stages: int) -> Config:
-    warps = 4 if bm * bn <= 64 * 64 else 8
+def _config(bm: int, bn: int, bk: int, stages: int, fp8: bool = False) -> Config:
+    """4 warps up to 64 x 64 tiles, 8 above; fp8 experts up to 32 x 64 (on sm_90, 4
+    warps spilled at 64 x 64, 32 x 128 and 16 x 128: the quantised x tile and each
+    step's product beside the accumulators)."""
+    few = bm <= 32 and bn <= 64 if fp8 else bm * bn <= 64 * 64
+    warps = 4 if few else 8
     return Config.make(warps, stages, BM=bm, BN=bn, BD=2 * bn, BK=bk)
 
 
@@ -84,12 +97,15 @@ def heuristic(shape: MoeShape, target: Target, pairs_hi: int | None) -> Config:
     """The untuned choice. Decode (a few pairs) streams the chosen experts' weights:
     16-row tiles, 64 gate/up columns so many programs share the reading, long K steps.
     Prefill: 64-row tiles (V3's 2048-token prefill gives an expert 64 pairs on
-    average) by 128 columns, 8 warps. The interpreter runs small tiles fastest."""
+    average) by 128 columns, 8 warps. fp8 experts step K by 128 (their scale block).
+    The interpreter runs small tiles fastest, but for fp8 experts 64 / 128 columns
+    (half the programs, each quantising its x tile again: 8 s, not 11, for the tests')."""
     if target.backend == "interpret":
-        return Config.make(4, 1, BM=16, BN=32, BD=32, BK=32)
+        return Config.make(4, 1, BM=16, BN=64, BD=128, BK=128) if shape.fp8 else \
+            Config.make(4, 1, BM=16, BN=32, BD=32, BK=32)
     if pairs_hi is not None and pairs_hi <= DECODE_PAIRS:
-        return _config(16, 64, 128, 3)
-    return _config(64, 128, 64, 3)
+        return _config(16, 64, 128, 3, shape.fp8)
+    return _config(64, 128, 128 if shape.fp8 else 64, 3, shape.fp8)
 
 
 def _pow2(n: int) -> int:
@@ -99,6 +115,8 @@ def _pow2(n: int) -> int:
 def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     """The grouped MoE kernel of `region`; raises CodegenUnsupported saying why not."""
     shape = analyse(region, plan)
+    if shape.fp8:
+        fp8_type(target)  # declines where Triton has no e4m3, before any code is emitted
     pairs_hi = bounds_of(shape.pairs, plan.symbols).hi
     if pairs_hi is not None and pairs_hi > INT32_MAX:
         raise CodegenUnsupported(f"up to {pairs_hi} (token, expert) pairs: row ids are int32")
@@ -109,8 +127,8 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
                    shape.pairs * shape.dim):
         p.check_extent(extent)  # the scratch buffers
     em = Emitter(region, plan, p, target)
-    lines = MoeBody(em, p, shape).lines()
-    name = kernel_name("moe", region)
+    lines = (Fp8MoeBody if shape.fp8 else MoeBody)(em, p, shape).lines()
+    name = kernel_name("moe_fp8" if shape.fp8 else "moe", region)
     tunables = ["BM", "BN", "BD", "BK"]
     params = p.names() + list(SCRATCH) + [f"{t}: tl.constexpr" for t in tunables]
     source = module_source(name, params, lines, em.helpers, target, p.describe())
@@ -129,7 +147,8 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
             # timed with each token choosing k different experts at random: zeros
             # would send every pair to expert 0 and time one expert's GEMM
             "timing_fill": {shape.ids: {"choose_from": str(shape.experts)}}}
-    return KernelSpec(name, source, p.args(), tunables, grid, configs, default, "moe", meta,
+    return KernelSpec(name, source, p.args(), tunables, grid, configs, default,
+                      "moe_fp8" if shape.fp8 else "moe", meta,
                       64 if p.needs_int64 else 32,
                       scratch=_scratch(shape, n, pairs, tiles))
 
