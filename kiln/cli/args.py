@@ -226,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kiln's decode throughput batch sizes (8b: 1,4,16,64; '' for none)")
     b.add_argument("--runners", default=",".join(RUNNERS),
                    help=f"which of {', '.join(RUNNERS)} to run (default: all)")
+    b.add_argument("--quantize", choices=["fp8"], default=None,
+                   help="also measure the model with kiln's block-scaled fp8 projections "
+                   "(rows '... fp8' beside the dtype's, and kiln's fp8 / dtype ratios)")
     b.add_argument("--iters", type=int, default=20, help="timed calls per figure")
     b.add_argument("--out", default="kiln-bench", metavar="DIR",
                    help="where to write bench.txt / .json / .png (default: kiln-bench)")
