@@ -63,6 +63,11 @@ def _plan(args) -> sweep.Plan:
     if not plan.prefill and not plan.contexts:
         raise ArgumentError("--prefill '' and --contexts '' leave nothing to measure",
                             hint="give prompt lengths, decode contexts, or both")
+    if plan.quantize and "kiln" not in plan.runners:
+        raise ArgumentError(f"--quantize {plan.quantize} times kiln only, but --runners "
+                            f"{args.runners} leaves kiln out",
+                            hint="add kiln to --runners (eager then gives the fp8 rows' "
+                            "reference)")
     if plan.sweep and not plan.contexts:
         raise ArgumentError("--sweep measures decode, but --contexts '' gives no context",
                             hint="add --sweep '' for a prefill-only run")

@@ -85,6 +85,8 @@ def test_bad_flags_are_refused_before_measuring(tmp_path, capsys):
     assert "comma-separated integers" in capsys.readouterr().err
     assert main(SMOKE + ["--out", out, "--prefill", "", "--contexts", ""]) == 2
     assert "nothing to measure" in capsys.readouterr().err
+    assert main(SMOKE + ["--out", out, "--quantize", "fp8", "--runners", "eager"]) == 2
+    assert "leaves kiln out" in capsys.readouterr().err
     assert main(SMOKE + ["--out", out, "--contexts", ""]) == 2  # the sweep is decode
     assert "--sweep ''" in capsys.readouterr().err
     garbage = tmp_path / "garbage.json"
