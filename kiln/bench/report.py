@@ -1,9 +1,10 @@
 """What `kiln bench` writes: a table, a JSON file, a chart, and the baseline check.
 
 The JSON is also the baseline format: `--check` compares kiln's milliseconds row by row
-(rows are keyed "phase tokens bB") with a stored run and fails on any row more than the
-tolerance slower, so a slowdown like the ones DESIGN.md's failure 3 describes stops a
-change instead of shipping.
+(rows are keyed "phase tokens bB", "phase tokens bB fp8" for the fp8 model) with a
+stored run and fails on any row more than the tolerance slower, so a slowdown like the
+ones DESIGN.md's failure 3 describes (fp8 Llama's prefill and decode) stops a change
+instead of shipping. Rows the baseline lacks are listed, not failed.
 """
 
 from __future__ import annotations
@@ -23,21 +24,27 @@ def to_json(result: Result) -> dict:
     return {
         "device": result.device_name, "torch": torch.__version__,
         "preset": p.preset, "layers": p.shape().layers, "dtype": str(p.dtype).split(".")[-1],
+        "quantize": p.quantize,
         "floors": {"copy_GBps": f.copy_bytes_per_s / 1e9,
-                   "matmul_TFLOPs": f.matmul_flops_per_s / 1e12},
+                   "matmul_TFLOPs": f.matmul_flops_per_s / 1e12,
+                   "fp8_matmul_TFLOPs": (f.fp8_matmul_flops_per_s / 1e12
+                                         if f.fp8_matmul_flops_per_s else None)},
         "compile_s": result.compile_s,
         "rows": [{"key": r.key, "phase": r.phase, "tokens": r.tokens, "batch": r.batch,
-                  "floor_ms": r.floor_ms, "ms": r.ms, "rel_err": r.rel_err}
+                  "quantize": r.quantize, "floor_ms": r.floor_ms, "ms": r.ms,
+                  "rel_err": r.rel_err}
                  for r in result.rows],
     }
 
 
 def table(data: dict) -> str:
     """Milliseconds per runner and kiln's ratios to the floor and to each peer."""
+    fp8_rate = data["floors"].get("fp8_matmul_TFLOPs")
     lines = [f"kiln bench: {data['preset']} ({data['layers']} layers, {data['dtype']}) on "
              f"{data['device']}, torch {data['torch']}",
              f"floors: copy {data['floors']['copy_GBps']:.0f} GB/s, matmul "
-             f"{data['floors']['matmul_TFLOPs']:.1f} TFLOP/s",
+             f"{data['floors']['matmul_TFLOPs']:.1f} TFLOP/s"
+             + (f", fp8 matmul {fp8_rate:.1f} TFLOP/s" if fp8_rate else ""),
              f"{'row':<18}{'floor':>9}{'eager':>9}{'t.compile':>10}{'kiln':>9}"
              f"{'kiln/floor':>11}{'kiln/tc':>8}{'kiln/eager':>11}{'tok/s':>9}{'max err':>9}"]
     for r in data["rows"]:
@@ -53,10 +60,29 @@ def table(data: dict) -> str:
                      f"{cell(_ratio(kiln, ms.get('eager')), 11, '.2f')}"
                      f"{cell(toks / kiln * 1e3 if kiln else None, 9, '.0f')}"
                      f"{cell(err, 9, '.1e')}")
+    ratios = quantized_ratios(data)
+    if ratios:
+        lines.append(f"kiln fp8 / {data['dtype']}: " + ", ".join(
+            f"{key} {ratio:.2f}x" for key, ratio in ratios.items()))
     if data["compile_s"]:
         lines.append("first call (compile) s: " + ", ".join(
             f"{k} {v:.1f}" for k, v in data["compile_s"].items()))
     return "\n".join(lines)
+
+
+def quantized_ratios(data: dict) -> dict[str, float]:
+    """kiln's time on each quantised row over the same row of the model's dtype, keyed
+    by the quantised row (issue 13's target: fp8 decode <= 0.6x fp16's)."""
+    plain = {r["key"]: r["ms"].get("kiln") for r in data["rows"] if not r.get("quantize")}
+    out = {}
+    for r in data["rows"]:
+        q = r.get("quantize")
+        if not q:
+            continue
+        was, now = plain.get(r["key"].removesuffix(f" {q}")), r["ms"].get("kiln")
+        if was and now:
+            out[r["key"]] = now / was
+    return out
 
 
 def cell(value: float | None, width: int, fmt: str = ".3f") -> str:
@@ -109,6 +135,14 @@ def check(data: dict, baseline: dict, tolerance: float = 0.05) -> list[str]:
             slower.append(f"{key}: kiln {now[key]:.3f} ms, baseline {was:.3f} ms "
                           f"({now[key] / was - 1:+.1%}, tolerance {tolerance:.0%})")
     return slower
+
+
+def unchecked(data: dict, baseline: dict) -> list[str]:
+    """This run's kiln rows the baseline has no kiln figure for (fp8 rows against a
+    baseline measured without --quantize): reported, never a failure."""
+    known = {r["key"] for r in baseline.get("rows", []) if r["ms"].get("kiln") is not None}
+    return [r["key"] for r in data["rows"]
+            if r["ms"].get("kiln") is not None and r["key"] not in known]
 
 
 def save(data: dict, out: Path) -> list[str]:

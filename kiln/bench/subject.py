@@ -5,6 +5,12 @@ from another, split apart in forward (`split`, `chunk`); the KV cache is a stati
 [B, KV heads, S, D] buffer written with `index_copy_`; attention is SDPA over the whole
 cache with an explicit boolean causal mask sliced from a buffer; GQA repeats the KV
 heads. A speed figure on this model says what a user's own model gets.
+
+`quantize_fp8` gives the same model with kiln's block-scaled fp8 projections, made
+the way quantize="fp8" makes kiln.models' Llama (kiln.ops.quantize_weight once, then
+kiln.ops.fp8_linear in forward; `Fp8Linear` here is what a user of kiln.ops writes,
+kiln.models' own being out of a public user's reach): the fp8 rows of
+`kiln bench --quantize fp8`.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import kiln.ops
 
 
 @dataclass(frozen=True)
@@ -118,12 +126,55 @@ def build(s: Shape, dtype: torch.dtype, device: str, seed: int = 0) -> Subject:
     return model.eval()
 
 
+FP8_PROJECTIONS = ("wqkv", "wo", "w13", "w2")
+
+
+class Fp8Linear(nn.Module):
+    """A bias-free linear whose weight is e4m3 with an fp32 scale per 128 x 128 block:
+    kiln.ops.fp8_linear quantises the activations per token group and multiplies (kiln
+    compiles it to its fp8 GEMM; eagerly, and on the CPU target, its PyTorch form)."""
+
+    def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(scale_inv, requires_grad=False)
+
+    @classmethod
+    def quantize(cls, linear: nn.Linear) -> Fp8Linear:
+        return cls(*kiln.ops.quantize_weight(linear.weight.detach()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kiln.ops.fp8_linear(x, self.weight, self.weight_scale_inv)
+
+
+def quantize_fp8(base: Subject) -> Subject:
+    """A Subject whose block projections are `base`'s quantised to fp8 in 128 x 128
+    blocks (Fp8Linear); embedding, norms and LM head shared with `base`, as fp8
+    releases keep them in the model's dtype. Its KV cache is its own."""
+    model = _shell(base, base.batch)
+    with torch.no_grad():
+        for layer, source in zip(model.layers, base.layers):
+            for name in FP8_PROJECTIONS:
+                setattr(layer, name, Fp8Linear.quantize(getattr(source, name)))
+    return model.eval()
+
+
 def with_batch(base: Subject, batch: int) -> Subject:
     """A Subject for `batch` sequences sharing `base`'s weights: only the cache is new."""
     if batch == base.batch:
         return base
+    return _shell(base, batch).eval()
+
+
+def _shell(base: Subject, batch: int) -> Subject:
+    """A Subject of `batch` rows holding `base`'s parameters (fp8 projections as fp8)
+    and buffers, with a new zero KV cache."""
     with torch.device("meta"):
         model = Subject(base.shape, batch)
+    for name, m in base.named_modules():
+        if isinstance(m, Fp8Linear):  # its parameters are assigned below
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, Fp8Linear(m.weight, m.weight_scale_inv))
     device, dtype = base.norm.weight.device, base.norm.weight.dtype
     for name, p in base.named_parameters():
         owner, _, leaf = name.rpartition(".")
@@ -133,7 +184,7 @@ def with_batch(base: Subject, batch: int) -> Subject:
     for layer in model.layers:
         for name in ("k_cache", "v_cache"):
             setattr(layer, name, torch.zeros(layer.k_cache.shape, dtype=dtype, device=device))
-    return model.eval()
+    return model
 
 
 def weight_bytes(model: Subject, batch: int) -> int:

@@ -1,7 +1,10 @@
 """The phases `kiln bench` measures, in one process: prefill at each length, decode at
 each context, for each batch size, every runner on the same module; then kiln's decode
 throughput over a sweep of batch sizes. Each row carries its floor and the runners'
-errors against eager, so a fast wrong answer cannot pass unnoticed.
+errors against eager, so a fast wrong answer cannot pass unnoticed. With `quantize`
+("fp8") kiln's batches are measured again on the model with kiln's fp8 projections
+(subject.quantize_fp8): rows keyed "... fp8", beside the dtype's rows, checked
+against the same fp8 model run eagerly (untimed: see _batch).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class Plan:
     sweep: tuple[int, ...] = ()
     runners: tuple[str, ...] = RUNNERS
     iters: int = 20
+    quantize: str | None = None  # "fp8": fp8 rows too
 
     def shape(self) -> subject.Shape:
         s = subject.PRESETS[self.preset]
@@ -45,10 +49,12 @@ class Row:
     floor_ms: float
     ms: dict[str, float] = field(default_factory=dict)
     rel_err: dict[str, float] = field(default_factory=dict)
+    quantize: str | None = None  # "fp8": the model with fp8 projections
 
     @property
     def key(self) -> str:
-        return f"{self.phase} {self.tokens} b{self.batch}"
+        tag = f" {self.quantize}" if self.quantize else ""
+        return f"{self.phase} {self.tokens} b{self.batch}{tag}"
 
 
 @dataclass
@@ -56,7 +62,7 @@ class Result:
     plan: Plan
     floors: Floors
     rows: list[Row] = field(default_factory=list)
-    compile_s: dict[str, float] = field(default_factory=dict)  # "runner phase bB" -> s
+    compile_s: dict[str, float] = field(default_factory=dict)  # "runner phase bB[ fp8]" -> s
     device_name: str = ""
 
 
@@ -69,33 +75,49 @@ def run(plan: Plan, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> 
                    else "cpu")
     dtype = str(plan.dtype).removeprefix("torch.")
     log(f"kiln bench: {plan.preset} ({s.layers} layers, {dtype}) on {device_name}")
-    floors = measure(plan.device, plan.dtype, small=plan.device != "cuda")
+    floors = measure(plan.device, plan.dtype, small=plan.device != "cuda",
+                     fp8=plan.quantize == "fp8")
     log(f"  floors: copy {floors.copy_bytes_per_s / 1e9:.0f} GB/s, matmul "
-        f"{floors.matmul_flops_per_s / 1e12:.1f} TFLOP/s")
+        f"{floors.matmul_flops_per_s / 1e12:.1f} TFLOP/s"
+        + (f", fp8 {floors.fp8_matmul_flops_per_s / 1e12:.1f}"
+           if floors.fp8_matmul_flops_per_s else ""))
     result = Result(plan, floors, device_name=device_name)
     base = subject.build(s, plan.dtype, plan.device)
+    bases = {None: base}
+    if plan.quantize == "fp8":
+        bases["fp8"] = subject.quantize_fp8(base)
     for batch in dict.fromkeys(plan.batches + plan.sweep):
         runners = plan.runners if batch in plan.batches else ("kiln",)
         contexts = plan.contexts if batch in plan.batches else plan.contexts[:1]
         prefill = plan.prefill if batch in plan.batches else ()
-        _batch(result, subject.with_batch(base, batch), batch, runners, prefill, contexts,
-               log)
-        gc.collect()
-        if plan.device == "cuda":
-            torch.cuda.empty_cache()
+        for quantize, model in bases.items():
+            if quantize and batch not in plan.batches:
+                continue  # the throughput sweep is the dtype's only
+            _batch(result, subject.with_batch(model, batch), batch, runners, prefill,
+                   contexts, log, quantize)
+            gc.collect()
+            if plan.device == "cuda":
+                torch.cuda.empty_cache()
     return result
 
 
-def _batch(result: Result, model, batch: int, names, prefill, contexts, log) -> None:
+def _batch(result: Result, model, batch: int, names, prefill, contexts, log,
+           quantize: str | None = None) -> None:
     plan, s, floors = result.plan, result.plan.shape(), result.floors
-    runners = [Runner(n, model, plan.device) for n in names]
+    # fp8 rows: torch.compile would only wrap kiln.ops' opaque fp8 op (its PyTorch form,
+    # a per-128-block loop of fp32 matmuls), and eager runs that form: a correctness
+    # oracle, not a speed peer. Eager runs once, untimed, as the reference for the error.
+    runners = [Runner(n, model, plan.device) for n in names
+               if not quantize or n != "torch.compile"]
+    tag = f" {quantize}" if quantize else ""
     gen = torch.Generator(device="cpu").manual_seed(batch)
     cases = [("prefill", t) for t in prefill] + [("decode", c) for c in contexts]
     for phase, tokens in cases:
         if phase == "prefill":
             ids = torch.randint(0, s.vocab, (batch, tokens), generator=gen)
             pos = torch.arange(tokens)
-            floor = max(floors.flops_ms(subject.matmul_flops(s, batch, tokens)),
+            floor = max(floors.flops_ms(subject.matmul_flops(s, batch, tokens),
+                                        fp8=quantize == "fp8"),
                         floors.bytes_ms(subject.weight_bytes(model, batch)))
         else:
             ids = torch.randint(0, s.vocab, (batch, 1), generator=gen)
@@ -103,16 +125,17 @@ def _batch(result: Result, model, batch: int, names, prefill, contexts, log) -> 
             floor = floors.bytes_ms(subject.weight_bytes(model, batch)
                                     + subject.kv_bytes(s, batch, tokens, plan.dtype))
         ids, pos = ids.to(plan.device), pos.to(plan.device)
-        row = Row(phase, tokens, batch, floor)
+        row = Row(phase, tokens, batch, floor, quantize=quantize)
         ref = None
         for r in runners:
             with torch.no_grad():
-                out = _first_call(r, phase, ids, pos, result.compile_s, batch)
+                out = _first_call(r, phase, ids, pos, result.compile_s, f"b{batch}{tag}")
                 if r.name == "eager":
                     ref = out.float()
                 elif ref is not None:
                     row.rel_err[r.name] = float((out.float() - ref).norm() / ref.norm())
-                row.ms[r.name] = _time(r.step(phase), ids, pos, plan)
+                if not (quantize and r.name == "eager"):
+                    row.ms[r.name] = _time(r.step(phase), ids, pos, plan)
         result.rows.append(row)
         log("  " + row.key + ": " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in row.ms.items())
             + f" (floor {floor:.3f} ms)")
@@ -122,9 +145,10 @@ def _time(step, ids, pos, plan: Plan) -> float:
     return median_ms(lambda: step(ids, pos), plan.device, iters=plan.iters)
 
 
-def _first_call(r: Runner, phase: str, ids, pos, compile_s: dict, batch: int):
-    """Run once; a runner's first call of a phase (its compile) is timed into compile_s."""
-    key = f"{r.name} {phase} b{batch}"
+def _first_call(r: Runner, phase: str, ids, pos, compile_s: dict, which: str):
+    """Run once; a runner's first call of a phase (its compile) is timed into compile_s
+    under "runner phase `which`" (which: "b4", "b4 fp8")."""
+    key = f"{r.name} {phase} {which}"
     first = key not in compile_s
     t0 = time.perf_counter()
     out = r.step(phase)(ids, pos)

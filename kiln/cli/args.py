@@ -226,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kiln's decode throughput batch sizes (8b: 1,4,16,64; '' for none)")
     b.add_argument("--runners", default=",".join(RUNNERS),
                    help=f"which of {', '.join(RUNNERS)} to run (default: all)")
+    b.add_argument("--quantize", choices=["fp8"], default=None,
+                   help="also measure kiln on the model with block-scaled fp8 projections "
+                   "(rows '... fp8' beside the dtype's, kiln's fp8 / dtype ratios; eager "
+                   "runs its PyTorch fp8 form once, untimed, as the error's reference)")
     b.add_argument("--iters", type=int, default=20, help="timed calls per figure")
     b.add_argument("--out", default="kiln-bench", metavar="DIR",
                    help="where to write bench.txt / .json / .png (default: kiln-bench)")

@@ -55,7 +55,7 @@ def _plan(args) -> sweep.Plan:
     dtype = args.dtype or ("float16" if args.device == "cuda" else "float32")
     plan = sweep.Plan(
         device=args.device, preset=args.preset, dtype=getattr(torch, dtype),
-        layers=args.layers, runners=runners, iters=args.iters,
+        layers=args.layers, runners=runners, iters=args.iters, quantize=args.quantize,
         prefill=_lengths(args.prefill, "--prefill", d["prefill"]),
         contexts=_lengths(args.contexts, "--contexts", d["contexts"]),
         batches=_ints(args.batches, "--batches") or d["batches"],
@@ -63,6 +63,11 @@ def _plan(args) -> sweep.Plan:
     if not plan.prefill and not plan.contexts:
         raise ArgumentError("--prefill '' and --contexts '' leave nothing to measure",
                             hint="give prompt lengths, decode contexts, or both")
+    if plan.quantize and "kiln" not in plan.runners:
+        raise ArgumentError(f"--quantize {plan.quantize} times kiln only, but --runners "
+                            f"{args.runners} leaves kiln out",
+                            hint="add kiln to --runners (eager then gives the fp8 rows' "
+                            "reference)")
     if plan.sweep and not plan.contexts:
         raise ArgumentError("--sweep measures decode, but --contexts '' gives no context",
                             hint="add --sweep '' for a prefill-only run")
@@ -100,6 +105,9 @@ def cmd_bench(args) -> int:
     slower = report.check(data, baseline, args.tolerance)
     for line in slower:
         print(f"slower: {line}", file=sys.stderr)
+    new = report.unchecked(data, baseline)
+    if new:
+        print(f"not in the baseline (not checked): {', '.join(new)}", file=sys.stderr)
     print(f"check against {args.check}: {len(compared)} rows, {len(slower)} slower",
           file=sys.stderr)
     return 1 if slower else 0

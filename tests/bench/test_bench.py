@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -83,6 +85,8 @@ def test_bad_flags_are_refused_before_measuring(tmp_path, capsys):
     assert "comma-separated integers" in capsys.readouterr().err
     assert main(SMOKE + ["--out", out, "--prefill", "", "--contexts", ""]) == 2
     assert "nothing to measure" in capsys.readouterr().err
+    assert main(SMOKE + ["--out", out, "--quantize", "fp8", "--runners", "eager"]) == 2
+    assert "leaves kiln out" in capsys.readouterr().err
     assert main(SMOKE + ["--out", out, "--contexts", ""]) == 2  # the sweep is decode
     assert "--sweep ''" in capsys.readouterr().err
     garbage = tmp_path / "garbage.json"
@@ -103,3 +107,84 @@ def test_batched_subject_shares_weights_and_matches_batch_one():
         both = two(ids, torch.arange(5))
         first = base(ids[:1], torch.arange(5))
     torch.testing.assert_close(both[:1], first)
+
+
+@pytest.fixture(scope="module")
+def fp8_smoke(tmp_path_factory):
+    """A --quantize fp8 run checked against a baseline that has only the dtype's rows:
+    (exit code, bench.json, stderr)."""
+    out = tmp_path_factory.mktemp("bench_fp8")
+    base = out / "base.json"
+    base.write_text(json.dumps({"device": "cpu", "rows": [
+        {"key": "decode 20 b1", "ms": {"kiln": 1e9}}]}))
+    argv = SMOKE + ["--out", str(out), "--batches", "1", "--sweep", "", "--prefill", "",
+                    "--quantize", "fp8", "--check", str(base)]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, json.loads((out / "bench.json").read_text()), err.getvalue()
+
+
+def test_fp8_rows_beside_the_dtype_rows(fp8_smoke):
+    code, data, err = fp8_smoke
+    keys = [r["key"] for r in data["rows"]]
+    assert keys == ["decode 20 b1", "decode 20 b1 fp8"]
+    assert data["quantize"] == "fp8"
+    for r in data["rows"][1:]:
+        assert r["quantize"] == "fp8" and set(r["ms"]) == {"kiln"}  # eager: untimed
+        assert r["rel_err"]["kiln"] < 1e-5  # kiln's fp8 model against the same run eagerly
+    assert set(report.quantized_ratios(data)) == {"decode 20 b1 fp8"}
+    assert "kiln fp8 / float32: decode 20 b1 fp8" in report.table(data)
+    # the baseline has no fp8 rows: they are reported, and the run passes
+    assert code == 0, err
+    assert "not in the baseline (not checked): decode 20 b1 fp8" in err
+
+
+def test_check_compares_fp8_rows_when_the_baseline_has_them(fp8_smoke):
+    _, data, _ = fp8_smoke
+    faster = json.loads(json.dumps(data))
+    faster["rows"][1]["ms"]["kiln"] /= 2
+    slower = report.check(data, faster)
+    assert len(slower) == 1 and slower[0].startswith("decode 20 b1 fp8: kiln")
+    assert report.unchecked(data, faster) == []
+
+
+def test_fp8_subject_quantises_the_projections_and_shares_the_rest():
+    s = subject.PRESETS["tiny"]
+    base = subject.build(s, torch.float32, "cpu")
+    fp8 = subject.quantize_fp8(base)
+    for layer in fp8.layers:
+        for name in subject.FP8_PROJECTIONS:
+            proj = getattr(layer, name)
+            assert isinstance(proj, subject.Fp8Linear) and proj.weight.dtype == torch.float8_e4m3fn
+    assert fp8.tok_embeddings.weight is base.tok_embeddings.weight
+    assert fp8.layers[0].k_cache is not base.layers[0].k_cache
+    assert subject.weight_bytes(fp8, 1) < subject.weight_bytes(base, 1) / 2
+    two = subject.with_batch(fp8, 2)
+    assert two.layers[0].wqkv.weight is fp8.layers[0].wqkv.weight
+    ids = torch.randint(0, s.vocab, (2, 5))
+    with torch.no_grad():
+        both, first = two(ids, torch.arange(5)), fp8(ids[:1], torch.arange(5))
+        plain = base(ids[:1], torch.arange(5))
+    torch.testing.assert_close(both[:1], first)
+    assert 0 < ((first - plain).norm() / plain.norm()).item() < 0.1  # fp8's own error
+
+
+def test_fp8_subject_runs_kilns_generated_fp8_kernel_in_every_projection():
+    """On a GPU target the fp8 rows time kiln's own fp8 GEMM: each projection's extern
+    region is a generated Triton kernel (here on the interpret target), equal to eager."""
+    import kiln
+    from kiln.ir.plan import RegionKind
+
+    s = subject.PRESETS["tiny"].with_(layers=1, max_len=16)
+    fp8 = subject.quantize_fp8(subject.build(s, torch.float32, "cpu"))
+    args = (torch.randint(0, s.vocab, (1, 1)), torch.tensor([3]))
+    exe = kiln.compile(fp8, args, target="interpret")
+    extern = [r for r in exe.program.plan.regions if r.kind == RegionKind.EXTERN]
+    assert len(extern) == len(subject.FP8_PROJECTIONS)
+    assert all(type(exe.program.kplan.kernels[r.name]).__name__ == "TritonKernel"
+               for r in extern)
+    with torch.no_grad():
+        want = subject.quantize_fp8(subject.build(s, torch.float32, "cpu"))(*args)
+        got = exe(*args)
+    assert ((got - want).norm() / want.norm()).item() <= 1e-5
