@@ -60,7 +60,7 @@ def test_interpreted_kernel_matches_the_recurrence_for_odd_t_and_a_decode_step()
                        dynamic_shapes=({1: T}, {1: T}, {1: T}, {1: T}, {1: T}, None),
                        target="interpret")
     kernel = _kernel(exe)
-    assert isinstance(kernel, TritonKernel) and kernel.config["CHUNK"] == 16
+    assert isinstance(kernel, TritonKernel) and kernel.config["STAGED"] == 1
     for t in (37, 1):  # three chunks, the last 5 steps long; one step (decode)
         q, k, v, g, beta = inputs(1, t, H, HV, K, V, seed=t)
         state = torch.randn(1, HV, K, V)
@@ -90,10 +90,12 @@ def test_interpreted_kernel_runs_packed_sequences_from_their_own_states():
 
 def test_interpreted_bf16_kernel_and_a_static_decode_step():
     H, HV, K, V = 2, 2, 16, 32
-    q, k, v, g, beta = inputs(1, 23, H, HV, K, V, seed=5)
+    q, k, v, g, beta = inputs(1, 41, H, HV, K, V, seed=5)
     state = torch.randn(1, HV, K, V)
     half = (q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16(), state)
-    o, final = kiln.compile(Delta(), half, target="interpret")(*half)
+    exe = kiln.compile(Delta(), half, target="interpret")
+    assert _kernel(exe).config["STAGED"] == 1  # its states and values stored in bf16
+    o, final = exe(*half)
     ref_o, ref_s = reference(q, k, v, g, beta, K ** -0.5, state)
     assert o.dtype == torch.bfloat16 and final.dtype == torch.float32
     assert rel_err(o, ref_o) <= 1e-2 and rel_err(final, ref_s) <= 1e-2
@@ -104,6 +106,31 @@ def test_interpreted_bf16_kernel_and_a_static_decode_step():
     o, final = exe(*one)
     ref_o, ref_s = reference(*one[:5], K ** -0.5, state)
     assert rel_err(o, ref_o) <= 1e-5 and rel_err(final, ref_s) <= 1e-5
+
+
+@pytest.mark.parametrize("staged,chunk", [(0, 16), (1, 32)])
+def test_both_forms_match_the_recurrence_over_value_blocks(staged, chunk):
+    """Either form at a forced config: odd T, two BV blocks (two walkers and flags per
+    head), value heads = 2 x key heads, initial and final state; launched twice, so the
+    counters and flags are zero again after a launch."""
+    H, HV, K, V = 1, 2, 16, 32
+    q, k, v, g, beta = inputs(1, 45, H, HV, K, V, seed=9)
+    state = torch.randn(1, HV, K, V)
+    args = (q, k, v, g, beta, state)
+    plan = kiln.compile(Delta(), args, compile_to="dispatch")
+    (region,) = [r for r in plan.regions if r.kind == RegionKind.EXTERN]
+    spec = gated_delta.generate(region, plan, get_target("interpret"))
+    config = Config.make(4, 1, CHUNK=chunk, BV=16, STAGED=staged)
+    assert config in spec.configs
+    kernel = TritonKernel(region, spec, config, interpret=True)
+    named = dict(zip(region.inputs, args))
+    ref_o, ref_s = reference(q, k, v, g, beta, K ** -0.5, state)
+    for _ in range(2):
+        outs = {o: torch.full(tuple(plan.values[o].shape), float("nan"),
+                              dtype=plan.values[o].dtype) for o in region.outputs}
+        kernel.run(named, outs, {})
+        o, final = sorted(outs.values(), key=lambda t: t.shape != ref_o.shape)
+        assert rel_err(o, ref_o) <= 1e-5 and rel_err(final, ref_s) <= 1e-5
 
 
 def test_the_cpu_target_and_other_extern_ops_still_run_as_torch_ops():

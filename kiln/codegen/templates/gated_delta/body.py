@@ -44,71 +44,13 @@ def decode_body(em: Emitter, p: SymbolicArgs, s: DeltaShape) -> list[str]:
     wide = ".to(tl.int64)" if p.needs_int64 else ""
     L = ["vb = tl.program_id(0)", f"hv = tl.program_id(1){wide}",
          f"nn = tl.program_id(2){wide}"]
-    L += _program(em, p, s, kp, wide)
+    L += program(em, p, s, kp, wide)
     L += _initial_state(em, s, kp)
     L += _decode(em, s, kp)
     return L + _final_state(em, s)
 
 
-def chunked_body(em: Emitter, p: SymbolicArgs, s: DeltaShape) -> list[str]:
-    """Two roles in one launch (a 1-d grid of `n_prep + n_recur` programs).
-
-    Each program takes a ticket. The first n_prep tickets prepare one (sequence, chunk,
-    value head) each, in parallel: the gate's cumulative sum, A and (I + A)^-1 by
-    doubling (a few [CHUNK, CHUNK] products, no sequential substitution), W, U0 and the
-    causal scores, stored to scratch. The other tickets walk one (sequence, value head,
-    BV columns) through its chunks with the state block in registers, once every chunk
-    is prepared: three products per chunk on the critical path. A ticket is taken when
-    its program runs, so every program a walker waits for is already running: no
-    deadlock, whatever order the GPU schedules programs in. The last program to finish
-    zeroes the counters for the next launch.
-    """
-    kp, vp = pow2(s.key_dim), pow2(s.value_dim)
-    wide = ".to(tl.int64)" if p.needs_int64 else ""
-    tokens = "tc" if s.cu_seqlens is not None else f"bb * {p.dim(s.seq)} + tc"
-    nj = f"tl.cdiv({p.dim(s.seq)}, CHUNK)"
-    n_prep = f"({s.value_heads} * {p.dim(s.sequences)} * {nj})"
-    n_recur = f"({s.value_heads} * {p.dim(s.sequences)} * tl.cdiv({s.value_dim}, BV))"
-    L = [
-        "ticket = tl.atomic_add(gd_ctr, 1)",
-        f"n_prep = {n_prep}",
-        "rows = tl.arange(0, CHUNK)",
-        "causal = rows[:, None] >= rows[None, :]",
-        "strict = rows[:, None] > rows[None, :]",
-        "eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)",
-        "if ticket < n_prep:",
-        *_indent([f"hv = (ticket % {s.value_heads}){wide}",
-                  f"jj = (ticket // {s.value_heads}) % {nj}",
-                  f"nn = (ticket // {s.value_heads} // {nj}){wide}",
-                  "vb = 0",
-                  *_program(em, p, s, kp, wide),
-                  "c0 = bos + jj * CHUNK",
-                  "if c0 < eos:",
-                  *_indent(_prep(em, s, kp, vp, tokens)),
-                  "tl.debug_barrier()  # the CTA's stores land before it is counted",
-                  'tl.atomic_add(gd_ctr + 1, 1, sem="release")']),
-        "else:",
-        *_indent([
-            "walker = ticket - n_prep",
-            f"vb = walker % tl.cdiv({s.value_dim}, BV)",
-            f"hv = ((walker // tl.cdiv({s.value_dim}, BV)) % {s.value_heads}){wide}",
-            f"nn = (walker // tl.cdiv({s.value_dim}, BV) // {s.value_heads}){wide}",
-            *_program(em, p, s, kp, wide),
-            'while tl.atomic_add(gd_ctr + 1, 0, sem="acquire") < n_prep:',
-            "    pass",
-            *_state_blocks(em, s, kp, final=False),
-            *_walk(em, s, kp, vp, tokens),
-            *(_state_blocks(em, s, kp, final=True) if s.final_state else [])]),
-        'done = tl.atomic_add(gd_ctr + 2, 1, sem="acq_rel")',
-        f"if done == n_prep + {n_recur} - 1:  # the last program: zero for the next launch",
-        "    tl.store(gd_ctr, 0)",
-        "    tl.store(gd_ctr + 1, 0)",
-        "    tl.store(gd_ctr + 2, 0)",
-    ]
-    return L
-
-
-def _program(em: Emitter, p: SymbolicArgs, s: DeltaShape, kp: int, wide: str) -> list[str]:
+def program(em: Emitter, p: SymbolicArgs, s: DeltaShape, kp: int, wide: str) -> list[str]:
     """Lines naming the program's head, columns and sequence bounds (hv, nn, vb set)."""
     L = [
         f"hk = hv // {s.group}",
@@ -231,7 +173,7 @@ def _blocks(n: int) -> list[int]:
     return list(range(0, n, min(KB, n)))
 
 
-def _prep(em: Emitter, s: DeltaShape, kp: int, vp: int, tokens: str) -> list[str]:
+def prep(em: Emitter, s: DeltaShape, kp: int, vp: int, tokens: str) -> list[str]:
     """One chunk's preparation (no state needed), stored to scratch. Keys and values
     are taken KB columns at a time: whole [CHUNK, 256] tiles spilled registers."""
     dot, fdot = _dots(em, s)
@@ -284,7 +226,7 @@ def _prep(em: Emitter, s: DeltaShape, kp: int, vp: int, tokens: str) -> list[str
     return L
 
 
-def _walk(em: Emitter, s: DeltaShape, kp: int, vp: int, tokens: str) -> list[str]:
+def walk(em: Emitter, s: DeltaShape, kp: int, vp: int, tokens: str) -> list[str]:
     """The chunk loop of a walker: per chunk U = U0 - W S, the outputs, the state. The
     state is held as KB-row blocks S0, S1, ... (as the keys are read)."""
     dot, _ = _dots(em, s)
@@ -334,7 +276,7 @@ def _walk(em: Emitter, s: DeltaShape, kp: int, vp: int, tokens: str) -> list[str
     return head + ["for c0 in range(bos, eos, CHUNK):", *_indent(inner)]
 
 
-def _state_blocks(em: Emitter, s: DeltaShape, kp: int, final: bool) -> list[str]:
+def state_blocks(em: Emitter, s: DeltaShape, kp: int, final: bool) -> list[str]:
     """The chunked kernel's state as KB-row blocks: loaded (S0 = ...) or stored."""
     kw = min(KB, kp)
     L = []

@@ -38,8 +38,10 @@ import torch
 from kiln.codegen.build.spec import Config, KernelSpec, Scratch
 from kiln.codegen.expr.emit import Emitter, kernel_name, module_source
 from kiln.codegen.expr.kernel_args import SymbolicArgs
+from kiln.codegen.templates.gated_delta import staged
 from kiln.codegen.templates.gated_delta.analysis import OP, DeltaShape, analyse, pow2
-from kiln.codegen.templates.gated_delta.body import SCRATCH, chunked_body, decode_body
+from kiln.codegen.templates.gated_delta.body import SCRATCH, decode_body
+from kiln.codegen.templates.gated_delta.launch import chunked_body
 from kiln.ir.plan import DispatchPlan, Region
 from kiln.ir.symbolic import bounds_of
 from kiln.target import Target
@@ -53,9 +55,11 @@ STAGES = (1, 2)
 
 
 def config_space(shape: DeltaShape) -> list[Config]:
-    """Chunk sizes, value blocks, warps and the walk's pipeline stages, largest work per
-    program first. A static one-step op has no chunks: its configs differ only in BV and
-    warps."""
+    """Both forms (STAGED 1 first, then the one-pass form), each over chunk sizes, value
+    blocks, warps and the walk's pipeline stages, largest work per program first. The
+    staged form stores a state per chunk, so it takes chunks of 32 steps or more (16
+    would write four times the bytes of 64), and only where T may exceed one chunk. A
+    static one-step op has no chunks: its configs differ only in BV and warps."""
     vp = pow2(shape.value_dim)
     blocks = [b for b in VALUE_BLOCKS if b <= vp] or [16]
     t_hi = shape.static_t
@@ -64,7 +68,9 @@ def config_space(shape: DeltaShape) -> list[Config]:
     chunks = [c for c in CHUNKS if t_hi is None or c <= pow2(t_hi)]
     if shape.dtype == torch.float32:  # exact fp32 dots run on FMA units: 64-step chunks
         chunks = [c for c in chunks if c <= 32]  # took 95 s to compile and spilled
-    return [Config.make(w, st, CHUNK=c, BV=bv) for c in chunks for bv in blocks
+    staged_chunks = [c for c in chunks if c >= 32 and (t_hi is None or t_hi > c)]
+    return [Config.make(w, st, CHUNK=c, BV=bv, STAGED=form)
+            for form, cs in ((1, staged_chunks), (0, chunks)) for c in cs for bv in blocks
             for w in WARPS for st in STAGES if not _spills_badly(shape, c, w)]
 
 
@@ -77,20 +83,31 @@ def _spills_badly(shape: DeltaShape, chunk: int, warps: int) -> bool:
 
 
 def heuristic(shape: DeltaShape, target: Target) -> Config:
-    """The untuned choice (timed tuning tries its neighbours). The interpreter runs small
-    chunks fastest. On an H100 at the seed's shape (K = V = 256, bf16, T = 8192) full
-    tuning timed 32-step chunks, 64 value columns, 4 warps and two stages fastest
-    (1.80 ms; 16-step chunks 2.34 ms, 64-step at 8 warps 2.46 ms; one stage 1.6-3x
-    slower): the walk's state block and tiles fill the registers, and the second stage
-    loads the next chunk's tiles during this one's products. A one-step op has no chunks."""
+    """The untuned choice (timed tuning tries its neighbours). A one-step op has no chunks.
+
+    The one-pass form, tuned on an H100 at the seed's shape (K = V = 256, bf16, T =
+    8192), ran 32-step chunks, 64 value columns, 4 warps and two stages fastest (1.80
+    ms; 16-step chunks 2.34 ms, 64-step at 8 warps 2.46 ms; one stage 1.6-3x slower).
+    Its walk does four products a chunk; the staged form's two, with the outputs off
+    the sequential path and twice the walkers (32 columns), so it is the choice
+    wherever T may span several chunks: 64-step chunks halve the per-chunk states it
+    stores (fp32 inputs: 32, their dots run on FMA units), 8 warps where 4 spill at 64.
+    The interpreter runs small chunks fastest (the staged form at 32)."""
     vp = pow2(shape.value_dim)
     if shape.static_t == 1:
         return Config.make(4 if pow2(shape.key_dim) * min(32, vp) <= 64 * 64 else 8, 1,
                            CHUNK=16, BV=min(32, vp))
+    space = config_space(shape)
     if target.backend == "interpret":
-        return Config.make(4, 1, CHUNK=16, BV=min(64, vp))
-    longest = max(c["CHUNK"] for c in config_space(shape))
-    return Config.make(4, 2, CHUNK=min(32, longest), BV=min(64, vp))
+        staged = any(c["STAGED"] for c in space)
+        return Config.make(4, 1, CHUNK=32 if staged else 16, BV=min(64, vp), STAGED=int(staged))
+    staged = [c["CHUNK"] for c in space if c["STAGED"]]
+    if staged:
+        chunk = max(staged)
+        warps = 8 if _spills_badly(shape, chunk, 4) else 4
+        return Config.make(warps, 2, CHUNK=chunk, BV=min(32, vp), STAGED=1)
+    longest = max(c["CHUNK"] for c in space)
+    return Config.make(4, 2, CHUNK=min(32, longest), BV=min(64, vp), STAGED=0)
 
 
 def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
@@ -103,7 +120,7 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     decode = shape.static_t == 1
     lines = decode_body(em, p, shape) if decode else chunked_body(em, p, shape)
     name = kernel_name("gated_delta", region)
-    tunables = ["CHUNK", "BV"]
+    tunables = ["CHUNK", "BV"] if decode else ["CHUNK", "BV", "STAGED"]
     scratch = [] if decode else _scratch(shape, p)
     params = p.names() + [b.name for b in scratch] + [f"{t}: tl.constexpr" for t in tunables]
     source = module_source(name, params, lines, em.helpers, target, p.describe())
@@ -111,9 +128,10 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     columns = f"cdiv({p.grid(shape.value_dim)}, BV)"
     if decode:
         grid = (columns, heads, seqs)
-    else:  # preparers (sequence, chunk, head), then walkers (sequence, head, columns)
+    else:  # preparers (sequence, chunk, head), walkers (sequence, head, columns), outputs
         chunks = f"cdiv({p.grid(shape.seq)}, CHUNK)"
-        grid = (f"({heads}) * ({seqs}) * ({chunks} + {columns})",)
+        grid = (f"({heads}) * ({seqs}) * ({chunks} + {columns} + "
+                f"(({chunks}) * ({columns}) if STAGED else 0))",)
     configs = config_space(shape)
     default = heuristic(shape, target)
     if default not in configs:
@@ -132,8 +150,14 @@ def _scratch(shape: DeltaShape, p: SymbolicArgs) -> list[Scratch]:
     rows = f"({p.grid(shape.batch)}) * ({p.grid(shape.seq)}) * {shape.value_heads}"
     kp, vp = pow2(shape.key_dim), pow2(shape.value_dim)
     counters, w, u, a, g = SCRATCH
+    h, flags = staged.SCRATCH
+    seqs = p.grid(shape.sequences)
+    slots = f"(({p.grid(shape.batch)}) * cdiv({p.grid(shape.seq)}, CHUNK) + {seqs})"
+    walkers = f"({seqs}) * {shape.value_heads} * cdiv({shape.value_dim}, BV)"
     return [Scratch(counters, torch.int32, "3", zeroed=True),
             Scratch(w, shape.dtype, f"{rows} * {kp}"),
             Scratch(u, shape.dtype, f"{rows} * {vp}"),
             Scratch(a, shape.dtype, f"{rows} * CHUNK"),
-            Scratch(g, torch.float32, rows)]
+            Scratch(g, torch.float32, rows),
+            Scratch(h, shape.dtype, f"{slots} * {shape.value_heads * kp * vp} if STAGED else 1"),
+            Scratch(flags, torch.int32, f"{walkers} if STAGED else 1", zeroed=True)]
