@@ -1,4 +1,4 @@
-"""The gated delta rule kernel's body, as Triton source lines (template.py says what runs).
+"""The gated delta rule kernel's pieces, as Triton source lines (template.py says what runs).
 
 Kernel variables the emitter indexes with (so operands are read through their views):
 `bb` batch row, `hk` / `hv` key / value head, `nn` sequence (scalars); in a chunk `tt`
@@ -9,7 +9,8 @@ column; in a decode step `ts` time (scalar), `kk` [KP], `vv` [BV]; the state blo
 Scratch (chunked kernel): `gd_ctr` three int32 counters (tickets taken, prepared
 chunks, programs done; zero between launches), and per (token, value head) row the
 prepared chunk: `gd_w` W [KP], `gd_u` U0 [VP], `gd_a` the causal q.k decay scores
-[CHUNK] (all in q's dtype) and `gd_g` the chunk-local cumulative gate (fp32).
+[CHUNK] (all in q's dtype) and `gd_g` the chunk-local cumulative gate (fp32); the
+staged form adds its own (staged.py). launch.py puts the roles into one launch.
 """
 
 from __future__ import annotations
@@ -175,7 +176,9 @@ def _blocks(n: int) -> list[int]:
 
 def prep(em: Emitter, s: DeltaShape, kp: int, vp: int, tokens: str) -> list[str]:
     """One chunk's preparation (no state needed), stored to scratch. Keys and values
-    are taken KB columns at a time: whole [CHUNK, 256] tiles spilled registers."""
+    are taken KB columns at a time: whole [CHUNK, 256] tiles spilled registers; the
+    keys are read twice (for the products, then for W) rather than held over the solve,
+    which took all 255 registers at CHUNK 64 on 8 warps (sm_90, K = 256)."""
     dot, fdot = _dots(em, s)
     dt = _TL[s.dtype]
     b, hk, hv = _heads(s)
@@ -200,20 +203,24 @@ def prep(em: Emitter, s: DeltaShape, kp: int, vp: int, tokens: str) -> list[str]
         first = i == 0
         L += [f"kkt = {'' if first else 'kkt + '}{dot(f'k{i}', f'tl.trans(k{i})')}",
               f"qkt = {'' if first else 'qkt + '}{dot(f'q{i}', f'tl.trans(k{i})')}"]
-    L += [
+    L += [  # the scores are stored first: q.k and the decay are dead before the solve
+        f"Aqk = tl.where(causal, qkt * decay, 0.0) * {s.scale!r}",
+        f"tl.store(gd_a + rr * CHUNK + rows[None, :], Aqk.to({dt}), mask=t_ok)",
+        "tl.store(gd_g + row, G, mask=tc_ok)",
         "N = -tl.where(strict, beta[:, None] * kkt * decay, 0.0)",
         "Ti = eye + N  # (I - N)^-1 = (I + N)(I + N^2)(I + N^4)...: N^CHUNK = 0",
         "P = N",
     ]
     for d in _DOUBLINGS:
         L += [f"if CHUNK > {d}:", f"    P = {fdot('P', 'P')}", f"    Ti = Ti + {fdot('Ti', 'P')}"]
-    L += [f"Ti = Ti.to({dt})",
-          f"Aqk = tl.where(causal, qkt * decay, 0.0) * {s.scale!r}",
-          f"tl.store(gd_a + rr * CHUNK + rows[None, :], Aqk.to({dt}), mask=t_ok)",
-          "tl.store(gd_g + row, G, mask=tc_ok)"]
-    for i, _ in enumerate(_blocks(kp)):
-        L += [f"W = {dot('Ti', f'k{i}.to(tl.float32) * (beta * eG)[:, None]')}",
-              f"tl.store(gd_w + rr * {kp} + ek{i}, W.to({dt}), mask=t_ok)"]
+    L.append(f"Ti = Ti.to({dt})")
+    for i in range(len(_blocks(kp))):  # keys read again (L2), not held over the solve
+        e = f"ek{i}"
+        kc = Cond(f"{e} < {s.key_dim}", frozenset({e}))
+        L += _load(em, s.k, (b, tt, hk, _v(e, s.key_dim)), mask_of(tcond, kc), "kb",
+                   f"[CHUNK, {kw}]", f"t_ok & ({e} < {s.key_dim})", dt)
+        L += [f"W = {dot('Ti', 'kb.to(tl.float32) * (beta * eG)[:, None]')}",
+              f"tl.store(gd_w + rr * {kp} + {e}, W.to({dt}), mask=t_ok)"]
     vw = min(KB, vp)
     for i, v0 in enumerate(_blocks(vp)):
         e = f"ew{i}"

@@ -51,11 +51,13 @@ def chunked_body(em: Emitter, p: SymbolicArgs, s: DeltaShape) -> list[str]:
         f"n_walk = {hv_n} * {seqs} * {nvb}",
         "n_out = n_prep * " + nvb + " if STAGED else 0",
         "rows = tl.arange(0, CHUNK)",
-        "causal = rows[:, None] >= rows[None, :]",
-        "strict = rows[:, None] > rows[None, :]",
-        "eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)",
         "if ticket < n_prep:",
-        *_indent([f"hv = (ticket % {hv_n}){wide}",
+        # the preparers' [CHUNK, CHUNK] masks: made before the branch they held
+        # registers in every role
+        *_indent(["causal = rows[:, None] >= rows[None, :]",
+                  "strict = rows[:, None] > rows[None, :]",
+                  "eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)",
+                  f"hv = (ticket % {hv_n}){wide}",
                   f"jj = (ticket // {hv_n}) % {nj}",
                   f"nn = (ticket // {hv_n} // {nj}){wide}",
                   "vb = 0",

@@ -5,28 +5,42 @@ the CPU it runs as its chunked PyTorch form. On Triton targets this template gen
 its kernel instead; one launch covers the whole op, so it fits one KernelSpec.
 
 A sequence is cut into chunks of CHUNK steps (a tunable; a tail shorter than CHUNK is
-masked). The work splits in two kinds of programs of one launch (body.chunked_body):
+masked). The work splits in kinds of programs of one launch, told apart by tickets
+(launch.chunked_body):
 
-- preparers, one per (sequence, chunk, value head), all in parallel: the gate's
-  cumulative sum G, A = beta k k^T exp(G_i - G_j) (strictly lower), (I + A)^-1 by
-  doubling products, W = (I + A)^-1 (beta exp(G) k), U0 = (I + A)^-1 (beta v) and the
-  causal scores exp(G_i - G_j) q.k (scaled), stored to scratch;
+- preparers, one per (sequence, chunk, value head), all in parallel (body.prep): the
+  gate's cumulative sum G, A = beta k k^T exp(G_i - G_j) (strictly lower), (I + A)^-1
+  by doubling products, W = (I + A)^-1 (beta exp(G) k), U0 = (I + A)^-1 (beta v) and
+  the causal scores exp(G_i - G_j) q.k (scaled), stored to scratch;
 - walkers, one per (sequence, value head, BV value columns), keep the [K, BV] fp32
-  state block in registers and walk the chunks in order once every chunk is
-  prepared: U = U0 - W S, o = exp(G) q S + scores U, S = exp(G_C) S + (exp(G_C - G) k)^T U.
+  state block in registers and walk the chunks in order once every chunk is prepared:
+  U = U0 - W S and S = exp(G_C) S + (exp(G_C - G) k)^T U. Two forms (the tunable
+  STAGED; both are candidates, the tuner times them):
+  - one-pass (STAGED = 0, body.walk): the walker also writes the outputs,
+    o = exp(G) q S + scores U, so no state leaves the registers, but four products a
+    chunk sit on the sequential path;
+  - staged (STAGED = 1, staged.py), as flash-linear-attention's kernels in spirit: the
+    walker does only the state's two products, stores each chunk's state h (q's dtype)
+    and U to scratch and counts the chunk on a flag; output programs, one per (chunk,
+    sequence, value head, BV columns), compute o = exp(G) scale q h + scores U in
+    parallel, each as soon as its walker has passed its chunk. Chunks of 32 or 64
+    steps only: the stored states cost K V bytes per chunk.
 
-flash-linear-attention runs these as separate kernels and writes every chunk's state to
-memory between them; here the walk computes the outputs itself, so no state leaves the
-registers, and the solve left the sequential path. A static one-step op (decode) needs
-none of it: its programs (one per value head and BV columns) take the recurrence
-directly, S = S exp(g); u = beta (v - S^T k); S += k u^T; o = S^T (scale q).
+flash-linear-attention runs these stages as separate kernels; here they share one
+launch (a KernelSpec is one launch, and tickets order them as split_k.py's arrival
+counters do), so the outputs overlap the walk and no launch waits for the last
+program of the one before. The price: one register allocation for all roles, so the
+heaviest role (the preparer at 64-step chunks) sets how many programs share an SM. A
+static one-step op (decode) needs none of it: its programs (one per value head and BV
+columns) take the recurrence directly, S = S exp(g); u = beta (v - S^T k);
+S += k u^T; o = S^T (scale q).
 
 q, k, v, g, beta and the initial state are read through the region's fused views by the
 expression emitter (a q that is a slice of a projection is read in place); cu_seqlens
 (packed sequences) gives each program its sequence's bounds. Value head j reads key
 head j // (HV // H). 16-bit operands stay 16-bit for tl.dot (fp32 accumulation; the
 solve's products in tf32); fp32 inputs multiply in IEEE fp32. The configs span CHUNK,
-BV, num_warps 4, 8 and 16 (the warps that once crashed Triton's compiler on
+BV, the form, num_warps 4, 8 and 16 (the warps that once crashed Triton's compiler on
 flash-linear-attention's kernel: the autotuner quarantines such a config and tunes the
 rest) and 1 or 2 pipeline stages for the walk.
 """
@@ -50,6 +64,8 @@ __all__ = ["OP", "config_space", "generate", "heuristic"]
 
 CHUNKS = (64, 32, 16)
 VALUE_BLOCKS = (64, 32, 16)
+STAGED_VALUE_BLOCKS = (128, 64, 32, 16)  # the three widest that fit V: few walkers, as
+# they hold their SMs for the whole walk
 WARPS = (4, 8, 16)
 STAGES = (1, 2)
 
@@ -69,8 +85,10 @@ def config_space(shape: DeltaShape) -> list[Config]:
     if shape.dtype == torch.float32:  # exact fp32 dots run on FMA units: 64-step chunks
         chunks = [c for c in chunks if c <= 32]  # took 95 s to compile and spilled
     staged_chunks = [c for c in chunks if c >= 32 and (t_hi is None or t_hi > c)]
+    staged_blocks = [b for b in STAGED_VALUE_BLOCKS if b <= vp][:3] or [16]
     return [Config.make(w, st, CHUNK=c, BV=bv, STAGED=form)
-            for form, cs in ((1, staged_chunks), (0, chunks)) for c in cs for bv in blocks
+            for form, cs, bvs in ((1, staged_chunks, staged_blocks), (0, chunks, blocks))
+            for c in cs for bv in bvs
             for w in WARPS for st in STAGES if not _spills_badly(shape, c, w)]
 
 
@@ -88,24 +106,32 @@ def heuristic(shape: DeltaShape, target: Target) -> Config:
     The one-pass form, tuned on an H100 at the seed's shape (K = V = 256, bf16, T =
     8192), ran 32-step chunks, 64 value columns, 4 warps and two stages fastest (1.80
     ms; 16-step chunks 2.34 ms, 64-step at 8 warps 2.46 ms; one stage 1.6-3x slower).
-    Its walk does four products a chunk; the staged form's two, with the outputs off
-    the sequential path and twice the walkers (32 columns), so it is the choice
-    wherever T may span several chunks: 64-step chunks halve the per-chunk states it
-    stores (fp32 inputs: 32, their dots run on FMA units), 8 warps where 4 spill at 64.
-    The interpreter runs small chunks fastest (the staged form at 32)."""
+    Its walk does four products a chunk, the staged form's two, with the outputs off the
+    sequential path: the staged form is the choice wherever T may span several chunks.
+    One register allocation serves every role, and on sm_90 the preparer at 64-step
+    chunks takes 202 registers a thread on 8 warps (one program an SM), so the staged
+    form takes 32-step chunks on 4 warps (255 registers: two programs an SM) and the
+    narrowest value blocks whose walkers all fit on the chip at once, the other slots
+    left to the output programs: at the seed's shape 64 columns (144 walkers), at
+    Qwen3-Next's (32 value heads of 128) 32 columns (128 walkers). The interpreter runs
+    small chunks fastest (the staged form at 32)."""
     vp = pow2(shape.value_dim)
     if shape.static_t == 1:
         return Config.make(4 if pow2(shape.key_dim) * min(32, vp) <= 64 * 64 else 8, 1,
                            CHUNK=16, BV=min(32, vp))
     space = config_space(shape)
+    staged = [c for c in space if c["STAGED"]]
     if target.backend == "interpret":
-        staged = any(c["STAGED"] for c in space)
-        return Config.make(4, 1, CHUNK=32 if staged else 16, BV=min(64, vp), STAGED=int(staged))
-    staged = [c["CHUNK"] for c in space if c["STAGED"]]
+        return Config.make(4, 1, CHUNK=32 if staged else 16, BV=min(64, vp),
+                           STAGED=int(bool(staged)))
     if staged:
-        chunk = max(staged)
-        warps = 8 if _spills_badly(shape, chunk, 4) else 4
-        return Config.make(warps, 2, CHUNK=chunk, BV=min(32, vp), STAGED=1)
+        chunk = 32 if any(c["CHUNK"] == 32 for c in staged) else staged[0]["CHUNK"]
+        sequences = shape.sequences if isinstance(shape.sequences, int) else 1
+        slots = 2 * target.multiprocessors  # two 4-warp programs an SM
+        blocks = sorted({c["BV"] for c in staged})
+        fit = [b for b in blocks
+               if sequences * shape.value_heads * -(-shape.value_dim // b) <= slots]
+        return Config.make(4, 2, CHUNK=chunk, BV=fit[0] if fit else blocks[-1], STAGED=1)
     longest = max(c["CHUNK"] for c in space)
     return Config.make(4, 2, CHUNK=min(32, longest), BV=min(64, vp), STAGED=0)
 
