@@ -3,8 +3,10 @@
 Under the `interpret` target on tiny shapes: odd T over several chunks with a masked
 tail, a decode step, initial and final state, packed sequences (one of them a single
 step), value heads = 2 x key heads, bf16 inputs; against a step-by-step recurrence and
-the op's PyTorch form. Compile-only for sm_90 at the seed's shape (K = V = 256, 36
-heads): every candidate fits shared memory, and with a crash planted into num_warps 8
+the op's PyTorch form; both forms (one-pass and staged) at forced configs. Compile-only
+for sm_90: at the seed's shape (K = V = 256, 36 heads) every candidate fits shared
+memory; at Qwen3-Next's the staged default does not spill and keeps every walker on
+the chip at once; at the seed's shape, with a crash planted into num_warps 8
 (as Triton's compiler once crashed on flash-linear-attention's kernel there) the
 crashing candidate is quarantined and the rest tuned.
 """
@@ -148,11 +150,12 @@ def test_the_cpu_target_and_other_extern_ops_still_run_as_torch_ops():
     assert any("kiln generates no kernel" in n for n in region.notes)
 
 
-def _seed_spec(dtype=torch.bfloat16):
+def _seed_spec(dtype=torch.bfloat16, H=36, HV=36, K=256):
     """The kernel at the seed's shape: q, k, v [1, T, 36, 256], fp32 g, dynamic T."""
-    T, H, K = 128, 36, 256
-    q, k, v = (torch.randn(1, T, H, K, dtype=dtype) for _ in range(3))
-    g, beta = -torch.rand(1, T, H), torch.rand(1, T, H, dtype=dtype)
+    T = 128
+    q, k = (torch.randn(1, T, H, K, dtype=dtype) for _ in range(2))
+    v = torch.randn(1, T, HV, K, dtype=dtype)
+    g, beta = -torch.rand(1, T, HV), torch.rand(1, T, HV, dtype=dtype)
 
     class Op(torch.nn.Module):
         def forward(self, q, k, v, g, beta):
@@ -176,6 +179,21 @@ def test_every_seed_shape_candidate_fits_sm90_shared_memory():
     assert real.shared <= estimate(spec, largest, SM90).shared <= SM90.shared_mem_per_block
 
 
+def test_the_staged_default_keeps_every_walker_on_the_chip_at_qwen3_next_shape():
+    """16 key heads, 32 value heads of 128: the heuristic's staged config compiles for
+    sm_90 without spills, and enough of its programs share an SM that all 128 walkers
+    run at once with slots to spare for the output programs."""
+    _, _, spec = _seed_spec(H=16, HV=32, K=128)
+    c = spec.default
+    assert c["STAGED"] == 1 and c["CHUNK"] == 32
+    res = compile_binary(spec, c, SM90).resources
+    assert res.spills == 0 and res.shared <= estimate(spec, c, SM90).shared
+    threads = c.num_warps * 32
+    per_sm = SM90.registers_per_block // (-(-res.registers // 8) * 8 * threads)
+    walkers = 32 * -(-128 // c["BV"])
+    assert walkers < per_sm * SM90.multiprocessors, (res.registers, per_sm, walkers)
+
+
 def test_a_crashing_candidate_is_quarantined_and_the_rest_tuned():
     region, plan, spec = _seed_spec()
     # the seed's story: the first choice is an 8-warp config, and 8 warps abort Triton
@@ -194,9 +212,14 @@ def test_a_crashing_candidate_is_quarantined_and_the_rest_tuned():
 
 @pytest.mark.parametrize("dtype,chunks", [(torch.float16, {16, 32, 64}),
                                           (torch.float32, {16, 32})])
-def test_configs_cover_chunks_value_blocks_and_warps(dtype, chunks):
-    """fp32 dots run on FMA units: 64-step chunks are left out (slow to compile, spill)."""
+def test_configs_cover_both_forms_chunks_value_blocks_and_warps(dtype, chunks):
+    """fp32 dots run on FMA units: 64-step chunks are left out (slow to compile, spill).
+    The staged form stores a state per chunk: no 16-step chunks."""
     _, _, spec = _seed_spec(dtype)
-    assert {c["CHUNK"] for c in spec.configs} == chunks
-    assert {c["BV"] for c in spec.configs} == {16, 32, 64}
-    assert {c.num_warps for c in spec.configs} == {4, 8, 16}
+    for form, want in ((0, chunks), (1, chunks - {16})):
+        configs = [c for c in spec.configs if c["STAGED"] == form]
+        assert {c["CHUNK"] for c in configs} == want
+        assert {c["BV"] for c in configs} == {16, 32, 64}
+        assert {c.num_warps for c in configs} == {4, 8, 16}
+    assert spec.default["STAGED"] == 1 and spec.default.num_warps == (
+        8 if dtype == torch.float32 else 4)

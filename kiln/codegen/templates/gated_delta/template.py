@@ -64,8 +64,11 @@ __all__ = ["OP", "config_space", "generate", "heuristic"]
 
 CHUNKS = (64, 32, 16)
 VALUE_BLOCKS = (64, 32, 16)
-STAGED_VALUE_BLOCKS = (128, 64, 32, 16)  # the three widest that fit V: few walkers, as
-# they hold their SMs for the whole walk
+# the staged walkers' value blocks: the three widest that fit V and keep the state block
+# within 64 KiB (K = 256 by 128 columns spilled 172 registers on 16 warps, sm_90): few
+# walkers, as they hold their SMs for the whole walk
+STAGED_VALUE_BLOCKS = (128, 64, 32, 16)
+STATE_BLOCK_MAX = 256 * 64
 WARPS = (4, 8, 16)
 STAGES = (1, 2)
 
@@ -85,7 +88,9 @@ def config_space(shape: DeltaShape) -> list[Config]:
     if shape.dtype == torch.float32:  # exact fp32 dots run on FMA units: 64-step chunks
         chunks = [c for c in chunks if c <= 32]  # took 95 s to compile and spilled
     staged_chunks = [c for c in chunks if c >= 32 and (t_hi is None or t_hi > c)]
-    staged_blocks = [b for b in STAGED_VALUE_BLOCKS if b <= vp][:3] or [16]
+    kp = pow2(shape.key_dim)
+    staged_blocks = [b for b in STAGED_VALUE_BLOCKS
+                     if b <= vp and kp * b <= STATE_BLOCK_MAX][:3] or [16]
     return [Config.make(w, st, CHUNK=c, BV=bv, STAGED=form)
             for form, cs, bvs in ((1, staged_chunks, staged_blocks), (0, chunks, blocks))
             for c in cs for bv in bvs
@@ -113,8 +118,10 @@ def heuristic(shape: DeltaShape, target: Target) -> Config:
     form takes 32-step chunks on 4 warps (255 registers: two programs an SM) and the
     narrowest value blocks whose walkers all fit on the chip at once, the other slots
     left to the output programs: at the seed's shape 64 columns (144 walkers), at
-    Qwen3-Next's (32 value heads of 128) 32 columns (128 walkers). The interpreter runs
-    small chunks fastest (the staged form at 32)."""
+    Qwen3-Next's (32 value heads of 128) 32 columns (128 walkers). fp32 inputs multiply
+    on FMA units, register-hungry: 4 warps spilled 156-2232 registers at Qwen3-Next's
+    shape, 8 warps 12 (one program an SM). The interpreter runs small chunks fastest
+    (the staged form at 32)."""
     vp = pow2(shape.value_dim)
     if shape.static_t == 1:
         return Config.make(4 if pow2(shape.key_dim) * min(32, vp) <= 64 * 64 else 8, 1,
@@ -126,12 +133,14 @@ def heuristic(shape: DeltaShape, target: Target) -> Config:
                            STAGED=int(bool(staged)))
     if staged:
         chunk = 32 if any(c["CHUNK"] == 32 for c in staged) else staged[0]["CHUNK"]
+        wide = shape.dtype == torch.float32  # FMA dots: 8 warps, one program an SM
         sequences = shape.sequences if isinstance(shape.sequences, int) else 1
-        slots = 2 * target.multiprocessors  # two 4-warp programs an SM
+        slots = target.multiprocessors * (1 if wide else 2)
         blocks = sorted({c["BV"] for c in staged})
         fit = [b for b in blocks
                if sequences * shape.value_heads * -(-shape.value_dim // b) <= slots]
-        return Config.make(4, 2, CHUNK=chunk, BV=fit[0] if fit else blocks[-1], STAGED=1)
+        return Config.make(8 if wide else 4, 2, CHUNK=chunk, BV=fit[0] if fit else blocks[-1],
+                           STAGED=1)
     longest = max(c["CHUNK"] for c in space)
     return Config.make(4, 2, CHUNK=min(32, longest), BV=min(64, vp), STAGED=0)
 
