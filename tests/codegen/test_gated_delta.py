@@ -4,9 +4,10 @@ Under the `interpret` target on tiny shapes: odd T over several chunks with a ma
 tail, a decode step, initial and final state, packed sequences (one of them a single
 step), value heads = 2 x key heads, bf16 inputs; against a step-by-step recurrence and
 the op's PyTorch form; both forms (one-pass and staged) at forced configs. Compile-only
-for sm_90: at the seed's shape (K = V = 256, 36 heads) every candidate fits shared
-memory; at Qwen3-Next's the staged default does not spill and keeps every walker on
-the chip at once; at the seed's shape, with a crash planted into num_warps 8
+for sm_90 at the seed's shape (K = V = 256, 36 heads): every candidate fits shared
+memory, the staged default spills nothing and keeps every walker on the chip at once
+(at Qwen3-Next's shape its choice of value block does too), and with a crash planted
+into num_warps 8
 (as Triton's compiler once crashed on flash-linear-attention's kernel there) the
 crashing candidate is quarantined and the rest tuned.
 """
@@ -168,30 +169,38 @@ def _seed_spec(dtype=torch.bfloat16, H=36, HV=36, K=256):
     return region, plan, gated_delta.generate(region, plan, SM90)
 
 
-def test_every_seed_shape_candidate_fits_sm90_shared_memory():
+def _programs_per_sm(registers: int, warps: int) -> int:
+    return SM90.registers_per_block // (-(-registers // 8) * 8 * warps * 32)
+
+
+def test_every_seed_shape_candidate_fits_sm90_and_the_staged_default_holds_its_walkers():
+    """Every candidate is estimated to fit shared memory; the default (staged, 64-step
+    chunks, 64 columns: the largest estimate) compiles for sm_90 within it, spills
+    nothing, and two of its programs share an SM, so all 144 walkers (36 heads x 4
+    column blocks) run at once with slots left for the output programs."""
     _, _, spec = _seed_spec()
     warps = {c.num_warps for c in spec.configs}
     assert {8, 16} <= warps
     fit = fitting_configs(spec, SM90)
     assert set(fit.configs) == set(spec.configs)  # estimated to fit, none dropped
-    largest = max(spec.configs, key=lambda c: estimate(spec, c, SM90).shared)
-    real = compile_binary(spec, largest, SM90).resources
-    assert real.shared <= estimate(spec, largest, SM90).shared <= SM90.shared_mem_per_block
-
-
-def test_the_staged_default_keeps_every_walker_on_the_chip_at_qwen3_next_shape():
-    """16 key heads, 32 value heads of 128: the heuristic's staged config compiles for
-    sm_90 without spills, and enough of its programs share an SM that all 128 walkers
-    run at once with slots to spare for the output programs."""
-    _, _, spec = _seed_spec(H=16, HV=32, K=128)
     c = spec.default
-    assert c["STAGED"] == 1 and c["CHUNK"] == 32
+    assert c["STAGED"] == 1 and (c["CHUNK"], c["BV"], c.num_warps) == (64, 64, 4)
+    largest = max(estimate(spec, x, SM90).shared for x in spec.configs)
+    assert estimate(spec, c, SM90).shared == largest
     res = compile_binary(spec, c, SM90).resources
-    assert res.spills == 0 and res.shared <= estimate(spec, c, SM90).shared
-    threads = c.num_warps * 32
-    per_sm = SM90.registers_per_block // (-(-res.registers // 8) * 8 * threads)
-    walkers = 32 * -(-128 // c["BV"])
-    assert walkers < per_sm * SM90.multiprocessors, (res.registers, per_sm, walkers)
+    assert res.shared <= largest <= SM90.shared_mem_per_block
+    assert res.spills == 0
+    walkers = 36 * 256 // c["BV"]
+    assert walkers < _programs_per_sm(res.registers, c.num_warps) * SM90.multiprocessors
+
+
+@pytest.mark.parametrize("dtype,warps,chunk", [(torch.bfloat16, 4, 64), (torch.float32, 8, 32)])
+def test_the_staged_default_fits_every_walker_at_qwen3_next_shape(dtype, warps, chunk):
+    """16 key heads, 32 value heads of 128: the narrowest value block whose 128 walkers
+    all fit at once (two programs an SM on 4 warps; one on 8 for fp32's FMA dots)."""
+    _, _, spec = _seed_spec(dtype, H=16, HV=32, K=128)
+    c = spec.default
+    assert c["STAGED"] == 1 and (c["CHUNK"], c["BV"], c.num_warps) == (chunk, 32, warps)
 
 
 def test_a_crashing_candidate_is_quarantined_and_the_rest_tuned():

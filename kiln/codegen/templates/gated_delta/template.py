@@ -94,14 +94,16 @@ def config_space(shape: DeltaShape) -> list[Config]:
     return [Config.make(w, st, CHUNK=c, BV=bv, STAGED=form)
             for form, cs, bvs in ((1, staged_chunks, staged_blocks), (0, chunks, blocks))
             for c in cs for bv in bvs
-            for w in WARPS for st in STAGES if not _spills_badly(shape, c, w)]
+            for w in WARPS for st in STAGES if form or not _spills_badly(shape, c, w)]
 
 
 def _spills_badly(shape: DeltaShape, chunk: int, warps: int) -> bool:
-    """4 warps at CHUNK 64 with wide keys: on sm_90 (Triton 3.6, K = 256) these spilled
-    over 500 registers, and two of them (BV 16 and 32, one stage) computed wrong
-    outputs or faulted with an illegal address on an H100: a fault in the tuner's
-    in-process timing would take the compile down, so they are never candidates."""
+    """The one-pass form on 4 warps at CHUNK 64 with wide keys: on sm_90 (Triton 3.6,
+    K = 256) these spilled over 500 registers, and two of them (BV 16 and 32, one
+    stage) computed wrong outputs or faulted with an illegal address on an H100: a
+    fault in the tuner's in-process timing would take the compile down, so they are
+    never candidates. (The staged form there, with the preparer that reads its keys
+    twice, takes 254 registers and spills none: it stays.)"""
     return chunk == 64 and warps == 4 and pow2(shape.key_dim) >= 128
 
 
@@ -113,15 +115,16 @@ def heuristic(shape: DeltaShape, target: Target) -> Config:
     ms; 16-step chunks 2.34 ms, 64-step at 8 warps 2.46 ms; one stage 1.6-3x slower).
     Its walk does four products a chunk, the staged form's two, with the outputs off the
     sequential path: the staged form is the choice wherever T may span several chunks.
-    One register allocation serves every role, and on sm_90 the preparer at 64-step
-    chunks takes 202 registers a thread on 8 warps (one program an SM), so the staged
-    form takes 32-step chunks on 4 warps (255 registers: two programs an SM) and the
-    narrowest value blocks whose walkers all fit on the chip at once, the other slots
-    left to the output programs: at the seed's shape 64 columns (144 walkers), at
-    Qwen3-Next's (32 value heads of 128) 32 columns (128 walkers). fp32 inputs multiply
-    on FMA units, register-hungry: 4 warps spilled 156-2232 registers at Qwen3-Next's
-    shape, 8 warps 12 (one program an SM). The interpreter runs small chunks fastest
-    (the staged form at 32)."""
+    One register allocation serves every role: the staged form takes 4 warps, where
+    on sm_90 at the seed's shape the whole kernel at 64-step chunks and 64 columns
+    takes 254 registers and spills none (two programs an SM; 8 warps took 202-206, one
+    program an SM), 64-step chunks (half the stored states of 32), and the narrowest
+    value blocks whose walkers all fit on the chip at once, the other slots left to
+    the output programs: at the seed's shape 64 columns (144 walkers), at Qwen3-Next's
+    (32 value heads of 128) 32 columns (128 walkers). fp32 inputs multiply on FMA
+    units, register-hungry: 32-step chunks, 8 warps (4 spilled 156-2232 registers at
+    Qwen3-Next's shape, 8 spill 12; one program an SM). The interpreter runs small
+    chunks fastest (the staged form at 32)."""
     vp = pow2(shape.value_dim)
     if shape.static_t == 1:
         return Config.make(4 if pow2(shape.key_dim) * min(32, vp) <= 64 * 64 else 8, 1,
@@ -132,8 +135,8 @@ def heuristic(shape: DeltaShape, target: Target) -> Config:
         return Config.make(4, 1, CHUNK=32 if staged else 16, BV=min(64, vp),
                            STAGED=int(bool(staged)))
     if staged:
-        chunk = 32 if any(c["CHUNK"] == 32 for c in staged) else staged[0]["CHUNK"]
         wide = shape.dtype == torch.float32  # FMA dots: 8 warps, one program an SM
+        chunk = max(c["CHUNK"] for c in staged)  # fp32: 32
         sequences = shape.sequences if isinstance(shape.sequences, int) else 1
         slots = target.multiprocessors * (1 if wide else 2)
         blocks = sorted({c["BV"] for c in staged})
