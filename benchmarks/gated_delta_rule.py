@@ -46,7 +46,7 @@ from kiln.ops import gated_delta_rule  # noqa: E402
 SEED = dict(B=1, T=8192, H=36, HV=36, K=256, V=256)
 QWEN3_NEXT = dict(B=1, T=2048, H=16, HV=32, K=128, V=128)
 SMALL = dict(B=1, T=37, H=2, HV=4, K=16, V=16)
-FORMS = {"staged": "64:32:8:2", "one-pass": "32:64:4:2"}  # the default config per form
+ONE_PASS = "32:64:4:2"  # the one-pass form's best at the seed's shape before the staged one
 
 
 class Prefill(torch.nn.Module):
@@ -199,6 +199,11 @@ def forced_form(exe, form, text, args, ref_o, ref_s, target):
     name = f"kiln {form} form"
     if not isinstance(kernel, TritonKernel) or "STAGED" not in kernel.spec.tunables:
         return {"name": name, "ms": float("nan"), "error": "no chunked Triton kernel"}
+    d = kernel.spec.default
+    if text is None:  # kiln's own choice when it is this form, else the seed's
+        text = (f"{d['CHUNK']}:{d['BV']}:{d.num_warps}:{d.num_stages}"
+                if d["STAGED"] == int(form == "staged") else
+                "64:64:4:2" if form == "staged" else ONE_PASS)
     chunk, bv, warps, stages = (int(x) for x in text.split(":"))
     config = Config.make(warps, stages, CHUNK=chunk, BV=bv, STAGED=int(form == "staged"))
     row = {"name": name, "kernel": f"triton [{config}]", "in_space": config in
@@ -336,9 +341,9 @@ def main():
     ap.add_argument("--form", default="both", choices=["auto", "staged", "one-pass", "both"],
                     help="also time these forms of kiln's kernel, forced (auto: kiln's "
                          "choice only)")
-    ap.add_argument("--staged-config", default=FORMS["staged"], help="CHUNK:BV:warps:stages")
-    ap.add_argument("--one-pass-config", default=FORMS["one-pass"],
-                    help="CHUNK:BV:warps:stages")
+    ap.add_argument("--staged-config", help="CHUNK:BV:warps:stages (default: kiln's "
+                    "heuristic's staged config)")
+    ap.add_argument("--one-pass-config", default=ONE_PASS, help="CHUNK:BV:warps:stages")
     ap.add_argument("--T", type=int, help="sequence length (default: the seed's 8192)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--tune", default=None, choices=["none", "fast", "full"])
