@@ -113,12 +113,12 @@ def test_interpreted_bf16_kernel_and_a_static_decode_step():
 
 @pytest.mark.parametrize("staged,chunk", [(0, 16), (1, 32)])
 def test_both_forms_match_the_recurrence_over_value_blocks(staged, chunk):
-    """Either form at a forced config: odd T, two BV blocks (two walkers and flags per
-    head), value heads = 2 x key heads, initial and final state; launched twice, so the
-    counters and flags are zero again after a launch."""
+    """Either form at a forced config: two batch rows, odd T, two BV blocks (two walkers
+    and flags per head), value heads = 2 x key heads, initial and final state; launched
+    twice, so the counters and flags are zero again after a launch."""
     H, HV, K, V = 1, 2, 16, 32
-    q, k, v, g, beta = inputs(1, 45, H, HV, K, V, seed=9)
-    state = torch.randn(1, HV, K, V)
+    q, k, v, g, beta = inputs(2, 45, H, HV, K, V, seed=9)
+    state = torch.randn(2, HV, K, V)
     args = (q, k, v, g, beta, state)
     plan = kiln.compile(Delta(), args, compile_to="dispatch")
     (region,) = [r for r in plan.regions if r.kind == RegionKind.EXTERN]
