@@ -26,7 +26,7 @@ from kiln.codegen.templates.gated_delta import staged
 from kiln.codegen.templates.gated_delta.analysis import DeltaShape, pow2
 from kiln.codegen.templates.gated_delta.body import (
     SCRATCH,
-    _indent,
+    indent,
     prep,
     program,
     state_blocks,
@@ -54,7 +54,7 @@ def chunked_body(em: Emitter, p: SymbolicArgs, s: DeltaShape) -> list[str]:
         "if ticket < n_prep:",
         # the preparers' [CHUNK, CHUNK] masks: made before the branch they held
         # registers in every role
-        *_indent(["causal = rows[:, None] >= rows[None, :]",
+        *indent(["causal = rows[:, None] >= rows[None, :]",
                   "strict = rows[:, None] > rows[None, :]",
                   "eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)",
                   f"hv = (ticket % {hv_n}){wide}",
@@ -64,11 +64,11 @@ def chunked_body(em: Emitter, p: SymbolicArgs, s: DeltaShape) -> list[str]:
                   *program(em, p, s, kp, wide),
                   "c0 = bos + jj * CHUNK",
                   "if c0 < eos:",
-                  *_indent(prep(em, s, kp, vp, tokens)),
+                  *indent(prep(em, s, kp, vp, tokens)),
                   "tl.debug_barrier()  # the CTA's stores land before it is counted",
                   f'tl.atomic_add({COUNTERS} + 1, 1, sem="release")']),
         "elif ticket < n_prep + n_walk:",
-        *_indent([
+        *indent([
             "walker = ticket - n_prep",
             f"vb = walker % {nvb}",
             f"hv = ((walker // {nvb}) % {hv_n}){wide}",
@@ -78,12 +78,12 @@ def chunked_body(em: Emitter, p: SymbolicArgs, s: DeltaShape) -> list[str]:
             "    pass",
             *state_blocks(em, s, kp, final=False),
             "if STAGED:",
-            *_indent(staged.walk_states(em, p, s, kp, vp, tokens)),
+            *indent(staged.walk_states(em, p, s, kp, vp, tokens)),
             "else:",
-            *_indent(walk(em, s, kp, vp, tokens)),
+            *indent(walk(em, s, kp, vp, tokens)),
             *(state_blocks(em, s, kp, final=True) if s.final_state else [])]),
         "else:",
-        *_indent(["if STAGED:", *_indent([
+        *indent(["if STAGED:", *indent([
             "part = ticket - n_prep - n_walk",
             f"vb = part % {nvb}",
             f"hv = ((part // {nvb}) % {hv_n}){wide}",
@@ -92,7 +92,7 @@ def chunked_body(em: Emitter, p: SymbolicArgs, s: DeltaShape) -> list[str]:
             *program(em, p, s, kp, wide),
             "c0 = bos + jj * CHUNK",
             "if c0 < eos:",
-            *_indent(staged.outputs(em, p, s, kp, vp, tokens))])]),
+            *indent(staged.outputs(em, p, s, kp, vp, tokens))])]),
         f'done = tl.atomic_add({COUNTERS} + 2, 1, sem="acq_rel")',
         "if done == n_prep + n_walk + n_out - 1:  # the last program: zero for the next launch",
         f"    tl.store({COUNTERS}, 0)",
