@@ -11,6 +11,13 @@ kiln's first call (compile) is timed with a cold and a warm cache. Decode: one s
 state read and written, the inputs read, the output written, at the device's measured
 copy bandwidth).
 
+Each form of kiln's chunked kernel (template gated_delta: STAGED = 1, the staged form;
+STAGED = 0, the one-pass form) can be timed beside kiln's own choice (`--form both`,
+the default, or `staged` / `one-pass`): the region's kernel is rebuilt at that form's
+config (`--staged-config` / `--one-pass-config`, CHUNK:BV:warps:stages) and launched
+directly. `--shape qwen3next` is Qwen3-Next's layer (16 key heads, 32 value heads,
+K = V = 128, T = 2048; `--qk-dtype float32` as kiln's model feeds q and k).
+
 Usage (GPU): PYTHONPATH=. python benchmarks/gated_delta_rule.py --out $OUT/gdn.json
 Smoke test anywhere: PYTHONPATH=. python benchmarks/gated_delta_rule.py --device cpu --small
 (the interpret target; fla is skipped without CUDA). flash-linear-attention 0.6.0 is
@@ -37,7 +44,9 @@ from kiln.codegen.build.triton_kernel import TritonKernel  # noqa: E402
 from kiln.ops import gated_delta_rule  # noqa: E402
 
 SEED = dict(B=1, T=8192, H=36, HV=36, K=256, V=256)
+QWEN3_NEXT = dict(B=1, T=2048, H=16, HV=32, K=128, V=128)
 SMALL = dict(B=1, T=37, H=2, HV=4, K=16, V=16)
+ONE_PASS = "32:64:4:2"  # the one-pass form's best at the seed's shape before the staged one
 
 
 class Prefill(torch.nn.Module):
@@ -50,14 +59,14 @@ class Decode(torch.nn.Module):
         return gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True)
 
 
-def make_inputs(B, T, H, HV, K, V, dtype, device, seed=0):
+def make_inputs(B, T, H, HV, K, V, dtype, device, seed=0, qk_dtype=None):
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to(device)
 
-    q = F.normalize(randn(B, T, H, K), dim=-1).to(dtype)
-    k = F.normalize(randn(B, T, H, K), dim=-1).to(dtype)
+    q = F.normalize(randn(B, T, H, K), dim=-1).to(qk_dtype or dtype)
+    k = F.normalize(randn(B, T, H, K), dim=-1).to(qk_dtype or dtype)
     v = randn(B, T, HV, V).to(dtype)
     g = F.logsigmoid(randn(B, T, HV))  # fp32, negative
     beta = randn(B, T, HV).sigmoid().to(dtype)
@@ -131,8 +140,8 @@ def load_fla():
     return chunk_gated_delta_rule, fwd_h_runner, ""
 
 
-def prefill(shape, dtype, device, target, options, results):
-    q, k, v, g, beta = make_inputs(**shape, dtype=dtype, device=device)
+def prefill(shape, dtype, device, target, options, results, forms=(), qk_dtype=None):
+    q, k, v, g, beta = make_inputs(**shape, dtype=dtype, device=device, qk_dtype=qk_dtype)
     ref_o, ref_s = gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(),
                                     output_final_state=True)
     args = (q, k, v, g, beta)
@@ -145,6 +154,9 @@ def prefill(shape, dtype, device, target, options, results):
            "compile_cold_s": cold, "compile_warm_s": warm, "notes": notes}
     results["prefill"] = [row]
     save(results)  # kiln's numbers survive an fla that takes the process down
+    for form, text in forms:
+        results["prefill"].append(forced_form(exe, form, text, args, ref_o, ref_s, target))
+        save(results)
     fla, fwd_h, why = load_fla() if device == "cuda" else (None, None, "no CUDA")
     results["fla_note"] = why or None
     if fla is not None:
@@ -163,7 +175,9 @@ def prefill(shape, dtype, device, target, options, results):
                                        "ms": timed_ms(run_fla, device),
                                        "err_o": rel_err(fo, ref_o),
                                        "err_state": rel_err(fs, ref_s)})
-            row["ratio_vs_fla"] = row["ms"] / results["prefill"][-1]["ms"]
+            for r in results["prefill"]:
+                if r["name"].startswith("kiln"):
+                    r["ratio_vs_fla"] = r["ms"] / results["prefill"][-1]["ms"]
         except Exception as e:  # report it beside kiln's numbers rather than lose them
             results["fla_note"] = f"chunk_gated_delta_rule failed: {type(e).__name__}: {e}"
     if fwd_h is not None:
@@ -172,6 +186,52 @@ def prefill(shape, dtype, device, target, options, results):
                                        "ms": timed_ms(fwd_h(q, k, v, g, beta), device)})
         except Exception as e:  # its signature moved between fla versions
             results["fla_note"] = f"fwd_h failed: {type(e).__name__}: {e}"
+
+
+def forced_form(exe, form, text, args, ref_o, ref_s, target):
+    """kiln's kernel for the op's region rebuilt at `form`'s config (CHUNK:BV:warps:stages)
+    and launched directly on the call's tensors: a row like kiln's."""
+    from kiln.codegen.build.compiler import compile_binary
+    from kiln.codegen.build.spec import Config
+    from kiln.target import get_target
+
+    kernel, _, _ = delta_kernel(exe)
+    name = f"kiln {form} form"
+    if not isinstance(kernel, TritonKernel) or "STAGED" not in kernel.spec.tunables:
+        return {"name": name, "ms": float("nan"), "error": "no chunked Triton kernel"}
+    d = kernel.spec.default
+    if text is None:  # kiln's own choice when it is this form, else the seed's
+        text = (f"{d['CHUNK']}:{d['BV']}:{d.num_warps}:{d.num_stages}"
+                if d["STAGED"] == int(form == "staged") else
+                "64:64:4:2" if form == "staged" else ONE_PASS)
+    chunk, bv, warps, stages = (int(x) for x in text.split(":"))
+    config = Config.make(warps, stages, CHUNK=chunk, BV=bv, STAGED=int(form == "staged"))
+    row = {"name": name, "kernel": f"triton [{config}]", "in_space": config in
+           kernel.spec.configs}
+    try:
+        if target == "interpret":
+            forced = TritonKernel(kernel.region, kernel.spec, config, interpret=True)
+        else:
+            t0 = time.perf_counter()
+            binary = compile_binary(kernel.spec, config, get_target(target))
+            row["compile_s"] = time.perf_counter() - t0
+            row["registers"], row["spills"] = binary.resources.registers, binary.resources.spills
+            row["shared"] = binary.resources.shared
+            forced = TritonKernel(kernel.region, kernel.spec, config, binary)
+        plan, region = exe.plan, kernel.region
+        given = dict(zip(plan.user_inputs, args))
+        inputs = {v: given[v] for v in region.inputs}
+        outs = {o: torch.empty(tuple(int(d) for d in plan.values[o].shape),
+                               dtype=plan.values[o].dtype, device=args[0].device)
+                for o in region.outputs}
+        forced.run(inputs, outs, {})
+        o, s = sorted(outs.values(), key=lambda t: t.shape != ref_o.shape)
+        device = "cuda" if target != "interpret" else "cpu"
+        row.update(ms=timed_ms(lambda: forced.run(inputs, outs, {}), device),
+                   err_o=rel_err(o, ref_o), err_state=rel_err(s, ref_s))
+    except Exception as e:  # a form that fails is reported beside the others
+        row.update(ms=float("nan"), error=f"{type(e).__name__}: {e}")
+    return row
 
 
 def decode(shape, dtype, device, target, options, results):
@@ -241,6 +301,13 @@ def table(results) -> str:
         if "compile_cold_s" in r:
             extra.append(f"compile cold {r['compile_cold_s']:.1f}s warm "
                          f"{r['compile_warm_s']:.1f}s; {r['kernel']}")
+        elif "kernel" in r:
+            extra.append(r["kernel"])
+        if r.get("registers") is not None:
+            extra.append(f"{r['registers']} registers, {r['spills']} spilled, "
+                         f"{r['shared']} B shared")
+        if "error" in r:
+            extra.append(r["error"])
         lines.append(f"{r['name']:42s} {r['ms']:9.3f} {r.get('err_o', float('nan')):9.2e} "
                      f"{r.get('err_state', float('nan')):9.2e}  {'; '.join(extra)}")
     if results.get("fla_note"):
@@ -268,12 +335,21 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     choices=["cuda", "cpu"])
     ap.add_argument("--small", action="store_true", help="a tiny shape (smoke test)")
+    ap.add_argument("--shape", default="seed", choices=["seed", "qwen3next"])
+    ap.add_argument("--qk-dtype", choices=["bfloat16", "float16", "float32"],
+                    help="q and k's dtype (default --dtype; kiln's Qwen3-Next feeds float32)")
+    ap.add_argument("--form", default="both", choices=["auto", "staged", "one-pass", "both"],
+                    help="also time these forms of kiln's kernel, forced (auto: kiln's "
+                         "choice only)")
+    ap.add_argument("--staged-config", help="CHUNK:BV:warps:stages (default: kiln's "
+                    "heuristic's staged config)")
+    ap.add_argument("--one-pass-config", default=ONE_PASS, help="CHUNK:BV:warps:stages")
     ap.add_argument("--T", type=int, help="sequence length (default: the seed's 8192)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--tune", default=None, choices=["none", "fast", "full"])
     ap.add_argument("--skip-decode", action="store_true")
     a = ap.parse_args()
-    shape = dict(SMALL if a.small else SEED)
+    shape = dict(SMALL if a.small else QWEN3_NEXT if a.shape == "qwen3next" else SEED)
     if a.T:
         shape["T"] = a.T
     dtype = getattr(torch, a.dtype)
@@ -290,7 +366,14 @@ def main():
         pass
     if a.out:
         _OUT.append(a.out)
-    prefill(shape, dtype, a.device, target, options, results)
+    forms = {"both": ["staged", "one-pass"], "auto": []}.get(a.form, [a.form])
+    configs = {"staged": a.staged_config, "one-pass": a.one_pass_config}
+    if a.small:  # the tiny shape's chunks
+        configs = {"staged": "32:16:4:1", "one-pass": "16:16:4:1"}
+    qk = getattr(torch, a.qk_dtype) if a.qk_dtype else None
+    results["qk_dtype"] = a.qk_dtype or a.dtype
+    prefill(shape, dtype, a.device, target, options, results,
+            [(f, configs[f]) for f in forms], qk)
     save(results)
     if not a.skip_decode:
         decode(shape, dtype, a.device, target, options, results)

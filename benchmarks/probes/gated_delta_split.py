@@ -1,6 +1,7 @@
 """Where the gated delta rule kernel's time goes (issue 14): the whole kernel, its
 preparers alone (walkers skip their chunk loop) and its walkers alone (preparers skip
 their chunk), per config, with registers and spills, at the seed's shape on a GPU.
+The one-pass form (STAGED = 0); for the staged form's roles see gated_delta_resources.py.
 
 Usage: PYTHONPATH=. python benchmarks/probes/gated_delta_split.py [--T 8192]
 """
@@ -58,7 +59,7 @@ def main():
     print(f"T={T} H={H} K=V={K}  bf16")
     for text in a.configs.split(","):
         c, bv, w, st = (int(x) for x in text.split(":"))
-        cfg = Config.make(w, st, CHUNK=c, BV=bv)
+        cfg = Config.make(w, st, CHUNK=c, BV=bv, STAGED=0)  # the one-pass form
         row = [f"[{cfg}]"]
         for name, edit in VARIANTS.items():
             fn = load_kernel(edit(spec.source), spec.name)

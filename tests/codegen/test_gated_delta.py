@@ -3,8 +3,11 @@
 Under the `interpret` target on tiny shapes: odd T over several chunks with a masked
 tail, a decode step, initial and final state, packed sequences (one of them a single
 step), value heads = 2 x key heads, bf16 inputs; against a step-by-step recurrence and
-the op's PyTorch form. Compile-only for sm_90 at the seed's shape (K = V = 256, 36
-heads): every candidate fits shared memory, and with a crash planted into num_warps 8
+the op's PyTorch form; both forms (one-pass and staged) at forced configs. Compile-only
+for sm_90 at the seed's shape (K = V = 256, 36 heads): every candidate fits shared
+memory, the staged default spills nothing and keeps every walker on the chip at once
+(at Qwen3-Next's shape its choice of value block does too), and with a crash planted
+into num_warps 8
 (as Triton's compiler once crashed on flash-linear-attention's kernel there) the
 crashing candidate is quarantined and the rest tuned.
 """
@@ -60,7 +63,7 @@ def test_interpreted_kernel_matches_the_recurrence_for_odd_t_and_a_decode_step()
                        dynamic_shapes=({1: T}, {1: T}, {1: T}, {1: T}, {1: T}, None),
                        target="interpret")
     kernel = _kernel(exe)
-    assert isinstance(kernel, TritonKernel) and kernel.config["CHUNK"] == 16
+    assert isinstance(kernel, TritonKernel) and kernel.config["STAGED"] == 1
     for t in (37, 1):  # three chunks, the last 5 steps long; one step (decode)
         q, k, v, g, beta = inputs(1, t, H, HV, K, V, seed=t)
         state = torch.randn(1, HV, K, V)
@@ -90,10 +93,12 @@ def test_interpreted_kernel_runs_packed_sequences_from_their_own_states():
 
 def test_interpreted_bf16_kernel_and_a_static_decode_step():
     H, HV, K, V = 2, 2, 16, 32
-    q, k, v, g, beta = inputs(1, 23, H, HV, K, V, seed=5)
+    q, k, v, g, beta = inputs(1, 41, H, HV, K, V, seed=5)
     state = torch.randn(1, HV, K, V)
     half = (q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16(), state)
-    o, final = kiln.compile(Delta(), half, target="interpret")(*half)
+    exe = kiln.compile(Delta(), half, target="interpret")
+    assert _kernel(exe).config["STAGED"] == 1  # its states and values stored in bf16
+    o, final = exe(*half)
     ref_o, ref_s = reference(q, k, v, g, beta, K ** -0.5, state)
     assert o.dtype == torch.bfloat16 and final.dtype == torch.float32
     assert rel_err(o, ref_o) <= 1e-2 and rel_err(final, ref_s) <= 1e-2
@@ -104,6 +109,31 @@ def test_interpreted_bf16_kernel_and_a_static_decode_step():
     o, final = exe(*one)
     ref_o, ref_s = reference(*one[:5], K ** -0.5, state)
     assert rel_err(o, ref_o) <= 1e-5 and rel_err(final, ref_s) <= 1e-5
+
+
+@pytest.mark.parametrize("staged,chunk", [(0, 16), (1, 32)])
+def test_both_forms_match_the_recurrence_over_value_blocks(staged, chunk):
+    """Either form at a forced config: two batch rows, odd T, two BV blocks (two walkers
+    and flags per head), value heads = 2 x key heads, initial and final state; launched
+    twice, so the counters and flags are zero again after a launch."""
+    H, HV, K, V = 1, 2, 16, 32
+    q, k, v, g, beta = inputs(2, 45, H, HV, K, V, seed=9)
+    state = torch.randn(2, HV, K, V)
+    args = (q, k, v, g, beta, state)
+    plan = kiln.compile(Delta(), args, compile_to="dispatch")
+    (region,) = [r for r in plan.regions if r.kind == RegionKind.EXTERN]
+    spec = gated_delta.generate(region, plan, get_target("interpret"))
+    config = Config.make(4, 1, CHUNK=chunk, BV=16, STAGED=staged)
+    assert config in spec.configs
+    kernel = TritonKernel(region, spec, config, interpret=True)
+    named = dict(zip(region.inputs, args))
+    ref_o, ref_s = reference(q, k, v, g, beta, K ** -0.5, state)
+    for _ in range(2):
+        outs = {o: torch.full(tuple(plan.values[o].shape), float("nan"),
+                              dtype=plan.values[o].dtype) for o in region.outputs}
+        kernel.run(named, outs, {})
+        o, final = sorted(outs.values(), key=lambda t: t.shape != ref_o.shape)
+        assert rel_err(o, ref_o) <= 1e-5 and rel_err(final, ref_s) <= 1e-5
 
 
 def test_the_cpu_target_and_other_extern_ops_still_run_as_torch_ops():
@@ -121,11 +151,12 @@ def test_the_cpu_target_and_other_extern_ops_still_run_as_torch_ops():
     assert any("kiln generates no kernel" in n for n in region.notes)
 
 
-def _seed_spec(dtype=torch.bfloat16):
+def _seed_spec(dtype=torch.bfloat16, H=36, HV=36, K=256):
     """The kernel at the seed's shape: q, k, v [1, T, 36, 256], fp32 g, dynamic T."""
-    T, H, K = 128, 36, 256
-    q, k, v = (torch.randn(1, T, H, K, dtype=dtype) for _ in range(3))
-    g, beta = -torch.rand(1, T, H), torch.rand(1, T, H, dtype=dtype)
+    T = 128
+    q, k = (torch.randn(1, T, H, K, dtype=dtype) for _ in range(2))
+    v = torch.randn(1, T, HV, K, dtype=dtype)
+    g, beta = -torch.rand(1, T, HV), torch.rand(1, T, HV, dtype=dtype)
 
     class Op(torch.nn.Module):
         def forward(self, q, k, v, g, beta):
@@ -138,15 +169,38 @@ def _seed_spec(dtype=torch.bfloat16):
     return region, plan, gated_delta.generate(region, plan, SM90)
 
 
-def test_every_seed_shape_candidate_fits_sm90_shared_memory():
+def _programs_per_sm(registers: int, warps: int) -> int:
+    return SM90.registers_per_block // (-(-registers // 8) * 8 * warps * 32)
+
+
+def test_every_seed_shape_candidate_fits_sm90_and_the_staged_default_holds_its_walkers():
+    """Every candidate is estimated to fit shared memory; the default (staged, 64-step
+    chunks, 64 columns: the largest estimate) compiles for sm_90 within it, spills
+    nothing, and two of its programs share an SM, so all 144 walkers (36 heads x 4
+    column blocks) run at once with slots left for the output programs."""
     _, _, spec = _seed_spec()
     warps = {c.num_warps for c in spec.configs}
     assert {8, 16} <= warps
     fit = fitting_configs(spec, SM90)
     assert set(fit.configs) == set(spec.configs)  # estimated to fit, none dropped
-    largest = max(spec.configs, key=lambda c: estimate(spec, c, SM90).shared)
-    real = compile_binary(spec, largest, SM90).resources
-    assert real.shared <= estimate(spec, largest, SM90).shared <= SM90.shared_mem_per_block
+    c = spec.default
+    assert c["STAGED"] == 1 and (c["CHUNK"], c["BV"], c.num_warps) == (64, 64, 4)
+    largest = max(estimate(spec, x, SM90).shared for x in spec.configs)
+    assert estimate(spec, c, SM90).shared == largest
+    res = compile_binary(spec, c, SM90).resources
+    assert res.shared <= largest <= SM90.shared_mem_per_block
+    assert res.spills == 0
+    walkers = 36 * 256 // c["BV"]
+    assert walkers < _programs_per_sm(res.registers, c.num_warps) * SM90.multiprocessors
+
+
+@pytest.mark.parametrize("dtype,warps,chunk", [(torch.bfloat16, 4, 64), (torch.float32, 8, 32)])
+def test_the_staged_default_fits_every_walker_at_qwen3_next_shape(dtype, warps, chunk):
+    """16 key heads, 32 value heads of 128: the narrowest value block whose 128 walkers
+    all fit at once (two programs an SM on 4 warps; one on 8 for fp32's FMA dots)."""
+    _, _, spec = _seed_spec(dtype, H=16, HV=32, K=128)
+    c = spec.default
+    assert c["STAGED"] == 1 and (c["CHUNK"], c["BV"], c.num_warps) == (chunk, 32, warps)
 
 
 def test_a_crashing_candidate_is_quarantined_and_the_rest_tuned():
@@ -167,9 +221,14 @@ def test_a_crashing_candidate_is_quarantined_and_the_rest_tuned():
 
 @pytest.mark.parametrize("dtype,chunks", [(torch.float16, {16, 32, 64}),
                                           (torch.float32, {16, 32})])
-def test_configs_cover_chunks_value_blocks_and_warps(dtype, chunks):
-    """fp32 dots run on FMA units: 64-step chunks are left out (slow to compile, spill)."""
+def test_configs_cover_both_forms_chunks_value_blocks_and_warps(dtype, chunks):
+    """fp32 dots run on FMA units: 64-step chunks are left out (slow to compile, spill).
+    The staged form stores a state per chunk: no 16-step chunks."""
     _, _, spec = _seed_spec(dtype)
-    assert {c["CHUNK"] for c in spec.configs} == chunks
-    assert {c["BV"] for c in spec.configs} == {16, 32, 64}
-    assert {c.num_warps for c in spec.configs} == {4, 8, 16}
+    for form, want in ((0, chunks), (1, chunks - {16})):
+        configs = [c for c in spec.configs if c["STAGED"] == form]
+        assert {c["CHUNK"] for c in configs} == want
+        assert {c["BV"] for c in configs} == {16, 32, 64}
+        assert {c.num_warps for c in configs} == {4, 8, 16}
+    assert spec.default["STAGED"] == 1 and spec.default.num_warps == (
+        8 if dtype == torch.float32 else 4)

@@ -140,11 +140,14 @@ def _gated_delta(spec: KernelSpec, c: Config, target: Target, threads: int):
     bounded the compiled figures of the first (whole-key-tile) form of the kernel on
     sm_90 at K = 256 (bf16 81,920-106,496 B at CHUNK 64, 16,384-33,280 B at CHUNK 16),
     and tests/codegen/test_gated_delta.py checks it against the largest candidate of
-    the current one compiled for sm_90."""
+    the current one compiled for sm_90 (the staged form's roles stay well inside it:
+    32,768 B at CHUNK 64, BV 64, K = 256)."""
     meta = spec.meta
     e = _BYTES.get(meta.get("dtype"), 4)
     kp, chunk, bv = meta.get("key_dim_pad", 256), c["CHUNK"], c["BV"]
     shared = 2 * chunk * kp * e + chunk * chunk * 4 + kp * bv * e
+    if c.num_stages > 1:  # the one-pass walk's second stage at Qwen3-Next's K = 128 went
+        shared += chunk * kp * e  # past the sum (39,168 B bf16, 78,080 B fp32 at CHUNK 32)
     state = kp * bv / threads  # fp32 state block in registers
     tiles = 2 * chunk * kp * e / 4 / threads + 4 * chunk * chunk / threads
     return shared, _BASE_REGISTERS + state + tiles

@@ -1,4 +1,4 @@
-"""The gated delta rule kernel's body, as Triton source lines (template.py says what runs).
+"""The gated delta rule kernel's pieces, as Triton source lines (template.py says what runs).
 
 Kernel variables the emitter indexes with (so operands are read through their views):
 `bb` batch row, `hk` / `hv` key / value head, `nn` sequence (scalars); in a chunk `tt`
@@ -9,7 +9,8 @@ column; in a decode step `ts` time (scalar), `kk` [KP], `vv` [BV]; the state blo
 Scratch (chunked kernel): `gd_ctr` three int32 counters (tickets taken, prepared
 chunks, programs done; zero between launches), and per (token, value head) row the
 prepared chunk: `gd_w` W [KP], `gd_u` U0 [VP], `gd_a` the causal q.k decay scores
-[CHUNK] (all in q's dtype) and `gd_g` the chunk-local cumulative gate (fp32).
+[CHUNK] (all in q's dtype) and `gd_g` the chunk-local cumulative gate (fp32); the
+staged form adds its own (staged.py). launch.py puts the roles into one launch.
 """
 
 from __future__ import annotations
@@ -23,17 +24,17 @@ from kiln.codegen.expr.values import Cond, mask_of
 from kiln.codegen.templates.gated_delta.analysis import DeltaShape, pow2
 from kiln.codegen.templates.matmul.template import dot_operand
 
-_TL = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32"}
+TL = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32"}
 SCRATCH = ("gd_ctr", "gd_w", "gd_u", "gd_a", "gd_g")
 _DOUBLINGS = (2, 4, 8, 16, 32)  # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: CHUNK <= 64
 KB = 64  # key / value columns per block in the chunked kernel
 
 
-def _v(name: str, size, block: bool = True) -> Lin:
+def lin(name: str, size, block: bool = True) -> Lin:
     return Lin.of(Var(name, size, block))
 
 
-def _indent(lines: list[str], n: int = 1) -> list[str]:
+def indent(lines: list[str], n: int = 1) -> list[str]:
     return ["    " * n + x for x in lines]
 
 
@@ -44,71 +45,13 @@ def decode_body(em: Emitter, p: SymbolicArgs, s: DeltaShape) -> list[str]:
     wide = ".to(tl.int64)" if p.needs_int64 else ""
     L = ["vb = tl.program_id(0)", f"hv = tl.program_id(1){wide}",
          f"nn = tl.program_id(2){wide}"]
-    L += _program(em, p, s, kp, wide)
+    L += program(em, p, s, kp, wide)
     L += _initial_state(em, s, kp)
     L += _decode(em, s, kp)
     return L + _final_state(em, s)
 
 
-def chunked_body(em: Emitter, p: SymbolicArgs, s: DeltaShape) -> list[str]:
-    """Two roles in one launch (a 1-d grid of `n_prep + n_recur` programs).
-
-    Each program takes a ticket. The first n_prep tickets prepare one (sequence, chunk,
-    value head) each, in parallel: the gate's cumulative sum, A and (I + A)^-1 by
-    doubling (a few [CHUNK, CHUNK] products, no sequential substitution), W, U0 and the
-    causal scores, stored to scratch. The other tickets walk one (sequence, value head,
-    BV columns) through its chunks with the state block in registers, once every chunk
-    is prepared: three products per chunk on the critical path. A ticket is taken when
-    its program runs, so every program a walker waits for is already running: no
-    deadlock, whatever order the GPU schedules programs in. The last program to finish
-    zeroes the counters for the next launch.
-    """
-    kp, vp = pow2(s.key_dim), pow2(s.value_dim)
-    wide = ".to(tl.int64)" if p.needs_int64 else ""
-    tokens = "tc" if s.cu_seqlens is not None else f"bb * {p.dim(s.seq)} + tc"
-    nj = f"tl.cdiv({p.dim(s.seq)}, CHUNK)"
-    n_prep = f"({s.value_heads} * {p.dim(s.sequences)} * {nj})"
-    n_recur = f"({s.value_heads} * {p.dim(s.sequences)} * tl.cdiv({s.value_dim}, BV))"
-    L = [
-        "ticket = tl.atomic_add(gd_ctr, 1)",
-        f"n_prep = {n_prep}",
-        "rows = tl.arange(0, CHUNK)",
-        "causal = rows[:, None] >= rows[None, :]",
-        "strict = rows[:, None] > rows[None, :]",
-        "eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)",
-        "if ticket < n_prep:",
-        *_indent([f"hv = (ticket % {s.value_heads}){wide}",
-                  f"jj = (ticket // {s.value_heads}) % {nj}",
-                  f"nn = (ticket // {s.value_heads} // {nj}){wide}",
-                  "vb = 0",
-                  *_program(em, p, s, kp, wide),
-                  "c0 = bos + jj * CHUNK",
-                  "if c0 < eos:",
-                  *_indent(_prep(em, s, kp, vp, tokens)),
-                  "tl.debug_barrier()  # the CTA's stores land before it is counted",
-                  'tl.atomic_add(gd_ctr + 1, 1, sem="release")']),
-        "else:",
-        *_indent([
-            "walker = ticket - n_prep",
-            f"vb = walker % tl.cdiv({s.value_dim}, BV)",
-            f"hv = ((walker // tl.cdiv({s.value_dim}, BV)) % {s.value_heads}){wide}",
-            f"nn = (walker // tl.cdiv({s.value_dim}, BV) // {s.value_heads}){wide}",
-            *_program(em, p, s, kp, wide),
-            'while tl.atomic_add(gd_ctr + 1, 0, sem="acquire") < n_prep:',
-            "    pass",
-            *_state_blocks(em, s, kp, final=False),
-            *_walk(em, s, kp, vp, tokens),
-            *(_state_blocks(em, s, kp, final=True) if s.final_state else [])]),
-        'done = tl.atomic_add(gd_ctr + 2, 1, sem="acq_rel")',
-        f"if done == n_prep + {n_recur} - 1:  # the last program: zero for the next launch",
-        "    tl.store(gd_ctr, 0)",
-        "    tl.store(gd_ctr + 1, 0)",
-        "    tl.store(gd_ctr + 2, 0)",
-    ]
-    return L
-
-
-def _program(em: Emitter, p: SymbolicArgs, s: DeltaShape, kp: int, wide: str) -> list[str]:
+def program(em: Emitter, p: SymbolicArgs, s: DeltaShape, kp: int, wide: str) -> list[str]:
     """Lines naming the program's head, columns and sequence bounds (hv, nn, vb set)."""
     L = [
         f"hk = hv // {s.group}",
@@ -120,7 +63,7 @@ def _program(em: Emitter, p: SymbolicArgs, s: DeltaShape, kp: int, wide: str) ->
         f"s_ok = (kr < {s.key_dim}) & (ev < {s.value_dim})",
     ]
     if s.cu_seqlens is not None:
-        n = _v("nn", s.sequences, False)
+        n = lin("nn", s.sequences, False)
         L += _scalar(em, "bos", s.cu_seqlens, (n,), wide)
         L += _scalar(em, "eos", s.cu_seqlens, (n + 1,), wide)
         L.append("bb = 0")
@@ -130,8 +73,8 @@ def _program(em: Emitter, p: SymbolicArgs, s: DeltaShape, kp: int, wide: str) ->
 
 
 def _state_at(s: DeltaShape):
-    return (_v("nn", s.sequences, False), _v("hv", s.value_heads, False),
-            _v("kr", s.key_dim), _v("ev", s.value_dim))
+    return (lin("nn", s.sequences, False), lin("hv", s.value_heads, False),
+            lin("kr", s.key_dim), lin("ev", s.value_dim))
 
 
 def _initial_state(em: Emitter, s: DeltaShape, kp: int) -> list[str]:
@@ -159,7 +102,7 @@ def _scalar(em: Emitter, name: str, value: str, index, wide: str) -> list[str]:
     return lines + [f"{name} = {v.code}.to({'tl.int64' if wide else 'tl.int32'})"]
 
 
-def _load(em: Emitter, which: str, index, mask, target: str, tile: str, ok: str,
+def load_tile(em: Emitter, which: str, index, mask, target: str, tile: str, ok: str,
           dtype: str = "tl.float32") -> list[str]:
     """`target = ` operand `which` at `index` as a full `tile` of `dtype`, zero where not
     `ok` (lanes a fused prologue computed from masked loads)."""
@@ -169,24 +112,24 @@ def _load(em: Emitter, which: str, index, mask, target: str, tile: str, ok: str,
                     f"{v.code}.to({dtype}), 0.0).to({dtype})"]
 
 
-def _heads(s: DeltaShape):
-    return _v("bb", s.batch, False), _v("hk", s.heads, False), _v("hv", s.value_heads, False)
+def head_vars(s: DeltaShape):
+    return lin("bb", s.batch, False), lin("hk", s.heads, False), lin("hv", s.value_heads, False)
 
 
 def _decode(em: Emitter, s: DeltaShape, kp: int) -> list[str]:
     """One step straight from the recurrence; the state block stays in registers."""
-    ts = _v("ts", s.seq, False)
-    b, hk, hv = _heads(s)
+    ts = lin("ts", s.seq, False)
+    b, hk, hv = head_vars(s)
     kc = Cond(f"kk < {s.key_dim}", frozenset({"kk"}))
     vc = Cond(f"vv < {s.value_dim}", frozenset({"vv"}))
-    keys, values = _v("kk", s.key_dim), _v("vv", s.value_dim)
-    dt = _TL[s.dtype]
+    keys, values = lin("kk", s.key_dim), lin("vv", s.value_dim)
+    dt = TL[s.dtype]
     L = ["ts = bos"]
-    L += _load(em, s.q, (b, ts, hk, keys), mask_of(kc), "q", f"[{kp}]", kc.code, dt)
-    L += _load(em, s.k, (b, ts, hk, keys), mask_of(kc), "k", f"[{kp}]", kc.code, dt)
-    L += _load(em, s.v, (b, ts, hv, values), mask_of(vc), "v", "[BV]", vc.code)
-    L += _load(em, s.g, (b, ts, hv), None, "g", "[]", "True")
-    L += _load(em, s.beta, (b, ts, hv), None, "beta", "[]", "True")
+    L += load_tile(em, s.q, (b, ts, hk, keys), mask_of(kc), "q", f"[{kp}]", kc.code, dt)
+    L += load_tile(em, s.k, (b, ts, hk, keys), mask_of(kc), "k", f"[{kp}]", kc.code, dt)
+    L += load_tile(em, s.v, (b, ts, hv, values), mask_of(vc), "v", "[BV]", vc.code)
+    L += load_tile(em, s.g, (b, ts, hv), None, "g", "[]", "True")
+    L += load_tile(em, s.beta, (b, ts, hv), None, "beta", "[]", "True")
     L += [
         f"q = q.to(tl.float32) * {s.scale!r}",
         "k = k.to(tl.float32)",
@@ -203,9 +146,9 @@ def _decode(em: Emitter, s: DeltaShape, kp: int) -> list[str]:
     return L
 
 
-def _dots(em: Emitter, s: DeltaShape):
+def dots(em: Emitter, s: DeltaShape):
     """(dot in q's dtype with fp32 accumulation, dot of fp32 operands)."""
-    dt = _TL[s.dtype]
+    dt = TL[s.dtype]
     ieee = s.dtype == torch.float32
     prec = ', input_precision="ieee"' if ieee else ""
 
@@ -219,84 +162,90 @@ def _dots(em: Emitter, s: DeltaShape):
     return dot, fdot
 
 
-def _chunk_rows(s: DeltaShape, tokens: str) -> list[str]:
+def chunk_rows(s: DeltaShape, tokens: str) -> list[str]:
     """Lines naming a chunk's steps from c0: tc, tt, their masks, and the scratch row of
     each step (its token's row for this value head)."""
     return ["tc = c0 + rows", "tt = tc[:, None]", "tc_ok = tc < eos", "t_ok = tt < eos",
             f"row = ({tokens}).to(tl.int64) * {s.value_heads} + hv", "rr = row[:, None]"]
 
 
-def _blocks(n: int) -> list[int]:
+def blocks_of(n: int) -> list[int]:
     """Block starts splitting a padded width `n` into KB-wide blocks."""
     return list(range(0, n, min(KB, n)))
 
 
-def _prep(em: Emitter, s: DeltaShape, kp: int, vp: int, tokens: str) -> list[str]:
+def prep(em: Emitter, s: DeltaShape, kp: int, vp: int, tokens: str) -> list[str]:
     """One chunk's preparation (no state needed), stored to scratch. Keys and values
-    are taken KB columns at a time: whole [CHUNK, 256] tiles spilled registers."""
-    dot, fdot = _dots(em, s)
-    dt = _TL[s.dtype]
-    b, hk, hv = _heads(s)
-    tt, tc = _v("tt", s.seq), _v("tc", s.seq)
+    are taken KB columns at a time: whole [CHUNK, 256] tiles spilled registers; the
+    keys are read twice (for the products, then for W) rather than held over the solve,
+    which took all 255 registers at CHUNK 64 on 8 warps (sm_90, K = 256)."""
+    dot, fdot = dots(em, s)
+    dt = TL[s.dtype]
+    b, hk, hv = head_vars(s)
+    tt, tc = lin("tt", s.seq), lin("tc", s.seq)
     tcond, tvc = Cond("t_ok", frozenset({"tt"})), Cond("tc_ok", frozenset({"tc"}))
-    L = [*_chunk_rows(s, tokens)]
-    L += _load(em, s.g, (b, tc, hv), mask_of(tvc), "g", "[CHUNK]", "tc_ok")
-    L += _load(em, s.beta, (b, tc, hv), mask_of(tvc), "beta", "[CHUNK]", "tc_ok")
+    L = [*chunk_rows(s, tokens)]
+    L += load_tile(em, s.g, (b, tc, hv), mask_of(tvc), "g", "[CHUNK]", "tc_ok")
+    L += load_tile(em, s.beta, (b, tc, hv), mask_of(tvc), "beta", "[CHUNK]", "tc_ok")
     L += ["G = tl.cumsum(g, 0)  # log decay from the chunk's start (the tail adds g = 0)",
           'decay = tl.exp(tl.where(causal, G[:, None] - G[None, :], float("-inf")))',
           "eG = tl.exp(G)"]
     kw = min(KB, kp)
-    for i, k0 in enumerate(_blocks(kp)):
+    for i, k0 in enumerate(blocks_of(kp)):
         e = f"ek{i}"
         kc = Cond(f"{e} < {s.key_dim}", frozenset({e}))
         ok = f"t_ok & ({e} < {s.key_dim})"
         L.append(f"{e} = {k0} + tl.arange(0, {kw})[None, :]")
-        L += _load(em, s.q, (b, tt, hk, _v(e, s.key_dim)), mask_of(tcond, kc), f"q{i}",
+        L += load_tile(em, s.q, (b, tt, hk, lin(e, s.key_dim)), mask_of(tcond, kc), f"q{i}",
                    f"[CHUNK, {kw}]", ok, dt)
-        L += _load(em, s.k, (b, tt, hk, _v(e, s.key_dim)), mask_of(tcond, kc), f"k{i}",
+        L += load_tile(em, s.k, (b, tt, hk, lin(e, s.key_dim)), mask_of(tcond, kc), f"k{i}",
                    f"[CHUNK, {kw}]", ok, dt)
         first = i == 0
         L += [f"kkt = {'' if first else 'kkt + '}{dot(f'k{i}', f'tl.trans(k{i})')}",
               f"qkt = {'' if first else 'qkt + '}{dot(f'q{i}', f'tl.trans(k{i})')}"]
-    L += [
+    L += [  # the scores are stored first: q.k and the decay are dead before the solve
+        f"Aqk = tl.where(causal, qkt * decay, 0.0) * {s.scale!r}",
+        f"tl.store(gd_a + rr * CHUNK + rows[None, :], Aqk.to({dt}), mask=t_ok)",
+        "tl.store(gd_g + row, G, mask=tc_ok)",
         "N = -tl.where(strict, beta[:, None] * kkt * decay, 0.0)",
         "Ti = eye + N  # (I - N)^-1 = (I + N)(I + N^2)(I + N^4)...: N^CHUNK = 0",
         "P = N",
     ]
     for d in _DOUBLINGS:
         L += [f"if CHUNK > {d}:", f"    P = {fdot('P', 'P')}", f"    Ti = Ti + {fdot('Ti', 'P')}"]
-    L += [f"Ti = Ti.to({dt})",
-          f"Aqk = tl.where(causal, qkt * decay, 0.0) * {s.scale!r}",
-          f"tl.store(gd_a + rr * CHUNK + rows[None, :], Aqk.to({dt}), mask=t_ok)",
-          "tl.store(gd_g + row, G, mask=tc_ok)"]
-    for i, _ in enumerate(_blocks(kp)):
-        L += [f"W = {dot('Ti', f'k{i}.to(tl.float32) * (beta * eG)[:, None]')}",
-              f"tl.store(gd_w + rr * {kp} + ek{i}, W.to({dt}), mask=t_ok)"]
+    L.append(f"Ti = Ti.to({dt})")
+    for i in range(len(blocks_of(kp))):  # keys read again (L2), not held over the solve
+        e = f"ek{i}"
+        kc = Cond(f"{e} < {s.key_dim}", frozenset({e}))
+        L += load_tile(em, s.k, (b, tt, hk, lin(e, s.key_dim)), mask_of(tcond, kc), "kb",
+                   f"[CHUNK, {kw}]", f"t_ok & ({e} < {s.key_dim})", dt)
+        L += [f"W = {dot('Ti', 'kb.to(tl.float32) * (beta * eG)[:, None]')}",
+              f"tl.store(gd_w + rr * {kp} + {e}, W.to({dt}), mask=t_ok)"]
     vw = min(KB, vp)
-    for i, v0 in enumerate(_blocks(vp)):
+    for i, v0 in enumerate(blocks_of(vp)):
         e = f"ew{i}"
         vc = Cond(f"{e} < {s.value_dim}", frozenset({e}))
         L.append(f"{e} = {v0} + tl.arange(0, {vw})[None, :]")
-        L += _load(em, s.v, (b, tt, hv, _v(e, s.value_dim)), mask_of(tcond, vc), "v",
+        L += load_tile(em, s.v, (b, tt, hv, lin(e, s.value_dim)), mask_of(tcond, vc), "v",
                    f"[CHUNK, {vw}]", f"t_ok & ({e} < {s.value_dim})")
         L += [f"U = {dot('Ti', 'v * beta[:, None]')}",
               f"tl.store(gd_u + rr * {vp} + {e}, U.to({dt}), mask=t_ok)"]
     return L
 
 
-def _walk(em: Emitter, s: DeltaShape, kp: int, vp: int, tokens: str) -> list[str]:
+def walk(em: Emitter, s: DeltaShape, kp: int, vp: int, tokens: str) -> list[str]:
     """The chunk loop of a walker: per chunk U = U0 - W S, the outputs, the state. The
     state is held as KB-row blocks S0, S1, ... (as the keys are read)."""
-    dot, _ = _dots(em, s)
-    dt = _TL[s.dtype]
-    b, hk, hv = _heads(s)
-    tt = _v("tt", s.seq)
+    dot, _ = dots(em, s)
+    dt = TL[s.dtype]
+    b, hk, hv = head_vars(s)
+    tt = lin("tt", s.seq)
     tcond = Cond("t_ok", frozenset({"tt"}))
     vc = Cond(f"ev < {s.value_dim}", frozenset({"ev"}))
     cg = 'cache_modifier=".cg"'  # written by other programs of this launch: read L2
     kw = min(KB, kp)
-    blocks = range(len(_blocks(kp)))
-    inner = [*_chunk_rows(s, tokens)]
+    blocks = range(len(blocks_of(kp)))
+    inner = [*chunk_rows(s, tokens)]
     inner += [
         f"U = tl.load(gd_u + rr * {vp} + ev, mask=t_ok & (ev < {s.value_dim}), other=0.0, "
         f"{cg}).to(tl.float32)",
@@ -312,7 +261,7 @@ def _walk(em: Emitter, s: DeltaShape, kp: int, vp: int, tokens: str) -> list[str
         kc = Cond(f"{e} < {s.key_dim}", frozenset({e}))
         inner += [f"W{i} = tl.load(gd_w + rr * {kp} + {e}, mask=t_ok, other=0.0, {cg})",
                   f"Sd{i} = S{i}.to({dt})"]
-        inner += _load(em, s.q, (b, tt, hk, _v(e, s.key_dim)), mask_of(tcond, kc), f"q{i}",
+        inner += load_tile(em, s.q, (b, tt, hk, lin(e, s.key_dim)), mask_of(tcond, kc), f"q{i}",
                        f"[CHUNK, {kw}]", f"t_ok & ({e} < {s.key_dim})", dt)
         inner += [f"WS = {'' if i == 0 else 'WS + '}{dot(f'W{i}', f'Sd{i}')}",
                   f"o = {'' if i == 0 else 'o + '}"
@@ -321,29 +270,29 @@ def _walk(em: Emitter, s: DeltaShape, kp: int, vp: int, tokens: str) -> list[str
     for i in blocks:
         e = f"ek{i}"
         kc = Cond(f"{e} < {s.key_dim}", frozenset({e}))
-        inner += _load(em, s.k, (b, tt, hk, _v(e, s.key_dim)), mask_of(tcond, kc), f"k{i}",
+        inner += load_tile(em, s.k, (b, tt, hk, lin(e, s.key_dim)), mask_of(tcond, kc), f"k{i}",
                        f"[CHUNK, {kw}]", f"t_ok & ({e} < {s.key_dim})", dt)
         inner += [f"S{i} = S{i} * tl.exp(G_end) + "
                   f"{dot(f'tl.trans(k{i}.to(tl.float32) * ks[:, None])', 'Ud')}"]
     if s.out is not None:
         with em.block() as lines:
-            em.store(s.out, (b, tt, hv, _v("ev", s.value_dim)),
+            em.store(s.out, (b, tt, hv, lin("ev", s.value_dim)),
                      em.let("o", torch.float32, frozenset({"tt", "ev"})), mask_of(tcond, vc))
         inner += lines
-    head = [f"ek{i} = {k0} + tl.arange(0, {kw})[None, :]" for i, k0 in enumerate(_blocks(kp))]
-    return head + ["for c0 in range(bos, eos, CHUNK):", *_indent(inner)]
+    head = [f"ek{i} = {k0} + tl.arange(0, {kw})[None, :]" for i, k0 in enumerate(blocks_of(kp))]
+    return head + ["for c0 in range(bos, eos, CHUNK):", *indent(inner)]
 
 
-def _state_blocks(em: Emitter, s: DeltaShape, kp: int, final: bool) -> list[str]:
+def state_blocks(em: Emitter, s: DeltaShape, kp: int, final: bool) -> list[str]:
     """The chunked kernel's state as KB-row blocks: loaded (S0 = ...) or stored."""
     kw = min(KB, kp)
     L = []
-    for i, k0 in enumerate(_blocks(kp)):
+    for i, k0 in enumerate(blocks_of(kp)):
         r, ok = f"kr{i}", f"s_ok{i}"
         L += [f"{r} = {k0} + tl.arange(0, {kw})[:, None]",
               f"{ok} = ({r} < {s.key_dim}) & (ev < {s.value_dim})"]
-        at = (_v("nn", s.sequences, False), _v("hv", s.value_heads, False),
-              _v(r, s.key_dim), _v("ev", s.value_dim))
+        at = (lin("nn", s.sequences, False), lin("hv", s.value_heads, False),
+              lin(r, s.key_dim), lin("ev", s.value_dim))
         mask = mask_of(Cond(ok, frozenset({r, "ev"})))
         with em.block() as lines:
             if final:

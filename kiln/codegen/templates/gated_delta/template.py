@@ -5,28 +5,42 @@ the CPU it runs as its chunked PyTorch form. On Triton targets this template gen
 its kernel instead; one launch covers the whole op, so it fits one KernelSpec.
 
 A sequence is cut into chunks of CHUNK steps (a tunable; a tail shorter than CHUNK is
-masked). The work splits in two kinds of programs of one launch (body.chunked_body):
+masked). The work splits in kinds of programs of one launch, told apart by tickets
+(launch.chunked_body):
 
-- preparers, one per (sequence, chunk, value head), all in parallel: the gate's
-  cumulative sum G, A = beta k k^T exp(G_i - G_j) (strictly lower), (I + A)^-1 by
-  doubling products, W = (I + A)^-1 (beta exp(G) k), U0 = (I + A)^-1 (beta v) and the
-  causal scores exp(G_i - G_j) q.k (scaled), stored to scratch;
+- preparers, one per (sequence, chunk, value head), all in parallel (body.prep): the
+  gate's cumulative sum G, A = beta k k^T exp(G_i - G_j) (strictly lower), (I + A)^-1
+  by doubling products, W = (I + A)^-1 (beta exp(G) k), U0 = (I + A)^-1 (beta v) and
+  the causal scores exp(G_i - G_j) q.k (scaled), stored to scratch;
 - walkers, one per (sequence, value head, BV value columns), keep the [K, BV] fp32
-  state block in registers and walk the chunks in order once every chunk is
-  prepared: U = U0 - W S, o = exp(G) q S + scores U, S = exp(G_C) S + (exp(G_C - G) k)^T U.
+  state block in registers and walk the chunks in order once every chunk is prepared:
+  U = U0 - W S and S = exp(G_C) S + (exp(G_C - G) k)^T U. Two forms (the tunable
+  STAGED; both are candidates, the tuner times them):
+  - one-pass (STAGED = 0, body.walk): the walker also writes the outputs,
+    o = exp(G) q S + scores U, so no state leaves the registers, but four products a
+    chunk sit on the sequential path;
+  - staged (STAGED = 1, staged.py), as flash-linear-attention's kernels in spirit: the
+    walker does only the state's two products, stores each chunk's state h (q's dtype)
+    and U to scratch and counts the chunk on a flag; output programs, one per (chunk,
+    sequence, value head, BV columns), compute o = exp(G) scale q h + scores U in
+    parallel, each as soon as its walker has passed its chunk. Chunks of 32 or 64
+    steps only: the stored states cost K V bytes per chunk.
 
-flash-linear-attention runs these as separate kernels and writes every chunk's state to
-memory between them; here the walk computes the outputs itself, so no state leaves the
-registers, and the solve left the sequential path. A static one-step op (decode) needs
-none of it: its programs (one per value head and BV columns) take the recurrence
-directly, S = S exp(g); u = beta (v - S^T k); S += k u^T; o = S^T (scale q).
+flash-linear-attention runs these stages as separate kernels; here they share one
+launch (a KernelSpec is one launch, and tickets order them as split_k.py's arrival
+counters do), so the outputs overlap the walk and no launch waits for the last
+program of the one before. The price: one register allocation for all roles, so the
+heaviest role (the preparer at 64-step chunks) sets how many programs share an SM. A
+static one-step op (decode) needs none of it: its programs (one per value head and BV
+columns) take the recurrence directly, S = S exp(g); u = beta (v - S^T k);
+S += k u^T; o = S^T (scale q).
 
 q, k, v, g, beta and the initial state are read through the region's fused views by the
 expression emitter (a q that is a slice of a projection is read in place); cu_seqlens
 (packed sequences) gives each program its sequence's bounds. Value head j reads key
 head j // (HV // H). 16-bit operands stay 16-bit for tl.dot (fp32 accumulation; the
 solve's products in tf32); fp32 inputs multiply in IEEE fp32. The configs span CHUNK,
-BV, num_warps 4, 8 and 16 (the warps that once crashed Triton's compiler on
+BV, the form, num_warps 4, 8 and 16 (the warps that once crashed Triton's compiler on
 flash-linear-attention's kernel: the autotuner quarantines such a config and tunes the
 rest) and 1 or 2 pipeline stages for the walk.
 """
@@ -38,8 +52,10 @@ import torch
 from kiln.codegen.build.spec import Config, KernelSpec, Scratch
 from kiln.codegen.expr.emit import Emitter, kernel_name, module_source
 from kiln.codegen.expr.kernel_args import SymbolicArgs
+from kiln.codegen.templates.gated_delta import staged
 from kiln.codegen.templates.gated_delta.analysis import OP, DeltaShape, analyse, pow2
-from kiln.codegen.templates.gated_delta.body import SCRATCH, chunked_body, decode_body
+from kiln.codegen.templates.gated_delta.body import SCRATCH, decode_body
+from kiln.codegen.templates.gated_delta.launch import chunked_body
 from kiln.ir.plan import DispatchPlan, Region
 from kiln.ir.symbolic import bounds_of
 from kiln.target import Target
@@ -48,14 +64,21 @@ __all__ = ["OP", "config_space", "generate", "heuristic"]
 
 CHUNKS = (64, 32, 16)
 VALUE_BLOCKS = (64, 32, 16)
+# the staged walkers' value blocks: the three widest that fit V and keep the state block
+# within 64 KiB (K = 256 by 128 columns spilled 172 registers on 16 warps, sm_90): few
+# walkers, as they hold their SMs for the whole walk
+STAGED_VALUE_BLOCKS = (128, 64, 32, 16)
+STATE_BLOCK_MAX = 256 * 64
 WARPS = (4, 8, 16)
 STAGES = (1, 2)
 
 
 def config_space(shape: DeltaShape) -> list[Config]:
-    """Chunk sizes, value blocks, warps and the walk's pipeline stages, largest work per
-    program first. A static one-step op has no chunks: its configs differ only in BV and
-    warps."""
+    """Both forms (STAGED 1 first, then the one-pass form), each over chunk sizes, value
+    blocks, warps and the walk's pipeline stages, largest work per program first. The
+    staged form stores a state per chunk, so it takes chunks of 32 steps or more (16
+    would write four times the bytes of 64), and only where T may exceed one chunk. A
+    static one-step op has no chunks: its configs differ only in BV and warps."""
     vp = pow2(shape.value_dim)
     blocks = [b for b in VALUE_BLOCKS if b <= vp] or [16]
     t_hi = shape.static_t
@@ -64,33 +87,65 @@ def config_space(shape: DeltaShape) -> list[Config]:
     chunks = [c for c in CHUNKS if t_hi is None or c <= pow2(t_hi)]
     if shape.dtype == torch.float32:  # exact fp32 dots run on FMA units: 64-step chunks
         chunks = [c for c in chunks if c <= 32]  # took 95 s to compile and spilled
-    return [Config.make(w, st, CHUNK=c, BV=bv) for c in chunks for bv in blocks
-            for w in WARPS for st in STAGES if not _spills_badly(shape, c, w)]
+    staged_chunks = [c for c in chunks if c >= 32 and (t_hi is None or t_hi > c)]
+    kp = pow2(shape.key_dim)
+    staged_blocks = [b for b in STAGED_VALUE_BLOCKS
+                     if b <= vp and kp * b <= STATE_BLOCK_MAX][:3] or [16]
+    return [Config.make(w, st, CHUNK=c, BV=bv, STAGED=form)
+            for form, cs, bvs in ((1, staged_chunks, staged_blocks), (0, chunks, blocks))
+            for c in cs for bv in bvs
+            for w in WARPS for st in STAGES if form or not _spills_badly(shape, c, w)]
 
 
 def _spills_badly(shape: DeltaShape, chunk: int, warps: int) -> bool:
-    """4 warps at CHUNK 64 with wide keys: on sm_90 (Triton 3.6, K = 256) these spilled
-    over 500 registers, and two of them (BV 16 and 32, one stage) computed wrong
-    outputs or faulted with an illegal address on an H100: a fault in the tuner's
-    in-process timing would take the compile down, so they are never candidates."""
+    """The one-pass form on 4 warps at CHUNK 64 with wide keys: on sm_90 (Triton 3.6,
+    K = 256) these spilled over 500 registers, and two of them (BV 16 and 32, one
+    stage) computed wrong outputs or faulted with an illegal address on an H100: a
+    fault in the tuner's in-process timing would take the compile down, so they are
+    never candidates. (The staged form there, with the preparer that reads its keys
+    twice, takes 254 registers and spills none: it stays.)"""
     return chunk == 64 and warps == 4 and pow2(shape.key_dim) >= 128
 
 
 def heuristic(shape: DeltaShape, target: Target) -> Config:
-    """The untuned choice (timed tuning tries its neighbours). The interpreter runs small
-    chunks fastest. On an H100 at the seed's shape (K = V = 256, bf16, T = 8192) full
-    tuning timed 32-step chunks, 64 value columns, 4 warps and two stages fastest
-    (1.80 ms; 16-step chunks 2.34 ms, 64-step at 8 warps 2.46 ms; one stage 1.6-3x
-    slower): the walk's state block and tiles fill the registers, and the second stage
-    loads the next chunk's tiles during this one's products. A one-step op has no chunks."""
+    """The untuned choice (timed tuning tries its neighbours). A one-step op has no chunks.
+
+    The one-pass form, tuned on an H100 at the seed's shape (K = V = 256, bf16, T =
+    8192), ran 32-step chunks, 64 value columns, 4 warps and two stages fastest (1.80
+    ms; 16-step chunks 2.34 ms, 64-step at 8 warps 2.46 ms; one stage 1.6-3x slower).
+    Its walk does four products a chunk, the staged form's two, with the outputs off the
+    sequential path: the staged form is the choice wherever T may span several chunks.
+    One register allocation serves every role: the staged form takes 4 warps, where
+    on sm_90 at the seed's shape the whole kernel at 64-step chunks and 64 columns
+    takes 254 registers and spills none (two programs an SM; 8 warps took 202-206, one
+    program an SM), 64-step chunks (half the stored states of 32), and the narrowest
+    value blocks whose walkers all fit on the chip at once, the other slots left to
+    the output programs: at the seed's shape 64 columns (144 walkers), at Qwen3-Next's
+    (32 value heads of 128) 32 columns (128 walkers). fp32 inputs multiply on FMA
+    units, register-hungry: 32-step chunks, 8 warps (4 spilled 156-2232 registers at
+    Qwen3-Next's shape, 8 spill 12; one program an SM). The interpreter runs small
+    chunks fastest (the staged form at 32)."""
     vp = pow2(shape.value_dim)
     if shape.static_t == 1:
         return Config.make(4 if pow2(shape.key_dim) * min(32, vp) <= 64 * 64 else 8, 1,
                            CHUNK=16, BV=min(32, vp))
+    space = config_space(shape)
+    staged = [c for c in space if c["STAGED"]]
     if target.backend == "interpret":
-        return Config.make(4, 1, CHUNK=16, BV=min(64, vp))
-    longest = max(c["CHUNK"] for c in config_space(shape))
-    return Config.make(4, 2, CHUNK=min(32, longest), BV=min(64, vp))
+        return Config.make(4, 1, CHUNK=32 if staged else 16, BV=min(64, vp),
+                           STAGED=int(bool(staged)))
+    if staged:
+        wide = shape.dtype == torch.float32  # FMA dots: 8 warps, one program an SM
+        chunk = max(c["CHUNK"] for c in staged)  # fp32: 32
+        sequences = shape.sequences if isinstance(shape.sequences, int) else 1
+        slots = target.multiprocessors * (1 if wide else 2)
+        blocks = sorted({c["BV"] for c in staged})
+        fit = [b for b in blocks
+               if sequences * shape.value_heads * -(-shape.value_dim // b) <= slots]
+        return Config.make(8 if wide else 4, 2, CHUNK=chunk, BV=fit[0] if fit else blocks[-1],
+                           STAGED=1)
+    longest = max(c["CHUNK"] for c in space)
+    return Config.make(4, 2, CHUNK=min(32, longest), BV=min(64, vp), STAGED=0)
 
 
 def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
@@ -103,7 +158,7 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     decode = shape.static_t == 1
     lines = decode_body(em, p, shape) if decode else chunked_body(em, p, shape)
     name = kernel_name("gated_delta", region)
-    tunables = ["CHUNK", "BV"]
+    tunables = ["CHUNK", "BV"] if decode else ["CHUNK", "BV", "STAGED"]
     scratch = [] if decode else _scratch(shape, p)
     params = p.names() + [b.name for b in scratch] + [f"{t}: tl.constexpr" for t in tunables]
     source = module_source(name, params, lines, em.helpers, target, p.describe())
@@ -111,9 +166,10 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     columns = f"cdiv({p.grid(shape.value_dim)}, BV)"
     if decode:
         grid = (columns, heads, seqs)
-    else:  # preparers (sequence, chunk, head), then walkers (sequence, head, columns)
+    else:  # preparers (sequence, chunk, head), walkers (sequence, head, columns), outputs
         chunks = f"cdiv({p.grid(shape.seq)}, CHUNK)"
-        grid = (f"({heads}) * ({seqs}) * ({chunks} + {columns})",)
+        grid = (f"({heads}) * ({seqs}) * ({chunks} + {columns} + "
+                f"(({chunks}) * ({columns}) if STAGED else 0))",)
     configs = config_space(shape)
     default = heuristic(shape, target)
     if default not in configs:
@@ -132,8 +188,14 @@ def _scratch(shape: DeltaShape, p: SymbolicArgs) -> list[Scratch]:
     rows = f"({p.grid(shape.batch)}) * ({p.grid(shape.seq)}) * {shape.value_heads}"
     kp, vp = pow2(shape.key_dim), pow2(shape.value_dim)
     counters, w, u, a, g = SCRATCH
+    h, flags = staged.SCRATCH
+    seqs = p.grid(shape.sequences)
+    slots = f"(({p.grid(shape.batch)}) * cdiv({p.grid(shape.seq)}, CHUNK) + {seqs})"
+    walkers = f"({seqs}) * {shape.value_heads} * cdiv({shape.value_dim}, BV)"
     return [Scratch(counters, torch.int32, "3", zeroed=True),
             Scratch(w, shape.dtype, f"{rows} * {kp}"),
             Scratch(u, shape.dtype, f"{rows} * {vp}"),
             Scratch(a, shape.dtype, f"{rows} * CHUNK"),
-            Scratch(g, torch.float32, rows)]
+            Scratch(g, torch.float32, rows),
+            Scratch(h, shape.dtype, f"{slots} * {shape.value_heads * kp * vp} if STAGED else 1"),
+            Scratch(flags, torch.int32, f"{walkers} if STAGED else 1", zeroed=True)]
