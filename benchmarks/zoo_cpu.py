@@ -1,12 +1,20 @@
 """The zoo (tests/zoo) timed: kiln's compile time and per-call time beside eager, on the
 CPU target (or --target cuda on a GPU), one line per model.
 
-    PYTHONPATH=. python benchmarks/zoo_cpu.py [--target cuda]
+    PYTHONPATH=. python benchmarks/zoo_cpu.py [--target cuda] [--rounds 15] [--threads 1]
+        [--only lstm,gru] [--out F.json]
+
+kiln and eager are timed in alternating rounds (a round: `--iters` calls of one, then
+of the other), so a load that comes and goes on a shared machine hits both alike; the
+per-call times are the medians over rounds, kiln/eager the median of the rounds'
+ratios, and "spread" the quartiles of those ratios (how noisy the machine was).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import time
 import warnings
 
@@ -18,31 +26,53 @@ from kiln.ir.ops import is_fallback
 from tests.zoo.test_zoo import CASES, HF_LMS, _first, _hf, _rel
 
 
-def _median_ms(fn, args, kwargs, device: str, iters: int = 20) -> float:
-    fn(*args, **kwargs)
-    times = []
+def _round_ms(fn, args, kwargs, device: str, iters: int) -> float:
+    """Mean milliseconds per call over `iters` back-to-back calls."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
     for _ in range(iters):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
         fn(*args, **kwargs)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def _alternating(kiln_fn, eager_fn, args, kwargs, device, rounds, iters):
+    """(kiln ms, eager ms, median ratio, ratio quartiles) over alternating rounds."""
+    for fn in (kiln_fn, eager_fn):  # warm up
+        _round_ms(fn, args, kwargs, device, 3)
+    ks, es = [], []
+    for _ in range(rounds):
+        ks.append(_round_ms(kiln_fn, args, kwargs, device, iters))
+        es.append(_round_ms(eager_fn, args, kwargs, device, iters))
+    ratios = sorted(k / e for k, e in zip(ks, es))
+    quart = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return statistics.median(ks), statistics.median(es), quart[1], (quart[0], quart[2])
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--target", default="cpu")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--iters", type=int, default=20, help="calls per round")
+    p.add_argument("--only", default="", help="comma-separated model names")
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch's intra-op threads (0: torch's default)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = "cuda" if args.target.startswith("cuda") else "cpu"
     cases = dict(CASES)
     for name, make in HF_LMS.items():
         cases[name] = (lambda make=make: (_hf(*make()), lambda: (
             torch.randint(0, 100, (2, 9)),)))
+    if args.only:
+        cases = {n: cases[n] for n in args.only.split(",")}
     print(f"{'model':22}{'compile s':>10}{'kiln ms':>10}{'eager ms':>10}{'kiln/eager':>11}"
-          f"{'rel err':>10}  fallbacks")
+          f"{'spread':>12}{'rel err':>10}  fallbacks", flush=True)
+    rows = []
     for name, make in cases.items():
         model, make_args = make()
         model = model.eval().to(device)
@@ -56,11 +86,18 @@ def main() -> None:
         fallen = sorted({op.target.split(".")[1] for r in exe.plan.regions for op in r.ops
                          if is_fallback(op.target)})
         with torch.no_grad():
-            k = _median_ms(exe, a, kwargs, device)
-            e = _median_ms(model, a, kwargs, device)
+            k, e, ratio, (lo, hi) = _alternating(exe, model, a, kwargs, device,
+                                                 args.rounds, args.iters)
             err = _rel(_first(exe(*a, **kwargs)), _first(model(*a, **kwargs)))
-        print(f"{name:22}{compile_s:10.2f}{k:10.3f}{e:10.3f}{k / e:11.2f}{err:10.1e}  "
-              f"{', '.join(fallen) or '-'}")
+        print(f"{name:22}{compile_s:10.2f}{k:10.3f}{e:10.3f}{ratio:11.2f}"
+              f"{f'{lo:.2f}-{hi:.2f}':>12}{err:10.1e}  {', '.join(fallen) or '-'}", flush=True)
+        rows.append({"model": name, "compile_s": compile_s, "kiln_ms": k, "eager_ms": e,
+                     "kiln_over_eager": ratio, "ratio_quartiles": [lo, hi], "rel_err": err,
+                     "fallbacks": fallen})
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"target": args.target, "threads": torch.get_num_threads(),
+                       "rounds": args.rounds, "iters": args.iters, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

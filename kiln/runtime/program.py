@@ -18,6 +18,7 @@ import torch
 
 from kiln.codegen.build.launcher import current_stream
 from kiln.codegen.kernel_plan import KernelPlan
+from kiln.codegen.torch_program import TorchProgram
 from kiln.errors import ArgumentError
 from kiln.ir.plan import Role
 from kiln.ir.symbolic import evaluate
@@ -57,10 +58,20 @@ class Program:
     def _build_steps(self) -> None:
         # Per region, decided once: its kernel and where each output goes (a state
         # tensor written in place, the arena, or a fresh tensor).
+        self._whole = self._torch_program()
         self._steps = [(self.kplan.kernels[r.name],
                         [(o, r.inplace.get(o), self.plan.values[o]) for o in r.outputs])
                        for r in self.plan.regions]
         self._bound.clear()
+
+    def _torch_program(self) -> TorchProgram | None:
+        """On the CPU target, the whole plan as one generated function (no arena, no
+        per-region launches): every region runs as torch ops there."""
+        if self.kplan.target.name != "cpu" or self.plan.recv or self.plan.send:
+            return None
+        if any(self.kplan.kernels[r.name].kind != "torch" for r in self.plan.regions):
+            return None
+        return TorchProgram(self.plan, self.device)
 
     def set_kernel(self, region: str, kernel) -> None:
         """Run `region` with another kernel (e.g. a different config of the same spec)."""
@@ -118,6 +129,9 @@ class Program:
     def _run(self, args, received, state, env, arena):
         if env is None:
             env = self.bind(args)
+        if self._whole is not None and arena is None:
+            weights = list(map(state.__getitem__, self._weight_targets))
+            return self._whole(args, weights, state, env), []
         bound = self._bound_for(env, arena)
         values: dict[str, torch.Tensor] = dict(zip(
             self._weight_names, map(state.__getitem__, self._weight_targets)))
