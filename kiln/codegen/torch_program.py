@@ -35,31 +35,71 @@ from kiln.ir.ops import INPLACE_OF, resolve
 from kiln.ir.plan import DispatchPlan, Op, Ref, Role, Sym
 from kiln.ir.symbolic import python_int_code
 
-# Ops whose ATen meaning a Tensor method or torch function has with these positional
-# arguments (no keyword arguments): (how it is written, the most positional arguments).
-# The rest are called through the op's C++ entry point (a microsecond slower).
-_FAST = {
-    "aten.view.default": ("{0}.reshape({1})", 2),
-    "aten._unsafe_view.default": ("{0}.reshape({1})", 2),
-    "aten.reshape.default": ("{0}.reshape({1})", 2),
-    "aten.permute.default": ("{0}.permute({1})", 2),
-    "aten.expand.default": ("{0}.expand({1})", 2),
-    "aten.select.int": ("{0}.select({1}, {2})", 3),
-    "aten.squeeze.dims": ("{0}.squeeze({1})", 2),
-    "aten.squeeze.dim": ("{0}.squeeze({1})", 2),
-    "aten.squeeze.default": ("{0}.squeeze()", 1),
-    "aten.unsqueeze.default": ("{0}.unsqueeze({1})", 2),
-    "aten.transpose.int": ("{0}.transpose({1}, {2})", 3),
-    "aten.t.default": ("{0}.t()", 1),
-    "aten.mm.default": ("torch.mm({0}, {1})", 2),
-    "aten.bmm.default": ("torch.bmm({0}, {1})", 2),
-    "aten.addmm.default": ("torch.addmm({0}, {1}, {2})", 3),
-    "aten.add.Tensor": ("torch.add({0}, {1})", 2),
-    "aten.sub.Tensor": ("torch.sub({0}, {1})", 2),
-    "aten.mul.Tensor": ("torch.mul({0}, {1})", 2),
-    "aten.div.Tensor": ("torch.div({0}, {1})", 2),
-    "aten.relu.default": ("torch.relu({0})", 1),
-    "aten.clone.default": ("torch.clone({0})", 1),
+# How each op is called, fastest first: a Tensor method (views; positional arguments
+# only, at most this many), a torch function generated from the op's own schema (the
+# same arguments in the same order, keyword-only ones by name, and it picks this
+# overload for them: tests/codegen/test_torch_program.py checks each against the ATen
+# op), or else the op's C++ entry point (a microsecond slower: it converts its
+# arguments through the JIT schema, more for keyword arguments).
+METHODS = {
+    "aten.view.default": ("reshape", 2),
+    "aten._unsafe_view.default": ("reshape", 2),
+    "aten.reshape.default": ("reshape", 2),
+    "aten.permute.default": ("permute", 2),
+    "aten.expand.default": ("expand", 2),
+    "aten.select.int": ("select", 3),
+    "aten.squeeze.dims": ("squeeze", 2),
+    "aten.squeeze.dim": ("squeeze", 2),
+    "aten.squeeze.default": ("squeeze", 1),
+    "aten.unsqueeze.default": ("unsqueeze", 2),
+    "aten.transpose.int": ("transpose", 3),
+    "aten.t.default": ("t", 1),
+}
+_VF, _NN = torch._C._VariableFunctions, torch._C._nn
+FUNCTIONS = {
+    "aten.mm.default": _VF.mm,
+    "aten.bmm.default": _VF.bmm,
+    "aten.addmm.default": _VF.addmm,
+    "aten.baddbmm.default": _VF.baddbmm,
+    "aten.add.Tensor": _VF.add,
+    "aten.sub.Tensor": _VF.sub,
+    "aten.mul.Tensor": _VF.mul,
+    "aten.div.Tensor": _VF.div,
+    "aten.pow.Tensor_Scalar": _VF.pow,
+    "aten.neg.default": _VF.neg,
+    "aten.relu.default": _VF.relu,
+    "aten.sigmoid.default": _VF.sigmoid,
+    "aten.tanh.default": _VF.tanh,
+    "aten.exp.default": _VF.exp,
+    "aten.rsqrt.default": _VF.rsqrt,
+    "aten.sqrt.default": _VF.sqrt,
+    "aten.cos.default": _VF.cos,
+    "aten.sin.default": _VF.sin,
+    "aten.gelu.default": _NN.gelu,
+    "aten.silu.default": _NN.silu,
+    "aten.clone.default": _VF.clone,
+    "aten.where.self": _VF.where,
+    "aten.eq.Tensor": _VF.eq,
+    "aten.eq.Scalar": _VF.eq,
+    "aten.ne.Scalar": _VF.ne,
+    "aten.le.Tensor": _VF.le,
+    "aten.ge.Scalar": _VF.ge,
+    "aten.bitwise_and.Tensor": _VF.bitwise_and,
+    "aten.mean.dim": _VF.mean,
+    "aten.sum.dim_IntList": _VF.sum,
+    "aten.amax.default": _VF.amax,
+    "aten.cumsum.default": _VF.cumsum,
+    "aten._softmax.default": _VF._softmax,
+    "aten.cat.default": _VF.cat,
+    "aten.full.default": _VF.full,
+    "aten.arange.start_step": _VF.arange,
+    "aten.embedding.default": _VF.embedding,
+    "aten.native_layer_norm.default": _VF.native_layer_norm,
+    "aten.scaled_dot_product_attention.default": _NN.scaled_dot_product_attention,
+    "aten.convolution.default": _VF.convolution,
+    "aten.max_pool2d_with_indices.default": _NN.max_pool2d_with_indices,
+    "aten.lstm.input": _VF.lstm,
+    "aten.gru.input": _VF.gru,
 }
 _SCALAR_TYPES = (bool, int, str, type(None))
 _NAME = re.compile(r"[^0-9a-zA-Z_]")
@@ -81,6 +121,7 @@ class _Writer:
         self.device = device
         self.names: dict[str, str] = {}
         self.consts: dict[str, object] = {"torch": torch}
+        self._const_names: dict[int, str] = {}  # id -> name, for callables used again
         self.lines: list[str] = []
         self.line_ops: dict[int, Op] = {}  # source line number -> the op it runs
 
@@ -90,8 +131,11 @@ class _Writer:
         return self.names[value]
 
     def const(self, value) -> str:
-        name = f"c{len(self.consts)}"
-        self.consts[name] = value
+        name = self._const_names.get(id(value)) if callable(value) else None
+        if name is None:
+            name = f"c{len(self.consts)}"
+            self.consts[name] = value
+            self._const_names[id(value)] = name
         return name
 
     def arg(self, a) -> str:
@@ -122,14 +166,12 @@ def _call(w: _Writer, op: Op) -> str:
     args = [w.arg(a) for a in op.args]
     for j in CONTIGUOUS_ARGS.get(op.target, ()):
         args[j] = f"{args[j]}.contiguous()"
-    fast = _FAST.get(op.target)
-    if fast is not None and not op.kwargs and len(args) <= fast[1]:
-        form, _ = fast
-        if form.count("{") == len(args):
-            return form.format(*args)
-    fn = w.const(entry_point(callable_for(op.target)))
+    method = METHODS.get(op.target)
+    if method is not None and not op.kwargs and len(args) <= method[1]:
+        return f"{args[0]}.{method[0]}({', '.join(args[1:])})"
+    fn = FUNCTIONS.get(op.target) or entry_point(callable_for(op.target))
     kwargs = [f"{k}={w.arg(v)}" for k, v in op.kwargs.items()]
-    return f"{fn}({', '.join(args + kwargs)})"
+    return f"{w.const(fn)}({', '.join(args + kwargs)})"
 
 
 class TorchProgram:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import kiln
-from kiln.codegen.torch_program import _FAST, TorchProgram
+from kiln.codegen.torch_program import FUNCTIONS, METHODS, TorchProgram
 from kiln.errors import IndexOutOfRangeError
 from kiln.ir.ops import resolve
 from tests.helpers import rel_err
@@ -88,40 +88,86 @@ def test_bad_index_names_the_line():
 
 
 _A, _B, _V = torch.randn(2, 3, 4), torch.randn(2, 4, 5), torch.randn(4)
-_SAMPLES = {  # per fast form: arguments as the graph holds them
-    "aten.view.default": (_A, [6, 4]),
-    "aten._unsafe_view.default": (_A, [2, 12]),
-    "aten.reshape.default": (_A, [3, -1]),
-    "aten.permute.default": (_A, [2, 0, 1]),
-    "aten.expand.default": (torch.randn(3, 1), [2, 3, 5]),
-    "aten.select.int": (_A, 1, -1),
-    "aten.squeeze.dims": (torch.randn(2, 1, 3, 1), [1, 3]),
-    "aten.squeeze.dim": (torch.randn(2, 1, 3), 1),
-    "aten.squeeze.default": (torch.randn(1, 2, 1),),
-    "aten.unsqueeze.default": (_A, -2),
-    "aten.transpose.int": (_A, 0, 2),
-    "aten.t.default": (torch.randn(3, 4),),
-    "aten.mm.default": (_A[0], _B[0]),
-    "aten.bmm.default": (_A, _B),
-    "aten.addmm.default": (torch.randn(5), _A[0], _B[0]),
-    "aten.add.Tensor": (_A, 2.5),
-    "aten.sub.Tensor": (torch.arange(4), _V),
-    "aten.mul.Tensor": (_A, _V),
-    "aten.div.Tensor": (torch.arange(4), torch.tensor(3)),
-    "aten.relu.default": (_A,),
-    "aten.clone.default": (_A.transpose(0, 1),),
+_I = torch.tensor([[0, 2], [1, 1]])
+_F32 = {"dtype": torch.float32, "layout": torch.strided, "device": torch.device("cpu"),
+        "pin_memory": False}
+_LSTM = [torch.randn(12, 4), torch.randn(12, 3), torch.randn(12), torch.randn(12)]
+_GRU = [torch.randn(9, 4), torch.randn(9, 3), torch.randn(9), torch.randn(9)]
+_SAMPLES = {  # per fast form: (arguments, keyword arguments) as the graph holds them
+    "aten.view.default": ((_A, [6, 4]), {}),
+    "aten._unsafe_view.default": ((_A, [2, 12]), {}),
+    "aten.reshape.default": ((_A, [3, -1]), {}),
+    "aten.permute.default": ((_A, [2, 0, 1]), {}),
+    "aten.expand.default": ((torch.randn(3, 1), [2, 3, 5]), {}),
+    "aten.select.int": ((_A, 1, -1), {}),
+    "aten.squeeze.dims": ((torch.randn(2, 1, 3, 1), [1, 3]), {}),
+    "aten.squeeze.dim": ((torch.randn(2, 1, 3), 1), {}),
+    "aten.squeeze.default": ((torch.randn(1, 2, 1),), {}),
+    "aten.unsqueeze.default": ((_A, -2), {}),
+    "aten.transpose.int": ((_A, 0, 2), {}),
+    "aten.t.default": ((torch.randn(3, 4),), {}),
+    "aten.mm.default": ((_A[0], _B[0]), {}),
+    "aten.bmm.default": ((_A, _B), {}),
+    "aten.addmm.default": ((torch.randn(5), _A[0], _B[0]), {"beta": 0.5, "alpha": 2}),
+    "aten.baddbmm.default": ((torch.randn(3, 5), _A, _B), {}),
+    "aten.add.Tensor": ((_A, 2.5), {"alpha": 3}),
+    "aten.sub.Tensor": ((torch.arange(4), _V), {}),
+    "aten.mul.Tensor": ((_A, _V), {}),
+    "aten.div.Tensor": ((torch.arange(4), torch.tensor(3)), {}),
+    "aten.pow.Tensor_Scalar": ((_A, 2), {}),
+    "aten.neg.default": ((_A,), {}),
+    "aten.relu.default": ((_A,), {}),
+    "aten.sigmoid.default": ((_A,), {}),
+    "aten.tanh.default": ((_A,), {}),
+    "aten.exp.default": ((_A,), {}),
+    "aten.rsqrt.default": ((_A.abs(),), {}),
+    "aten.sqrt.default": ((_A.abs(),), {}),
+    "aten.cos.default": ((_A,), {}),
+    "aten.sin.default": ((_A,), {}),
+    "aten.gelu.default": ((_A,), {"approximate": "tanh"}),
+    "aten.silu.default": ((_A,), {}),
+    "aten.clone.default": ((_A.transpose(0, 1),), {"memory_format": torch.contiguous_format}),
+    "aten.where.self": ((_A > 0, _A, _V), {}),
+    "aten.eq.Tensor": ((_I, torch.tensor(1)), {}),
+    "aten.eq.Scalar": ((_I, 1), {}),
+    "aten.ne.Scalar": ((_I, 1), {}),
+    "aten.le.Tensor": ((_I, _I.t()), {}),
+    "aten.ge.Scalar": ((_I, 1), {}),
+    "aten.bitwise_and.Tensor": ((_I > 0, _I < 2), {}),
+    "aten.mean.dim": ((_A, [-1, 0], True), {}),
+    "aten.sum.dim_IntList": ((_A, [1]), {"dtype": torch.float64}),
+    "aten.amax.default": ((_A, [2], True), {}),
+    "aten.cumsum.default": ((_I, 1), {"dtype": torch.int32}),
+    "aten._softmax.default": ((_A, -1, False), {}),
+    "aten.cat.default": (([_A, _A * 2], 1), {}),
+    "aten.full.default": (([2, 3], 0.5), _F32),
+    "aten.arange.start_step": ((2, 11, 3), {**_F32, "dtype": torch.int64}),
+    "aten.embedding.default": ((torch.randn(5, 3), _I), {}),
+    "aten.native_layer_norm.default": ((_A, [4], _V, _V + 1, 1e-5), {}),
+    "aten.scaled_dot_product_attention.default": (
+        (_A[None], _A[None], _A[None], None, 0.0, True), {"scale": 0.3}),
+    "aten.convolution.default": ((torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3),
+                                  torch.randn(3), [2, 1], [1, 0], [1, 1], False, [0, 0], 1), {}),
+    "aten.max_pool2d_with_indices.default": ((torch.randn(1, 2, 5, 5), [2, 2], [2, 1]), {}),
+    "aten.lstm.input": ((torch.randn(2, 5, 4), [torch.zeros(1, 2, 3), torch.zeros(1, 2, 3)],
+                         _LSTM, True, 1, 0.0, False, False, True), {}),
+    "aten.gru.input": ((torch.randn(5, 2, 4), torch.randn(1, 2, 3), _GRU, True, 1, 0.0,
+                        False, False, False), {}),
 }
 
 
-@pytest.mark.parametrize("target", sorted(_FAST))
+@pytest.mark.parametrize("target", sorted(METHODS) + sorted(FUNCTIONS))
 def test_fast_form_is_the_aten_op(target):
-    args = _SAMPLES[target]
-    names = [f"a{i}" for i in range(len(args))]
-    form, most = _FAST[target]
-    assert len(args) <= most
-    fast = eval(form.format(*(n if isinstance(a, torch.Tensor) else repr(a)
-                              for n, a in zip(names, args))),
-                {"torch": torch, **dict(zip(names, args))})
-    ref = resolve(target)(*args)
-    assert fast.dtype == ref.dtype and fast.shape == ref.shape
-    assert torch.equal(fast, ref)
+    args, kwargs = _SAMPLES[target]
+    if target in METHODS:
+        method, most = METHODS[target]
+        assert len(args) <= most and not kwargs
+        fast = getattr(args[0], method)(*args[1:])
+    else:
+        fast = FUNCTIONS[target](*args, **kwargs)
+    ref = resolve(target)(*args, **kwargs)
+    fast, ref = (o if isinstance(o, tuple | list) else [o] for o in (fast, ref))
+    assert len(fast) == len(ref)
+    for f, r in zip(fast, ref):
+        assert f.dtype == r.dtype and f.shape == r.shape
+        assert torch.equal(f, r)
