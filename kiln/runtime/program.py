@@ -22,7 +22,7 @@ from kiln.codegen.torch_program import TorchProgram
 from kiln.errors import ArgumentError
 from kiln.ir.plan import Role
 from kiln.ir.symbolic import evaluate
-from kiln.runtime.guards import bind_symbols
+from kiln.runtime.guards import FastBinder, bind_symbols
 from kiln.runtime.memory_plan import Arena, MemoryPlan
 
 
@@ -48,6 +48,7 @@ class Program:
         self.mem = mem
         self.device = torch.device(kplan.target.torch_device)
         self.arena = Arena(mem, self.plan, self.device)
+        self._fast_bind = FastBinder(self.plan, self.device.type)
         self._bound: dict[tuple, _Bound] = {}
         self._build_steps()
         weights = [(n, v.target) for n, v in self.plan.values.items()
@@ -79,11 +80,17 @@ class Program:
         self._build_steps()
 
     def bind(self, args, names=None) -> dict[str, int]:
-        return bind_symbols(self.plan, args, self.device.type, names)
+        env = self._fast_bind(args)
+        return env if env is not None else bind_symbols(self.plan, args, self.device.type, names)
 
     def run(self, args: list[torch.Tensor], state: dict[str, torch.Tensor],
             env: dict[str, int] | None = None, arena: Arena | None = None) -> list[torch.Tensor]:
         """Run every region; `arena` overrides the program's own (CUDA graphs own theirs)."""
+        if self._whole is not None and arena is None:
+            if env is None:
+                env = self.bind(args)
+            return self._whole(args, list(map(state.__getitem__, self._weight_targets)),
+                               state, env)
         return self._run(args, (), state, env, arena)[0]
 
     def run_stage(self, args: list[torch.Tensor], received: list[torch.Tensor],
@@ -129,9 +136,6 @@ class Program:
     def _run(self, args, received, state, env, arena):
         if env is None:
             env = self.bind(args)
-        if self._whole is not None and arena is None:
-            weights = list(map(state.__getitem__, self._weight_targets))
-            return self._whole(args, weights, state, env), []
         bound = self._bound_for(env, arena)
         values: dict[str, torch.Tensor] = dict(zip(
             self._weight_names, map(state.__getitem__, self._weight_targets)))
