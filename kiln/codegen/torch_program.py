@@ -192,8 +192,11 @@ class TorchProgram:
         may_alias = set(held)  # values that may be views of them
         last = self._last_uses()
         keep = held | set(plan.outputs) | set(plan.state_writes.values())
+        live: dict[str, Op] = {}  # pure ops whose value is held: a region's copy reuses it
         for step, (region, op) in enumerate(self._ops()):
-            if op.name in region.inplace:
+            if live.get(op.name) == op and op.name not in region.inplace:
+                pass  # a cheap op region formation repeated in each region that reads it
+            elif op.name in region.inplace:
                 dest = w.var(region.inplace[op.name])
                 fn = w.const(entry_point(resolve(INPLACE_OF[op.target])))
                 rest = [w.arg(a) for a in op.args[1:]]
@@ -203,10 +206,13 @@ class TorchProgram:
                 may_alias.add(op.name)
             else:
                 w.emit(f"{w.var(op.name)} = {_call(w, op)}", op)
+                live[op.name] = op
                 if op.args and isinstance(op.args[0], Ref) and op.args[0].name in may_alias \
                         and _aliases_input(op.target):
                     may_alias.add(op.name)
             dead = [w.var(n) for n in last.get(step, ()) if n not in keep]
+            for n in last.get(step, ()):
+                live.pop(n, None)
             if dead:
                 w.emit(f"del {', '.join(dead)}")
         for target, v in plan.state_writes.items():
