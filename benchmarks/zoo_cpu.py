@@ -1,5 +1,6 @@
-"""The zoo (tests/zoo) timed: kiln's compile time and per-call time beside eager, on the
-CPU target (or --target cuda on a GPU), one line per model.
+"""The zoo (tests/zoo) and `kiln run tiny-llama`'s prefill and decode timed: kiln's compile
+time and per-call time beside eager, on the CPU target (or --target cuda on a GPU), one
+line per model.
 
     PYTHONPATH=. python benchmarks/zoo_cpu.py [--target cuda] [--rounds 15] [--threads 1]
         [--clock thread] [--only lstm,gru] [--out F.json]
@@ -13,6 +14,7 @@ ratios, and "spread" the quartiles of those ratios (how noisy the machine was).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -54,6 +56,44 @@ def _alternating(kiln_fn, eager_fn, args, kwargs, device, rounds, iters):
     return statistics.median(ks), statistics.median(es), quart[1], (quart[0], quart[2])
 
 
+def _row(name, compile_s, kiln_fn, eager_fn, a, kwargs, device, args, fallen=()) -> dict:
+    """Time one model both ways, print its line, return it as a JSON row."""
+    with torch.no_grad():
+        k, e, ratio, (lo, hi) = _alternating(kiln_fn, eager_fn, a, kwargs, device,
+                                             args.rounds, args.iters)
+        err = _rel(_first(kiln_fn(*a, **kwargs)), _first(eager_fn(*a, **kwargs)))
+    print(f"{name:22}{compile_s:10.2f}{k:10.3f}{e:10.3f}{ratio:11.2f}"
+          f"{f'{lo:.2f}-{hi:.2f}':>12}{err:10.1e}  {', '.join(fallen) or '-'}", flush=True)
+    return {"model": name, "compile_s": compile_s, "kiln_ms": k, "eager_ms": e,
+            "kiln_over_eager": ratio, "ratio_quartiles": [lo, hi], "rel_err": err,
+            "fallbacks": list(fallen)}
+
+
+def _tiny_llama_rows(device: str, args) -> list[dict]:
+    """`kiln run tiny-llama`'s model as kiln.models.LLM runs it: a 16-token prefill and a
+    decode step (the same position each call: it rewrites one cache slot), against the
+    eager model on the same calls. Compile time covers both modules."""
+    from kiln.cli.model_spec import load_model_spec
+    from kiln.models.generate import LLM
+
+    spec = load_model_spec("tiny-llama")
+    eager = copy.deepcopy(spec.model).to(device)
+    t0 = time.perf_counter()
+    llm = LLM(spec.model.to(device), target=args.target)
+    compile_s = time.perf_counter() - t0
+    prompt = torch.randint(0, llm.cfg.vocab_size, (1, 16), device=device)
+    pos = torch.arange(16, device=device)
+    step = (torch.tensor([[5]], device=device), torch.tensor([16], device=device))
+    with torch.no_grad():
+        llm.forward(prompt, pos)
+        eager(prompt, pos)
+    only = args.only.split(",") if args.only else None
+    return [_row(name, compile_s, llm.forward, eager, a, {}, device, args)
+            for name, a in (("tiny_llama_prefill16", (prompt, pos)),
+                            ("tiny_llama_decode", step))
+            if only is None or name in only]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--target", default="cpu")
@@ -77,7 +117,7 @@ def main() -> None:
         cases[name] = (lambda make=make: (_hf(*make()), lambda: (
             torch.randint(0, 100, (2, 9)),)))
     if args.only:
-        cases = {n: cases[n] for n in args.only.split(",")}
+        cases = {n: cases[n] for n in args.only.split(",") if n in cases}
     print(f"{'model':22}{'compile s':>10}{'kiln ms':>10}{'eager ms':>10}{'kiln/eager':>11}"
           f"{'spread':>12}{'rel err':>10}  fallbacks", flush=True)
     rows = []
@@ -93,15 +133,9 @@ def main() -> None:
             compile_s = time.perf_counter() - t0
         fallen = sorted({op.target.split(".")[1] for r in exe.plan.regions for op in r.ops
                          if is_fallback(op.target)})
-        with torch.no_grad():
-            k, e, ratio, (lo, hi) = _alternating(exe, model, a, kwargs, device,
-                                                 args.rounds, args.iters)
-            err = _rel(_first(exe(*a, **kwargs)), _first(model(*a, **kwargs)))
-        print(f"{name:22}{compile_s:10.2f}{k:10.3f}{e:10.3f}{ratio:11.2f}"
-              f"{f'{lo:.2f}-{hi:.2f}':>12}{err:10.1e}  {', '.join(fallen) or '-'}", flush=True)
-        rows.append({"model": name, "compile_s": compile_s, "kiln_ms": k, "eager_ms": e,
-                     "kiln_over_eager": ratio, "ratio_quartiles": [lo, hi], "rel_err": err,
-                     "fallbacks": fallen})
+        rows.append(_row(name, compile_s, exe, model, a, kwargs, device, args, fallen))
+    if not args.only or any(n.startswith("tiny_llama") for n in args.only.split(",")):
+        rows += _tiny_llama_rows(device, args)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"target": args.target, "threads": torch.get_num_threads(),
