@@ -171,3 +171,35 @@ def test_fast_form_is_the_aten_op(target):
     for f, r in zip(fast, ref):
         assert f.dtype == r.dtype and f.shape == r.shape
         assert torch.equal(f, r)
+
+
+class TwoReaders(torch.nn.Module):
+    """One normalised value read by two projections (two matmul regions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 8, bias=False)
+        self.b = torch.nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        return self.a(h) * self.b(h)
+
+
+def test_an_op_copied_into_regions_runs_once():
+    model = TwoReaders().eval()
+    x = torch.randn(2, 3, 16)
+    exe = kiln.compile(model, (x,))
+    names = [op.name for r in exe.plan.regions for op in r.ops]
+    assert len(names) > len(set(names))  # region formation copied an op (the view)
+    live = set()
+    for line in exe.program._whole.source.splitlines():
+        line = line.strip()
+        if line.startswith("del "):
+            live -= {n.strip() for n in line[4:].split(",")}
+        elif " = " in line:
+            var = line.split(" = ")[0]
+            assert var not in live, line  # computed again while held
+            live.add(var)
+    with torch.no_grad():
+        assert rel_err(exe(x), model(x)) <= 1e-5
