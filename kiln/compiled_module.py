@@ -133,13 +133,19 @@ class CompiledModule:
             )
         flat = self._flatten(args, kwargs)
         env = self.program.bind(flat, self.plan.user_inputs)
-        with torch.no_grad():
+        grad = torch.is_grad_enabled()  # torch.no_grad(), without its context objects
+        if grad:
+            torch._C._set_grad_enabled(False)
+        try:
             if self._stages is not None:
                 outs = self._stages.run(flat, self.state, env)
             elif self._graphs is not None and (self._graph_when is None or self._graph_when(*flat)):
                 outs = self._graphs.run(flat, self.state, env)
             else:
                 outs = self.program.run(flat, self.state, env)
+        finally:
+            if grad:
+                torch._C._set_grad_enabled(True)
         if self._out_leaf:
             return outs[0]
         return pytree.tree_unflatten(outs, self._out_spec)

@@ -6,7 +6,7 @@ the op's `out=` overload where ATen has one, else by a copy. In kiln's value
 semantics a `view` is a logical reshape, so it runs as `reshape` (our producers'
 layouts need not match eager's strides). For the same reason an input may arrive as a
 strided view (a transpose runs as a permute): the few ATen kernels that refuse one
-get their input made contiguous (_CONTIGUOUS), as eager's composite wrappers do.
+get their input made contiguous (CONTIGUOUS_ARGS), as eager's composite wrappers do.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _constant(value):
     return lambda local: value
 
 
-def _entry(fn):
+def entry_point(fn):
     """An OpOverload's C++ entry point (skips a Python frame per call); else fn."""
     return getattr(fn, "_op", fn)
 
@@ -60,7 +60,7 @@ _CONSTANT = object()
 # Ops whose ATen kernel requires contiguous tensors at these argument positions (eager
 # calls them through wrappers that make the input contiguous first: F.group_norm; or
 # the model did, with a .contiguous() that kiln's strideless values drop).
-_CONTIGUOUS = {"aten.native_group_norm.default": (0,), "aten.view_as_complex.default": (0,)}
+CONTIGUOUS_ARGS = {"aten.native_group_norm.default": (0,), "aten.view_as_complex.default": (0,)}
 
 
 def _contiguous(binder):
@@ -84,9 +84,9 @@ class BoundOps:
             try:
                 self._step(step, values, local)
             except (IndexError, RuntimeError) as e:  # the user's data, or a kiln bug
-                if not _BAD_INDEX.search(str(e)):
+                if not is_bad_index(e):
                     raise
-                raise _index_error(op, e) from e
+                raise index_error(op, e) from e
         for o in self.outputs:
             if local[o] is not values[o]:
                 values[o].copy_(local[o])
@@ -172,7 +172,7 @@ class TorchKernel:
             b = self._binder(a, env)
             args.append(self._fixed(a, env) if b is _CONSTANT else None)
             if b is not _CONSTANT:
-                slots.append((j, _contiguous(b) if j in _CONTIGUOUS.get(op.target, ())
+                slots.append((j, _contiguous(b) if j in CONTIGUOUS_ARGS.get(op.target, ())
                               else b))
         kwargs, kslots = {}, []
         for k, v in op.kwargs.items():
@@ -181,7 +181,7 @@ class TorchKernel:
                 kwargs[k] = self._fixed(v, env)
             else:
                 kslots.append((k, b))
-        plain = _entry(self._fns[i])
+        plain = entry_point(self._fns[i])
         if op.name in self.region.inplace:
             fn, mode = resolve(INPLACE_OF[op.target]), "inplace"
         elif self._outs.get(op.name) is not None:
@@ -217,7 +217,12 @@ class TorchKernel:
 _BAD_INDEX = re.compile(r"\bindex (-?\d+ )?(is )?out of (range|bounds)\b")
 
 
-def _index_error(op: Op, e: Exception) -> IndexOutOfRangeError:
+def is_bad_index(e: Exception) -> bool:
+    """Whether ATen's error says an index value lay outside its dim."""
+    return _BAD_INDEX.search(str(e)) is not None
+
+
+def index_error(op: Op, e: Exception) -> IndexOutOfRangeError:
     """The user's data indexed past a dim: say so at the model's line, not as a raw
     IndexError from inside kiln."""
     return IndexOutOfRangeError(

@@ -216,6 +216,12 @@ def parse(text: str) -> Dim:
     return as_dim(expr)
 
 
+def python_int_code(expr: sympy.Expr) -> str:
+    """A dim expression as Python source reading the sizes from a dict `env`."""
+    code = _PyPrinter().doprint(expr)
+    return code if isinstance(expr, sympy.Symbol) else f"int({code})"
+
+
 @functools.lru_cache(maxsize=4096)
 def compile_expr(expr: sympy.Expr):
     """A fast callable env -> int for a dim expression (used on every call at run time)."""

@@ -107,3 +107,50 @@ def _bind(plan: DispatchPlan, env: dict[str, int], sym: str, size: int, who: str
             "torch.export.Dim(min=, max=)",
         )
     env[sym] = size
+
+
+class FastBinder:
+    """bind_symbols' checks for a well-formed call, without its messages: the sizes, or
+    None for anything else (then bind_symbols says what is wrong). A call at known
+    sizes is host work on the CPU target, and these checks run on every call."""
+
+    def __init__(self, plan: DispatchPlan, device: str | None = None):
+        self.plan = plan
+        self.device_flag = {"cpu": "is_cpu", "cuda": "is_cuda"}.get(device) if device else None
+        self.usable = device is None or self.device_flag is not None
+        self.specs = []
+        for name in plan.user_inputs:
+            v = plan.values[name]
+            static, syms = [], []
+            for d, want in enumerate(v.shape):
+                if isinstance(want, int):
+                    static.append((d, want))
+                elif isinstance(want, sympy.Symbol):
+                    b = plan.symbols.get(want.name)
+                    syms.append((d, want.name, b.lo if b else 0,
+                                 b.hi if b is not None and b.hi is not None else float("inf")))
+                else:  # a size expression: bind_symbols evaluates it
+                    self.usable = False
+            self.specs.append((v.dtype, len(v.shape), static, syms))
+
+    def __call__(self, args: Sequence) -> dict[str, int] | None:
+        if not self.usable or len(args) != len(self.specs):
+            return None
+        env: dict[str, int] = {}
+        flag = self.device_flag
+        for a, (dtype, rank, static, syms) in zip(args, self.specs):
+            if not isinstance(a, torch.Tensor) or a.dtype != dtype:
+                return None
+            if flag is not None and not getattr(a, flag):
+                return None
+            shape = a.shape
+            if len(shape) != rank:
+                return None
+            for d, want in static:
+                if shape[d] != want:
+                    return None
+            for d, sym, lo, hi in syms:
+                size = shape[d]
+                if not lo <= size <= hi or env.setdefault(sym, size) != size:
+                    return None
+        return env

@@ -18,10 +18,11 @@ import torch
 
 from kiln.codegen.build.launcher import current_stream
 from kiln.codegen.kernel_plan import KernelPlan
+from kiln.codegen.torch_program import TorchProgram
 from kiln.errors import ArgumentError
 from kiln.ir.plan import Role
 from kiln.ir.symbolic import evaluate
-from kiln.runtime.guards import bind_symbols
+from kiln.runtime.guards import FastBinder, bind_symbols
 from kiln.runtime.memory_plan import Arena, MemoryPlan
 
 
@@ -47,6 +48,7 @@ class Program:
         self.mem = mem
         self.device = torch.device(kplan.target.torch_device)
         self.arena = Arena(mem, self.plan, self.device)
+        self._fast_bind = FastBinder(self.plan, self.device.type)
         self._bound: dict[tuple, _Bound] = {}
         self._build_steps()
         weights = [(n, v.target) for n, v in self.plan.values.items()
@@ -57,10 +59,20 @@ class Program:
     def _build_steps(self) -> None:
         # Per region, decided once: its kernel and where each output goes (a state
         # tensor written in place, the arena, or a fresh tensor).
+        self._whole = self._torch_program()
         self._steps = [(self.kplan.kernels[r.name],
                         [(o, r.inplace.get(o), self.plan.values[o]) for o in r.outputs])
                        for r in self.plan.regions]
         self._bound.clear()
+
+    def _torch_program(self) -> TorchProgram | None:
+        """On the CPU target, the whole plan as one generated function (no arena, no
+        per-region launches): every region runs as torch ops there."""
+        if self.kplan.target.name != "cpu" or self.plan.recv or self.plan.send:
+            return None
+        if any(self.kplan.kernels[r.name].kind != "torch" for r in self.plan.regions):
+            return None
+        return TorchProgram(self.plan, self.device)
 
     def set_kernel(self, region: str, kernel) -> None:
         """Run `region` with another kernel (e.g. a different config of the same spec)."""
@@ -68,11 +80,17 @@ class Program:
         self._build_steps()
 
     def bind(self, args, names=None) -> dict[str, int]:
-        return bind_symbols(self.plan, args, self.device.type, names)
+        env = self._fast_bind(args)
+        return env if env is not None else bind_symbols(self.plan, args, self.device.type, names)
 
     def run(self, args: list[torch.Tensor], state: dict[str, torch.Tensor],
             env: dict[str, int] | None = None, arena: Arena | None = None) -> list[torch.Tensor]:
         """Run every region; `arena` overrides the program's own (CUDA graphs own theirs)."""
+        if self._whole is not None and arena is None:
+            if env is None:
+                env = self.bind(args)
+            return self._whole(args, list(map(state.__getitem__, self._weight_targets)),
+                               state, env)
         return self._run(args, (), state, env, arena)[0]
 
     def run_stage(self, args: list[torch.Tensor], received: list[torch.Tensor],

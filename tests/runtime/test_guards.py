@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import kiln
-from kiln.errors import ArgumentError, DeviceError, DTypeError, ShapeError
+from kiln.errors import ArgumentError, DeviceError, DTypeError, KilnError, ShapeError
 
 
 class Scale(torch.nn.Module):
@@ -142,3 +142,22 @@ def test_derived_dim_mismatch_names_the_dim():
                        dynamic_shapes=({0: t}, {0: 2 * t}))
     with pytest.raises(ShapeError, match='must equal 2[*]s[0-9]+ [(]s[0-9]+ is dim "t"[)] = 10'):
         exe(torch.randn(5, 3), torch.randn(9, 3))
+
+
+def test_fast_binder_agrees_with_bind_symbols(exe):
+    """Every call: the fast check's sizes are bind_symbols' sizes, or it declines (None)
+    exactly where bind_symbols raises its message."""
+    from kiln.runtime.guards import FastBinder, bind_symbols
+
+    fast = FastBinder(exe.plan, "cpu")
+    r = torch.randn
+    calls = [(r(4, 8), r(4, 3)), (r(16, 8), r(16, 3)), (r(2, 8), r(2, 3)), (r(17, 8), r(17, 3)),
+             (r(1, 8), r(1, 3)), (r(4, 9), r(4, 3)), (r(4, 8), r(5, 3)), (r(4, 8), r(4, 3, 1)),
+             (r(4, 8, dtype=torch.float64), r(4, 3)), (r(4, 8),), (r(4, 8), 3.0),
+             (r(4, 8, device="meta"), r(4, 3))]
+    for args in calls:
+        try:
+            want = bind_symbols(exe.plan, args, "cpu")
+        except KilnError:
+            want = None
+        assert fast(args) == want, [tuple(getattr(a, "shape", ())) for a in args]
