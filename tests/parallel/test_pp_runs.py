@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from kiln.errors import ArgumentError, TargetError
 from kiln.runtime.cuda_graphs import StageGraphRunner, _Captured, _state_targets
 from kiln.runtime.memory_plan import Arena
 from tests.helpers import rel_err
@@ -83,6 +84,10 @@ def _staged(rank, world, tp, pp, overrides, pins):
     errs["batch 2, M=2"] = check((4, 1), 2)
     module.micro_batches(3, split="sequence")
     errs["sequence M=3"] = check((7, 1), 4)
+    with pytest.raises(ArgumentError, match="positive int"):  # refused on every rank
+        module.micro_batches(0)
+    with pytest.raises(TargetError, match="CUDA graphs need a module compiled for a CUDA"):
+        module.cuda_graphs()
     # each stage's step replayed as a "graph" (the CPU stand-in): one per sizes and slot
     module.micro_batches(2)
     graphs = module._stages.graphs = ReplayedStageGraphs(module.program)
