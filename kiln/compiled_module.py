@@ -91,7 +91,9 @@ class CompiledModule:
         `split="sequence"` cuts a causal prefill into chunks through the one cache.
         `dim` names the torch.export.Dim to cut (default: dim 0, or dim 1 for
         "sequence", of the first argument). Every rank calls it with the same values.
-        See kiln/runtime/micro_batches.py."""
+        A batch cut's cache copies are made when the number of slots changes (the
+        copies start as the module's cache): change the cut between batches, not
+        within one. See kiln/runtime/micro_batches.py."""
         if self._stages is None:
             raise ArgumentError("micro-batches pipeline the stages of a pipeline-parallel "
                                 "module, and this one runs whole on one stage",

@@ -90,7 +90,6 @@ class StageRunner:
             error = e
         agree(error, f"{count} micro-batches cut by {split}")
         self.micro = micro if micro.count > 1 else None
-        self._slots = []
 
     def _slot_states(self, state: dict, n: int) -> list[dict]:
         """Per micro-batch, the state it runs on: the module's own for slot 0, copies of
