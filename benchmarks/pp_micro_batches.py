@@ -70,10 +70,11 @@ def run(args) -> dict:
     model, eager = tiny_llama(**shape), tiny_llama(**shape)
     for m in (model, eager):
         m.setup_cache(max_batch_size=B)
-    eager.to(device)
+        m.to(device)
     batch = torch.export.Dim("batch", min=1, max=B)
     seq = torch.export.Dim("seq", min=1, max=T + 16)
-    example = (torch.zeros(2, 8, dtype=torch.long), torch.arange(8))
+    example = (torch.zeros(2, 8, dtype=torch.long, device=device),
+               torch.arange(8, device=device))
     t0 = time.perf_counter()
     module = kiln.compile(model, example, dynamic_shapes=({0: batch, 1: seq}, {0: seq}),
                           target=device, parallel={"pp": int(os.environ["WORLD_SIZE"])})
