@@ -64,7 +64,8 @@ class StageRunner:
         self.micro: MicroBatches | None = None
         self.graphs = None  # a StageGraphRunner when the steps replay CUDA graphs
         self.timeline: list[StageStep] = []  # the last call's steps
-        self._slots: list[dict] = []
+        self._slots: list[dict] = []  # per micro-batch slot after the first: its caches
+        self._slots_of = None  # the module state they copy
         self._state_targets = {v.target for v in self.plan.values.values()
                                if v.role == Role.STATE} | set(self.plan.state_writes)
         recv_idx = _pair_indices(src for _, src in self.plan.recv)
@@ -92,14 +93,16 @@ class StageRunner:
         self.micro = micro if micro.count > 1 else None
 
     def _slot_states(self, state: dict, n: int) -> list[dict]:
-        """Per micro-batch, the state it runs on: the module's own for slot 0, copies of
-        the updated buffers (the KV caches) for the others (batch cuts only)."""
+        """Per micro-batch, the state it runs on: the module's own for slot 0; for the
+        others (batch cuts only) its own copies of the updated buffers (the KV caches)
+        over the module's current weights."""
         want = self.micro.slots if self.micro is not None else 1
-        if len(self._slots) != want or self._slots[0] is not state:
-            self._slots = [state] + [
-                {**state, **{t: state[t].clone() for t in self._state_targets}}
-                for _ in range(want - 1)]
-        return [self._slots[m % want] for m in range(n)]
+        if len(self._slots) != want - 1 or self._slots_of is not state:
+            self._slots = [{t: state[t].clone() for t in self._state_targets}
+                           for _ in range(want - 1)]
+            self._slots_of = state
+        slots = [state] + [{**state, **copies} for copies in self._slots]
+        return [slots[m % want] for m in range(n)]
 
     def run(self, flat: list[torch.Tensor], state) -> list[torch.Tensor]:
         pieces = self.micro.pieces(flat) if self.micro is not None else [flat]
@@ -116,7 +119,7 @@ class StageRunner:
             start = time.perf_counter()
             if self.graphs is not None:
                 out, sent = self.graphs.run_stage(piece, bufs, slots[m], env,
-                                                  slot=m % len(self._slots))
+                                                  slot=m % (len(self._slots) + 1))
             else:
                 out, sent = self.program.run_stage(piece, bufs, slots[m], env)
             self.timeline.append(StageStep(self.cfg.pp_rank, m, start, time.perf_counter()))
