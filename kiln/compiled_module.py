@@ -69,14 +69,42 @@ class CompiledModule:
         `when(*tensor_args) -> bool` picks the calls that use them (e.g. decode steps:
         `lambda tokens, pos: tokens.shape[-1] == 1`); other calls run normally.
         """
-        from kiln.runtime.cuda_graphs import GraphRunner
+        from kiln.runtime.cuda_graphs import GraphRunner, StageGraphRunner
 
         if self._stages is not None:
-            raise ArgumentError("CUDA graphs of a pipeline stage are not supported yet",
-                                hint="run pipeline-parallel modules without cuda_graphs()")
+            if when is not None:
+                raise ArgumentError(
+                    "a pipeline stage replays every call's steps as CUDA graphs; when= "
+                    "would let the ranks of one call disagree",
+                    hint="call cuda_graphs() without when= on a pipeline-parallel module")
+            self._stages.graphs = StageGraphRunner(self.program, max_graphs=max_graphs)
+            return self
         self._graphs = GraphRunner(self.program, max_graphs=max_graphs)
         self._graph_when = when
         return self
+
+    def micro_batches(self, count: int, split: str = "batch",
+                      dim: str | None = None) -> CompiledModule:
+        """Pipeline each later call as `count` micro-batches (GPipe): stage s runs
+        micro-batch m while stage s+1 runs m-1. `split="batch"` cuts the rows (prefill
+        and decode; each micro-batch keeps its own KV-cache copy on every stage);
+        `split="sequence"` cuts a causal prefill into chunks through the one cache.
+        `dim` names the torch.export.Dim to cut (default: dim 0, or dim 1 for
+        "sequence", of the first argument). Every rank calls it with the same values.
+        A batch cut's cache copies are made when the number of slots changes (the
+        copies start as the module's cache): change the cut between batches, not
+        within one. See kiln/runtime/micro_batches.py."""
+        if self._stages is None:
+            raise ArgumentError("micro-batches pipeline the stages of a pipeline-parallel "
+                                "module, and this one runs whole on one stage",
+                                hint="compile with parallel={'pp': P} (P > 1) to use them")
+        self._stages.configure(count, split, dim)
+        return self
+
+    @property
+    def pipeline_timeline(self) -> list:
+        """The last call's steps on this stage: (stage, micro_batch, start, end)."""
+        return list(self._stages.timeline) if self._stages is not None else []
 
     def _flatten(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         if (self._flat_in and not kwargs and len(args) == len(self.plan.user_inputs)
@@ -132,13 +160,14 @@ class CompiledModule:
                 "load it (kiln.load / kiln run DIR) on a machine with that GPU",
             )
         flat = self._flatten(args, kwargs)
-        env = self.program.bind(flat, self.plan.user_inputs)
+        # a pipeline stage binds each micro-batch's sizes itself
+        env = None if self._stages is not None else self.program.bind(flat, self.plan.user_inputs)
         grad = torch.is_grad_enabled()  # torch.no_grad(), without its context objects
         if grad:
             torch._C._set_grad_enabled(False)
         try:
             if self._stages is not None:
-                outs = self._stages.run(flat, self.state, env)
+                outs = self._stages.run(flat, self.state)
             elif self._graphs is not None and (self._graph_when is None or self._graph_when(*flat)):
                 outs = self._graphs.run(flat, self.state, env)
             else:

@@ -194,6 +194,12 @@ class LLM:
                         "not loaded yet", hint="load the checkpoint whole (no tensor "
                         "parallelism) for this model, and report it")
         real = read_weights(wanted)
+        for m in modules:  # a padded vocabulary (vocab_padding.py): zero rows past the real
+            for name, t in m.state.items():
+                got = real.get(name)
+                if got is not None and t.dim() and got.shape[0] < t.shape[0]:
+                    real[name] = torch.cat([got, got.new_zeros(t.shape[0] - got.shape[0],
+                                                                *got.shape[1:])])
         own_buffers = dict(self.model.named_buffers())
         for name, t in buffers.items():
             mine = own_buffers[name]

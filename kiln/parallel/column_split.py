@@ -65,6 +65,8 @@ def blocking_size(node: fx.Node, s: Sharding, depth: int = 0) -> int | None:
             continue
         if name not in VIEW_TARGETS:
             continue
+        if name == "aten.slice.Tensor" and not s.segments and map_axis(u, s.axis) is None:
+            continue  # a slice across the cut (a padded vocabulary's): gathered before it
         nxt = segment_piece(u, s) if name == "aten.slice.Tensor" and s.segments \
             else map_sharding(u, s)
         if nxt is None:

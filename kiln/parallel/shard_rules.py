@@ -234,6 +234,12 @@ class Rules:
         sq = self.committed(q)
         if not (sq.is_shard and sq.axis == len(shape(q)) - 3 and not sq.segments):
             return replicated(node)
+        heads = shape(q)[sq.axis]
+        if sq.parts != self.tp and self.tp % sq.parts == 0 and heads % self.tp == 0:
+            # q arrives cut coarser than its heads allow (a fused wqkv whose k and v
+            # have fewer heads than ranks is cut as finely as they are): each rank takes
+            # its own heads out of its part, a local slice, no communication
+            sq = shard(sq.axis, self.tp)
         if sq.parts != self.tp:
             raise ShapeError(
                 f"tensor parallelism over {self.tp} ranks needs the {shape(q)[sq.axis]} "

@@ -41,6 +41,7 @@ from kiln.parallel.sharding import (
     local_ranges,
 )
 from kiln.parallel.view_axes import RESHAPE_TARGETS, map_sharding
+from kiln.parallel.vocab_padding import pad_vocab
 from kiln.pipeline import as_pass
 
 GROUP = "tp"
@@ -370,6 +371,16 @@ def _split_addmm(kg: KilnGraph) -> None:
             kg.graph.erase_node(node)
 
 
+def _in_checkpoint(cuts: dict, real_rows: dict[str, int]) -> dict:
+    """The cuts as a checkpoint holds them: a padded vocabulary's ranges end at its real
+    rows (a loader zero-fills the rest of the rank's slice)."""
+    out = dict(cuts)
+    for name, rows in real_rows.items():
+        if name in out and out[name][0] == 0:
+            out[name] = (0, [(min(a, rows), min(b, rows)) for a, b in out[name][1]])
+    return out
+
+
 @as_pass
 def tensor_parallel(kg: KilnGraph, ctx) -> KilnGraph:
     cfg = ctx.options.get("parallel")
@@ -377,12 +388,13 @@ def tensor_parallel(kg: KilnGraph, ctx) -> KilnGraph:
         return kg
     declare_group_size(GROUP, cfg.tp)
     _split_addmm(kg)
+    real_rows = pad_vocab(kg, cfg.tp)
     rewriter = _Rewriter(kg, cfg.tp, cfg.tp_rank)
     rewriter.run()
     rewriter.localize()
     rewriter.infer_shapes()
     _drop_identities(kg)
-    ctx.options["weight_cuts"] = dict(rewriter.cut)
+    ctx.options["weight_cuts"] = _in_checkpoint(rewriter.cut, real_rows)
     kg.recompile()
     return kg
 

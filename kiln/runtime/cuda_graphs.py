@@ -4,7 +4,8 @@ A decode step launches hundreds of small kernels; replaying them as one CUDA gra
 removes the per-launch CPU cost. Each graph owns its static inputs, its outputs and
 its own arena, so capturing a new bucket never moves a captured graph's memory.
 State (the KV cache) is updated in place by the graph, as by a plain run.
-Prefill, whose sizes vary call to call, should run without graphs.
+Prefill, whose sizes vary call to call, should run without graphs. A pipeline
+stage's step is captured the same way (StageGraphRunner), its p2p left outside.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ class GraphRunner:
         self.graphs: dict[tuple, _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
+    def _step(self, static: list[torch.Tensor], state, env, arena) -> list[torch.Tensor]:
+        """The work a graph captures, on its static inputs and its own arena."""
+        return self.program.run(static, state, env, arena=arena)
+
     def _key(self, args: list[torch.Tensor], env: dict[str, int]) -> tuple:
         return tuple(sorted(env.items())) + tuple(tuple(a.shape) for a in args)
 
@@ -66,13 +71,13 @@ class GraphRunner:
             k: v.clone() for k, v in state.items() if k in _state_targets(prog)}
         with torch.cuda.stream(side):
             for _ in range(self.warmup):
-                prog.run(static, state, env, arena=arena)
+                self._step(static, state, env, arena)
         torch.cuda.current_stream().wait_stream(side)
         for k, v in snapshot.items():
             state[k].copy_(v)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            outs = prog.run(static, state, env, arena=arena)
+            outs = self._step(static, state, env, arena)
         log.info("captured a CUDA graph for sizes %s", env)
         return _Captured(graph, static, outs, arena)
 
@@ -90,6 +95,41 @@ class GraphRunner:
         cap.graph.replay()
         # The graph rewrites its outputs on every replay: hand the caller its own copy.
         return [o.clone() for o in cap.outputs]
+
+
+class StageGraphRunner(GraphRunner):
+    """A pipeline stage's step as CUDA graphs: the received values are static inputs
+    beside the user's, the values to send static outputs beside the user outputs. The
+    p2p stays outside the graph (StageRunner posts it between replays): NCCL can capture
+    send/recv, but a captured p2p would pin the peers to replaying in lockstep, and
+    gloo cannot be captured at all. A batch cut's micro-batches each run on their own
+    KV-cache copy, whose addresses a graph bakes in: one graph per (sizes, slot)."""
+
+    def __init__(self, program: Program, max_graphs: int = 16, warmup: int = 2):
+        super().__init__(program, max_graphs, warmup)
+        self._n_args = len(program.plan.user_inputs)
+
+    def _step(self, static, state, env, arena) -> list[torch.Tensor]:
+        outs, sent = self.program.run_stage(static[:self._n_args], static[self._n_args:],
+                                            state, env, arena=arena)
+        return outs + sent
+
+    def run_stage(self, args, received, state, env, slot: int = 0):
+        """As Program.run_stage, replayed: (user outputs, copies; values to send, the
+        graph's own buffers, valid until its next replay)."""
+        static = list(args) + list(received)
+        key = self._key(static, env) + (slot,)
+        cap = self.graphs.get(key)
+        if cap is None:
+            if len(self.graphs) >= self.max_graphs:
+                return self.program.run_stage(args, received, state, env)
+            cap = self._capture(static, state, env)
+            self.graphs[key] = cap
+        for dst, src in zip(cap.inputs, static):
+            dst.copy_(src)
+        cap.graph.replay()
+        n_out = len(self.program.plan.outputs)
+        return [o.clone() for o in cap.outputs[:n_out]], cap.outputs[n_out:]
 
 
 def _state_targets(program: Program) -> set[str]:

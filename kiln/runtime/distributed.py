@@ -79,28 +79,43 @@ def _peer_failed(op: str, peer: int, error: Exception) -> DistributedError:
         "the timeout in seconds")
 
 
-def send_tensors(tensors: list, dst: int) -> None:
-    """Send to world rank `dst`, in order (a pipeline stage's activations); all are
-    posted before any is waited on."""
+def post_send(t: torch.Tensor, dst: int, tag: int):
+    """Start sending `t` to world rank `dst` under `tag`; the caller waits (wait_all)."""
     try:
-        works = [dist.isend(t.contiguous(), dst) for t in tensors]
-        for w in works:
-            w.wait()
+        return dist.isend(t, dst, tag=tag)
     except RuntimeError as e:
         raise _peer_failed("sending activations", dst, e) from e
 
 
-def recv_tensors(specs: list[tuple[list[int], torch.dtype]], src: int, device) -> list:
-    """Receive tensors of these (shape, dtype) from world rank `src`, in order."""
-    out = []
+def post_recv(t: torch.Tensor, src: int, tag: int):
+    """Start receiving into `t` from world rank `src` under `tag`."""
     try:
-        for shape, dtype in specs:
-            t = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(t, src)
-            out.append(t)
+        return dist.irecv(t, src, tag=tag)
     except RuntimeError as e:
         raise _peer_failed("receiving activations", src, e) from e
-    return out
+
+
+def wait_all(works: list, what: str, peers: list[int]) -> None:
+    """Wait for posted sends or receives; a dead peer is a DistributedError naming it."""
+    for w, peer in zip(works, peers):
+        try:
+            w.wait()
+        except RuntimeError as e:
+            raise _peer_failed(what, peer, e) from e
+
+
+def agree(error: Exception | None, what: str) -> None:
+    """Every rank raises when any rank's `error` is set: a choice one rank refuses (a
+    call's micro-batches) must not leave the others waiting for it until the timeout."""
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else str(error))
+    if error is not None:
+        raise error
+    for rank, message in enumerate(errors):
+        if message is not None:
+            raise DistributedError(f"rank {rank} refused {what}: {message}",
+                                   hint="every rank must accept it; fix what rank "
+                                   f"{rank} says")
 
 
 def broadcast_tensors(tensors: list, src: int, group_name: str = "pp") -> None:

@@ -95,15 +95,16 @@ class Program:
 
     def run_stage(self, args: list[torch.Tensor], received: list[torch.Tensor],
                   state: dict[str, torch.Tensor], env: dict[str, int] | None = None,
-                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                  arena: Arena | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """One pipeline stage: user inputs and the values received (in `plan.recv` order)
         in, the user outputs (the last stage's only) and the values to send (`plan.send`
-        order) out. Sizes bind from the user inputs, which every rank gets."""
+        order) out. Sizes bind from the user inputs, which every rank gets. `arena` as
+        in `run`."""
         if len(received) != len(self.plan.recv):
             raise ArgumentError(f"this pipeline stage receives {len(self.plan.recv)} values, "
                                 f"got {len(received)}",
                                 hint="pass the values the earlier stages sent, in plan.recv order")
-        return self._run(args, received, state, env, None)
+        return self._run(args, received, state, env, arena)
 
     def _bind_sizes(self, env: dict[str, int], arena: Arena) -> _Bound:
         planned = arena.views(env)

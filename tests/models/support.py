@@ -49,7 +49,7 @@ def make_checkpoint(path, family: str, seed: int = 0, **overrides):
     cfg_cls, model_cls, extra, shard = FAMILIES[family]
     path.mkdir(parents=True, exist_ok=True)
     vocab = make_tokenizer(path)
-    cfg = getattr(transformers, cfg_cls)(vocab_size=vocab, **{**COMMON, **extra, **overrides})
+    cfg = getattr(transformers, cfg_cls)(**{"vocab_size": vocab, **COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():  # HF starts biases at 0 and norms at 1: make them count too

@@ -61,3 +61,29 @@ def test_cli_generate_spawns_its_tensor_parallel_ranks():
     """`kiln generate -tp 2` outside torchrun starts the second rank itself, and prints
     what one device prints."""
     assert _cli_generate("-tp", "2") == _cli_generate()
+
+
+def _load_prefill(rank, world, path, prompt):
+    import kiln.models
+    from tests.models.support import run_alone
+
+    llm = kiln.models.load(path, dtype=torch.float32, tensor_parallel_size=world)
+    head = llm.decode_module.state["lm_head.weight"]
+    return run_alone(llm, torch.tensor(prompt), torch.tensor([], dtype=torch.long)), \
+        tuple(head.shape), float(head[-1].abs().sum())
+
+
+def test_tp2_reads_a_vocabulary_2_does_not_divide_and_pads_it(tmp_path):
+    """97 rows over 2 ranks: each holds 49, the last rank's 49th a zero row no
+    checkpoint has (vocab_padding.py); the logits are the transformers model's."""
+    from tests.models.support import make_checkpoint
+
+    hf = make_checkpoint(tmp_path / "llama", "llama3.1", vocab_size=97)
+    prompt = [1, 5, 9, 13, 2]
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0, -1]
+    out = run_spmd(_load_prefill, 2, str(tmp_path / "llama"), prompt, timeout=400)
+    for logits, shape, _ in out:
+        assert rel_err(logits[0], want) <= 1e-5
+        assert shape == (49, hf.config.hidden_size)
+    assert out[1][2] == 0.0 and out[0][2] > 0

@@ -88,6 +88,20 @@ def test_fused_projections_are_cut_per_segment():
     assert _collectives(kg) == {"all_reduce": 5, "all_gather": 1}
 
 
+def test_a_fused_wqkv_with_fewer_kv_heads_than_ranks_still_cuts():
+    """TP4 of gpt-fast's wqkv with 2 KV heads: the fused weight is cut as finely as
+    k and v allow (2 parts), and each rank slices its own q head out of its half
+    locally instead of the plan being refused."""
+    model = gpt_fast()
+    T = torch.export.Dim("seq", min=1, max=32)
+    args = (torch.randint(0, 128, (1, 6)), torch.arange(6))
+    kg = _rank_graph(model, args, ({1: T}, {0: T}), 4, rank=3)
+    q, k, v = model.layers[0].wqkv.weight.split([64, 32, 32])
+    assert torch.equal(kg.state["layers.0.wqkv.weight"], torch.cat([q[32:], k[16:], v[16:]]))
+    assert kg.state["layers.0.w13.weight"].shape[0] == 2 * 96 // 4
+    assert _collectives(kg) == {"all_reduce": 5, "all_gather": 1}
+
+
 @pytest.mark.parametrize("overrides,tp,match", [
     ({}, 3, "4 .heads or width. is not divisible by 3"),
     ({"intermediate_size": 170}, 4, "170 .heads or width. is not divisible by 4"),
