@@ -169,6 +169,17 @@ def config_space(shape: AttentionShape, rows_hi: int | None) -> list[Config]:
     return configs
 
 
+def miscompiled(config: Config, value_pad: int, target: Target) -> bool:
+    """A config Triton 3.6 builds wrongly for sm_90: with a 16-wide value tile and no
+    pipelining (one stage), the wgmma P@V of a 128-row tile on 4 warps read shared
+    memory out of bounds on an H100 (compute-sanitizer memcheck over every fast-mode
+    candidate, benchmarks/attention_candidates_memcheck.py; tests/fuzz/FINDINGS.md) and
+    poisoned the process's CUDA context. The same tile with 2 or 3 stages was clean.
+    Every one-stage wgmma tile (64 rows and up) at that width is left out."""
+    return (target.backend == "cuda" and isinstance(target.arch, int) and target.arch >= 90
+            and value_pad == 16 and config.num_stages == 1 and config["BLOCK_M"] >= 64)
+
+
 def heuristic(shape: AttentionShape, rows_hi: int | None, target: Target) -> Config:
     d = _pow2(max(shape.head_dim, shape.value_dim))
     if rows_hi is not None and rows_hi <= 16:
@@ -273,11 +284,11 @@ class _AttentionSource:
         source = module_source(self.name, params, body, self.em.helpers, target,
                                p.describe())
         rows_hi = bounds_of(rows, self.plan.symbols).hi
+        dvp = _pow2(s.value_dim)
         default = heuristic(s, rows_hi, target)
-        configs = config_space(s, rows_hi)
+        configs = [c for c in config_space(s, rows_hi) if not miscompiled(c, dvp, target)]
         if default not in configs:
             configs.insert(0, default)
-        dvp = _pow2(s.value_dim)
         meta = {"head_dim": s.head_dim, "value_dim": s.value_dim, "group": s.group,
                 "dtype": str(s.dtype).replace("torch.", ""), "causal": s.causal,
                 "mask": s.mask_kind, "head_dim_pad": _pow2(max(s.head_dim, s.value_dim)),
