@@ -192,6 +192,18 @@ def use_expert_form(model: nn.Module, form: str) -> None:
             m.form = form
 
 
+def use_expert_parallel(model: nn.Module, on: bool = True) -> None:
+    """Under tensor parallelism, cut every routed MoE of `model` by expert (each rank
+    holds E / T experts and runs them on every token; DeepSeek's layout) instead of by
+    each expert's intermediate width; its experts then run grouped (kiln::moe_experts):
+    the gathered form would gather every expert's weights to each rank."""
+    for m in model.modules():
+        if isinstance(m, RoutedMoE):
+            m.experts.expert_parallel = on
+            if on:
+                m.form = "grouped"
+
+
 def set_decode_batch(model: nn.Module, rows: int) -> None:
     """Tell every RoutedMoE of `model` the most rows a decode step routes (the cache's
     max batch): auto's choice for a decode module with a dynamic batch."""

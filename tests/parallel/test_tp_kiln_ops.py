@@ -15,6 +15,7 @@ import torch
 
 import kiln
 from kiln.errors import ShapeError
+from kiln.models.moe import use_expert_parallel
 from tests.helpers import rel_err
 from tests.parallel.spmd import run_spmd
 
@@ -46,12 +47,16 @@ def checkpoints(tmp_path_factory):
     return {"deepseek_v3": str(root / "deepseek_v3"), "qwen3_next": str(root / "qwen3_next")}
 
 
-def _eager(path):
+def _load(path):
     from kiln.models import deepseek_v3_checkpoint, hf
 
     loader = deepseek_v3_checkpoint if path.endswith("deepseek_v3") else hf
     model, _ = loader.load_checkpoint(path, torch.float32, max_seq_len=32)
     model.setup_cache()
+    # DeepSeek-V3: kiln::latent_attention over the cache for prefill and decode, the
+    # experts read through their ids; Qwen3-Next: the experts as kiln::moe_experts
+    model.use_forms(*(("absorbed", "gathered") if path.endswith("deepseek_v3")
+                      else ("grouped",)))
     return model
 
 
@@ -65,44 +70,82 @@ def _fp8_mlp():
 
 
 def _ranks(rank, world, paths):
-    """Per model: the largest error of prefill and decode logits against the model run
-    whole, and this rank's weight bytes (kiln explain) against the whole model's."""
-    import kiln.models
-
+    """Per model, one module for every T (a prefill, then decode steps through the
+    cache or recurrent state it left): the largest error of its logits against the
+    model run whole, the shapes this rank holds, and its weight bytes (kiln explain)
+    against the whole model's bytes of the same tensors."""
     out = {}
     tokens = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(5))
+    seq = torch.export.Dim("seq", min=1, max=16)
     for family, path in paths.items():
-        llm = kiln.models.load(path, dtype=torch.float32, max_seq_len=32,
-                               tensor_parallel_size=world)
-        eager = _eager(path)
+        model, eager = _load(path), _load(path)  # two caches: each model writes its own
+        if family == "qwen3_next":
+            use_expert_parallel(model)  # its 4 experts: 2 per rank
+        module = kiln.compile(model, (tokens[:, :4], torch.arange(4)[None]),
+                              dynamic_shapes=({1: seq}, {1: seq}), parallel={"tp": world})
+        errs = []
         with torch.no_grad():
-            errs = [rel_err(llm.forward(tokens[:, :7], torch.arange(7)),
-                            eager(tokens[:, :7], torch.arange(7)))]
-            for p in range(7, 10):  # decode steps over the cache / state prefill left
-                step = (tokens[:, p:p + 1], torch.tensor([[p]]))
-                errs.append(rel_err(llm.forward(*step), eager(*step)))
-        whole = {n: t.numel() * t.element_size() for n, t in
-                 [*eager.named_parameters(), *eager.named_buffers()]}
-        mine = {n: t.numel() * t.element_size() for m in (llm.prefill_module, llm.decode_module)
-                for n, t in m.state.items() if n in whole}
-        out[family] = (max(errs), sum(mine.values()), sum(whole[n] for n in mine),
-                       _weight_bytes(llm.prefill_module), _weight_bytes(llm.decode_module))
+            for a, b in ((0, 7), (7, 8), (8, 9), (9, 10)):
+                args = (tokens[:, a:b], torch.arange(a, b)[None])
+                errs.append(rel_err(module(*args), eager(*args)))
+        whole = dict(eager.named_parameters()) | dict(eager.named_buffers())
+        held = {n: t for n, t in module.state.items() if n in whole}
+        out[family] = dict(err=max(errs), shapes={n: tuple(t.shape) for n, t in held.items()},
+                           held=sum(t.nbytes for t in held.values()),
+                           whole=sum(whole[n].nbytes for n in held),
+                           explain_kib=_weight_bytes(module))
     mlp = _fp8_mlp()
-    seq = torch.export.Dim("seq", min=1, max=128)
     x = torch.randn(1, 80, 256)
-    module = kiln.compile(mlp, (x,), dynamic_shapes=({1: seq},), parallel={"tp": world})
-    with torch.no_grad():
+    module = kiln.compile(mlp, (x,), dynamic_shapes=({1: torch.export.Dim("rows", max=128)},),
+                          parallel={"tp": world})
+    with torch.no_grad():  # 80 rows: fp8 quantize + scaled mm; 1 row: the whole linear
         out["fp8"] = max(rel_err(module(x[:, :n]), mlp(x[:, :n])) for n in (80, 1))
+    experts, x, weights, ids = _experts()  # kiln::moe_experts cut by width
+    module = kiln.compile(experts, (x, weights, ids), parallel={"tp": world})
+    with torch.no_grad():
+        out["experts"] = rel_err(module(x, weights, ids), experts(x, weights, ids))
     return out
 
 
+def _experts():
+    from kiln.models.moe import Experts
+
+    torch.manual_seed(6)
+    experts = Experts(4, 32, 64)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x, weights = torch.randn(6, 64), torch.rand(6, 2)
+    ids = torch.stack([torch.randperm(4)[:2] for _ in range(6)])
+    return Grouped(experts), x, weights, ids
+
+
+class Grouped(torch.nn.Module):
+    def __init__(self, experts):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, x, weights, ids):
+        return self.experts.grouped(x, weights, ids)
+
+
 def test_deepseek_v3_qwen3_next_and_fp8_tp2_match_one_device(checkpoints):
-    for out in run_spmd(_ranks, 2, checkpoints, timeout=400):
+    for rank, out in enumerate(run_spmd(_ranks, 2, checkpoints, timeout=400)):
         for family in ("deepseek_v3", "qwen3_next"):
-            err, held, whole, prefill_kib, decode_kib = out[family]
-            assert err <= 1e-5, (family, err)
-            assert held < 0.75 * whole, (family, held, whole)  # norms, router, cache whole
-        assert out["fp8"] <= 1e-5, out["fp8"]
+            got = out[family]
+            assert got["err"] <= 1e-5, (family, got["err"])
+            assert got["held"] < 0.75 * got["whole"], got  # norms, router, caches whole
+        ds = out["deepseek_v3"]["shapes"]
+        attn, experts = "model.layers.1.self_attn.", "model.layers.1.mlp.experts."
+        assert ds[attn + "w_uk"] == (2, 16, 32) and ds[attn + "w_uv"] == (2, 32, 16)
+        assert ds[attn + "q_b_proj.weight"] == (2 * 24, 48)
+        assert ds[attn + "q_a_proj.weight"] == (48, 64)  # seeded whole
+        assert ds[attn + "kv_a_proj_with_mqa.weight"] == (40, 64)
+        assert ds[attn + "latent_cache.latent_cache"] == (1, 32, 40)  # read by every head
+        assert ds[experts + "gate_proj"] == (8, 16, 64) and ds[experts + "down_proj"] == (8, 64, 16)
+        qn = out["qwen3_next"]["shapes"]
+        assert qn["model.layers.0.linear_attn.state.recurrent"] == (1, 2, 16, 8)
+        assert out["fp8"] <= 1e-5 and out["experts"] <= 1e-5, out
+        assert qn["model.layers.0.mlp.experts.up_proj"] == (2, 32, 64)  # by expert
 
 
 # ---- one rank's plan -------------------------------------------------------------------
@@ -127,37 +170,29 @@ def _tiny_deepseek(**overrides):
     from kiln.models.deepseek_v3 import DeepseekV3Config
     from kiln.models.deepseek_v3_checkpoint import random_model
 
-    cfg = DeepseekV3Config(vocab_size=128, dim=64, n_layers=2, n_heads=4, q_lora_rank=48,
+    cfg = DeepseekV3Config(vocab_size=128, dim=64, n_layers=1, n_heads=4, q_lora_rank=48,
                            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                            v_head_dim=16, intermediate_size=96, moe_intermediate_size=32,
                            n_routed_experts=8, n_experts_per_tok=2, n_group=4, topk_group=2,
-                           first_k_dense_replace=1, max_seq_len=32).with_(**overrides)
+                           first_k_dense_replace=0, max_seq_len=32).with_(**overrides)
     model = random_model(cfg)
     model.setup_cache()
     return model
 
 
-def test_latent_attention_and_experts_cut_by_heads_and_width():
+def test_expanded_latent_attention_is_cut_by_heads():
+    """Prefill's form: kv_b_proj (a linear over the cache, a bmm) expands every head's
+    keys and values: cut by heads like q_b_proj; the latent itself stays whole."""
     model = _tiny_deepseek()
-    decode = _plan(model, 2, rank=1, seq_len=1)  # absorbed: kiln::latent_attention
-    shapes = _shapes(decode)
-    attn = "model.layers.1.self_attn."
-    assert shapes[attn + "w_uk"] == (2, 16, 32) and shapes[attn + "w_uv"] == (2, 32, 16)
-    assert shapes[attn + "q_b_proj.weight"] == (2 * 24, 48)
-    assert shapes[attn + "q_a_proj.weight"] == (48, 64)  # seeded whole
+    kg = _plan(model, 2, rank=1, seq_len=4)
+    shapes = _shapes(kg)
+    attn = "model.layers.0.self_attn."
+    assert shapes[attn + "kv_b_proj.weight"] == (2 * 32, 32)
+    full = model.model.layers[0].self_attn.kv_b_proj.weight
+    assert torch.equal(kg.state[attn + "kv_b_proj.weight"], full[64:])
     assert shapes[attn + "kv_a_proj_with_mqa.weight"] == (40, 64)
-    assert shapes[attn + "latent_cache.latent_cache"] == (1, 32, 40)  # shared by all heads
-    assert shapes[attn + "o_proj.weight"] == (64, 32)
-    experts = "model.layers.1.mlp.experts."
-    assert shapes[experts + "gate_proj"] == (8, 16, 64)
-    assert shapes[experts + "down_proj"] == (8, 64, 16)
-    assert shapes["model.layers.1.mlp.gate.weight"] == (8, 64)
-    # embedding, o_proj and MLP of 2 layers; routed + shared experts summed before one
-    assert _collectives(decode).count("kiln.all_reduce.default") == 5
-    full = model.model.layers[1].self_attn.w_uk
-    assert torch.equal(decode.state[attn + "w_uk"], full[2:])
-    prefill = _shapes(_plan(model, 2, rank=1, seq_len=4))  # expanded: kv_b_proj by heads
-    assert prefill[attn + "kv_b_proj.weight"] == (2 * 32, 32)
+    # embedding, o_proj, routed + shared experts summed before one; the logits
+    assert _collectives(kg) == ["kiln.all_gather.default"] + ["kiln.all_reduce.default"] * 3
 
 
 def test_gated_delta_rule_is_cut_by_heads_with_its_state():
