@@ -129,7 +129,7 @@ class Grouped(torch.nn.Module):
 
 
 def test_deepseek_v3_qwen3_next_and_fp8_tp2_match_one_device(checkpoints):
-    for rank, out in enumerate(run_spmd(_ranks, 2, checkpoints, timeout=400)):
+    for out in run_spmd(_ranks, 2, checkpoints, timeout=400):
         for family in ("deepseek_v3", "qwen3_next"):
             got = out[family]
             assert got["err"] <= 1e-5, (family, got["err"])
