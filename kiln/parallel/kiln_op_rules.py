@@ -40,7 +40,7 @@ def gated_delta_rule(rules, node: fx.Node) -> Decision:
     a = bind_args(node)
     q, k, v, g, beta = (a[n] for n in ("q", "k", "v", "g", "beta"))
     state, cu = a.get("initial_state"), a.get("cu_seqlens")
-    cut = [(q, 2), (k, 2), (v, 2), (g, 2), (beta, 2)] + ([(state, 1)] if state else [])
+    cut = [(q, 2), (k, 2), (v, 2), (g, 2), (beta, 2)] + ([(state, 1)] if state is not None else [])
     parts = next((s.parts for n, axis in cut if _heads_cut(s := rules.committed(n), axis)),
                  None)
     heads, value_heads = shape(q)[2], shape(v)[2]

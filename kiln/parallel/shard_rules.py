@@ -362,9 +362,11 @@ class Rules:
         src, dim, index = node.args[:3]
         s = self.committed(src)
         rank = len(shape(src))
-        if not s.is_shard or s.axis == norm_axis(dim, rank) \
-                or shape(index)[s.axis] != shape(src)[s.axis]:
-            return replicated(node)
+        size, along = shape(src)[s.axis] if s.is_shard else None, None
+        if s.is_shard and s.axis != norm_axis(dim, rank):
+            along = shape(index)[s.axis]
+        if not (isinstance(size, int) and isinstance(along, int) and along == size):
+            return replicated(node)  # (compared as ints: no guard on a size symbol)
         return Decision(s, {src: s, index: s})
 
     def pointwise(self, node: fx.Node) -> Decision:

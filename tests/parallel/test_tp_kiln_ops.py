@@ -53,10 +53,6 @@ def _load(path):
     loader = deepseek_v3_checkpoint if path.endswith("deepseek_v3") else hf
     model, _ = loader.load_checkpoint(path, torch.float32, max_seq_len=32)
     model.setup_cache()
-    # DeepSeek-V3: kiln::latent_attention over the cache for prefill and decode, the
-    # experts read through their ids; Qwen3-Next: the experts as kiln::moe_experts
-    model.use_forms(*(("absorbed", "gathered") if path.endswith("deepseek_v3")
-                      else ("grouped",)))
     return model
 
 
@@ -69,63 +65,55 @@ def _fp8_mlp():
     return torch.nn.Sequential(up, torch.nn.SiLU(), down)
 
 
+def _held(modules, eager) -> dict:
+    """This rank's tensors of the model (shapes, bytes), the same tensors' bytes whole,
+    and its weight bytes as `kiln explain` prints them (KiB, caches included)."""
+    whole = dict(eager.named_parameters()) | dict(eager.named_buffers())
+    held = {n: t for m in modules for n, t in m.state.items() if n in whole}
+    return dict(shapes={n: tuple(t.shape) for n, t in held.items()},
+                held=sum(t.nbytes for t in held.values()),
+                whole=sum(whole[n].nbytes for n in held),
+                explain_kib=[_weight_bytes(m) for m in modules])
+
+
 def _ranks(rank, world, paths):
-    """Per model, one module for every T (a prefill, then decode steps through the
-    cache or recurrent state it left): the largest error of its logits against the
-    model run whole, the shapes this rank holds, and its weight bytes (kiln explain)
-    against the whole model's bytes of the same tensors."""
+    """The largest error of each model's logits over a prefill and decode steps (through
+    the cache or recurrent state the prefill left) against the model run whole, and
+    what this rank holds. DeepSeek-V3: one module for every T, kiln::latent_attention
+    over the cache, the experts cut by expert. Qwen3-Next: the LLM kiln.models.load
+    makes (built on the meta device, each rank reading its slices of the checkpoint;
+    a prefill module with kiln::moe_experts, a decode one gathering the chosen experts'
+    weights, both cut by each expert's width)."""
+    import kiln.models
+
     out = {}
     tokens = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(5))
+    steps = ((0, 7), (7, 8), (8, 9), (9, 10))
+    model, eager = _load(paths["deepseek_v3"]), _load(paths["deepseek_v3"])
+    model.use_forms("absorbed")
+    eager.use_forms("absorbed")
+    use_expert_parallel(model)  # its 8 experts: 4 per rank
     seq = torch.export.Dim("seq", min=1, max=16)
-    for family, path in paths.items():
-        model, eager = _load(path), _load(path)  # two caches: each model writes its own
-        if family == "qwen3_next":
-            use_expert_parallel(model)  # its 4 experts: 2 per rank
-        module = kiln.compile(model, (tokens[:, :4], torch.arange(4)[None]),
-                              dynamic_shapes=({1: seq}, {1: seq}), parallel={"tp": world})
-        errs = []
-        with torch.no_grad():
-            for a, b in ((0, 7), (7, 8), (8, 9), (9, 10)):
-                args = (tokens[:, a:b], torch.arange(a, b)[None])
-                errs.append(rel_err(module(*args), eager(*args)))
-        whole = dict(eager.named_parameters()) | dict(eager.named_buffers())
-        held = {n: t for n, t in module.state.items() if n in whole}
-        out[family] = dict(err=max(errs), shapes={n: tuple(t.shape) for n, t in held.items()},
-                           held=sum(t.nbytes for t in held.values()),
-                           whole=sum(whole[n].nbytes for n in held),
-                           explain_kib=_weight_bytes(module))
+    module = kiln.compile(model, (tokens[:, :4], torch.arange(4)[None]),
+                          dynamic_shapes=({1: seq}, {1: seq}), parallel={"tp": world})
+    with torch.no_grad():
+        err = max(rel_err(module(tokens[:, a:b], torch.arange(a, b)[None]),
+                          eager(tokens[:, a:b], torch.arange(a, b)[None])) for a, b in steps)
+    out["deepseek_v3"] = dict(err=err, **_held([module], eager))
+    llm = kiln.models.load(paths["qwen3_next"], dtype=torch.float32, max_seq_len=32,
+                           tensor_parallel_size=world)
+    eager = _load(paths["qwen3_next"])
+    with torch.no_grad():
+        err = max(rel_err(llm.forward(tokens[:, a:b], torch.arange(a, b)[None]),
+                          eager(tokens[:, a:b], torch.arange(a, b)[None])) for a, b in steps)
+    out["qwen3_next"] = dict(err=err, **_held([llm.prefill_module, llm.decode_module], eager))
     mlp = _fp8_mlp()
     x = torch.randn(1, 80, 256)
     module = kiln.compile(mlp, (x,), dynamic_shapes=({1: torch.export.Dim("rows", max=128)},),
                           parallel={"tp": world})
     with torch.no_grad():  # 80 rows: fp8 quantize + scaled mm; 1 row: the whole linear
         out["fp8"] = max(rel_err(module(x[:, :n]), mlp(x[:, :n])) for n in (80, 1))
-    experts, x, weights, ids = _experts()  # kiln::moe_experts cut by width
-    module = kiln.compile(experts, (x, weights, ids), parallel={"tp": world})
-    with torch.no_grad():
-        out["experts"] = rel_err(module(x, weights, ids), experts(x, weights, ids))
     return out
-
-
-def _experts():
-    from kiln.models.moe import Experts
-
-    torch.manual_seed(6)
-    experts = Experts(4, 32, 64)
-    for p in experts.parameters():
-        torch.nn.init.normal_(p, std=0.1)
-    x, weights = torch.randn(6, 64), torch.rand(6, 2)
-    ids = torch.stack([torch.randperm(4)[:2] for _ in range(6)])
-    return Grouped(experts), x, weights, ids
-
-
-class Grouped(torch.nn.Module):
-    def __init__(self, experts):
-        super().__init__()
-        self.experts = experts
-
-    def forward(self, x, weights, ids):
-        return self.experts.grouped(x, weights, ids)
 
 
 def test_deepseek_v3_qwen3_next_and_fp8_tp2_match_one_device(checkpoints):
@@ -141,11 +129,12 @@ def test_deepseek_v3_qwen3_next_and_fp8_tp2_match_one_device(checkpoints):
         assert ds[attn + "q_a_proj.weight"] == (48, 64)  # seeded whole
         assert ds[attn + "kv_a_proj_with_mqa.weight"] == (40, 64)
         assert ds[attn + "latent_cache.latent_cache"] == (1, 32, 40)  # read by every head
-        assert ds[experts + "gate_proj"] == (8, 16, 64) and ds[experts + "down_proj"] == (8, 64, 16)
+        assert ds[experts + "gate_proj"] == (4, 32, 64)  # by expert
         qn = out["qwen3_next"]["shapes"]
         assert qn["model.layers.0.linear_attn.state.recurrent"] == (1, 2, 16, 8)
-        assert out["fp8"] <= 1e-5 and out["experts"] <= 1e-5, out
-        assert qn["model.layers.0.mlp.experts.up_proj"] == (2, 32, 64)  # by expert
+        assert qn["model.layers.0.linear_attn.conv1d.weight"] == (48, 1, 4)
+        assert qn["model.layers.0.mlp.experts.up_proj"] == (4, 16, 64)  # by width
+        assert out["fp8"] <= 1e-5, out["fp8"]
 
 
 # ---- one rank's plan -------------------------------------------------------------------
