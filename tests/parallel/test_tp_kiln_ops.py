@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kiln
-from kiln.errors import ShapeError
+from kiln.errors import ArgumentError, ShapeError
 from kiln.models.moe import use_expert_parallel
 from tests.helpers import rel_err
 from tests.parallel.spmd import run_spmd
@@ -236,3 +236,21 @@ def test_fp8_blocks_cut_whole_or_refused():
 def test_tp_that_does_not_divide_heads_or_experts_is_a_clear_error(overrides, tp, match):
     with pytest.raises(ShapeError, match=match):
         _plan(_tiny_deepseek(**overrides), tp)
+
+
+class _Seeded(torch.nn.Linear):
+    def __init__(self, spec):
+        super().__init__(64, 32, bias=False)
+        self.spec = spec
+
+    def tensor_parallel_seeds(self):
+        return {"weight": self.spec}
+
+
+def test_seeds_cut_up_front_and_a_bad_seed_is_a_clear_error():
+    x = torch.randn(2, 64)
+    kg = kiln.compile(_Seeded(1), (x,), compile_to="parallel", parallel={"tp": 2, "rank": 1})
+    assert tuple(kg.state["weight"].shape) == (32, 32)  # input features: row parallel
+    assert _collectives(kg) == ["kiln.all_reduce.default"]
+    with pytest.raises(ArgumentError, match="seed of weight names axis 5"):
+        kiln.compile(_Seeded(5), (x,), compile_to="parallel", parallel={"tp": 2, "rank": 0})
