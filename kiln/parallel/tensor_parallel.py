@@ -373,6 +373,19 @@ def _finer(have: Sharding, want: Sharding) -> bool:
             and want.parts % have.parts == 0)
 
 
+def _drop_unread_weights(kg: KilnGraph) -> None:
+    """Weights this plan never reads leave it, so no rank holds them whole (DeepSeek-V3's
+    decode reads W_UK / W_UV, not the kv_b_proj they came from, which its prefill cuts
+    by heads). The model still owns them."""
+    kinds = {i.name: i for i in kg.inputs}
+    for node in list(kg.graph.nodes):
+        spec = kinds.get(node.name)
+        if node.op == "placeholder" and not node.users and spec is not None \
+                and spec.kind in _WEIGHT_KINDS and spec.target not in kg.mutable:
+            kg.inputs = [i for i in kg.inputs if i.name != node.name]
+            kg.graph.erase_node(node)
+
+
 def _split_addmm(kg: KilnGraph) -> None:
     """addmm -> mm + add, so a row-parallel bias is added once, after the sum."""
     for node in list(kg.graph.nodes):
@@ -398,6 +411,7 @@ def tensor_parallel(kg: KilnGraph, ctx) -> KilnGraph:
     declare_group_size(GROUP, cfg.tp)
     _split_addmm(kg)
     rewriter = _Rewriter(kg, cfg.tp, cfg.tp_rank, ctx.options.get("tp_seeds"))
+    _drop_unread_weights(kg)
     rewriter.run()
     rewriter.localize()
     rewriter.infer_shapes()

@@ -179,6 +179,7 @@ def test_expanded_latent_attention_is_cut_by_heads():
     assert shapes[attn + "kv_b_proj.weight"] == (2 * 32, 32)
     full = model.model.layers[0].self_attn.kv_b_proj.weight
     assert torch.equal(kg.state[attn + "kv_b_proj.weight"], full[64:])
+    assert attn + "w_uk" not in shapes  # decode's absorbed weights: unread here, not held
     assert shapes[attn + "kv_a_proj_with_mqa.weight"] == (40, 64)
     # embedding, o_proj, routed + shared experts summed before one; the logits
     assert _collectives(kg) == ["kiln.all_gather.default"] + ["kiln.all_reduce.default"] * 3
