@@ -34,6 +34,7 @@ from kiln.graph import GRAPH_PASSES
 from kiln.parallel.assign_devices import assign_devices
 from kiln.parallel.config import parse_parallel
 from kiln.parallel.pipeline_stages import pipeline_stages
+from kiln.parallel.seeds import collect_seeds
 from kiln.parallel.tensor_parallel import tensor_parallel
 from kiln.pipeline import Context, PassManager, Stage
 from kiln.runtime.distributed import join_world
@@ -107,6 +108,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
         ctx.options["device_map"] = check_device_map(device_map)
     if pins is not None:
         ctx.options["pins"] = check_pins(pins)
+    if cfg.tp > 1:
+        ctx.options["tp_seeds"] = collect_seeds(model)
     if not cfg.is_single and compile_to is None:
         join_world(cfg.tp, cfg.pp, tgt.torch_device, ctx.options.get("device_map"))
     ctx.options["example_leaves"] = pytree.tree_leaves((args, kwargs))

@@ -16,7 +16,7 @@ bounded by the weights themselves (a broadcast of a bias to every row is not).
 
 Weights that only folded subgraphs read leave the graph. Never folds a node that
 reads a mutable buffer (`KilnGraph.mutable`) or a user input. Assumes weights have
-static shapes (they are real tensors).
+static shapes (they are real tensors); weights on the meta device are not folded.
 """
 
 from __future__ import annotations
@@ -43,7 +43,10 @@ _NOT_FOLDABLE = {OpCategory.SCATTER, OpCategory.EXTERN}
 
 
 def constant_placeholders(kg: KilnGraph) -> dict[fx.Node, torch.Tensor]:
-    """Placeholders holding weights the model never changes, with their tensors."""
+    """Placeholders holding weights the model never changes, with their tensors; not
+    those on the meta device, whose values do not exist yet (a model compiled before
+    its weights are read, as each rank of a multi-device plan reads only its slices):
+    what they compute stays in the graph and runs on the weights read later."""
     spec = {i.name: i for i in kg.inputs}
     out = {}
     for node in kg.graph.nodes:
@@ -52,7 +55,7 @@ def constant_placeholders(kg: KilnGraph) -> dict[fx.Node, torch.Tensor]:
         i = spec[node.name]
         if i.kind in ("param", "buffer", "constant") and i.target not in kg.mutable:
             t = kg.state.get(i.target)
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 out[node] = t
     return out
 

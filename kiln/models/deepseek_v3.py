@@ -226,6 +226,15 @@ class LatentAttention(nn.Module):
         self.register_buffer("w_uv", torch.empty(H, r, cfg.v_head_dim), persistent=False)
         self.latent_cache: ContiguousLatentCache | PagedLatentCache | None = None
 
+    def tensor_parallel_seeds(self) -> dict:
+        """Tensor parallelism cuts MLA by heads (q_b / q, kv_b and o_proj follow from
+        the heads; the latent cache stays whole: every head reads all of it). The down
+        projections feed norms over their whole output: whole on every rank, as vLLM
+        keeps them (their fp8 scales and biases too)."""
+        whole = [m for m in ("q_a_proj", "kv_a_proj_with_mqa") if hasattr(self, m)]
+        return {f"{m}.{name}": None for m in whole
+                for name, _ in getattr(self, m).named_parameters()}
+
     @torch.no_grad()
     def absorb_weights(self) -> None:
         """Split kv_b_proj into W_UK and W_UV (call after its weights are loaded).

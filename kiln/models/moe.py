@@ -74,6 +74,10 @@ class MLPSizes:
 class Router(nn.Module):
     """HF's `mlp.gate`: scores every expert, picks num_experts_per_tok of them."""
 
+    def tensor_parallel_seeds(self) -> dict:
+        """A router scores every expert of a whole row: whole on every rank."""
+        return {"weight": None, "e_score_correction_bias": None}
+
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
@@ -122,6 +126,15 @@ class Experts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(n_experts, intermediate, dim))
         self.up_proj = nn.Parameter(torch.empty(n_experts, intermediate, dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, intermediate))
+        self.expert_parallel = False  # tensor parallelism cuts experts, not widths
+
+    def tensor_parallel_seeds(self) -> dict:
+        """Tensor parallel over each expert's intermediate width (gate and up by rows,
+        down by columns; kiln::moe_experts and the gathered form both keep the cut), or
+        with `expert_parallel` set, by expert (every rank runs E / T experts; the
+        grouped form only: the gathered one would gather every expert's weights)."""
+        axes = (0, 0, 0) if self.expert_parallel else (1, 1, 2)
+        return dict(zip(EXPERT_WEIGHTS, axes))
 
     def gathered(self, x, weights, ids):
         """x [N, dim], weights/ids [N, k]: only the chosen experts' weights are read.
@@ -250,6 +263,18 @@ def use_expert_form(model: nn.Module, form: str) -> None:
     for m in model.modules():
         if isinstance(m, RoutedMoE):
             m.form = form
+
+
+def use_expert_parallel(model: nn.Module, on: bool = True) -> None:
+    """Under tensor parallelism, cut every routed MoE of `model` by expert (each rank
+    holds E / T experts and runs them on every token; DeepSeek's layout) instead of by
+    each expert's intermediate width; its experts then run grouped (kiln::moe_experts):
+    the gathered form would gather every expert's weights to each rank."""
+    for m in model.modules():
+        if isinstance(m, RoutedMoE):
+            m.experts.expert_parallel = on
+            if on:
+                m.form = "grouped"
 
 
 def set_decode_batch(model: nn.Module, rows: int) -> None:

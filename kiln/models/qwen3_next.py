@@ -215,6 +215,14 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, cfg.dim, bias=False)
         self.state: LinearAttentionState | None = None
 
+    def tensor_parallel_seeds(self) -> dict:
+        """Tensor parallelism cuts this layer by heads (kiln.compile's parallel=); the
+        recurrent and convolution state are read before the ops that decide their cut
+        write them, so they are cut up front: by value heads, and per segment of the
+        convolution's [q, k, v] channels."""
+        return {"state.recurrent": 1,
+                "state.conv": (2, (self.key_dim, self.key_dim, self.value_dim))}
+
     def split_projections(self, x):
         """q, k [B, T, Hk * Dk], v [B, T, Hv * Dv], z [B, T, Hv, Dv], b, a [B, T, Hv].
 
@@ -328,6 +336,10 @@ class SparseMoE(RoutedMoE):
         self.experts = Experts(cfg.n_experts, cfg.moe_intermediate_size, cfg.dim)
         self.shared_expert = MLP(cfg.dim, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.dim, 1, bias=False)
+
+    def tensor_parallel_seeds(self) -> dict:
+        """The router and the shared expert's gate score whole rows: whole on every rank."""
+        return {"gate.weight": None, "shared_expert_gate.weight": None}
 
     def routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, dim] -> (weights [N, k] fp32, expert ids [N, k]): softmax in fp32 over

@@ -78,16 +78,17 @@ def blocking_size(node: fx.Node, s: Sharding, depth: int = 0) -> int | None:
     return None
 
 
-def column_parts(mm: fx.Node, tp: int) -> tuple[int, tuple[int, ...] | None]:
-    """(parts, segments) for cutting the output features (axis 1) of matmul `mm`.
+def column_parts(mm: fx.Node, tp: int, axis: int = 1) -> tuple[int, tuple[int, ...] | None]:
+    """(parts, segments) for cutting the output features (`axis`: 1 for a matmul, the
+    last for an fp8 linear) of the projection `mm`.
 
     Fewer parts than ranks only when there are fewer heads than ranks and the ranks
     divide evenly among them (KV heads under a large T); a head count or width that
     T does not divide is the user's error, not a silent replication.
     """
-    segs = fused_segments(mm, 1)
-    size = shape(mm)[1]
-    full = Sharding("shard", 1, tp, segs)
+    segs = fused_segments(mm, axis)
+    size = shape(mm)[axis]
+    full = Sharding("shard", axis, tp, segs)
     blocked = blocking_size(mm, full)
     if blocked is None and divides(size, full):
         return (tp, segs)
@@ -100,7 +101,7 @@ def column_parts(mm: fx.Node, tp: int) -> tuple[int, tuple[int, ...] | None]:
             where=where(mm),
             hint=f"choose a tp that divides {blocked} (only key/value heads may be fewer "
             "than tp, when tp is a multiple of them)")
-    s = Sharding("shard", 1, blocked, segs)
+    s = Sharding("shard", axis, blocked, segs)
     if divides(size, s) and blocking_size(mm, s) is None:
         return (blocked, segs)
     return (1, None)

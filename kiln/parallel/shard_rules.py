@@ -10,9 +10,6 @@ about never breaks a tensor-parallel plan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import torch
 import torch.fx as fx
 
 from kiln.errors import ShapeError
@@ -26,23 +23,10 @@ from kiln.ir.ops import (
     op_name,
     reduction_dims,
 )
+from kiln.parallel.decision import Decision, replicated, shape, tensor_inputs
+from kiln.parallel.kiln_op_rules import RULES as KILN_OP_RULES
 from kiln.parallel.sharding import PARTIAL, REPLICATE, Sharding, divides, shard
 from kiln.parallel.view_axes import VIEW_TARGETS, map_sharding
-
-
-@dataclass
-class Decision:
-    out: Sharding | list[Sharding]
-    wants: dict[fx.Node, Sharding] = field(default_factory=dict)
-    rewrite: str | None = None  # a rewrite the pass applies ("vocab_parallel_embedding")
-
-
-def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    return [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
-
-
-def shape(node: fx.Node) -> tuple:
-    return tuple(node.meta["val"].shape)
 
 
 def slice_span(node: fx.Node, size: int) -> tuple[int, int]:
@@ -83,12 +67,6 @@ def indexed_axes(rank: int, indices) -> list[int | None]:
     return [None] * idx_rank + rest
 
 
-def replicated(node: fx.Node) -> Decision:
-    val = node.meta.get("val")
-    out = [REPLICATE] * len(val) if isinstance(val, (tuple, list)) else REPLICATE
-    return Decision(out, {a: REPLICATE for a in tensor_inputs(node)})
-
-
 class Rules:
     """The rules, reading the current shardings through `get(node)` (None: a weight or
     buffer not yet cut, which takes whatever its first consumer asks for)."""
@@ -96,13 +74,29 @@ class Rules:
     def __init__(self, get, tp: int, column_parts):
         self.get = get
         self.tp = tp
-        self.column_parts = column_parts  # (mm node) -> (parts, segments) for its output
+        # (node, feature axis) -> (parts, segments) for a projection's output features
+        self.column_parts = column_parts
 
     def decide(self, node: fx.Node) -> Decision:
         name = op_name(node.target)
         ins = tensor_inputs(node)
-        if any(self.get(a) == PARTIAL for a in ins) and name not in VIEW_TARGETS:
-            return replicated(node)  # a partial sum is all-reduced before any math on it
+        partial = [a for a in ins if self.get(a) == PARTIAL]
+        if partial and name not in VIEW_TARGETS:
+            linear = self.linear_in_partials(node, name, ins)
+            if linear is not None:
+                return linear
+            # all-reduced first: the op's own rule then sees whole values
+            get = self.get
+            self.get = lambda n: REPLICATE if get(n) == PARTIAL else get(n)
+            try:
+                d = self.decide(node)
+            finally:
+                self.get = get
+            for a in partial:
+                d.wants.setdefault(a, REPLICATE)
+            return d
+        if name in KILN_OP_RULES:
+            return KILN_OP_RULES[name](self, node)
         if name in VIEW_TARGETS:
             return self.view(node, name)
         if name in SPLITS:
@@ -127,6 +121,8 @@ class Rules:
             return self.cat(node)
         if name in ("aten.index.Tensor", "aten.index_select.default"):
             return self.index(node, name)
+        if name == "aten.gather.default":
+            return self.gather(node)
         cat = category(name)
         if cat == OpCategory.POINTWISE:
             return self.pointwise(node)
@@ -149,6 +145,24 @@ class Rules:
         if axis < 0 or dims[axis] == 1:
             return REPLICATE  # broadcast along the sharded axis: every rank needs all of it
         return Sharding("shard", axis, target.parts, target.segments)
+
+    def linear_in_partials(self, node: fx.Node, name: str,
+                           ins: list[fx.Node]) -> Decision | None:
+        """Sums of partial sums, and a partial sum scaled or summed, stay partial when
+        nothing else reads the partial values: one all-reduce for a MoE's routed and
+        shared experts, not two. None: the partial inputs are all-reduced first."""
+        if any(self.get(a) == PARTIAL and len(a.users) > 1 for a in ins):
+            return None
+        have = [self.committed(a) for a in ins]
+        if name == "aten.add.Tensor" and all(h == PARTIAL for h in have) and len(ins) == 2 \
+                and bind_args(node).get("alpha", 1) == 1 and not node.kwargs:
+            return Decision(PARTIAL, {a: PARTIAL for a in ins})
+        if name == "aten.sum.dim_IntList" and len(ins) == 1:
+            return Decision(PARTIAL, {ins[0]: PARTIAL})
+        if name == "aten.mul.Tensor" and have.count(PARTIAL) == 1 and len(ins) == 2 \
+                and all(h in (PARTIAL, REPLICATE) for h in have):
+            return Decision(PARTIAL, dict(zip(ins, have)))
+        return None
 
     # -- rules ---------------------------------------------------------------------
 
@@ -199,7 +213,7 @@ class Rules:
         if sa.is_shard and sa.axis == 0:  # rows split (sequence): weights replicated
             return Decision(sa, {b: REPLICATE})
         if sb is None:
-            parts, segs = self.column_parts(node)
+            parts, segs = self.column_parts(node, 1)
             want = shard(1, parts, segs) if parts > 1 else REPLICATE
             return Decision(want, {a: REPLICATE, b: want})
         if sb.is_shard and sb.axis == 1:
@@ -210,12 +224,27 @@ class Rules:
 
     def bmm(self, node: fx.Node) -> Decision:
         a, b = node.args[:2]
-        sa, sb = self.committed(a), self.committed(b)
+        sa = self.committed(a)
         if sa.is_shard and sa.axis == 0 and not sa.segments:
             return Decision(sa, {b: sa})
+        if self.get(b) is None:  # a linear over 3-d input: a weight expanded over the batch
+            return self.batched_linear(node, a, b)
+        sb = self.committed(b)
         if sb.is_shard and sb.axis == 0 and not sb.segments:
             return Decision(sb, {a: sb})
         return replicated(node)
+
+    def batched_linear(self, node: fx.Node, a: fx.Node, b: fx.Node) -> Decision:
+        """bmm(x, W^T expanded to the batch): column or row parallel, as mm."""
+        sa = self.committed(a)
+        if sa.is_shard and sa.axis == 2 and sa.parts == self.tp and not sa.segments \
+                and divides(shape(a)[2], sa):
+            return Decision(PARTIAL, {a: sa, b: shard(1, self.tp)})
+        if sa.is_shard:
+            return replicated(node)
+        parts, segs = self.column_parts(node, 2)
+        want = shard(2, parts, segs) if parts > 1 else REPLICATE
+        return Decision(want, {a: REPLICATE, b: want})
 
     def embedding(self, node: fx.Node) -> Decision:
         weight, ids = node.args[:2]
@@ -314,9 +343,37 @@ class Rules:
         rank = len(shape(node))
         dim = norm_axis(node.args[1] if len(node.args) > 1 else 0, rank)
         first = next((self.committed(p) for p in parts if self.committed(p).is_shard), None)
-        if first is None or first.axis == dim or first.segments:
+        if first is None:
             return replicated(node)
+        if first.axis == dim:
+            return self.cat_segments(node, parts, dim, first.parts)
         return Decision(first, {p: self.conform(p, first, rank) for p in parts})
+
+    def cat_segments(self, node: fx.Node, parts, dim: int, n: int) -> Decision:
+        """Pieces cut along the axis they are joined on: each rank joins its blocks, and
+        the result is a fused axis, one segment per piece (a convolution over [q, k, v])."""
+        segs, wants = [], {}
+        for p in parts:
+            s = self.committed(p)
+            want = s if s.is_shard and s.axis == dim and s.parts == n else shard(dim, n)
+            if not divides(shape(p)[dim], want):
+                return replicated(node)
+            wants[p] = want
+            segs.extend(want.segments or (shape(p)[dim],))
+        return Decision(Sharding("shard", dim, n, tuple(segs) if len(segs) > 1 else None),
+                        wants)
+
+    def gather(self, node: fx.Node) -> Decision:
+        """torch.gather along one axis keeps a cut of another (its index cut alike)."""
+        src, dim, index = node.args[:3]
+        s = self.committed(src)
+        rank = len(shape(src))
+        size, along = shape(src)[s.axis] if s.is_shard else None, None
+        if s.is_shard and s.axis != norm_axis(dim, rank):
+            along = shape(index)[s.axis]
+        if not (isinstance(size, int) and isinstance(along, int) and along == size):
+            return replicated(node)  # (compared as ints: no guard on a size symbol)
+        return Decision(s, {src: s, index: s})
 
     def pointwise(self, node: fx.Node) -> Decision:
         ins = tensor_inputs(node)
@@ -339,6 +396,9 @@ class Rules:
         rank = len(shape(src))
         args = bind_args(node)
         dims = reduction_dims(name, node.args, node.kwargs, rank)
+        if s.axis in dims and name == "aten.sum.dim_IntList" and s.parts == self.tp \
+                and not s.segments:
+            return Decision(PARTIAL, {src: s})  # each rank sums its part; all-reduced later
         if s.axis in dims:
             return replicated(node)
         keep = args.get("keepdim", False) or name in ("aten._softmax.default",

@@ -31,6 +31,7 @@ from kiln.ir.symbolic import as_dim
 from kiln.ops.collectives import declare_group_size
 from kiln.parallel.column_split import column_parts
 from kiln.parallel.rank_parts import rank_part
+from kiln.parallel.seeds import seed_sharding
 from kiln.parallel.shard_rules import Decision, Rules, shape, slice_span
 from kiln.parallel.sharding import (
     PARTIAL,
@@ -50,8 +51,9 @@ _aten = torch.ops.aten
 
 
 class _Rewriter:
-    def __init__(self, kg: KilnGraph, tp: int, rank: int):
+    def __init__(self, kg: KilnGraph, tp: int, rank: int, seeds: dict | None = None):
         self.kg, self.tp, self.rank = kg, tp, rank
+        self.seeds = seeds or {}  # state name -> a seed spec (seeds.py)
         self.sh: dict[fx.Node, object] = {}
         self.views_of: dict[fx.Node, list[fx.Node]] = {}  # an uncut weight -> its views
         self.global_shape = {n: shape(n) for n in kg.graph.nodes
@@ -59,17 +61,23 @@ class _Rewriter:
         self.resharded: dict[tuple[fx.Node, Sharding], fx.Node] = {}
         # state name -> (axis, [(start, end), ...]): the ranges of its axis this rank holds
         self.cut: dict[str, tuple[int, list[tuple[int, int]]]] = {}
-        self.rules = Rules(self.sh.get, tp, lambda mm: column_parts(mm, tp))
+        self.rules = Rules(self.sh.get, tp, lambda mm, axis: column_parts(mm, tp, axis))
 
     # -- walking -------------------------------------------------------------------
 
     def run(self) -> None:
         kinds = {i.name: i.kind for i in self.kg.inputs}
+        targets = {i.name: i.target for i in self.kg.inputs}
         for node in list(self.kg.graph.nodes):
             if node.op == "placeholder":
                 free = kinds.get(node.name) in _WEIGHT_KINDS
+                seeded = free and targets.get(node.name) in self.seeds
                 self.sh[node] = None if free else REPLICATE
-                if free:
+                if seeded:
+                    name = targets[node.name]
+                    self.sh[node] = seed_sharding(name, self.global_shape[node],
+                                                  self.seeds[name], self.tp)
+                elif free:
                     self.views_of[node] = []
             elif node.op == "call_function":
                 self.visit(node)
@@ -91,6 +99,8 @@ class _Rewriter:
         self.sh[node] = d.out
         if d.rewrite == "vocab_parallel_embedding":
             self.vocab_parallel_embedding(node)
+        elif d.rewrite == "expert_parallel_ids":
+            self.expert_parallel_ids(node)
 
     def root_of(self, node: fx.Node) -> fx.Node:
         while node.op != "placeholder":
@@ -232,6 +242,15 @@ class _Rewriter:
         self.sh[masked] = PARTIAL
         self.sh[node] = PARTIAL
 
+    def expert_parallel_ids(self, node: fx.Node) -> None:
+        """This rank holds experts [lo, lo + E / T): ids shifted by lo, so its experts
+        are 0.. and every other expert's id falls outside, where kiln::moe_experts drops
+        the pair; the all-reduce its consumers insert sums the ranks' experts."""
+        ids = node.args[2]
+        local = self.global_shape[node.args[3]][0] // self.tp
+        lo = block(self.tp, self.tp, self.rank) * local
+        node.replace_input_with(ids, self.add(node, _aten.sub.Tensor, ids, lo, like=ids))
+
     # -- local sizes -------------------------------------------------------------------
 
     def localize(self) -> None:
@@ -263,7 +282,8 @@ class _Rewriter:
             node.args = (node.args[0], sizes, *node.args[2:])
         elif name == "aten.slice.Tensor":
             src = self.sh.get(node.args[0])
-            if isinstance(src, Sharding) and src.segments and src.axis == s.axis:
+            dim = norm_axis(bind_args(node)["dim"], len(self.global_shape[node.args[0]]))
+            if isinstance(src, Sharding) and src.segments and src.axis == s.axis == dim:
                 start, end = slice_span(node, self.global_shape[node.args[0]][s.axis])
                 args = list(node.args) + [0, None, None][len(node.args) - 1:]
                 args[2], args[3] = start // s.parts, end // s.parts
@@ -354,6 +374,19 @@ def _finer(have: Sharding, want: Sharding) -> bool:
             and want.parts % have.parts == 0)
 
 
+def _drop_unread_weights(kg: KilnGraph) -> None:
+    """Weights this plan never reads leave it, so no rank holds them whole (DeepSeek-V3's
+    decode reads W_UK / W_UV, not the kv_b_proj they came from, which its prefill cuts
+    by heads). The model still owns them."""
+    kinds = {i.name: i for i in kg.inputs}
+    for node in list(kg.graph.nodes):
+        spec = kinds.get(node.name)
+        if node.op == "placeholder" and not node.users and spec is not None \
+                and spec.kind in _WEIGHT_KINDS and spec.target not in kg.mutable:
+            kg.inputs = [i for i in kg.inputs if i.name != node.name]
+            kg.graph.erase_node(node)
+
+
 def _split_addmm(kg: KilnGraph) -> None:
     """addmm -> mm + add, so a row-parallel bias is added once, after the sum."""
     for node in list(kg.graph.nodes):
@@ -389,7 +422,8 @@ def tensor_parallel(kg: KilnGraph, ctx) -> KilnGraph:
     declare_group_size(GROUP, cfg.tp)
     _split_addmm(kg)
     real_rows = pad_vocab(kg, cfg.tp)
-    rewriter = _Rewriter(kg, cfg.tp, cfg.tp_rank)
+    rewriter = _Rewriter(kg, cfg.tp, cfg.tp_rank, ctx.options.get("tp_seeds"))
+    _drop_unread_weights(kg)
     rewriter.run()
     rewriter.localize()
     rewriter.infer_shapes()
