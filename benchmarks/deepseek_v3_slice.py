@@ -279,14 +279,23 @@ def run_reference(model, cases: list[dict], a) -> None:
                 torch.cuda.empty_cache()
 
 
+def _cache_arg(model) -> str:
+    """The cache keyword of this transformers' forward (`cache` from 5.2x on,
+    `past_key_values` before: an unknown keyword is silently taken as a kwarg)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters \
+        else "past_key_values"
+
+
 def _reference_prefill(model, c: dict, a) -> None:
     from transformers import DynamicCache
 
     from kiln.bench.timing import median_ms
 
     def step():
-        return model(c["tokens"], cache=DynamicCache(config=model.config), use_cache=True,
-                     logits_to_keep=1).logits[:, -1]
+        kw = {_cache_arg(model): DynamicCache(config=model.config)}
+        return model(c["tokens"], use_cache=True, logits_to_keep=1, **kw).logits[:, -1]
 
     c["ref"] = step().float()
     c["hf_ms"] = median_ms(step, a.device, warmup=1, iters=a.hf_iters)
@@ -300,11 +309,12 @@ def _reference_decode(model, c: dict, a) -> None:
     from kiln.bench.timing import median_ms
 
     cache = DynamicCache(config=model.config)
-    model(c["tokens"], cache=cache, use_cache=True, logits_to_keep=1)
+    kw = {_cache_arg(model): cache}
+    model(c["tokens"], use_cache=True, logits_to_keep=1, **kw)
     pos = torch.full_like(c["next"], c["tokens"].shape[1])
 
     def step():
-        out = model(c["next"], position_ids=pos, cache=cache, use_cache=True)
+        out = model(c["next"], position_ids=pos, use_cache=True, **kw)
         cache.crop(-1)  # back to C tokens
         return out.logits[:, -1]
 
@@ -377,16 +387,18 @@ def decode_floor_bytes(model, B: int, C: int, chosen: list[int], kiln_dtypes: bo
     cfg = model.cfg
     parts = dict.fromkeys(("projections", "routed experts", "other weights",
                            "embedding rows", "latent cache", "logits"), 0)
-    moe_layer = 0
+    moe_layers = sorted({int(n.split(".")[2]) for n, _ in model.named_parameters()
+                         if ".mlp.experts." in n})
     for name, p in model.named_parameters():
         if name == "model.embed_tokens.weight":
             parts["embedding rows"] += B * p[0].numel() * p.element_size()
         elif ".mlp.experts." in name:
-            per = 1 if not kiln_dtypes else p.element_size()
-            n = chosen[moe_layer // 3] if chosen else min(B * cfg.n_experts_per_tok,
-                                                            cfg.n_routed_experts)
+            # the checkpoint's experts are e4m3 with fp32 block scales
+            per = 4 if name.endswith("scale_inv") else 1
+            per = p.element_size() if kiln_dtypes else per
+            moe = moe_layers.index(int(name.split(".")[2]))
+            n = chosen[moe] if chosen else min(B * cfg.n_experts_per_tok, cfg.n_routed_experts)
             parts["routed experts"] += n * p[0].numel() * per
-            moe_layer += 1
         elif ".kv_b_proj." in name and kiln_dtypes:
             continue  # the absorbed decode reads W_UK / W_UV instead (below)
         elif p.dtype == torch.float8_e4m3fn or name.endswith("weight_scale_inv"):
