@@ -196,6 +196,29 @@ def test_decode_form_packs_the_query_group_into_one_tile():
         assert rel_err(exe(q, k, v), model(q, k, v)) <= 1e-5
 
 
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_keys_no_row_lets_through_are_not_read(kind):
+    """A decode step over a static cache: the mask lets only the context through, and
+    the rest of the cache is never loaded (NaN there changes nothing), in every split."""
+    model = Sdpa()
+    q, k, v = _qkv(1, 8, 2, 1, 300)
+    live = torch.zeros(300, dtype=torch.bool)
+    live[:37] = True
+    live[200:203] = True  # a live key in a later split
+    mask = live.expand(1, 1, 1, 300)
+    if kind == "additive":
+        mask = torch.zeros(1, 1, 1, 300).masked_fill(~live, float("-inf"))
+    exe = kiln.compile(model, (q, k, v, mask), target="interpret")
+    region, kernel = _attention_kernel(exe)
+    assert kernel.config["KV_SPLIT"] > 1
+    kn, vn = k.clone(), v.clone()
+    kn[:, :, ~live] = float("nan")
+    vn[:, :, ~live] = float("nan")
+    out = exe(q, kn, vn, mask)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, model(q, k, v, mask)) <= 1e-5
+
+
 class RepeatedKV(torch.nn.Module):
     """GQA written out, as gpt-fast (repeat_interleave) and transformers (repeat_kv:
     expand then reshape) write it, over a boolean mask."""

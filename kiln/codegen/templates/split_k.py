@@ -27,6 +27,8 @@ from kiln.codegen.build.spec import Scratch
 
 PARTS = "ws_ptr"  # fp32 partial results: [tiles, n_split, numel]
 COUNTS = "lock_ptr"  # int32 arrival counters: [tiles]
+UNROLL = 4  # parts the last program loads at once when it combines small tiles
+UNROLL_ELEMENTS = 2048  # the largest tile (elements) combined UNROLL parts at a time
 
 
 def count(cap: str, tiles: str, fill: int, most: str) -> str:
@@ -72,6 +74,21 @@ def arrive(cap: str, tile: str, store: list[str], combine: list[str],
     ]
     return [f"if {cap} > 1:", "    last = pid_s == 0", "    if n_split > 1:", *inner,
             *["    " + x for x in gate]]
+
+
+def merge_loop(elements: str, body: list[str]) -> list[str]:
+    """Lines running `body` for each part s in [0, n_split), in order. A small tile's
+    parts are loaded UNROLL at a time, so that their loads are in flight together: one
+    part after another, each an L2 round trip, merging 16 parts of a decode step took
+    longer than computing them. `body` masks its loads with `s < n_split`. A big tile
+    (`elements`, a constexpr expression) takes one part a step: UNROLL of its parts
+    would not fit the registers."""
+    step = ["    " * 2 + x for x in body]
+    return [f"if {elements} <= {UNROLL_ELEMENTS}:",
+            f"    for s0 in range(0, n_split, {UNROLL}):",
+            f"        for j in tl.static_range({UNROLL}):",
+            "            s = s0 + j", *["    " + x for x in step],
+            "else:", "    for s in range(0, n_split):", *step]
 
 
 def load_part(address: str, mask: str, other: str = "0.0") -> str:

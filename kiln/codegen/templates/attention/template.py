@@ -373,19 +373,25 @@ class _AttentionSource:
                  f"tl.store({split.part(numel)} + {acc_at}, acc, mask=row_ok2)",
                  f"tl.store({split.part(numel)} + {m_at}, m_i, mask=row_ok)",
                  f"tl.store({split.part(numel)} + {l_at}, l_i, mask=row_ok)"]
+        # one pass over the parts, merging each by its maximum
         part = split.part(numel, "s")
-        m_part = split.load_part(f"{part} + {m_at}", "row_ok", 'float("-inf")')
+        ok = "row_ok & (s < n_split)"
+        m_s = split.load_part(f"{part} + {m_at}", ok, 'float("-inf")')
+        l_s = split.load_part(f"{part} + {l_at}", ok)
+        a_s = split.load_part(f"{part} + {acc_at}", f"({ok})[:, None]")
         combine = [
             'm_i = tl.full([BLOCK_M], float("-inf"), tl.float32)',
-            "for s in range(0, n_split):",
-            f"    m_i = tl.maximum(m_i, {m_part})",
-            'm_use = tl.where(m_i == float("-inf"), 0.0, m_i)',
             "l_i = tl.zeros([BLOCK_M], tl.float32)",
             f"acc = tl.zeros([BLOCK_M, {dvp}], tl.float32)",
-            "for s in range(0, n_split):",
-            f"    scale = tl.exp2({m_part} - m_use)",
-            f"    l_i += {split.load_part(f'{part} + {l_at}', 'row_ok')} * scale",
-            f"    acc += {split.load_part(f'{part} + {acc_at}', 'row_ok2')} * scale[:, None]",
+            *split.merge_loop(f"BLOCK_M * {dvp}", [
+                f"m_s = {m_s}", f"l_s = {l_s}", f"a_s = {a_s}",
+                "m_new = tl.maximum(m_i, m_s)",
+                'm_use = tl.where(m_new == float("-inf"), 0.0, m_new)',
+                "alpha = tl.exp2(m_i - m_use)",
+                "beta = tl.exp2(m_s - m_use)",
+                "l_i = l_i * alpha + l_s * beta",
+                "acc = acc * alpha[:, None] + a_s * beta[:, None]",
+                "m_i = m_new"]),
         ]
         gate = [f"row_ok2 = rows2 < tl.where(last, {rows}, 0)"]  # only the last stores
         return split.arrive("KV_SPLIT", "pid_z * tl.num_programs(0) + pid_m", store, combine,
@@ -404,27 +410,35 @@ class _AttentionSource:
         k_idx = self._index(s.k, "k", kvh, Lin(), Lin.of(Var("nk", s.s)), Lin.of(Var("dk", d)))
         v_idx = self._index(s.v, "v", kvh, Lin(), Lin.of(Var("nv", s.s)),
                             Lin.of(Var("dv2", dv)))
-        k_lines, kt = self._load(s.k, k_idx, mask_of(nk_c, dk_c), tile=f"[{dp}, BLOCK_N]",
-                                 pad=dk_c)
-        v_lines, vt = self._load(s.v, v_idx, mask_of(nv_c, dv_c), tile=f"[BLOCK_N, {dvp}]",
-                                 pad=dv_c)
+        # keys no row of the mask lets through are not read: a decode step over a
+        # static cache reads only the context's keys, whatever the cache's length
+        m_lines, m, live = [], None, []
+        if s.mask is not None:
+            idx = self._index(s.mask, "mask", head, qpos, Lin.of(Var("nk", s.s)), Lin())
+            m_lines, m = self._load(s.mask, idx, mask_of(Cond("row_ok2", frozenset({"rows2"})),
+                                                         nk_c))
+            self.mask_loads = sum("tl.load(" in x for x in m_lines)
+            lets = f"({m} != 0)" if s.mask_kind == "bool" else \
+                f'({m}.to(tl.float32) != float("-inf"))'
+            m_lines += [f"key_live = tl.max(tl.where(row_ok2, {lets}, False).to(tl.int32), 0) > 0",
+                        "live_k = key_live[None, :]", "live_v = key_live[:, None]"]
+            live = [Cond("live_k", frozenset({"nk"})), Cond("live_v", frozenset({"nv"}))]
+        k_lines, kt = self._load(s.k, k_idx, mask_of(nk_c, dk_c, *live[:1]),
+                                 tile=f"[{dp}, BLOCK_N]", pad=dk_c)
+        v_lines, vt = self._load(s.v, v_idx, mask_of(nv_c, dv_c, *live[1:]),
+                                 tile=f"[BLOCK_N, {dvp}]", pad=dv_c)
         self.loop_loads = sum("tl.load(" in x for x in k_lines + v_lines)
         p_lines, p_code = self._cast("pr", {"rows2", "nk"})
         L = [f"n = start_n + tl.arange(0, BLOCK_N){wide}", "nk = n[None, :]", "nv = n[:, None]"]
         if not full:
             L += [f"nk_ok = nk < {slen}", f"nv_ok = nv < {slen}"]
-        L += [*k_lines,
+        L += [*m_lines, *k_lines,
               f"qk = tl.dot({self._op('q')}, {self._op(kt)}{ieee}, out_dtype=tl.float32)"]
         conds = [] if full else ["nk_ok", "row_ok2"]
         if s.causal and not full:
             conds.append("(nk <= qi[:, None])")
         score = "qk * qk_scale"
-        if s.mask is not None:
-            idx = self._index(s.mask, "mask", head, qpos, Lin.of(Var("nk", s.s)), Lin())
-            m_lines, m = self._load(s.mask, idx, mask_of(Cond("row_ok2", frozenset({"rows2"})),
-                                                         nk_c))
-            L += m_lines
-            self.mask_loads = sum("tl.load(" in x for x in m_lines)
+        if m is not None:
             if s.mask_kind == "bool":
                 conds.append(f"({m} != 0)")
             else:

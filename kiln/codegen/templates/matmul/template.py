@@ -341,9 +341,10 @@ class _MatmulSource:
         """With K split: store this part; the last program sums all parts and stores."""
         store = [f"part_offs = {offs}",
                  f"tl.store({split.part(numel)} + part_offs, acc, mask=m_ok & n_ok)"]
-        load = split.load_part(split.part(numel, "s") + " + part_offs", "m_ok & n_ok")
+        load = split.load_part(split.part(numel, "s") + " + part_offs",
+                               "m_ok & n_ok & (s < n_split)")
         combine = [f"acc = tl.zeros({shape}, dtype=tl.float32)",
-                   "for s in range(0, n_split):", f"    acc += {load}"]
+                   *split.merge_loop(numel, [f"acc += {load}"])]
         gate = [f"n_ok = rn2 < tl.where(last, {n}, 0)"]  # only the last program stores
         return split.arrive("SPLIT_K", tile, store, combine, gate)
 
