@@ -25,6 +25,7 @@ from kiln.arguments import (
 from kiln.codegen.select_kernels import select_kernels
 from kiln.compiled_module import CompiledModule
 from kiln.dispatch.example_sizes import bind_example_sizes
+from kiln.dispatch.fold_rmsnorm import fold_rmsnorm
 from kiln.dispatch.form_regions import form_regions
 from kiln.dispatch.reinplace import reinplace
 from kiln.errors import ArgumentError
@@ -51,7 +52,7 @@ def build_pipeline(dump_dir: str | None = None) -> PassManager:
             Stage("import", [import_pass]),
             Stage("graph", list(GRAPH_PASSES)),
             Stage("parallel", [pipeline_stages, tensor_parallel, assign_devices]),
-            Stage("dispatch", [form_regions, reinplace, bind_example_sizes]),
+            Stage("dispatch", [form_regions, fold_rmsnorm, reinplace, bind_example_sizes]),
             Stage("codegen", [select_kernels]),
             Stage("schedule", [schedule]),
         ],

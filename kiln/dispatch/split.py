@@ -7,7 +7,8 @@ does the plan surgery; codegen decides when (it knows the resource figures).
 
 `split_prologue(plan, region, operand, why)` takes the ops that compute one operand
 of the region's anchor (the RoPE of the query, a mask built from arange) and moves
-them into a new pointwise region placed just before it. The operand becomes a plan
+them into a new pointwise region placed just before it (a reduction region when
+they hold an RMSNorm that fold_rmsnorm put there). The operand becomes a plan
 value (contiguous, memory-planned); the anchor region keeps only the views between
 that value and the anchor, so its template reads it like any input. Both regions
 get a note saying what was split and why.
@@ -93,8 +94,10 @@ def split_prologue(plan: DispatchPlan, region: Region, operand: str, why: str) -
         return None
     moved = [copy.deepcopy(o) for o in _closure(region, [point.name], set())]
     inputs = _inputs_of(moved, region.inputs)
-    kind = (RegionKind.POINTWISE if any(category(o.target) == OpCategory.POINTWISE
-                                        for o in moved) else RegionKind.COPY)
+    cats = {category(o.target) for o in moved}
+    # a folded RMSNorm (dispatch/fold_rmsnorm.py) comes back out as the reduction it was
+    kind = (RegionKind.REDUCTION if OpCategory.REDUCTION in cats else
+            RegionKind.POINTWISE if OpCategory.POINTWISE in cats else RegionKind.COPY)
     role = operand_role(region.anchor(), operand)
     new = Region(_fresh_name(plan, f"{region.name}_{role}"), kind, moved, inputs,
                  [point.name], device=region.device)

@@ -13,7 +13,12 @@ emitter at the tile before the single store.
 When the M dimension's upper bound is small (decode: M = batch) the region gets a
 GEMV form instead: each program owns BLOCK_N output columns for every row and
 streams the weight once, since a [16, K] x [K, N] tensor-core tile would mostly
-multiply padding. An unbounded M gets the tiled form with masked tails.
+multiply padding. An unbounded M gets the tiled form with masked tails. The GEMV
+form also runs an RMSNorm folded into its region (kiln.dispatch.fold_rmsnorm): the K
+loop multiplies x * w (the norm's weight) by the weight tile and sums x^2 beside it,
+and each row's accumulators are scaled by rsqrt(mean(x^2) + eps) once, after split
+parts are combined and before bias and epilogue. It computes the norm in fp32 where
+eager rounds y to x's dtype before the product: within fp16 / bf16 tolerance.
 
 Both forms may split K across programs when the output has too few tiles to fill the
 GPU (kiln.codegen.templates.split_k; the count is chosen at launch, up to the config's
@@ -53,13 +58,21 @@ from kiln.codegen.expr.values import CodegenUnsupported, Cond, EpilogueApart, Va
 from kiln.codegen.templates import split_k as split
 from kiln.codegen.templates.matmul import configs as cfg
 from kiln.codegen.templates.op_operands import operand_shape as _shape
-from kiln.ir.ops import MATMULS, bind_args
+from kiln.dispatch.fold_rmsnorm import GEMV_MAX_M
+from kiln.dispatch.rmsnorm_prologue import (
+    RowNorm,
+    closure,
+    match_row_norm,
+    read_only_as_operand,
+)
+from kiln.ir.ops import IDENTITY_OPS, MATMULS, SHAPE_ONLY_OPS, OpCategory, bind_args, category
 from kiln.ir.plan import DispatchPlan, Ref, Region
 from kiln.ir.symbolic import Dim, bounds_of, numel, same_dim
 from kiln.target import Target
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-GEMV_MAX_M = 8  # rows up to which the GEMV form beats a padded tensor-core tile
+# GEMV_MAX_M (kiln.dispatch.fold_rmsnorm): rows up to which the GEMV form beats a
+# padded tensor-core tile
 
 
 def dot_operand(code: str, dtype: torch.dtype, target: Target) -> str:
@@ -83,6 +96,7 @@ class MatmulShape:
     n: Dim
     k: Dim
     dtype: torch.dtype  # of the operands and the product
+    norm: RowNorm | None = None  # an RMSNorm of A's rows folded in (fold_rmsnorm)
 
 
 def analyse(region: Region, plan: DispatchPlan) -> MatmulShape:
@@ -106,8 +120,30 @@ def analyse(region: Region, plan: DispatchPlan) -> MatmulShape:
             raise CodegenUnsupported("addmm with a non-tensor input")
         a = bind_args(anchor)
         alpha, beta = float(a["alpha"]), float(a["beta"])
+    norm = None
+    if any(category(o.target) == OpCategory.REDUCTION for o in region.ops):
+        norm = _row_norm(region, anchor, 1 if addmm else 0, k)
     return MatmulShape(a_ref.name, b_ref.name, bias, alpha, beta, batched,
-                       lead[0] if batched else 1, m, n, k, anchor.dtype)
+                       lead[0] if batched else 1, m, n, k, anchor.dtype, norm)
+
+
+def _row_norm(region: Region, anchor, arg: int, k: Dim) -> RowNorm:
+    """The RMSNorm of A's rows the region computes as its prologue (fold_rmsnorm);
+    raises CodegenUnsupported for any other reduction in a matmul region."""
+    ops = {o.name: o for o in region.ops}
+    src = anchor.args[arg]
+    while isinstance(src, Ref) and src.name in ops and (
+            ops[src.name].target in SHAPE_ONLY_OPS | IDENTITY_OPS):
+        src = ops[src.name].args[0]
+    norm = match_row_norm(ops, src.name) if isinstance(src, Ref) else None
+    if (norm is None or anchor.target == "aten.bmm.default" or not same_dim(norm.dim, k)
+            or not read_only_as_operand(region.ops, region.outputs, anchor, arg, norm.out,
+                                        closure(ops, norm.out))):
+        raise CodegenUnsupported("a reduction in a matmul region that is not an RMSNorm "
+                                 "of its left operand's rows read only by the product")
+    if norm.dim == 1:
+        raise CodegenUnsupported("an RMSNorm over a single element")
+    return norm
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -156,9 +192,16 @@ class _MatmulSource:
         self.rows, self.cols, self.out_index, self.at = self._layout()
         self.m_hi = bounds_of(self.rows, plan.symbols).hi
         self.gemv = self.m_hi is not None and self.m_hi <= GEMV_MAX_M
-        self.em = Emitter(region, plan, self.p, target,
-                          overrides={self.anchor.name: self._acc_at})
-        self.name = kernel_name("gemv" if self.gemv else "matmul", region)
+        overrides = {self.anchor.name: self._acc_at}
+        if shape.norm is not None:
+            if not self.gemv or not same_dim(self.rows, shape.m):
+                raise CodegenUnsupported(f"a folded RMSNorm needs the GEMV form: at most "
+                                         f"{GEMV_MAX_M} rows, the product's own")
+            overrides[shape.norm.out] = self._normed_at
+        self._a_mask, self._norm_x = mask_of(), None
+        self.em = Emitter(region, plan, self.p, target, overrides=overrides)
+        kind = "gemv" if self.gemv else "matmul"
+        self.name = kernel_name(kind + ("_rmsnorm" if shape.norm else ""), region)
 
     def _layout(self):
         """The tile's extents (rows, cols), the output element each lane stores, and the
@@ -196,6 +239,46 @@ class _MatmulSource:
             raise _Shifted(shift)
         return self.shifted[shift]
 
+    def _normed_at(self, index):
+        """The folded norm's value at `index` without its row scale: x times its factors
+        (the weight), in fp32. The scale multiplies the product (`_row_scale`); casts
+        between are skipped, so the norm is computed in fp32 throughout, where eager
+        rounds y to x's dtype first: within fp16 / bf16 tolerance. Records x for the
+        sum of squares."""
+        em, norm, mask = self.em, self.s.norm, self._a_mask
+        shape = em.shape(norm.out)
+        x = em.value(norm.x, broadcast_index(index, shape, em.shape(norm.x)), mask)
+        v = self._norm_x = em.cast(x, torch.float32)
+        for op, other in norm.factors(em.ops):
+            f = em.cast(em.operand(op, other, index, mask), torch.float32)
+            v = em.let(f"{v.code} * {f.code}", torch.float32, v.vars | f.vars)
+        return v
+
+    def _sum_squares(self, mi: int, k_ok: Cond | None) -> list[str]:
+        """Row `mi`'s x^2 over this K block, added lane by lane to `ss{mi}` (x as
+        `_normed_at` computed it for the block); summed across lanes once, after the
+        loop (`_squares_total`)."""
+        x = self._norm_x
+        if x is None or "kk" not in x.vars:
+            raise CodegenUnsupported("the folded RMSNorm's x does not vary along K")
+        sq = f"{x.code} * {x.code}"
+        if k_ok is not None:
+            sq = f"tl.where({k_ok.code}, {sq}, 0.0)"
+        return [f"ss{mi} += {sq}"]
+
+    def _squares_total(self, mp: int) -> list[str]:
+        """`ss`: each row's sum of x^2 over this program's K range."""
+        return [f"ss = tl.zeros([{mp}], dtype=tl.float32)"] + [
+            f"ss += tl.where(rm == {mi}, tl.sum(ss{mi}, 0), 0.0)" for mi in range(mp)]
+
+    def _row_scale(self) -> list[str]:
+        """Each row's accumulators times rsqrt(mean(x^2) + eps): after split parts are
+        combined (each part is a partial dot product and a partial sum of squares, so
+        the scale applies once, to the whole sums), before bias and epilogue."""
+        norm = self.s.norm
+        lines = [f"row_scale = tl.rsqrt(ss / {self.p.dim(norm.dim)} + {norm.eps!r})"]
+        return lines + [f"{acc} = {acc} * row_scale[:, None]" for acc, _, _ in self._accs()]
+
     def _column_shift(self, index) -> int | None:
         """C when `index` is the tile's own element C > 0 columns right, within the
         product for every column the tile stores (cols + C <= N); else None."""
@@ -231,6 +314,8 @@ class _MatmulSource:
             tiles = f"cdiv({p.grid(self.cols)}, BLOCK_N)"
             fill, least = cfg.GEMV_FILL, cfg.MIN_GEMV_BLOCKS
             part = f"{cfg.pow2(self.m_hi)} * BLOCK_N"
+            if s.norm is not None:  # each part also carries its rows' sums of squares
+                part += f" + {cfg.pow2(self.m_hi)}"
         else:
             tunables = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K"]
             configs = cfg.tiled_configs(self.rows, self.m_hi, self.cols, s.k, s.batch,
@@ -254,7 +339,8 @@ class _MatmulSource:
         meta = {"form": "gemv" if self.gemv else "tiled", "dtype": _name(s.dtype),
                 "out_dtype": _name(self.plan.values[out].dtype),
                 "m_pad": cfg.pow2(self.m_hi) if self.gemv else None,
-                "epilogue_loads": self._epilogue_loads, "column_shifts": list(self.shifts)}
+                "epilogue_loads": self._epilogue_loads, "column_shifts": list(self.shifts),
+                "row_norm": s.norm is not None}
         return KernelSpec(self.name, source, p.args(), tunables, (tiles, batch, n_split),
                           configs, configs[0], "matmul", meta, 64 if p.needs_int64 else 32,
                           scratch=split.scratch(all_tiles, n_split, part))
@@ -337,14 +423,25 @@ class _MatmulSource:
                               "BLOCK_M * BLOCK_N", offs, cols)
         return head + ["    " + x for x in loop] + tail + self._finish()
 
-    def _combine(self, tile: str, shape: str, numel: str, offs: str, n: str) -> list[str]:
-        """With K split: store this part; the last program sums all parts and stores."""
+    def _combine(self, tile: str, shape: str, numel: str, offs: str, n: str,
+                 rows: int | None = None) -> list[str]:
+        """With K split: store this part; the last program sums all parts and stores.
+        `rows`: the GEMV's padded rows when a folded norm's sums of squares `ss` ride
+        along, after the part's `numel` product elements."""
+        whole = numel if rows is None else f"({numel} + {rows})"
         store = [f"part_offs = {offs}",
-                 f"tl.store({split.part(numel)} + part_offs, acc, mask=m_ok & n_ok)"]
-        load = split.load_part(split.part(numel, "s") + " + part_offs",
+                 f"tl.store({split.part(whole)} + part_offs, acc, mask=m_ok & n_ok)"]
+        load = split.load_part(split.part(whole, "s") + " + part_offs",
                                "m_ok & n_ok & (s < n_split)")
-        combine = [f"acc = tl.zeros({shape}, dtype=tl.float32)",
-                   *split.merge_loop(numel, [f"acc += {load}"])]
+        combine = [f"acc = tl.zeros({shape}, dtype=tl.float32)"]
+        body = [f"acc += {load}"]
+        if rows is not None:
+            at = f"{numel} + tl.arange(0, {rows})"
+            store.append(f"tl.store({split.part(whole)} + {at}, ss)")
+            combine.append(f"ss = tl.zeros([{rows}], dtype=tl.float32)")
+            body.append("ss += " + split.load_part(f"{split.part(whole, 's')} + {at}",
+                                                   f"(rm < {rows}) & (s < n_split)"))
+        combine += split.merge_loop(whole, body)
         gate = [f"n_ok = rn2 < tl.where(last, {n}, 0)"]  # only the last program stores
         return split.arrive("SPLIT_K", tile, store, combine, gate)
 
@@ -365,6 +462,8 @@ class _MatmulSource:
             *[f"{acc} = tl.zeros([{mp}, BLOCK_N], dtype=tl.float32)"
               for acc, _, _ in self._accs()],
         ]
+        if s.norm is not None:
+            head += [f"ss{mi} = tl.zeros([BLOCK_K], dtype=tl.float32)" for mi in range(mp)]
         # Rows past M read row M - 1 (valid memory, one mask-free vector load per row);
         # only the store is masked.
         static_rows = isinstance(s.m, int) and s.m >= mp
@@ -388,17 +487,24 @@ class _MatmulSource:
         for mi in range(mp):  # rows unrolled: the weight tile is loaded once for all
             row = Lin.of(mi) if static_rows else Lin.of(Opaque(f"row{mi}", s.m))
             k_ok = self._k_mask("k_ok", "kk")
+            self._a_mask = mask_of(k_ok)
             a_lines, x = self._load(s.a, self._batch() + (row, Lin.of(kk_a)), mask_of(k_ok),
                                     ("kk",), "[BLOCK_K]", "kk", k_ok and k_ok.code)
             loop += a_lines
+            if s.norm is not None:
+                loop += self._sum_squares(mi, k_ok)
             for i, (acc, _, _) in enumerate(self._accs()):
                 loop += [f"part = tl.sum({x}.to(tl.float32)[:, None] * w{i}, 0)",
                          f"{acc} += tl.where(rm[:, None] == {mi}, part[None, :], 0.0)"]
         tail = ["rm2 = rm[:, None]", "rn2 = rn[None, :]", f"m_ok = rm2 < {rows}",
                 f"n_ok = rn2 < {cols}"]
+        if s.norm is not None:
+            tail += self._squares_total(mp)
         offs = f"tl.arange(0, {mp})[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]"
         tail += self._combine("pid_b * tl.num_programs(0) + pid_n", f"[{mp}, BLOCK_N]",
-                              f"{mp} * BLOCK_N", offs, cols)
+                              f"{mp} * BLOCK_N", offs, cols, mp if s.norm else None)
+        if s.norm is not None:
+            tail += self._row_scale()
         return head + ["    " + x for x in loop] + tail + self._finish()
 
     def _finish(self) -> list[str]:

@@ -1,0 +1,103 @@
+"""Fold an RMSNorm into the decode matmuls that read it: one kernel fewer per norm.
+
+At decode a Llama layer's two RMSNorms are kernels of ~2 us each (plus the gap
+between graph nodes) over 8 KB rows, while the GEMV after each reads all of x's row
+anyway. The norm is a row scale (kiln.dispatch.rmsnorm_prologue): y @ W = r * ((x *
+w) @ W) per row, r = rsqrt(mean(x^2) + eps), so the matmul template's GEMV form sums
+x^2 beside the product and scales each row's accumulator before its epilogue.
+
+A norm region folds when it computes only the norm (pointwise ops around one mean),
+its value leaves through no output, and every region that reads it is a matmul (mm,
+addmm) that reads it only as its left operand through reshapes, with at most
+GEMV_MAX_M rows (the GEMV form's). Each such matmul gets a copy of the norm's ops
+and reads the norm's inputs instead; the norm region goes. Several readers (HF
+Llama's separate q, k, v projections) each recompute it: x is a few KB. A norm any
+other region reads, a tiled (prefill) matmul, or a region that is not a plain norm
+stays as it is. Only targets that generate kernels fold: the CPU target runs torch
+ops, where a norm computed three times is three times the work.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+from kiln.dispatch.rmsnorm_prologue import closure, match_row_norm, read_only_as_operand
+from kiln.ir.ops import IDENTITY_OPS, OpCategory, category
+from kiln.ir.plan import DispatchPlan, Region, RegionKind
+from kiln.ir.symbolic import bounds_of, same_dim
+from kiln.pipeline import as_pass
+
+log = logging.getLogger("kiln.dispatch")
+
+# Rows up to which the matmul template takes its GEMV form (it imports this: the
+# fold and the template must agree on which products fold).
+GEMV_MAX_M = 8
+_LEFT = {"aten.mm.default": 0, "aten.addmm.default": 1}  # the left operand's position
+_INLINE = {OpCategory.POINTWISE, OpCategory.VIEW, OpCategory.CREATE, OpCategory.TUPLE}
+
+
+def _plain_norm(region: Region):
+    """The region's RowNorm when it computes nothing but the norm of its output."""
+    if region.kind != RegionKind.REDUCTION or len(region.outputs) != 1:
+        return None
+    ops = {o.name: o for o in region.ops}
+    norm = match_row_norm(ops, region.outputs[0])
+    if norm is None:
+        return None
+    others = [o for o in region.ops if o.name != norm.mean and o.target not in IDENTITY_OPS
+              and category(o.target) not in _INLINE]
+    return None if others else norm
+
+
+def _folds_into(reader: Region, norm, plan: DispatchPlan) -> bool:
+    """May `reader` compute the norm `norm` as its prologue?"""
+    if reader.kind != RegionKind.MATMUL:
+        return False
+    anchor = reader.anchor()
+    arg = _LEFT.get(anchor.target)
+    if arg is None or not read_only_as_operand(reader.ops, reader.outputs, anchor, arg,
+                                               norm.out):
+        return False
+    a = anchor.args[arg]
+    k = (reader.op(a.name).shape if a.name != norm.out else plan.values[a.name].shape)[-1]
+    rows = bounds_of(anchor.shape[0], plan.symbols).hi
+    return same_dim(k, norm.dim) and rows is not None and rows <= GEMV_MAX_M
+
+
+def fold_norms(plan: DispatchPlan) -> int:
+    """Fold every norm region that can be; returns how many were."""
+    readers: dict[str, list[Region]] = {}
+    for r in plan.regions:
+        for v in r.inputs:
+            readers.setdefault(v, []).append(r)
+    returned = set(plan.outputs) | set(plan.state_writes.values()) | {v for v, _ in plan.send}
+    folded = 0
+    for region in list(plan.regions):
+        norm = _plain_norm(region)
+        if norm is None or norm.out in returned:
+            continue
+        users = readers.get(norm.out, [])
+        if not users or not all(_folds_into(u, norm, plan) for u in users):
+            continue
+        inside = closure({o.name: o for o in region.ops}, norm.out)
+        for u in users:
+            u.ops = [copy.deepcopy(o) for o in region.ops if o.name in inside] + [
+                o for o in u.ops if o.name not in inside]
+            used = {r for o in u.ops for r in o.refs()} - {o.name for o in u.ops}
+            u.inputs = [v for v in dict.fromkeys(region.inputs + u.inputs) if v in used]
+            u.notes.append(f"prologue: the RMSNorm of region {region.name} (%{norm.out}) "
+                           "folded in: each row's rsqrt(mean(x^2) + eps) scales the product")
+        plan.regions.remove(region)
+        del plan.values[norm.out]
+        folded += 1
+        log.info("folded the RMSNorm %s (%%%s) into %s", region.name, norm.out,
+                 ", ".join(u.name for u in users))
+    return folded
+
+
+@as_pass
+def fold_rmsnorm(plan: DispatchPlan, ctx) -> DispatchPlan:
+    if ctx.target.uses_triton:
+        fold_norms(plan)
+    return plan
