@@ -34,12 +34,6 @@ def _steps(run, tokens):
     return torch.cat(out, 1).float().cpu()
 
 
-@pytest.mark.xfail(run=False, reason="an attention candidate (value head dim 16) reads "
-                   "shared memory out of bounds on an H100 while timed (tests/fuzz/FINDINGS.md, "
-                   "open 2026-11-25). Timing now runs in the tuner's run worker, which "
-                   "quarantines it; not yet rerun on a GPU, and which config faults (and "
-                   "whether the winner can at other sizes) is not known: see "
-                   "benchmarks/attention_candidates_memcheck.py")
 def test_fp8_checkpoint_stays_fp8_on_cuda(fp8_dir, monkeypatch):
     dequantised = []
     real = ds.dequantize_blocks
