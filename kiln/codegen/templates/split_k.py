@@ -76,19 +76,19 @@ def arrive(cap: str, tile: str, store: list[str], combine: list[str],
             *["    " + x for x in gate]]
 
 
-def merge_loop(elements: str, body: list[str]) -> list[str]:
-    """Lines running `body` for each part s in [0, n_split), in order. A small tile's
+def merge_loop(elements: str, body: list[str], count: str = "n_split") -> list[str]:
+    """Lines running `body` for each part s in [0, count), in order. A small tile's
     parts are loaded UNROLL at a time, so that their loads are in flight together: one
     part after another, each an L2 round trip, merging 16 parts of a decode step took
-    longer than computing them. `body` masks its loads with `s < n_split`. A big tile
+    longer than computing them. `body` masks its loads with `s < count`. A big tile
     (`elements`, a constexpr expression) takes one part a step: UNROLL of its parts
     would not fit the registers."""
     step = ["    " * 2 + x for x in body]
     return [f"if {elements} <= {UNROLL_ELEMENTS}:",
-            f"    for s0 in range(0, n_split, {UNROLL}):",
+            f"    for s0 in range(0, {count}, {UNROLL}):",
             f"        for j in tl.static_range({UNROLL}):",
             "            s = s0 + j", *["    " + x for x in step],
-            "else:", "    for s in range(0, n_split):", *step]
+            "else:", f"    for s in range(0, {count}):", *step]
 
 
 def load_part(address: str, mask: str, other: str = "0.0") -> str:

@@ -186,8 +186,16 @@ class LatentBody:
                  f"    tl.store({split.part(numel)} + {m_at}, m_i, mask=hr_ok)",
                  f"    tl.store({split.part(numel)} + {l_at}, l_i, mask=hr_ok)"]
         part = split.part(numel, "s")
-        m_part = split.load_part(f"{part} + {m_at}", "hr_ok", 'float("-inf")')
-        l_part = split.load_part(f"{part} + {l_at}", "hr_ok")
+        used = "(s < n_used)"
+        m_part = split.load_part(f"{part} + {m_at}", f"hr_ok & {used}", 'float("-inf")')
+        # every part's maximum and sum in one load each (a [KV_SPLIT, BLOCK_H] tile);
+        # then each column chunk, split.UNROLL parts a step (kiln.codegen.templates.split_k)
+        sp = "tl.arange(0, KV_SPLIT)[:, None]"
+        every = f"{split.PARTS} + (tile_id * n_split + {sp}) * ({numel})"
+        on = f"({sp} < n_used) & hr_ok[None, :]"
+        m_all = split.load_part(f"{every} + BLOCK_H * {rp} + ar[None, :]", on,
+                                'float("-inf")')
+        l_all = split.load_part(f"{every} + BLOCK_H * {rp + 1} + ar[None, :]", on)
         cols = f"ar[:, None] * {rp} + dc"
         with self.em.block() as out_lines:
             self.em.store(s.out, (self.b, self.t, self.h, _v("dc", s.latent_dim)),
@@ -195,21 +203,19 @@ class LatentBody:
                           mask_of(self.h_ok, Cond(f"dc < {s.latent_dim}", frozenset({"dc"}))))
         combine = [
             "n_used = tl.cdiv(kv_end, per_split)",
-            'm_i = tl.full([BLOCK_H], float("-inf"), tl.float32)',
-            "for s in range(0, n_used):",
-            f"    m_i = tl.maximum(m_i, {m_part})",
+            f"m_all = {m_all}",
+            "m_i = tl.max(m_all, 0)",
             'm_use = tl.where(m_i == float("-inf"), 0.0, m_i)',
-            "l_i = tl.zeros([BLOCK_H], tl.float32)",
-            "for s in range(0, n_used):",
-            f"    l_i += {l_part} * tl.exp2({m_part} - m_use)",
+            f"l_i = tl.sum({l_all} * tl.exp2(m_all - m_use[None, :]), 0)",
             "l_inv = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)",
             f"for c0 in tl.static_range(0, {rp}, {dc}):",
             *_indent([
                 f"dc = c0 + tl.arange(0, {dc})[None, :]",
                 f"o = tl.zeros([BLOCK_H, {dc}], tl.float32)",
-                "for s in range(0, n_used):",
-                f"    w = tl.exp2({m_part} - m_use) * l_inv",
-                f"    o += {split.load_part(f'{part} + {cols}', 'h_ok')} * w[:, None]",
+                *split.merge_loop(f"BLOCK_H * {dc}", [
+                    f"w = tl.exp2({m_part} - m_use) * l_inv",
+                    f"o += {split.load_part(f'{part} + {cols}', f'h_ok & {used}')} * w[:, None]"],
+                    count="n_used"),
                 *out_lines]),
         ]
         gate = ["h_ok = h_ok & (n_split == 1)"]  # a split's output is stored by the merge
