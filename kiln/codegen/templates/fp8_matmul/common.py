@@ -91,7 +91,7 @@ def combine_splits(tile: str, ok: str, gate: str) -> list[str]:
     the final store with `last`."""
     offs = "part_offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]"
     store = [offs, f"tl.store({split.part('BM * BN')} + part_offs, acc, mask={ok})"]
-    load = split.load_part(split.part("BM * BN", "s") + " + part_offs", ok)
-    combine = ["acc = tl.zeros([BM, BN], dtype=tl.float32)", "for s in range(0, n_split):",
-               f"    acc += {load}"]
+    load = split.load_part(split.part("BM * BN", "s") + " + part_offs", f"{ok} & (s < n_split)")
+    combine = ["acc = tl.zeros([BM, BN], dtype=tl.float32)",
+               *split.merge_loop("BM * BN", [f"acc += {load}"])]
     return split.arrive("SPLIT_K", tile, store, combine, [gate])
