@@ -7,11 +7,14 @@ import torch
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
-           top_p: float | None = None, generator: torch.Generator | None = None) -> list[int]:
-    """The next token of each row of logits [B, vocab]: greedy when temperature is 0."""
+           top_p: float | None = None, generator: torch.Generator | None = None
+           ) -> torch.Tensor:
+    """The next token of each row of logits [B, vocab], [B] on the logits' device (the
+    host reads it when it needs it): greedy when temperature is 0. `generator` is on the
+    same device."""
     if temperature <= 0:
-        return logits.argmax(-1).tolist()
-    logits = logits.float().cpu() / temperature
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -21,7 +24,7 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
         drop = probs.cumsum(-1) - probs > top_p  # keep the smallest set reaching top_p
         logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
     probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 class TextStream:

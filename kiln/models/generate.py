@@ -38,6 +38,7 @@ from torch.export import Dim
 
 import kiln
 from kiln.errors import ArgumentError, CheckpointError, ShapeError
+from kiln.models import decode_ahead
 from kiln.models.decoding import TextStream, sample
 from kiln.models.kv_cache import BlockAllocator, PagedLayout
 from kiln.models.llama import Llama
@@ -337,7 +338,10 @@ class LLM:
             ids = self._encode(p)
             seqs.append(_Seq(i, ids, self._text(stops, ids)))
         self._check_fits(seqs)
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        gen = None
+        if seed is not None:  # where the logits are: sampling never waits for the host
+            gen = torch.Generator(device=self.device if self.runnable else "cpu")
+            gen.manual_seed(seed)
 
         def pick(logits):
             return sample(logits, temperature, top_k, top_p, gen)
@@ -359,18 +363,12 @@ class LLM:
         alloc = BlockAllocator(self.cache_layout) if self.paged else None
         try:
             t0 = time.perf_counter()
-            first = pick(self._prefill(seqs, alloc))
+            first = pick(self._prefill(seqs, alloc)).tolist()
             now = time.perf_counter()
             for s, tok in zip(seqs, first):
                 s.t_first = now
                 add(s, tok, now)
-            while any(s.finish is None for s in seqs):
-                batch = [s for s in seqs if s.finish is None] if self.paged else seqs
-                logits = self._decode(batch, alloc)
-                now = time.perf_counter()
-                for s, tok in zip(batch, pick(logits)):
-                    if s.finish is None:
-                        add(s, tok, now)
+            decode_ahead.decode(self, seqs, alloc, pick, add, max_new_tokens)
         finally:
             for s in seqs:
                 if alloc is not None:
@@ -399,25 +397,28 @@ class LLM:
         return self.forward(tokens, torch.arange(T), table, logits_at=last,
                             seq_lens=seq_lens)[:, 0]
 
-    def _decode(self, batch: list[_Seq], alloc: BlockAllocator | None) -> torch.Tensor:
-        """One decode step; a finished row (contiguous cache only) repeats its last step."""
+    def _decode_step(self, batch: list[_Seq], alloc: BlockAllocator | None,
+                     tokens: torch.Tensor, pos: list[int]) -> torch.Tensor:
+        """One decode step of `batch`: device tokens [n] fed at positions `pos` (a row
+        that already finished repeats a step); logits [n, vocab]. Nothing here waits
+        for the device (kiln.models.decode_ahead)."""
         n = len(batch)
         rows = n if not self.cuda_graphs else next(b for b in self.buckets if b >= n)
-        tokens = torch.zeros(rows, 1, dtype=torch.long)
-        pos = torch.zeros(rows, 1, dtype=torch.long)  # pad rows: position 0 of a spare row
-        tokens[:n, 0] = torch.tensor([s.ids[-1] for s in batch])
-        pos[:n, 0] = torch.tensor([min(s.pos, self.max_seq_len - 1) for s in batch])
+        pos = pos + [0] * (rows - n)  # pad rows: token 0 at position 0 of a spare row
+        tokens = tokens.view(n, 1)
+        if rows > n:
+            tokens = torch.cat([tokens, tokens.new_zeros(rows - n, 1)])
         table = None
         if alloc is not None:
-            for s in batch:
-                alloc.reserve(s.row, s.pos + 1)
+            for s, p in zip(batch, pos):
+                alloc.reserve(s.row, p + 1)
             width = self.cache_layout.blocks_per_seq if self.cuda_graphs else None
             table = alloc.block_table([s.row for s in batch], width)
             if rows > n:  # pad rows own only block 0, which is never handed out
                 table = torch.cat([table, table.new_zeros(rows - n, table.shape[1])])
-            table = table.to(self.device)
-        logits = self.forward(tokens.to(self.device), pos.to(self.device), table)
-        return logits[:n, -1]
+            table = decode_ahead.to_device(table, self.device)
+        at = decode_ahead.to_device(torch.tensor(pos).view(rows, 1), self.device)
+        return self.forward(tokens, at, table)[:n, -1]
 
     # ---- helpers ---------------------------------------------------------------------
 

@@ -15,18 +15,18 @@ FAMILY = "llama3.1"
 
 def test_greedy_and_restricted_sampling():
     logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 0.0, 0.0, 2.9]])
-    assert sample(logits) == [1, 0]
+    assert sample(logits).tolist() == [1, 0]
     gen = torch.Generator().manual_seed(0)
-    assert sample(logits, temperature=1.0, top_k=1, generator=gen) == [1, 0]
+    assert sample(logits, temperature=1.0, top_k=1, generator=gen).tolist() == [1, 0]
     many = logits.repeat(500, 1)
-    drawn = torch.tensor(sample(many, temperature=1.0, top_k=2, generator=gen)).view(500, 2)
+    drawn = sample(many, temperature=1.0, top_k=2, generator=gen).view(500, 2)
     assert set(drawn[:, 0].tolist()) == {1, 2} and set(drawn[:, 1].tolist()) == {0, 3}
     # probs 0.5, 0.3, 0.15, 0.05: top_p 0.7 keeps the first two
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().repeat(1000, 1)
     drawn = sample(probs, temperature=1.0, top_p=0.7, generator=gen)
-    assert set(drawn) == {0, 1}
+    assert set(drawn.tolist()) == {0, 1}
     drawn = sample(probs, temperature=1.0, generator=gen)
-    assert set(drawn) == {0, 1, 2, 3}
+    assert set(drawn.tolist()) == {0, 1, 2, 3}
 
 
 def test_text_stream_holds_back_partial_characters_and_stop_strings():
