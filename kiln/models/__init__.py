@@ -75,7 +75,10 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target=N
     tensor_parallel_size / pipeline_parallel_size > 1: a multi-device plan. Under
     torchrun this process is one rank (every rank calls load with the same arguments);
     elsewhere kiln spawns the other ranks on this machine (kiln.models.spawn) and returns
-    rank 0's LLM. A checkpoint's weights are read as each rank's slices only.
+    rank 0's LLM. A checkpoint's weights are read as each rank's slices only
+    (kiln.models.rank_weights), in every family; with quantize="fp8" each rank quantises
+    its slices, which must hold whole 128 x 128 blocks (a tensor_parallel_size that
+    cuts through one is a ShapeError naming the projection).
     """
     from kiln.errors import ArgumentError, CheckpointError, KilnError, ShapeError
     from kiln.models import hf
@@ -105,9 +108,6 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target=N
     device = tgt.torch_device if not tgt.is_gpu or torch.cuda.is_available() else "cpu"
     parallel = ({"tp": tensor_parallel_size, "pp": pipeline_parallel_size}
                 if tensor_parallel_size * pipeline_parallel_size > 1 else None)
-    if parallel is not None and quantize is not None:
-        raise ArgumentError(f"quantize={quantize!r} runs on one device",
-                            hint="leave tensor_parallel_size and pipeline_parallel_size at 1")
     if parallel is not None:
         from kiln.models.spawn import spawn_llm, under_launcher
 
@@ -119,7 +119,8 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target=N
                 max_batch_size=max_batch_size, paged=paged, block_size=block_size,
                 num_blocks=num_blocks, random_weights=random_weights, seed=seed,
                 cuda_graphs=cuda_graphs, tensor_parallel_size=tensor_parallel_size,
-                pipeline_parallel_size=pipeline_parallel_size, keep_fp8=keep_fp8),
+                pipeline_parallel_size=pipeline_parallel_size, quantize=quantize,
+                keep_fp8=keep_fp8),
                 tensor_parallel_size * pipeline_parallel_size)
     read_weights = None
     if isinstance(dtype, str):
@@ -142,13 +143,11 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target=N
                              can_dequantize=loader is not hf)
             if keep and isinstance(model, Llama | DeepseekV3):
                 _quantize_fp8(model)  # random weights in the checkpoint's fp8 layout
-        elif parallel and loader is hf:
-            model, config = hf.load_checkpoint(path, dtype, device, max_seq_len, weights=False,
-                                               keep_fp8=keep_fp8)
-            files, wdtype = hf.weight_files(path), model.lm_head.weight.dtype
-
-            def read_weights(wanted):
-                return hf.read_parts(model, files, wanted, wdtype, device)
+        elif parallel:  # built on the meta device; each rank reads its slices after compiling
+            model, config = loader.load_checkpoint(path, dtype, device, max_seq_len,
+                                                   keep_fp8=keep_fp8, weights=False)
+            read_weights = loader.rank_reader(model, path, device,
+                                              quantize=quantize == "fp8").read
         else:
             model, config = loader.load_checkpoint(path, dtype, device, max_seq_len,
                                                    keep_fp8=keep_fp8)
@@ -177,7 +176,8 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target=N
         if not isinstance(model, Llama | DeepseekV3 | Qwen3Next):
             raise ArgumentError(f"quantize='fp8' is for the Llama families, DeepSeek-V3 "
                                 f"and Qwen3-Next, not {type(model).__name__}")
-        _quantize_fp8(model)
+        if read_weights is None:  # else each rank quantises its slices as it reads them
+            _quantize_fp8(model)
     return LLM(model, tokenizer, stop_ids, target=tgt, max_batch_size=max_batch_size,
                paged=paged, block_size=block_size, num_blocks=num_blocks, name=str(source),
                cuda_graphs=cuda_graphs, parallel=parallel, read_weights=read_weights,

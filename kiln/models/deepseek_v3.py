@@ -203,6 +203,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 # ---- attention ------------------------------------------------------------------------
 
 
+def absorbed_weights(kv_b: torch.Tensor, cfg: DeepseekV3Config
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W_UK [h, nope, r], W_UV [h, r, v]) of the heads whose kv_b_proj rows [h * (nope +
+    v), r] are `kv_b`: all of them, or one rank's (kiln.models.rank_weights reads only
+    those rows)."""
+    w = kv_b.view(-1, cfg.qk_nope_head_dim + cfg.v_head_dim, kv_b.shape[-1])
+    return (w[:, :cfg.qk_nope_head_dim].contiguous(),
+            w[:, cfg.qk_nope_head_dim:].transpose(1, 2).contiguous())
+
+
 class LatentAttention(nn.Module):
     """Multi-head latent attention; `form` picks "absorbed", "expanded" or "auto"
     (absorbed when the traced call has one token per row)."""
@@ -243,14 +253,11 @@ class LatentAttention(nn.Module):
         model; the expanded form could use it too and free kv_b_proj later. An fp8
         kv_b_proj (fp8.Fp8Linear) is dequantised for it, one layer at a time, into the
         model's dtype (its norms'): the einsums are not fp8 GEMMs."""
-        cfg = self.cfg
         w = self.kv_b_proj.weight
         if w.dtype == torch.float8_e4m3fn:
             w = kiln.ops.dequantize_weight(w, self.kv_b_proj.weight_scale_inv)
-        w = w.to(self.kv_a_layernorm.weight.dtype)
-        w = w.view(cfg.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
-        self.w_uk = w[:, :cfg.qk_nope_head_dim].contiguous()
-        self.w_uv = w[:, cfg.qk_nope_head_dim:].transpose(1, 2).contiguous()
+        self.w_uk, self.w_uv = absorbed_weights(w.to(self.kv_a_layernorm.weight.dtype),
+                                                self.cfg)
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.q_lora_rank is None:
@@ -361,8 +368,12 @@ class DeepseekV3(nn.Module):
     def finish_loading(self, device) -> None:
         """RoPE tables on `device` and the absorbed attention weights: after the weights
         are in place (built on the meta device, then loaded)."""
-        self.rope_cos, self.rope_sin = rope_tables(self.cfg, device)
+        self.init_rope(device)
         self.absorb_weights()
+
+    def init_rope(self, device) -> None:
+        """(Re)compute the RoPE tables on `device`: after building on the meta device."""
+        self.rope_cos, self.rope_sin = rope_tables(self.cfg, device)
 
     def absorb_weights(self) -> None:
         """Every layer's W_UK and W_UV from its kv_b_proj (again after quantising it)."""

@@ -22,6 +22,11 @@ is particular to DeepSeek-V3:
   op; without it they are dequantised into the model's dtype like every projection;
 - the multi-token-prediction layer (model.layers.<num_hidden_layers>...) is skipped;
 - the router's e_score_correction_bias stays fp32.
+
+Under tensor parallelism (kiln.models.load(..., tensor_parallel_size=T)) the model is
+built and compiled on the meta device and each rank reads only its slices
+(rank_reader: kiln.models.rank_weights), its heads' W_UK / W_UV split out of their
+kv_b_proj rows alone.
 """
 
 from __future__ import annotations
@@ -35,9 +40,9 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from kiln.errors import CheckpointError, ShapeError
-from kiln.models import hf
-from kiln.models.deepseek_v3 import ROPE_TYPES, DeepseekV3, DeepseekV3Config
-from kiln.models.fp8 import is_fp8_checkpoint, keeps_fp8, use_fp8_layout
+from kiln.models import hf, rank_weights
+from kiln.models.deepseek_v3 import ROPE_TYPES, DeepseekV3, DeepseekV3Config, absorbed_weights
+from kiln.models.fp8 import is_fp8_checkpoint, keeps_fp8, use_fp8_layout, use_quantized_layout
 from kiln.models.moe import checkpoint_slot, use_fp8_experts_layout
 from kiln.progress import progress
 
@@ -287,14 +292,16 @@ def fp8_expert_layers(found: dict, cfg: DeepseekV3Config) -> list[int]:
 
 
 def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
-                    max_seq_len: int | None = None, keep_fp8: bool | None = None
-                    ) -> tuple[DeepseekV3, dict]:
+                    max_seq_len: int | None = None, keep_fp8: bool | None = None,
+                    weights: bool = True) -> tuple[DeepseekV3, dict]:
     """(model, config.json) for a DeepSeek-V3 checkpoint directory; weights loaded lazily.
 
     dtype defaults to config.json's, and to bfloat16 for an fp8 checkpoint.
     keep_fp8: an fp8 checkpoint's projections load as fp8 (fp8.Fp8Linear) or are
     dequantised into dtype; None (default) keeps them on a GPU device and dequantises
-    them on the CPU. True for a checkpoint without fp8 weights is an ArgumentError."""
+    them on the CPU. True for a checkpoint without fp8 weights is an ArgumentError.
+    weights=False leaves the model on the meta device, in the dtypes and fp8 layout it
+    would load with: a multi-device plan reads each rank's slices later (rank_reader)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist", where=str(path))
@@ -308,9 +315,17 @@ def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
     found = hf.read_headers(files)
     with torch.device("meta"):
         model = DeepseekV3(cfg)
+    if not weights:
+        model = model.to(dtype)
+        for layer in model.model.layers:  # the router's correction stays fp32
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.e_score_correction_bias = gate.e_score_correction_bias.float()
     if keep:
         use_fp8_layout(model, hf_cfg, where, stored=found)
         use_fp8_experts_layout(model, fp8_expert_layers(found, cfg))
+    if not weights:
+        return model.eval(), hf_cfg
     try:
         load_weights(model, found, dtype, device, block_size(hf_cfg))
     except BaseException as e:
@@ -321,6 +336,77 @@ def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
     log.info("loaded %s (%d shard(s)) as %s on %s%s", path, len(files), dtype, device,
              ", fp8 projections as stored" if keep else "")
     return model.eval(), hf_cfg
+
+
+class RankReader(rank_weights.RankReader):
+    """A rank's slices of a DeepSeek-V3 checkpoint (rank_weights.RankReader), and its
+    heads' W_UK / W_UV, split out of the kv_b_proj rows of those heads only."""
+
+    def __init__(self, model: DeepseekV3, *args):
+        super().__init__(model, *args)
+        self.cfg = model.cfg
+        self._absorbed: dict = {}  # (layer's attention, heads) -> (W_UK, W_UV)
+
+    def holds(self, name: str) -> bool:
+        return name.endswith(ABSORBED) or super().holds(name)
+
+    def value(self, name: str, cut) -> torch.Tensor:
+        if not name.endswith(ABSORBED):
+            return super().value(name, cut)
+        cfg = self.cfg
+        attn, _, which = name.rpartition(".")
+        heads = tuple(cut[1]) if cut is not None and cut[0] == 0 else ((0, cfg.n_heads),)
+        key = (attn, heads)
+        if key not in self._absorbed:  # both from one read of the heads' kv_b_proj rows
+            per_head = cfg.qk_nope_head_dim + cfg.v_head_dim
+            parts = [absorbed_weights(self._kv_b_rows(f"{attn}.kv_b_proj.weight", a * per_head,
+                                                      b * per_head).to(self.meta[name].dtype),
+                                      cfg) for a, b in heads]
+            self._absorbed[key] = [torch.cat([p[i] for p in parts]) for i in range(2)]
+        t = self._absorbed[key][ABSORBED.index(which)]
+        if cut is not None and cut[0] != 0:  # a cut the heads do not make (none today)
+            t = torch.cat([t.narrow(cut[0], a, b - a) for a, b in cut[1]], cut[0])
+        return t
+
+    def read(self, wanted: dict) -> dict[str, torch.Tensor]:
+        try:
+            return super().read(wanted)
+        finally:
+            self._absorbed.clear()
+
+    def _kv_b_rows(self, name: str, a: int, b: int) -> torch.Tensor:
+        """Rows a:b of kv_b_proj's weight as the model computes with it: an fp8 one
+        dequantised from the whole blocks around them, a real one in its own dtype."""
+        w = self.meta[name]
+        if w.dtype != rank_weights.FP8:
+            return self.real(name, (0, [(a, b)])).to(w.dtype)
+        block = rank_weights.BLOCK
+        lo, hi = a // block * block, min(-(-b // block) * block, w.shape[0])
+        return self.real(name, (0, [(lo, hi)]))[a - lo:b - lo]
+
+
+ABSORBED = ("w_uk", "w_uv")
+
+
+def rank_reader(model: DeepseekV3, path, device, quantize: bool = False) -> RankReader:
+    """The reader of a multi-device plan's rank for checkpoint `path`, checked against
+    `model` (on the meta device: load_checkpoint(weights=False)) now, before any
+    compiling; with `quantize` the model takes quantize="fp8"'s layout and each rank's
+    slices are quantised as read."""
+    path = Path(path)
+    found = hf.read_headers(hf.weight_files(path))
+    block = block_size(hf.read_json(path / "config.json"))
+    mapping = tensor_map(model, found)
+    check_scales(found, block)
+    if any(n.endswith(SCALE_SUFFIX) for n in found) and block != (rank_weights.BLOCK,) * 2:
+        raise CheckpointError(f"a multi-device load reads fp8 weights in {rank_weights.BLOCK}"
+                              f"x{rank_weights.BLOCK} blocks; this checkpoint's are "
+                              f"{block[0]}x{block[1]}", where=str(path / "config.json"),
+                              hint="load it on one device (tensor_parallel_size=1)")
+    dtype = model.lm_head.weight.dtype
+    if quantize:
+        use_quantized_layout(model)
+    return RankReader(model, found, mapping, dtype, device)
 
 
 def random_model(cfg: DeepseekV3Config, dtype: torch.dtype = torch.float32, device="cpu",

@@ -23,7 +23,7 @@ from torch import nn
 
 import kiln.ops
 from kiln.errors import ArgumentError, CheckpointError
-from kiln.models.moe import quantize_experts_fp8
+from kiln.models.moe import Experts, Fp8Experts, RoutedMoE, quantize_experts_fp8
 
 QUANTIZATIONS = ("fp8",)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -101,6 +101,23 @@ def quantize_fp8(model: nn.Module) -> nn.Module:
             setattr(part, name, Fp8Linear.from_linear(linear))
     quantize_experts_fp8(model)
     return model
+
+
+def use_quantized_layout(model: nn.Module) -> None:
+    """quantize_fp8's layout for a model on the meta device, holding nothing yet: its
+    projections Fp8Linear, its routed experts Fp8Experts. A multi-device load quantises
+    each rank's slices as it reads them (kiln.models.rank_weights), in the same blocks."""
+    for part, name, _ in _projections(model):
+        linear = getattr(part, name)
+        if isinstance(linear, nn.Linear):
+            setattr(part, name, Fp8Linear(linear.in_features, linear.out_features,
+                                          linear.bias is not None, linear.weight.dtype,
+                                          device="meta"))
+    for m in model.modules():
+        if isinstance(m, RoutedMoE) and isinstance(m.experts, Experts):
+            fp8 = Fp8Experts(*m.experts.gate_proj.shape, device="meta")
+            fp8.expert_parallel = m.experts.expert_parallel
+            m.experts = fp8
 
 
 def check_fp8_config(hf_cfg: dict, where: str) -> None:

@@ -174,8 +174,9 @@ class LLM:
 
     def _materialize(self, read_weights) -> None:
         """Give both modules real tensors for the weights left on the meta device: this
-        rank's slices (or whole replicated weights) read once, shared by both; buffers
-        the model updates (KV caches) start as zeros."""
+        rank's slices (or whole replicated weights) read once, shared by both. Buffers
+        the checkpoint gives (DeepSeek-V3's router correction, its W_UK / W_UV) are read
+        so too; the others are computed (RoPE tables) or start as zeros (KV caches)."""
         modules = (self.prefill_module, self.decode_module)
         self.model.init_rope(self.device)  # tables computed, not read
         params = dict(self.model.named_parameters(remove_duplicate=False))  # tied too
@@ -185,16 +186,19 @@ class LLM:
             for name, t in m.state.items():
                 if t.device.type != "meta":
                     continue
-                if name in params:
-                    wanted[name] = m.weight_slices.get(name)
-                elif name in own_buffers:
-                    buffers[name] = t
-                else:
+                if name not in params and name not in own_buffers:
                     raise ArgumentError(
                         f"the compiled plan reads {name}, computed from weights that were "
                         "not loaded yet", hint="load the checkpoint whole (no tensor "
                         "parallelism) for this model, and report it")
+                wanted[name] = m.weight_slices.get(name)
+                if name not in params:
+                    buffers[name] = t
         real = read_weights(wanted)
+        unread = sorted(n for n in wanted if n not in real and n not in buffers)
+        if unread:
+            raise ArgumentError(f"the checkpoint reader gave no {', '.join(unread[:3])}",
+                                hint="this is a kiln bug: report it")
         for m in modules:  # a padded vocabulary (vocab_padding.py): zero rows past the real
             for name, t in m.state.items():
                 got = real.get(name)
@@ -203,6 +207,8 @@ class LLM:
                                                                 *got.shape[1:])])
         own_buffers = dict(self.model.named_buffers())
         for name, t in buffers.items():
+            if name in real:
+                continue
             mine = own_buffers[name]
             real[name] = (mine if mine.device.type != "meta"  # the RoPE tables
                           else torch.zeros(t.shape, dtype=t.dtype, device=self.device))

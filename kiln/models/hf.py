@@ -10,7 +10,6 @@ bad checkpoint fails fast; if reading still fails, the partial module is freed.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import traceback
@@ -20,11 +19,12 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-from kiln.errors import CheckpointError, KilnError, ShapeError
+from kiln.errors import CheckpointError, ShapeError
 from kiln.models import fp8
 from kiln.models.llama import ROPE_TYPES, Llama, LlamaConfig
 from kiln.models.moe import EXPERT_WEIGHTS, Experts, checkpoint_slot
 from kiln.models.qwen3_next import Qwen3Next, Qwen3NextConfig
+from kiln.models.rank_weights import RankReader, reading
 from kiln.progress import progress
 
 log = logging.getLogger("kiln.models")
@@ -341,66 +341,17 @@ def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device
     model.tie_weights()
 
 
-def read_parts(model: nn.Module, files: list[Path], wanted: dict, dtype: torch.dtype,
-               device) -> dict[str, torch.Tensor]:
-    """The tensors a rank of a multi-device plan holds, read from the checkpoint: for
-    each state name in `wanted`, `(axis, [(start, end), ...])` reads only those ranges
-    of that axis (this rank's slices, via safetensors' lazy slices), None the whole
-    tensor. Never reads the whole model into one process. A stacked Experts tensor is
-    read expert by expert (axis 0 picks experts; another axis cuts each)."""
-    found = read_headers(files)
-    sources: dict[str, list[tuple[int | None, str]]] = {}  # model name -> its pieces
-    for name, (dest, slot) in check_tensors(model, found).items():
-        sources.setdefault(dest, []).append((slot, name))
-    if getattr(model.cfg, "tie_word_embeddings", False):
-        sources["lm_head.weight"] = sources["model.embed_tokens.weight"]
-    out: dict[str, torch.Tensor] = {}
-    with contextlib.ExitStack() as stack:
-        handles = {}
-
-        def read(name: str, cut):
-            f = found[name][0]
-            if f not in handles:
-                handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
-            with reading(f):
-                return _read_cut(handles[f].get_slice(name), cut)
-
-        for name, cut in wanted.items():
-            pieces = sorted(sources[name], key=lambda p: p[0] or 0)
-            if pieces[0][0] is None:
-                t = read(pieces[0][1], cut)
-            elif cut is not None and cut[0] == 0:  # these experts, whole
-                chosen = [pieces[e][1] for a, b in cut[1] for e in range(a, b)]
-                t = torch.stack([read(n, None) for n in chosen])
-            else:
-                inner = None if cut is None else (cut[0] - 1, cut[1])
-                t = torch.stack([read(n, inner) for _, n in pieces])
-            out[name] = t.to(device=device, dtype=dtype).contiguous()
-    return out
-
-
-def _read_cut(part, cut) -> torch.Tensor:
-    """A safetensors slice read whole (cut None) or at (axis, [(start, end), ...])."""
-    if cut is None:
-        return part[:]
-    axis, ranges = cut
-    lead = (slice(None),) * axis
-    pieces = [part[(*lead, slice(a, b))] for a, b in ranges]
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, axis)
-
-
-@contextlib.contextmanager
-def reading(f: Path):
-    """Reading tensor data from shard `f`: a failure that is not already a KilnError
-    becomes a CheckpointError naming the file (a truncated download, a bad header)."""
-    try:
-        yield
-    except KilnError:
-        raise
-    except Exception as e:
-        raise CheckpointError(f"cannot read tensor data from {f.name}: {e}", where=str(f),
-                              hint="the file may be truncated or corrupt: download it "
-                              "again") from None
+def rank_reader(model: nn.Module, path: Path, device, quantize: bool = False) -> RankReader:
+    """The reader of a multi-device plan's rank for checkpoint `path` (its headers
+    checked against `model`, on the meta device, now: before any compiling); with
+    `quantize` the model takes quantize="fp8"'s layout and each rank's slices are
+    quantised as read. See rank_weights.py."""
+    found = read_headers(weight_files(path))
+    mapping = check_tensors(model, found)
+    dtype = model.lm_head.weight.dtype
+    if quantize:
+        fp8.use_quantized_layout(model)
+    return RankReader(model, found, mapping, dtype, device)
 
 
 def free_partial(model: nn.Module, exc: BaseException) -> None:
@@ -421,7 +372,8 @@ def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
     """(model, config.json) for a Hugging Face checkpoint directory; weights loaded lazily.
 
     weights=False leaves the weights on the meta device (a multi-device plan reads each
-    rank's slices later, with read_parts); the model is in `dtype` already.
+    rank's slices later, with rank_reader); the model is in `dtype` already, its fp8
+    projections (an fp8 checkpoint's) in float8_e4m3fn.
     An fp8 checkpoint always loads as fp8 here (keep_fp8=False is refused; True for a
     checkpoint without fp8 weights too): see fp8.keeps_fp8.
     """
@@ -435,15 +387,16 @@ def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
     with torch.device("meta"):
         model = build_model(cfg)
     on_gpu = torch.device(device).type == "cuda"
-    if fp8.keeps_fp8(keep_fp8, hf, on_gpu, str(path / "config.json"), can_dequantize=False):
-        # e4m3 weights + block scales load as they are
-        if not isinstance(model, Llama) or not weights:
-            raise CheckpointError("fp8 checkpoints load for the Llama families, on one "
-                                  "device", where=str(path / "config.json"))
-        fp8.use_fp8_layout(model, hf, str(path / "config.json"))
     if not weights:  # shapes only, RoPE tables too: every tensor on one device for export
         model = model.to(dtype)
         model.init_rope("meta")
+    if fp8.keeps_fp8(keep_fp8, hf, on_gpu, str(path / "config.json"), can_dequantize=False):
+        # e4m3 weights + block scales load as they are
+        if not isinstance(model, Llama):
+            raise CheckpointError("fp8 checkpoints load for the Llama families",
+                                  where=str(path / "config.json"))
+        fp8.use_fp8_layout(model, hf, str(path / "config.json"))
+    if not weights:
         return model.eval(), hf
     try:
         load_weights(model, files, dtype, device)

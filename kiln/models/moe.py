@@ -187,6 +187,14 @@ class Fp8Experts(nn.Module):
             scale = torch.ones(kiln.ops.expert_scale_shape(shape), device=device)
             setattr(self, name, nn.Parameter(w, requires_grad=False))
             setattr(self, f"{name}_scale_inv", nn.Parameter(scale, requires_grad=False))
+        self.expert_parallel = False  # tensor parallelism cuts experts, not widths
+
+    def tensor_parallel_seeds(self) -> dict:
+        """With `expert_parallel` set, by expert (weights and block scales alike);
+        else the op's rule cuts each expert's width in whole 128-blocks."""
+        if not self.expert_parallel:
+            return {}
+        return dict.fromkeys([n + s for n in EXPERT_WEIGHTS for s in ("", "_scale_inv")], 0)
 
     @classmethod
     def from_experts(cls, experts: Experts) -> Fp8Experts:
@@ -197,6 +205,7 @@ class Fp8Experts(nn.Module):
             q, s = kiln.ops.quantize_experts(getattr(experts, name).detach())
             setattr(fp8, name, nn.Parameter(q, requires_grad=False))
             setattr(fp8, f"{name}_scale_inv", nn.Parameter(s, requires_grad=False))
+        fp8.expert_parallel = experts.expert_parallel
         return fp8
 
     def grouped(self, x, weights, ids):

@@ -11,6 +11,8 @@
   weights are cut by expert (a seed asks for it), expert parallel: each rank runs its
   experts on every token (the others' ids shifted outside its range, which the op
   drops) and the partial sums are all-reduced.
+- fp8 routed experts: the same two ways, each weight's block scales cut with it; a
+  width cut must hold whole 128-blocks (h is quantised per 128-group of the width).
 - fp8 linear, quantize and scaled mm: column or row parallel like a matmul, the
   128 x 128 block scales cut with their weight. A cut through a block cannot be
   expressed by the scales: it is a ShapeError naming the projection, never a silent
@@ -89,6 +91,29 @@ def moe_experts(rules, node: fx.Node) -> Decision:
     return Decision(PARTIAL, {**whole, gate: rows, up: rows, down: shard(2, tp)})
 
 
+def moe_experts_fp8(rules, node: fx.Node) -> Decision:
+    """The fp8 experts as moe_experts, each weight's block scales cut with it: by
+    expert (a seed asks), or by each expert's intermediate width in whole 128-blocks
+    (h is quantised again per 128-wide group of that width for down's product)."""
+    x, weights, ids, gate, gate_s, up, up_s, down, down_s = node.args[:9]
+    tp = rules.tp
+    inter = shape(gate)[1]
+    whole = {x: REPLICATE, weights: REPLICATE, ids: REPLICATE}
+    seeded = rules.get(gate)
+    if seeded is not None and seeded.is_shard and seeded.axis == 0:
+        if seeded.parts != tp or seeded.segments:
+            return replicated(node)
+        cut = shard(0, tp)
+        return Decision(PARTIAL, {**whole, **dict.fromkeys((gate, gate_s, up, up_s, down,
+                                                            down_s), cut)},
+                        rewrite="expert_parallel_ids")
+    if not _blocks_whole((inter,), tp):
+        raise _block_error(node, "experts' intermediate features", inter, tp, tp)
+    rows, cols = shard(1, tp), shard(2, tp)
+    return Decision(PARTIAL, {**whole, gate: rows, gate_s: rows, up: rows, up_s: rows,
+                              down: cols, down_s: cols})
+
+
 def _block_error(node: fx.Node, what: str, size: int, parts: int, tp: int) -> ShapeError:
     fits = [t for t in range(1, size + 1) if size % t == 0 and (size // t) % FP8_BLOCK == 0]
     return ShapeError(
@@ -97,7 +122,8 @@ def _block_error(node: fx.Node, what: str, size: int, parts: int, tp: int) -> Sh
         f", through its {FP8_BLOCK}x{FP8_BLOCK} scale blocks",
         where=where(node),
         hint=f"choose a tp whose parts hold whole {FP8_BLOCK}-wide blocks (here tp in "
-        f"{fits or [1]}), or load the model's weights unquantised (keep_fp8=False)")
+        f"{fits or [1]}), or load the model's weights unquantised (keep_fp8=False for "
+        "an fp8 checkpoint, no quantize='fp8')")
 
 
 def _blocks_whole(sizes, parts: int) -> bool:
@@ -178,6 +204,7 @@ RULES = {
     "kiln.gated_delta_rule.default": gated_delta_rule,
     "kiln.latent_attention.default": latent_attention,
     "kiln.moe_experts.default": moe_experts,
+    "kiln.moe_experts_fp8.default": moe_experts_fp8,
     "kiln.fp8_linear.default": fp8_linear,
     "kiln.fp8_scaled_mm.default": fp8_scaled_mm,
     "kiln.fp8_quantize.default": fp8_quantize,

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 import kiln
 import kiln.models
-from kiln.errors import ArgumentError, CheckpointError
+from kiln.errors import ArgumentError, CheckpointError, ShapeError
 from kiln.ir.plan import RegionKind
 from kiln.models import hf
 from kiln.models.fp8 import PROJECTIONS, Fp8Linear, quantize_fp8
@@ -168,8 +168,18 @@ def test_modules_not_converted_stay_real(tmp_path):
 def test_bad_quantize_requests_are_refused_before_compiling():
     with pytest.raises(ArgumentError, match="unknown quantization 'int4'"):
         kiln.models.load("tiny", quantize="int4")
-    with pytest.raises(ArgumentError, match="one device"):
+
+
+
+def test_quantize_under_tensor_parallelism_that_cuts_a_block_is_a_shape_error():
+    """The tiny preset's 64-wide projections cannot be cut in two without cutting
+    their 128 x 128 scale blocks: the plan says so, naming the projection (splits that
+    keep whole blocks run: tests/parallel/test_rank_weights.py)."""
+    with pytest.raises(ShapeError, match=r"tensor parallelism over 2 ranks would cut this "
+                       r"fp8 projection's \d+ output features into 2 parts of \d+, through "
+                       r"its 128x128 scale blocks") as info:
         kiln.models.load("tiny", quantize="fp8", tensor_parallel_size=2)
+    assert "quantize='fp8'" in info.value.hint
 
 
 def test_cli_takes_quantize_fp8():
@@ -180,3 +190,21 @@ def test_cli_takes_quantize_fp8():
     assert args.quantize == "fp8"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--config", "tiny", "--quantize", "int8"])
+
+
+def test_a_rank_reads_an_fp8_checkpoint_as_stored(tmp_path):
+    """A multi-device load builds the model on the meta device in the fp8 layout and
+    each rank reads its fp8 bytes and block scales as stored (whole here: 64-wide
+    projections have one block; cuts: tests/parallel/test_rank_weights.py)."""
+    _make_fp8_checkpoint(tmp_path / "fp8")
+    whole, _ = hf.load_checkpoint(tmp_path / "fp8", torch.float32)
+    meta, _ = hf.load_checkpoint(tmp_path / "fp8", torch.float32, weights=False)
+    q = "model.layers.1.self_attn.q_proj."
+    assert meta.get_parameter(q + "weight").dtype == torch.float8_e4m3fn
+    wanted = {q + "weight": None, q + "weight_scale_inv": None, "lm_head.weight": (0, [(0, 8)])}
+    got = hf.rank_reader(meta, tmp_path / "fp8", "cpu").read(wanted)
+    assert got[q + "weight"].dtype == torch.float8_e4m3fn
+    for name, cut in wanted.items():
+        want = whole.get_parameter(name)
+        want = want if cut is None else want[:8]
+        assert torch.equal(got[name].float(), want.float()), name

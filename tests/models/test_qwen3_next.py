@@ -294,14 +294,14 @@ def test_multi_token_prediction_weights_are_skipped_unknown_ones_refused(llm, tm
 def test_a_rank_reads_its_parts_of_the_stacked_experts(checkpoint, llm):
     """A multi-device plan's rank reads slices of a stacked Experts tensor expert by
     expert: axis 0 picks experts, another axis cuts each expert's tensor."""
-    from kiln.models.hf import load_checkpoint, read_parts, weight_files
+    from kiln.models.hf import load_checkpoint, rank_reader
 
     path = checkpoint[0]
     meta, _ = load_checkpoint(path, torch.float32, weights=False)
     experts = "model.layers.0.mlp.experts."
     wanted = {experts + "gate_proj": (1, [(0, 8), (16, 24)]), experts + "up_proj": (0, [(1, 3)]),
               experts + "down_proj": None, "lm_head.weight": (0, [(0, 10)])}
-    parts = read_parts(meta, weight_files(path), wanted, torch.float32, "cpu")
+    parts = rank_reader(meta, path, "cpu").read(wanted)
     full = dict(llm.model.named_parameters(remove_duplicate=False))
     gate = full[experts + "gate_proj"]
     assert torch.equal(parts[experts + "gate_proj"], torch.cat([gate[:, 0:8], gate[:, 16:24]], 1))

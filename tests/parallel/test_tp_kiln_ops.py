@@ -229,6 +229,32 @@ def test_fp8_blocks_cut_whole_or_refused():
     assert "tp in [1, 2, 4]" in str(info.value)
 
 
+def test_fp8_experts_cut_by_width_in_whole_blocks_or_by_expert():
+    """kiln::moe_experts_fp8 is cut like kiln::moe_experts, each weight's block scales
+    with it; a width cut through a 128-block is refused, naming the experts."""
+    from kiln.models.moe import quantize_experts_fp8
+
+    model = _tiny_deepseek(moe_intermediate_size=256)
+    quantize_experts_fp8(model)
+    experts = "model.layers.0.mlp.experts."
+    shapes = _shapes(_plan(model, 2, rank=1))
+    assert shapes[experts + "gate_proj"] == (8, 128, 64)  # each expert's width halved
+    assert shapes[experts + "gate_proj_scale_inv"] == (8, 1, 1)
+    assert shapes[experts + "down_proj"] == (8, 64, 128)
+    assert shapes[experts + "down_proj_scale_inv"] == (8, 1, 1)
+    use_expert_parallel(model)
+    kg = _plan(model, 2, rank=1)
+    shapes = _shapes(kg)
+    assert shapes[experts + "up_proj"] == (4, 256, 64)  # by expert: the last 4
+    assert shapes[experts + "up_proj_scale_inv"] == (4, 2, 1)
+    whole = model.model.layers[0].mlp.experts.up_proj_scale_inv
+    assert torch.equal(kg.state[experts + "up_proj_scale_inv"], whole[4:])
+    narrow = _tiny_deepseek(moe_intermediate_size=128)
+    quantize_experts_fp8(narrow)
+    with pytest.raises(ShapeError, match="experts' intermediate features into 2 parts of 64"):
+        _plan(narrow, 2)
+
+
 @pytest.mark.parametrize("overrides,tp,match", [
     ({"moe_intermediate_size": 48}, 3, "4 .heads or width. is not divisible by 3"),  # heads
     ({"n_heads": 6, "moe_intermediate_size": 40}, 3,
