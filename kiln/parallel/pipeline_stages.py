@@ -90,11 +90,27 @@ class _Stages:
         self.pp = pp
         self.order = {n: i for i, n in enumerate(kg.graph.nodes)}
         self.specs = {s.name: s for s in kg.inputs}
+        self.static = _static(kg)
         self._group_weights()
         self._assign_layers(split)
 
-    def _first_use(self, node: fx.Node) -> int:
-        return min((self.order[u] for u in node.users), default=self.order[node])
+    def _first_use(self, node: fx.Node) -> int | None:
+        """Where the activations first meet this weight: its first user that reads
+        something other than weights. Ops on weights alone (a transpose, DeepSeek's
+        absorbed W_UK / W_UV) may sit anywhere in the graph (export hoists them to the
+        top), so they are looked through, not taken as the use. None: never used with
+        activations (DeepSeek's W_UK in a prefill module, which takes the expanded form)."""
+        seen, todo, found = set(), list(node.users), None
+        while todo:
+            u = todo.pop()
+            if u in seen or u.op == "output":
+                continue
+            seen.add(u)
+            if u in self.static:
+                todo.extend(u.users)
+            else:
+                found = self.order[u] if found is None else min(found, self.order[u])
+        return found
 
     def _group_weights(self) -> None:
         """Layer groups in graph order, and each staged weight's group."""
@@ -112,8 +128,11 @@ class _Stages:
                     loose.append(node)  # unnumbered buffers/constants float
                 continue
             self.group_of[s.name] = g
-            first[g] = min(first.get(g, 1 << 62), self._first_use(node))
-        self.layers = sorted(first, key=first.__getitem__)
+            pos = self._first_use(node)
+            first[g] = min(first.get(g, 1 << 62), 1 << 62 if pos is None else pos)
+        # a layer none of whose weights meet the activations keeps its name's order
+        self.layers = sorted(first, key=lambda g: (first[g], self.order[ph[next(
+            n for n, h in self.group_of.items() if h == g)]]))
         if not self.layers:
             raise ArgumentError(
                 "pipeline parallelism needs a layer list, and this model's weights have no "
@@ -122,6 +141,8 @@ class _Stages:
         starts = [first[g] for g in self.layers]
         for node in loose:  # with the first layer after it, else the last one before it
             pos = self._first_use(node)
+            if pos is None:
+                continue  # never meets the activations: it floats
             after = [g for g, s in zip(self.layers, starts) if s >= pos]
             self.group_of[node.name] = after[0] if after else self.layers[-1]
 
@@ -167,10 +188,9 @@ class _Stages:
         return stage
 
 
-def _movable(kg: KilnGraph, stage: dict) -> set[fx.Node]:
-    """Nodes a stage may compute (or hold) for itself: floating ones (no stage), and the
-    static ones (weights, and ops that read only weights and constants, such as a
-    transposed tied embedding). Weights are cloned to the stages that read them, not sent."""
+def _static(kg: KilnGraph) -> set[fx.Node]:
+    """Weights, and ops that read only weights and constants (a transposed tied
+    embedding, DeepSeek's absorbed attention weights)."""
     kinds = {s.name: s for s in kg.inputs}
     static: set[fx.Node] = set()
     for node in kg.graph.nodes:
@@ -180,7 +200,13 @@ def _movable(kg: KilnGraph, stage: dict) -> set[fx.Node]:
                 static.add(node)
         elif node.op != "output" and all(a in static for a in node.all_input_nodes):
             static.add(node)
-    return static | {n for n in kg.graph.nodes if n.op != "output" and stage[n] is None}
+    return static
+
+
+def _movable(kg: KilnGraph, stage: dict) -> set[fx.Node]:
+    """Nodes a stage may compute (or hold) for itself: floating ones (no stage), and the
+    static ones. Weights are cloned to the stages that read them, not sent."""
+    return _static(kg) | {n for n in kg.graph.nodes if n.op != "output" and stage[n] is None}
 
 
 def _needed_on(kg: KilnGraph, stage: dict, movable: set, consumers: dict) -> None:

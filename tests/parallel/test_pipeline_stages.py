@@ -164,3 +164,24 @@ def test_stage_plan_explains_and_round_trips_through_an_artifact(tmp_path):
     CompiledModule(stages[1][0], stages[1][1]).save(path)
     loaded = kiln.load(path)
     assert (loaded.program.plan.recv, loaded.program.plan.send) == (second.recv, second.send)
+
+
+def test_deepseek_layers_split_even_where_weights_are_read_before_the_embedding(tmp_path):
+    """DeepSeek-V3's absorbed W_UK / W_UV are weights a prefill never reads (it takes the
+    expanded form): they once placed every layer's first use before the embedding's, so
+    the embedding joined the last stage and stage 0 held nothing."""
+    from kiln.models import deepseek_v3_checkpoint as ds
+    from tests.models.test_deepseek_v3 import make_hf_model
+
+    make_hf_model(num_hidden_layers=4).save_pretrained(tmp_path)
+    model, _ = ds.load_checkpoint(tmp_path, torch.float32, "cpu", max_seq_len=32)
+    ref, _ = ds.load_checkpoint(tmp_path, torch.float32, "cpu", max_seq_len=32)
+    tokens = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(1))
+    args = (tokens, torch.arange(5)[None])
+    stages = [compile_stage(model, args, None, ParallelConfig(pp=2, rank=r)) for r in range(2)]
+    first = {k.split(".")[2] for k in stages[0][1] if k.startswith("model.layers.")}
+    assert first == {"0", "1"} and "model.embed_tokens.weight" in stages[0][1]
+    with torch.no_grad():
+        want = ref(*args)
+    (got,) = run_chain(stages, args)
+    assert rel_err(got, want) <= 1e-5
