@@ -31,10 +31,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_env(rank: int, world: int, port: int) -> None:
+_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _rank_env(rank: int, world: int, port: int) -> dict:
+    """Set torchrun's variables for `rank`; returns what they were, to put back."""
+    before = {k: os.environ.get(k) for k in _ENV}
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
+    return before
+
+
+def _leave_world(env_before: dict) -> None:
+    """Rank 0 is this process: once its ranks are gone, it is not a rank any more (a
+    later kiln.compile with parallel= must not find a dead world in its environment)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for k, v in env_before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def _worker(rank: int, world: int, port: int, load_kwargs: dict) -> None:
@@ -57,8 +75,9 @@ def _worker(rank: int, world: int, port: int, load_kwargs: dict) -> None:
 class SpawnedLLM:
     """Rank 0's LLM of a plan whose other ranks kiln spawned: use it like the LLM."""
 
-    def __init__(self, llm, control, procs):
+    def __init__(self, llm, control, procs, env_before: dict):
         self._llm, self._control, self._procs = llm, control, procs
+        self._env_before = env_before
         atexit.register(self.close)
 
     def __getattr__(self, name):
@@ -90,8 +109,7 @@ class SpawnedLLM:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_world(self._env_before)
 
 
 def spawn_llm(load_kwargs: dict, world: int) -> SpawnedLLM:
@@ -104,12 +122,13 @@ def spawn_llm(load_kwargs: dict, world: int) -> SpawnedLLM:
              for r in range(1, world)]
     for p in procs:
         p.start()
-    _rank_env(0, world, port)
+    env_before = _rank_env(0, world, port)
     try:
         llm = load(**load_kwargs)
         control = dist.new_group(backend="gloo")
     except BaseException:
         for p in procs:
             p.kill()
+        _leave_world(env_before)
         raise
-    return SpawnedLLM(llm, control, procs)
+    return SpawnedLLM(llm, control, procs, env_before)

@@ -180,6 +180,11 @@ def test_quantize_under_tensor_parallelism_that_cuts_a_block_is_a_shape_error():
                        r"its 128x128 scale blocks") as info:
         kiln.models.load("tiny", quantize="fp8", tensor_parallel_size=2)
     assert "quantize='fp8'" in info.value.hint
+    # the failed load leaves this process no rank: no process group, no torchrun variables
+    import os
+
+    import torch.distributed as dist
+    assert not dist.is_initialized() and "RANK" not in os.environ
 
 
 def test_cli_takes_quantize_fp8():
