@@ -27,6 +27,7 @@ import torch
 class _Step:
     batch: list  # the _Seqs it decodes, in row order
     picks: torch.Tensor  # [len(batch)] the tokens it picked, on the device
+    copy: HostCopy  # the picks on their way to the host, started right after the pick
 
 
 def decode(llm, seqs: list, alloc, pick, add, max_new_tokens: int) -> None:
@@ -41,7 +42,8 @@ def decode(llm, seqs: list, alloc, pick, add, max_new_tokens: int) -> None:
         if batch:
             tokens, pos = _inputs(llm, batch, inflight)
             logits = llm._decode_step(batch, alloc, tokens, pos)
-            launched = _Step(batch, pick(logits))
+            picks = pick(logits)
+            launched = _Step(batch, picks, HostCopy(picks))
         if inflight is not None:
             _read(inflight, add)
         if launched is not None and all(s.finish is not None for s in launched.batch):
@@ -94,7 +96,7 @@ def _inputs(llm, batch, inflight) -> tuple[torch.Tensor, list[int]]:
 
 def _read(step: _Step, add) -> None:
     """The host reads a step's tokens (waiting for that step only) and appends them."""
-    tokens = step.picks.tolist()
+    tokens = step.copy.tolist()
     now = time.perf_counter()
     for s, tok in zip(step.batch, tokens):
         if s.finish is None:
@@ -107,3 +109,27 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A step's picks copied to the host by a copy queued right behind the pick.
+
+    `picks.tolist()` at read time would queue its copy behind the step launched since,
+    and the host would wait for that step too: the loop would fall back to one step at
+    a time (an 8-layer H100 run showed ~0.35 ms of idle GPU a token). The copy goes to
+    pinned memory with an event after it; reading waits for that event only.
+    """
+
+    def __init__(self, picks):
+        self.picks, self.host, self.ready = picks, None, None
+        if isinstance(picks, torch.Tensor) and picks.device.type == "cuda":
+            self.host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True)
+            self.host.copy_(picks, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def tolist(self) -> list:
+        if self.ready is None:
+            return self.picks.tolist()
+        self.ready.synchronize()
+        return self.host.tolist()

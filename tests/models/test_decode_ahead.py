@@ -4,6 +4,7 @@ the previous step's device tokens before the host reads them; what the host lear
 
 import types
 
+import pytest
 import torch
 
 import kiln.models
@@ -85,3 +86,21 @@ def test_paged_rows_that_stopped_leave_the_next_step():
     got = llm.generate(prompts, max_new_tokens=12, ignore_eos=True, stop=[stop])
     assert [g.ids for g in got] == want
     assert got[1].finish_reason == "stop"
+
+
+def test_host_copy_on_the_cpu_reads_the_tensor():
+    assert decode_ahead.HostCopy(torch.tensor([3, 4])).tolist() == [3, 4]
+
+
+@pytest.mark.gpu
+def test_reading_a_step_does_not_wait_for_the_step_launched_after_it():
+    """The picks' copy is queued right behind the pick: reading them returns while a
+    long kernel queued later still runs (a plain tolist() would wait for it)."""
+    picks = torch.tensor([5, 6], device="cuda")
+    copy = decode_ahead.HostCopy(picks)
+    later = torch.cuda.Event()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU cycles: the next step
+    later.record()
+    assert copy.tolist() == [5, 6]
+    assert not later.query()
+    torch.cuda.synchronize()
