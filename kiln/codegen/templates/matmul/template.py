@@ -490,12 +490,17 @@ class _MatmulSource:
             self._a_mask = mask_of(k_ok)
             a_lines, x = self._load(s.a, self._batch() + (row, Lin.of(kk_a)), mask_of(k_ok),
                                     ("kk",), "[BLOCK_K]", "kk", k_ok and k_ok.code)
-            loop += a_lines
+            work = list(a_lines)
             if s.norm is not None:
-                loop += self._sum_squares(mi, k_ok)
+                work += self._sum_squares(mi, k_ok)
             for i, (acc, _, _) in enumerate(self._accs()):
-                loop += [f"part = tl.sum({x}.to(tl.float32)[:, None] * w{i}, 0)",
+                work += [f"part = tl.sum({x}.to(tl.float32)[:, None] * w{i}, 0)",
                          f"{acc} += tl.where(rm[:, None] == {mi}, part[None, :], 0.0)"]
+            # Rows past a dynamic M (a decode bucket of 1 row in a module for up to 4)
+            # are skipped: the weight streams once either way, but each row's load,
+            # products and cross-lane sum would cost as much as a real row's.
+            skip = mi > 0 and not static_rows and not wrap
+            loop += [f"if {mi} < {m}:", *["    " + x for x in work]] if skip else work
         tail = ["rm2 = rm[:, None]", "rn2 = rn[None, :]", f"m_ok = rm2 < {rows}",
                 f"n_ok = rn2 < {cols}"]
         if s.norm is not None:
