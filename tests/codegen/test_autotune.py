@@ -334,6 +334,30 @@ def test_timed_tuning_picks_the_fastest_per_size_bucket(fake_gpu, compiles):
     assert isinstance(kernel, TorchKernel) and "extern is fastest" in region.notes[-1]
 
 
+def test_a_decode_batch_is_timed_at_both_ends_and_the_best_worst_case_wins(
+        monkeypatch, fake_gpu, compiles):
+    """A dim bounded to a few rows (a decode batch, a CUDA graph per size) is timed at
+    its top and at 1 row: the GEMV-like candidate slightly slower at the top but much
+    faster at 1 row beats the extern form that only wins at the top."""
+    times, benched = fake_gpu
+    from kiln.codegen.autotune import tuner as tune_module
+
+    monkeypatch.setattr(tune_module, "bench", lambda k, i, o, env: times[
+        getattr(k, "config", None)][env["s0"]])
+    default, other = Config.make(4, 1, XBLOCK=256), Config.make(4, 1, XBLOCK=512)
+    spec = add_spec(default, [other])
+    times.update({default: {4: 1.2, 1: 1.0}, other: {4: 1.3, 1: 1.6},
+                  None: {4: 1.0, 1: 1.5}})
+    region, plan = add_plan()
+    plan.symbols["s0"] = Bounds(1, 4)
+    ctx = Context(get_target("cuda:sm_90"),
+                  {"tune_compiler": CRASHY + "compile_counting", "tune": "full",
+                   "example_env": {"s0": 2}})
+    kernel = choose(region, spec, ctx.target, ctx, plan)
+    assert kernel.config == default
+    assert "at the batch's low end" in region.notes[-1]
+
+
 def test_a_fast_candidate_with_wrong_outputs_is_quarantined_and_never_retried(fake_gpu,
                                                                              compiles):
     """A config that runs fast but computes garbage (a miscompile) loses to the next
