@@ -28,6 +28,7 @@ from kiln.artifact.weights import load_weights
 from kiln.codegen.kernel_plan import KernelPlan
 from kiln.codegen.torch_kernel import TorchKernel
 from kiln.errors import ArtifactError
+from kiln.ir.ops import category
 from kiln.ir.plan import DispatchPlan
 from kiln.ir.printer import dtype_str
 from kiln.ir.symbolic import numel
@@ -183,6 +184,24 @@ def _weights_device(target: Target) -> str:
     return target.torch_device
 
 
+def _check_ops_registered(plan: DispatchPlan, where: str) -> None:
+    """A library's custom op the plan runs (kiln falls back to it as it is) must be
+    registered in this process too: its library is imported before kiln.load."""
+    missing = {}
+    for region in plan.regions:
+        for op in region.ops:
+            ns = op.target.split(".")[0]
+            if ns not in ("aten", "kiln", "getitem") and category(op.target) is None:
+                missing.setdefault(ns, set()).add(op.target)
+    if missing:
+        ops = "; ".join(f"{', '.join(sorted(names))} (namespace {ns!r})"
+                        for ns, names in sorted(missing.items()))
+        raise ArtifactError(f"{where}: the module runs custom ops this process has not "
+                            f"registered: {ops}",
+                            hint="import the library that defines them (the one the model "
+                                 "imported, e.g. transformers) before kiln.load")
+
+
 def load(path, target=None, shared: dict | None = None) -> Artifact:
     """The artifact at `path`; `shared` (see load_weights) lets modules saved together
     share their tensors."""
@@ -193,6 +212,7 @@ def load(path, target=None, shared: dict | None = None) -> Artifact:
     try:
         tgt = _target(manifest["target"], requested)
         plan = plan_from_json(manifest["plan"])
+        _check_ops_registered(plan, where)
         problems = verify_plan(plan)
         if problems:
             raise ManifestFormatError("the plan does not verify: " + problems[0])

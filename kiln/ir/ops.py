@@ -1,7 +1,8 @@
 """The ATen ops kiln understands, each with the category that decides how it is fused.
 
-An ATen op not listed here falls back: it is an EXTERN op (its own region, run as
-PyTorch's own op on every target) when that is safe to do blindly: it writes none of
+An op not listed here (ATen's, or a library's torch.library custom op) falls back: it
+is an EXTERN op (its own region, run as PyTorch's own op on every target) when that
+is safe to do blindly: it writes none of
 its arguments, is not random, and returns tensors (`fallback_problem`). Others are an
 UnsupportedOpError at import, as is every unlisted op under `fallback="error"`.
 kiln's own custom ops (`kiln::...`, kiln/ops) are listed too; importing kiln.ops here
@@ -219,15 +220,25 @@ def is_fallback(name: str) -> bool:
     return not is_known(name) and fallback_problem(name) is None
 
 
+# Namespaces whose ops are not run blindly: prims are decomposition internals, and
+# higher-order ops carry subgraphs. A library's own custom op (torch.library, as
+# transformers registers `transformers::grouped_mm_fallback` for its MoE experts) is
+# run as it is, like an unlisted ATen op, when its schema says that is safe.
+_NOT_OPERATORS = {"prims", "higher_order"}
+
+
 @functools.cache
 def fallback_problem(name: str) -> str | None:
     """Why an unlisted op cannot simply run as PyTorch's own op, or None if it can."""
-    if not name.startswith("aten."):
+    ns = name.split(".")[0]
+    if ns in _NOT_OPERATORS:
         return "it is not an ATen op"
     try:
         op = resolve(name)
     except (AttributeError, ValueError):
         return "torch has no such op"
+    if not isinstance(op, torch._ops.OpOverload):
+        return "it is not an operator torch.library registered"
     schema = op._schema
     if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
         return "it writes its arguments in place"

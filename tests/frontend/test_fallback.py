@@ -149,3 +149,62 @@ def test_cli_warns_in_its_own_words_and_refuses_with_fallback_error(tmp_path, ca
     err = capsys.readouterr().err
     assert "kiln: error: kiln cannot compile 1 operation: aten.median.dim" in err
     assert f"{path}:5" in err
+
+
+@torch.library.custom_op("kiln_test_lib::twice_plus", mutates_args=())
+def _twice_plus(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return 2 * x + y
+
+
+@_twice_plus.register_fake
+def _(x, y):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("kiln_test_lib::bump_", mutates_args=("x",))
+def _bump(x: torch.Tensor) -> None:
+    x.add_(1)
+
+
+class LibraryOp(torch.nn.Module):
+    """A library's own torch.library op between ops kiln fuses (transformers 5 runs its
+    MoE experts through `transformers::grouped_mm_fallback`)."""
+
+    def forward(self, x, y):
+        return torch.ops.kiln_test_lib.twice_plus(x.sin(), y).cos()
+
+
+@pytest.mark.parametrize("target", ["cpu", "interpret"])
+def test_a_library_custom_op_runs_as_it_is(target):
+    x, y = torch.randn(5, 8), torch.randn(5, 8)
+    with pytest.warns(KilnWarning, match="kiln_test_lib.twice_plus.default"):
+        exe = kiln.compile(LibraryOp(), (x, y), target=target)
+    x, y = torch.randn(5, 8), torch.randn(5, 8)
+    torch.testing.assert_close(exe(x, y), LibraryOp()(x, y), rtol=1e-5, atol=1e-5)
+
+
+def test_a_custom_op_that_writes_its_argument_is_refused():
+    class Bumps(torch.nn.Module):
+        def forward(self, x):
+            y = x * 2
+            torch.ops.kiln_test_lib.bump_(y)
+            return y
+
+    with pytest.raises(UnsupportedOpError, match="kiln_test_lib.bump_"):
+        kiln.compile(Bumps(), (torch.randn(3),))
+
+
+def test_loading_a_module_whose_custom_op_is_not_registered_says_what_to_import(tmp_path):
+    import subprocess
+    import sys
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KilnWarning)
+        exe = kiln.compile(LibraryOp(), (torch.randn(2, 4), torch.randn(2, 4)))
+    exe.save(tmp_path / "m.kiln")
+    code = ("import kiln\ntry:\n    kiln.load(r'%s')\nexcept kiln.errors.KilnError as e:\n"
+            "    print(type(e).__name__, e)\n" % (tmp_path / "m.kiln"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120).stdout
+    assert "ArtifactError" in out and "kiln_test_lib.twice_plus.default" in out
+    assert "import the library" in out

@@ -114,6 +114,14 @@ HF_LMS = {
     "hf_qwen2": lambda: (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=100)),
+    # transformers 5 runs MoE experts through its own custom op (grouped_mm_fallback)
+    "hf_mixtral": lambda: (transformers.MixtralForCausalLM, transformers.MixtralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, num_local_experts=4,
+        num_experts_per_tok=2)),
+    "hf_gemma3": lambda: (transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=100, sliding_window=4)),
 }
 
 
