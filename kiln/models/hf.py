@@ -30,7 +30,8 @@ from kiln.progress import progress
 log = logging.getLogger("kiln.models")
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                 "Qwen2ForCausalLM": "qwen2", "Qwen3NextForCausalLM": "qwen3_next"}
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "Qwen3NextForCausalLM": "qwen3_next"}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_MAX_SEQ_LEN = 4096  # the KV cache's length unless the caller asks for more
 INDEX = "model.safetensors.index.json"
@@ -98,7 +99,7 @@ def check_config_values(hf: dict, where: str, head_dim_from_hidden: bool = True)
 
 
 def family(hf: dict, where: str) -> str:
-    """'llama' | 'mistral' | 'qwen2' | 'qwen3_next' from config.json's architectures (or
+    """'llama' | 'mistral' | 'qwen2' | 'qwen3' | 'qwen3_next' from config.json's architectures (or
     model_type)."""
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
@@ -145,7 +146,7 @@ def config_from_hf(hf: dict, where: str = "config.json",
     window, sliding_layers = None, None
     if fam == "mistral":
         window = hf.get("sliding_window")
-    elif fam == "qwen2" and hf.get("use_sliding_window"):
+    elif fam in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
         window = hf.get("sliding_window")
         types = hf.get("layer_types")
         n = hf["num_hidden_layers"]
@@ -167,7 +168,8 @@ def config_from_hf(hf: dict, where: str = "config.json",
             norm_eps=hf.get("rms_norm_eps", 1e-6),
             max_seq_len=max_seq_len,
             qkv_bias=fam == "qwen2" or attention_bias,
-            o_bias=fam == "llama" and attention_bias,
+            o_bias=fam in ("llama", "qwen3") and attention_bias,
+            qk_norm=fam == "qwen3",
             mlp_bias=fam == "llama" and bool(hf.get("mlp_bias", False)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             sliding_window=window,

@@ -43,6 +43,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     max_seq_len: int = 2048  # positions the RoPE tables and the KV cache cover
     qkv_bias: bool = False  # Qwen2; Llama's attention_bias sets this and o_bias
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k, before RoPE
     o_bias: bool = False
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
@@ -161,6 +162,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(hd, cfg.norm_eps), RMSNorm(hd, cfg.norm_eps)
         self.kv_cache: ContiguousKVCache | PagedKVCache | None = None
 
     def forward(self, x, cos, sin, masks, input_pos, block_table):
@@ -169,6 +172,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, cfg.n_heads, cfg.head_dim)
         k = self.k_proj(x).view(B, T, cfg.n_kv_heads, cfg.head_dim)
         v = self.v_proj(x).view(B, T, cfg.n_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_cache is not None:  # k, v become the sequence's whole cache [B, S, KV, D]
             k, v = self.kv_cache.update(input_pos, k, v, block_table)

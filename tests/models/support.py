@@ -24,6 +24,8 @@ FAMILIES = {
                  "20KB"),  # sharded, with model.safetensors.index.json
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=6), None),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True), None),
+    # per-head q/k norms; head_dim not hidden_size / heads (as Qwen3-0.6B's 128 vs 64)
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24), None),
 }
 
 

@@ -1,4 +1,4 @@
-"""Llama 3.1, Mistral and Qwen2 checkpoints made by transformers, run by kiln, match it."""
+"""Llama 3.1, Mistral, Qwen2 and Qwen3 checkpoints made by transformers, run by kiln, match it."""
 
 import math
 
@@ -32,7 +32,7 @@ def test_prefill_and_decode_logits_match_transformers(family, checkpoints, llms)
 
 # (generator seed, length) of each family's random prompt: one whose greedy reference
 # does not fall into a loop of a few tokens (qwen2's tied tiny model does from most).
-GREEDY_PROMPTS = {"llama3.1": (0, 7), "mistral": (0, 7), "qwen2": (14, 11)}
+GREEDY_PROMPTS = {"llama3.1": (0, 7), "mistral": (0, 7), "qwen2": (14, 11), "qwen3": (2, 11)}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -26,7 +26,7 @@ def _load_and_generate(rank, world, path, prompt, steps):
     return logits, tokens, held
 
 
-@pytest.mark.parametrize("family", ["llama3.1", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["llama3.1", "mistral", "qwen2", "qwen3"])
 def test_tp2_llm_from_a_checkpoint_matches_one_device(family, checkpoints, llms):
     from tests.models.support import run_alone
 
