@@ -38,6 +38,7 @@ from kiln.parallel.pipeline_stages import pipeline_stages
 from kiln.parallel.seeds import collect_seeds
 from kiln.parallel.tensor_parallel import tensor_parallel
 from kiln.pipeline import Context, PassManager, Stage
+from kiln.progress import phase, recording
 from kiln.runtime.distributed import join_world
 from kiln.runtime.program import Program
 from kiln.runtime.schedule import schedule
@@ -120,10 +121,12 @@ def compile(  # noqa: A001 - mirrors torch.compile
         warnings.warn(fallback_warning(ctx.options["fallback_ops"]), stacklevel=2)
     if not isinstance(result, Program):
         return result
-    return CompiledModule(result, state_for_target(result, ctx.options["state"], tgt),
-                          example_sizes=ctx.options.get("example_env"),
+    with recording(ctx.timings), phase("weights"):  # onto the target's device
+        state = state_for_target(result, ctx.options["state"], tgt)
+    return CompiledModule(result, state, example_sizes=ctx.options.get("example_env"),
                           parallel=None if cfg.is_single else cfg,
-                          weight_slices=ctx.options.get("weight_cuts"))
+                          weight_slices=ctx.options.get("weight_cuts"),
+                          compile_timings=ctx.timings)
 
 
 def _world_rank() -> int | None:

@@ -32,6 +32,7 @@ from kiln.ir.plan import DispatchPlan
 from kiln.ir.printer import dtype_str
 from kiln.ir.symbolic import numel
 from kiln.ir.verify import verify_plan
+from kiln.progress import phase
 from kiln.runtime.memory_plan import MemoryPlan, Slot, lifetimes
 from kiln.runtime.program import Program
 from kiln.target import Target, get_target
@@ -188,12 +189,14 @@ def load(path, target=None, shared: dict | None = None) -> Artifact:
     share their tensors."""
     directory = artifact_path(path)
     requested = None if target is None else get_target(target)  # the caller's, not the file's
-    manifest = read_manifest(directory)
+    with phase("manifest"):
+        manifest = read_manifest(directory)
     where = str(directory / MANIFEST_FILE)
     try:
         tgt = _target(manifest["target"], requested)
-        plan = plan_from_json(manifest["plan"])
-        problems = verify_plan(plan)
+        with phase("plan"):
+            plan = plan_from_json(manifest["plan"])
+            problems = verify_plan(plan)
         if problems:
             raise ManifestFormatError("the plan does not verify: " + problems[0])
         entries = manifest["kernels"]
@@ -201,8 +204,11 @@ def load(path, target=None, shared: dict | None = None) -> Artifact:
         if missing:
             raise ManifestFormatError(f"regions {missing} have no kernel")
         _check_versions(manifest, entries)
-        kernels = {r.name: _kernel(entries[r.name], r, tgt, directory) for r in plan.regions}
-        mem = _memory_plan(plan, manifest["memory"]["slots"])
+        with phase("kernels"):
+            kernels = {r.name: _kernel(entries[r.name], r, tgt, directory)
+                       for r in plan.regions}
+        with phase("memory_plan"):
+            mem = _memory_plan(plan, manifest["memory"]["slots"])
         weights_entry = manifest["weights"]
         _check_state(plan, weights_entry["tensors"], directory)
         example_sizes = {k: int(v) for k, v in manifest.get("example_sizes", {}).items()}
@@ -213,7 +219,9 @@ def load(path, target=None, shared: dict | None = None) -> Artifact:
         detail = f"missing entry {e}" if isinstance(e, KeyError) else str(e)
         raise ArtifactError(f"{where} is not a valid kiln manifest: {detail}",
                             hint=_RECOMPILE) from None
-    state = load_weights(directory, weights_entry, _weights_device(tgt), shared)
-    program = Program(KernelPlan(plan, tgt, kernels), mem)
+    with phase("weights"):
+        state = load_weights(directory, weights_entry, _weights_device(tgt), shared)
+    with phase("program"):
+        program = Program(KernelPlan(plan, tgt, kernels), mem)
     log.info("loaded %s: %d regions for %s", directory, len(plan.regions), tgt)
     return Artifact(program, state, example_sizes, manifest.get("versions", {}))

@@ -37,6 +37,7 @@ from kiln.dispatch.split import split_epilogue
 from kiln.ir.ops import is_fallback
 from kiln.ir.plan import DispatchPlan, Region, RegionKind
 from kiln.pipeline import as_pass
+from kiln.progress import phase
 from kiln.target import Target
 
 log = logging.getLogger("kiln.codegen")
@@ -81,7 +82,8 @@ def kernel_for(region: Region, plan: DispatchPlan, target: Target, ctx):
         return TorchKernel(region, target.torch_device)
     try:
         # Only configs that can fit the target; may split the region (new regions in plan).
-        spec = fitted_spec(region, plan, target, template)
+        with phase("templates"):
+            spec = fitted_spec(region, plan, target, template)
     except EpilogueApart as e:
         # The product gets a kernel of its own (select_kernels' loop reaches the new
         # region); this region, now its epilogue alone, is chosen for again.

@@ -39,6 +39,7 @@ from kiln.ir import treespec
 from kiln.ir.graph import GraphInput, GraphOutput, KilnGraph, where
 from kiln.ir.ops import ASSERT_OPS, fallback_problem, is_known, op_name
 from kiln.ir.symbolic import Bounds
+from kiln.progress import phase
 
 log = logging.getLogger("kiln.frontend")
 
@@ -432,8 +433,10 @@ def import_model(model, args, kwargs=None, dynamic_shapes=None,
             hint="wrap a plain function in an nn.Module whose forward calls it",
         )
     check_inference_mode(model, allow_train)
-    ep = export_model(model, args, kwargs, dynamic_shapes)
-    ep = decompose(ep)
+    with phase("capture"):
+        ep = export_model(model, args, kwargs, dynamic_shapes)
+    with phase("decompose"):
+        ep = decompose(ep)
     _check_no_unbacked(ep)
     _drop_asserts(ep.graph_module)
     select_by_tensor_as_index(ep.graph_module)

@@ -77,7 +77,7 @@ from kiln.codegen.build.triton_kernel import TritonKernel
 from kiln.codegen.torch_kernel import TorchKernel
 from kiln.errors import KilnError
 from kiln.ir.plan import DispatchPlan, Region
-from kiln.progress import progress
+from kiln.progress import phase, progress
 from kiln.settings import tune_mode, tune_timing
 from kiln.target import Target
 
@@ -146,18 +146,21 @@ class Tuner:
         sizes = self._timing_sizes(region, plan)
         key = choice_key(spec, configs, self.target, self.mode, sizes or "untimed",
                          self.compile_fn)
-        choice = self.cache.get(key)
+        with phase("cache"):
+            choice = self.cache.get(key)
         cached = choice is not None
         if choice is None:
             if sizes is not None and self.timing == "worker":
                 get_run_pool().prestart()  # it imports torch while the compiles run
-            outcomes = self._compile(region, spec, configs, stop_early=sizes is None)
+            with phase("build"):
+                outcomes = self._compile(region, spec, configs, stop_early=sizes is None)
             choice = self._decide(region, spec, configs, outcomes, plan, sizes is not None)
             # A fallback caused by errors that may not recur (see quarantine.py) is redone,
             # as is a choice that should have been timed but could not be.
             if choice.final and (choice.kind == "triton" or choice.ms is not None
                                  or _all_permanent(outcomes)):
-                self.cache.put(key, choice)
+                with phase("cache"):
+                    self.cache.put(key, choice)
         head = "tuned" if choice.kind == "triton" else "extern"
         region.notes.append(f"{head}{' (cached)' if cached else ''}: {choice.note}")
         if choice.kind == "triton":
@@ -229,7 +232,8 @@ class Tuner:
                            if o.status != OK)
         tail = f"; failed: {failed}" if failed else ""
         if timed and built:
-            return self._fastest(region, spec, outcomes, built, plan, tail)
+            with phase("timing"):
+                return self._fastest(region, spec, outcomes, built, plan, tail)
         first = _first_fit(configs, outcomes)
         if first is not None:
             return Choice("triton", first, outcomes[first].binary,
