@@ -14,6 +14,7 @@ region's note says why; a template that can run the anchor but not its epilogue
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 
 from kiln.codegen.autotune.tuner import choose
@@ -119,8 +120,10 @@ def select_kernels(plan: DispatchPlan, ctx) -> KernelPlan:
 
 def _select(plan: DispatchPlan, ctx, kp: KernelPlan, pending: list[Region]) -> None:
     target = ctx.target
-    while pending:
-        region = pending.pop(0)
+    queue = deque(pending)
+    queued = {r.name for r in pending}
+    while queue:
+        region = queue.popleft()
         fallen = sorted({op.target for op in region.ops if is_fallback(op.target)})
         if fallen:
             region.notes.append(f"fallback: kiln has no kernel for {', '.join(fallen)}; "
@@ -128,11 +131,16 @@ def _select(plan: DispatchPlan, ctx, kp: KernelPlan, pending: list[Region]) -> N
         complex_ = _complex_values(region, plan)
         if complex_ and target.uses_triton:
             region.notes.append(f"extern: Triton has no complex dtypes (%{complex_[0]})")
+        regions_before = len(plan.regions)
         if (fallen or complex_) and target.uses_triton:
             kp.kernels[region.name] = TorchKernel(region, target.torch_device)
         elif target.uses_triton:
             kp.kernels[region.name] = kernel_for(region, plan, target, ctx)
         else:
             kp.kernels[region.name] = TorchKernel(region, target.torch_device)
-        # A split inserts regions before the one it split: they need kernels too.
-        pending += [r for r in plan.regions if r.name not in kp.kernels and r not in pending]
+        if len(plan.regions) != regions_before:
+            # A split inserts regions before the one it split: they need kernels too.
+            # (By name: comparing Regions compares every op, cubic in the region count.)
+            new = [r for r in plan.regions if r.name not in kp.kernels and r.name not in queued]
+            queue.extend(new)
+            queued.update(r.name for r in new)
