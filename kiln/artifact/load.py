@@ -101,7 +101,9 @@ def _target(saved: dict, tgt: Target | None) -> Target:
     return tgt
 
 
-def _kernel(entry: dict, region, target: Target, directory: Path):
+def _kernel(entry: dict, region, target: Target, directory: Path, binaries: dict):
+    """The region's kernel; `binaries` (files -> Binary) gives regions that run one
+    binary one Binary, so its module is loaded onto the GPU once."""
     kind = entry.get("kind")
     if kind == "torch":
         return TorchKernel(region, target.torch_device)
@@ -115,8 +117,12 @@ def _kernel(entry: dict, region, target: Target, directory: Path):
             return TritonKernel(region, spec, config, interpret=True)
         if "binary" not in entry:
             raise ManifestFormatError(f"region {region.name}'s kernel has no compiled binary")
+        files = json.dumps(entry["binary"].get("files"), sort_keys=True)
         try:
-            binary = Binary.load(directory / KERNELS_DIR, entry["binary"])
+            binary = binaries.get(files)
+            if binary is None:
+                binary = binaries[files] = Binary.load(directory / KERNELS_DIR,
+                                                       entry["binary"])
         except (OSError, ValueError) as e:  # missing, or unreadable JSON (not the manifest)
             raise ArtifactError(f"cannot read the kernel binary of region {region.name}: {e}",
                                 where=str(directory / KERNELS_DIR), hint=_RECOMPILE) from None
@@ -189,6 +195,20 @@ def load(path, target=None, shared: dict | None = None) -> Artifact:
     share their tensors."""
     directory = artifact_path(path)
     requested = None if target is None else get_target(target)  # the caller's, not the file's
+    program, manifest, example_sizes = load_program(directory, requested)
+    with phase("weights"):
+        state = load_weights(directory, manifest["weights"],
+                             _weights_device(program.kplan.target), shared)
+    log.info("loaded %s: %d regions for %s", directory, len(program.plan.regions),
+             program.kplan.target)
+    return Artifact(program, state, example_sizes, manifest.get("versions", {}))
+
+
+def load_program(directory: Path, requested: Target | None
+                 ) -> tuple[Program, dict, dict[str, int]]:
+    """The Program of the artifact in `directory` (its plan, kernels and memory plan, all
+    checked; the weights it lists checked against the plan but not read), its manifest
+    and its example sizes."""
     with phase("manifest"):
         manifest = read_manifest(directory)
     where = str(directory / MANIFEST_FILE)
@@ -205,12 +225,12 @@ def load(path, target=None, shared: dict | None = None) -> Artifact:
             raise ManifestFormatError(f"regions {missing} have no kernel")
         _check_versions(manifest, entries)
         with phase("kernels"):
-            kernels = {r.name: _kernel(entries[r.name], r, tgt, directory)
+            binaries: dict = {}
+            kernels = {r.name: _kernel(entries[r.name], r, tgt, directory, binaries)
                        for r in plan.regions}
         with phase("memory_plan"):
             mem = _memory_plan(plan, manifest["memory"]["slots"])
-        weights_entry = manifest["weights"]
-        _check_state(plan, weights_entry["tensors"], directory)
+        _check_state(plan, manifest["weights"]["tensors"], directory)
         example_sizes = {k: int(v) for k, v in manifest.get("example_sizes", {}).items()}
         if not plan.dim_names:  # manifests before the plan carried them: name -> symbol
             plan.dim_names = {str(sym): str(name)
@@ -219,9 +239,6 @@ def load(path, target=None, shared: dict | None = None) -> Artifact:
         detail = f"missing entry {e}" if isinstance(e, KeyError) else str(e)
         raise ArtifactError(f"{where} is not a valid kiln manifest: {detail}",
                             hint=_RECOMPILE) from None
-    with phase("weights"):
-        state = load_weights(directory, weights_entry, _weights_device(tgt), shared)
     with phase("program"):
         program = Program(KernelPlan(plan, tgt, kernels), mem)
-    log.info("loaded %s: %d regions for %s", directory, len(plan.regions), tgt)
-    return Artifact(program, state, example_sizes, manifest.get("versions", {}))
+    return program, manifest, example_sizes
