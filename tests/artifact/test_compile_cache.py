@@ -139,3 +139,44 @@ def test_an_llm_compiled_again_generates_the_same_tokens():
     prompt = [5, 17, 42, 9]
     want = first.generate(prompt, max_new_tokens=6, ignore_eos=True).ids
     assert again.generate(prompt, max_new_tokens=6, ignore_eos=True).ids == want
+
+
+SCRIPT = """
+import torch, kiln
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, WIDTH)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)).sum(-1)
+
+torch.manual_seed(0)
+net, x = Net(), torch.randn(5, 8)
+exe = kiln.compile(net, (x,), dynamic_shapes=({0: kiln.Dim("n", min=1, max=32)},))
+err = (exe(x) - net(x)).abs().max().item()
+print("decompose" not in str(sorted(exe.compile_timings)), err < 1e-5)
+"""
+
+
+def test_another_process_hits_and_an_edited_file_misses(tmp_path):
+    """The fingerprint is the same in every process for the same code, and an edit to the
+    model's file is a new key."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), KILN_PROGRESS="0")  # the test's cache dir
+
+    def run(width: int) -> str:
+        (tmp_path / "net.py").write_text(SCRIPT.replace("WIDTH", str(width)))
+        done = subprocess.run([sys.executable, str(tmp_path / "net.py")], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.split()[-2:]
+
+    assert run(16) == ["False", "True"]  # compiled
+    assert run(16) == ["True", "True"]  # kept by the first process
+    assert run(24) == ["False", "True"]  # the file changed: compiled again
