@@ -197,10 +197,12 @@ class CompiledModule:
     def describe(self) -> str:
         return self.program.describe()
 
-    def explain(self, kernels: bool = False) -> str:
-        """The `kiln explain` report: regions, shapes, bounds, bytes, flops, memory."""
+    def explain(self, kernels: bool = False, timings: bool = False) -> str:
+        """The `kiln explain` report: regions, shapes, bounds, bytes, flops, memory;
+        `timings=True` adds where the compile's time went (compile_timings)."""
         return explain(self.program, self.example_sizes, kernels=kernels,
-                       parallel=self.parallel, timings=self.compile_timings)
+                       parallel=self.parallel,
+                       timings=self.compile_timings if timings else None)
 
     def __repr__(self) -> str:
         return (f"CompiledModule(target={self.target}, regions={len(self.plan.regions)}, "

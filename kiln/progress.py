@@ -10,7 +10,7 @@ verification, and a pass times its own parts inside (torch.export and the
 decompositions in the import pass, templates / kernel builds / tuning in codegen).
 A phase inside another is keyed by both names, "import/export/decompose", and its
 time is also part of its parent's. Outside a recording `phase` costs one lookup.
-The times are a CompiledModule's `compile_timings` (printed by `kiln explain`).
+The times are a CompiledModule's `compile_timings` (`kiln explain --timings`).
 """
 
 from __future__ import annotations

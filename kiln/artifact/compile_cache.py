@@ -8,10 +8,11 @@ skip export too, but what a program is made of cannot be read from source: funct
 patched at run time, environment variables, imports inside functions, a config
 computed on the fly. So the key is taken after torch.export, from the captured program
 itself (frontend/fingerprint.py), plus everything else the compile reads: the target,
-options and tuning mode (from the environment too), whether a GPU of the target is here
-to time candidates on, the example arguments' shapes and dtypes, the dynamic dims'
-names and bounds, and the versions of Python, torch, Triton, sympy and kiln (kiln by a
-digest of its own source files, so an edited kiln never reads an older kiln's entry).
+options and tuning mode (from the environment too), Triton's TRITON_* settings, whether
+a GPU of the target is here to time candidates on, the example arguments' shapes and
+dtypes, the dynamic dims' names and bounds, and the versions of Python, torch, Triton,
+sympy and kiln (kiln by a digest of its own source files, so an edited kiln never reads
+an older kiln's entry).
 
 An entry is an artifact without weights (manifest.json: plan, memory plan, kernels,
 their binaries in kernels/): the program reads the model's parameters and buffers by
@@ -82,6 +83,8 @@ def compile_key(ep: torch.export.ExportedProgram, target: Target, options: dict,
         "target": repr(target),
         "options": repr(sorted(user.items(), key=lambda kv: kv[0])),
         "tuning": [tune_mode(), tune_timing(), gpu_for(target)],
+        # what Triton emits depends on its own settings
+        "triton_env": sorted((k, v) for k, v in os.environ.items() if k.startswith("TRITON_")),
         "examples": [_leaf(x) for x in examples],
         "dims": repr(pytree.tree_map(_dim, dynamic_shapes)),
         "versions": [sys.version, torch.__version__, triton.__version__,
