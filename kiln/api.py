@@ -22,6 +22,7 @@ from kiln.arguments import (
     check_options,
     check_pins,
 )
+from kiln.artifact import compile_cache
 from kiln.codegen.select_kernels import select_kernels
 from kiln.compiled_module import CompiledModule
 from kiln.dispatch.example_sizes import bind_example_sizes
@@ -29,7 +30,7 @@ from kiln.dispatch.fold_rmsnorm import fold_rmsnorm
 from kiln.dispatch.form_regions import form_regions
 from kiln.dispatch.reinplace import reinplace
 from kiln.errors import ArgumentError
-from kiln.frontend.export import FALLBACK_MODES, fallback_warning
+from kiln.frontend.export import FALLBACK_MODES, capture, fallback_warning
 from kiln.frontend.import_pass import ModelSource, import_pass
 from kiln.graph import GRAPH_PASSES
 from kiln.parallel.assign_devices import assign_devices
@@ -38,6 +39,7 @@ from kiln.parallel.pipeline_stages import pipeline_stages
 from kiln.parallel.seeds import collect_seeds
 from kiln.parallel.tensor_parallel import tensor_parallel
 from kiln.pipeline import Context, PassManager, Stage
+from kiln.progress import phase, recording
 from kiln.runtime.distributed import join_world
 from kiln.runtime.program import Program
 from kiln.runtime.schedule import schedule
@@ -115,15 +117,39 @@ def compile(  # noqa: A001 - mirrors torch.compile
         join_world(cfg.tp, cfg.pp, tgt.torch_device, ctx.options.get("device_map"))
     ctx.options["example_leaves"] = pytree.tree_leaves((args, kwargs))
     src = ModelSource(model, args, kwargs, dynamic_shapes)
-    result = build_pipeline(dump_ir).run(src, ctx, compile_to=compile_to)
+    key = captured = None
+    if compile_cache.usable(ctx.options, cfg, compile_to, dump_ir):
+        with recording(ctx.timings), phase("import/export"):
+            src.exported = capture(model, args, kwargs, dynamic_shapes, allow_train)
+        captured = {**src.exported.state_dict, **src.exported.constants}
+        with recording(ctx.timings):
+            key = compile_cache.compile_key(src.exported, tgt, ctx.options,
+                                            ctx.options["example_leaves"], dynamic_shapes)
+            hit = compile_cache.get(key, captured, tgt)
+        if hit is not None:
+            program, state, sizes = hit
+            with recording(ctx.timings), phase("weights"):
+                state = state_for_target(program, state, tgt)
+            return CompiledModule(program, state, example_sizes=sizes,
+                                  compile_timings=ctx.timings)
+    with warnings.catch_warnings(record=True) as seen:  # re-raised below, as they came
+        result = build_pipeline(dump_ir).run(src, ctx, compile_to=compile_to)
+    for w in seen:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
     if ctx.options.get("fallback_ops"):
         warnings.warn(fallback_warning(ctx.options["fallback_ops"]), stacklevel=2)
     if not isinstance(result, Program):
         return result
-    return CompiledModule(result, state_for_target(result, ctx.options["state"], tgt),
-                          example_sizes=ctx.options.get("example_env"),
+    if key is not None:
+        with recording(ctx.timings):
+            compile_cache.put(key, result, ctx.options.get("example_env") or {}, captured,
+                              ctx.options, warned=bool(seen))
+    with recording(ctx.timings), phase("weights"):  # onto the target's device
+        state = state_for_target(result, ctx.options["state"], tgt)
+    return CompiledModule(result, state, example_sizes=ctx.options.get("example_env"),
                           parallel=None if cfg.is_single else cfg,
-                          weight_slices=ctx.options.get("weight_cuts"))
+                          weight_slices=ctx.options.get("weight_cuts"),
+                          compile_timings=ctx.timings)
 
 
 def _world_rank() -> int | None:

@@ -16,7 +16,7 @@ from kiln.errors import ArgumentError
 
 # The options a user may pass (kiln.codegen.autotune.tuner reads them); the passes'
 # own entries in ctx.options (fallback, parallel, ...) are keyword arguments instead.
-OPTIONS = ("tune", "tune_compiler", "tune_timeout", "tune_workers")
+OPTIONS = ("tune", "tune_compiler", "tune_timeout", "tune_workers", "compile_cache")
 _KEYWORDS = ("fallback", "allow_train", "parallel", "devices", "device_map", "pins")
 
 
@@ -52,6 +52,9 @@ def check_options(options) -> dict:
     workers = options.get("tune_workers")
     if workers is not None and (not _is_int(workers) or workers < 1):
         raise ArgumentError(f"options['tune_workers'] must be a positive int, got {workers!r}")
+    cache = options.get("compile_cache")
+    if cache is not None and not isinstance(cache, bool):
+        raise ArgumentError(f"options['compile_cache'] must be True or False, got {cache!r}")
     compiler = options.get("tune_compiler")
     if compiler is not None and not isinstance(compiler, str):
         raise ArgumentError(f"options['tune_compiler'] must be an import path string "

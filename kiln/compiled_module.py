@@ -33,7 +33,8 @@ class CompiledModule:
 
     def __init__(self, program: Program, state: dict[str, torch.Tensor], *,
                  example_sizes: dict[str, int] | None = None, parallel=None,
-                 weight_slices: dict | None = None):
+                 weight_slices: dict | None = None,
+                 compile_timings: dict[str, float] | None = None):
         self.program = program
         self.plan = program.plan
         self.state = state
@@ -43,6 +44,8 @@ class CompiledModule:
         # state name -> (axis, [(start, end), ...]) for the weights this rank holds a
         # slice of: what a loader reads from a checkpoint for this rank
         self.weight_slices = dict(weight_slices or {})
+        # seconds by compile phase (kiln.progress.phase); empty for a loaded module
+        self.compile_timings = dict(compile_timings or {})
         self._in_spec = treespec.loads(self.plan.in_spec)
         self._out_spec = treespec.loads(self.plan.out_spec)
         self._graphs = None
@@ -194,10 +197,12 @@ class CompiledModule:
     def describe(self) -> str:
         return self.program.describe()
 
-    def explain(self, kernels: bool = False) -> str:
-        """The `kiln explain` report: regions, shapes, bounds, bytes, flops, memory."""
+    def explain(self, kernels: bool = False, timings: bool = False) -> str:
+        """The `kiln explain` report: regions, shapes, bounds, bytes, flops, memory;
+        `timings=True` adds where the compile's time went (compile_timings)."""
         return explain(self.program, self.example_sizes, kernels=kernels,
-                       parallel=self.parallel)
+                       parallel=self.parallel,
+                       timings=self.compile_timings if timings else None)
 
     def __repr__(self) -> str:
         return (f"CompiledModule(target={self.target}, regions={len(self.plan.regions)}, "

@@ -19,12 +19,14 @@ from kiln.ir.plan import DispatchPlan, Role
 from kiln.ir.printer import type_str
 from kiln.ir.symbolic import Bounds, Dim, bounds_of, evaluate, to_str
 from kiln.ops.moe_experts import routing_bound
+from kiln.progress import top_level
 
 MOE_OPS = ("kiln.moe_experts.default", "kiln.moe_experts_fp8.default")  # ids, gate: args 2, 3
 
 
 def explain(program, example_sizes: dict[str, int] | None = None,
-            kernels: bool = False, parallel=None) -> str:
+            kernels: bool = False, parallel=None,
+            timings: dict[str, float] | None = None) -> str:
     plan: DispatchPlan = program.plan
     example = _full_env(plan, example_sizes or {})
     upper = _upper_env(plan.symbols)
@@ -45,7 +47,30 @@ def explain(program, example_sizes: dict[str, int] | None = None,
     out += _weights(plan)
     out += _stage_io(plan, example)
     out += _memory(program.mem, example, upper)
+    out += _compile_time(timings or {})
     return "\n".join(out) + "\n"
+
+
+def _compile_time(timings: dict[str, float], shown: float = 0.01) -> list[str]:
+    """Where the compile's time went: each phase of at least `shown` seconds, the
+    longest first, its parts below it (none for a loaded module)."""
+    if not timings:
+        return []
+    tops = top_level(timings)
+    out = [f"compile time {sum(tops.values()):.2f} s"]
+
+    def walk(keys, depth: int, name) -> None:
+        small = [k for k in keys if timings[k] < shown]
+        for k in sorted(set(keys) - set(small), key=timings.get, reverse=True):
+            out.append(f"{'  ' * depth}{name(k)}: {timings[k]:.2f} s")
+            walk([c for c in timings if c.startswith(k + "/") and "/" not in
+                  c[len(k) + 1:]], depth + 1, lambda c: c.rpartition("/")[2])
+        if small:
+            out.append(f"{'  ' * depth}{len(small)} more: "
+                       f"{sum(timings[k] for k in small):.2f} s")
+
+    walk(list(tops), 1, str)
+    return out
 
 
 # ---- sizes ----------------------------------------------------------------------------

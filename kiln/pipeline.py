@@ -9,7 +9,6 @@ the printed IR after each pass; `compile_to=<stage>` stops after that stage.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 from kiln.errors import KilnError, VerifierError
 from kiln.ir.printer import print_ir
 from kiln.ir.verify import check_invariant_names, verify
-from kiln.progress import progress
+from kiln.progress import phase, progress, recording
 from kiln.settings import dump_ir_dir
 
 log = logging.getLogger("kiln.pipeline")
@@ -48,7 +47,9 @@ class Stage:
 
 @dataclass
 class Context:
-    """What every pass may read: the target, options, and a place for notes."""
+    """What every pass may read: the target, options, and a place for notes.
+
+    `timings`: seconds by phase (kiln.progress.phase), every pass's included."""
 
     target: Any
     options: dict = field(default_factory=dict)
@@ -85,20 +86,23 @@ class PassManager:
         self._make_dump_dir()
         total = sum(len(s.passes) for s in self.stages)
         step = 0
-        with progress(total=total, desc="kiln compile", unit="pass") as bar:
+        with progress(total=total, desc="kiln compile", unit="pass") as bar, \
+                recording(ctx.timings):
             for stage in self.stages:
                 for p in stage.passes:
                     step += 1
                     bar.set_postfix_str(f"{stage.name}/{p.name}")
-                    t0 = time.perf_counter()
-                    ir = p(ir, ctx)
-                    ctx.timings[f"{stage.name}/{p.name}"] = time.perf_counter() - t0
+                    with phase(f"{stage.name}/{p.name}"):
+                        ir = p(ir, ctx)
                     self.invariants.update(p.establishes)
-                    self._check(ir, stage, p)
+                    with phase("verify"):
+                        self._check(ir, stage, p)
                     self._dump(ir, step, stage, p)
                     bar.update(1)
                 if stage.name == compile_to:
                     break
+        log.info("compile phases: %s", ", ".join(
+            f"{k} {v:.2f} s" for k, v in sorted(ctx.timings.items(), key=lambda kv: -kv[1])))
         return ir
 
     def _check(self, ir, stage: Stage, p: Pass) -> None:
@@ -129,4 +133,5 @@ class PassManager:
         if self.dump_dir is None:
             return
         path = self.dump_dir / f"{step:02d}-{stage.name}-{p.name}.txt"
-        path.write_text(print_ir(ir))
+        with phase("dump"):
+            path.write_text(print_ir(ir))

@@ -31,6 +31,9 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
                          "candidates on the GPU: in its run worker, whose CUDA context a "
                          "faulting candidate may poison, or in the compiling process "
                          "itself (the old way, for debugging a kernel under a debugger)"),
+    "KILN_COMPILE_CACHE": ("1", "0: never keep or reuse compiled modules in KILN_CACHE_DIR "
+                           "(kiln.compile's options={'compile_cache': False} for one "
+                           "compile); tuning results are kept either way"),
     "KILN_DIST_TIMEOUT": ("300", "seconds a rank waits on its peers (a collective, a "
                           "transfer) before a dead or stuck peer is a DistributedError"),
 }
@@ -96,6 +99,11 @@ def tune_timing() -> str:
         raise KilnError(f"KILN_TUNE_TIMING={value!r} is not a timing place",
                         hint="set it to 'worker' (the default) or 'inprocess'")
     return value
+
+
+def compile_cache_enabled() -> bool:
+    """KILN_COMPILE_CACHE: keep and reuse compiled modules (default on)."""
+    return (_get("KILN_COMPILE_CACHE") or "1").strip().lower() not in ("0", "false", "no")
 
 
 def dist_timeout_s() -> float:

@@ -144,6 +144,9 @@ def test_explain_artifact_and_model(artifact, model_file, capsys):
     assert "(T) in [2, 40]" in from_artifact and "net.py:" in from_artifact
     rc, with_kernels, _ = _run(capsys, "explain", artifact, "--kernels")
     assert "kernel: torch ops on cpu" in with_kernels
+    rc, timed, _ = _run(capsys, "explain", f"{model_file}:make", "--timings")
+    assert rc == 0 and timed.startswith(from_model) and "\ncompile time " in timed
+    assert "    capture: " in timed and "    decompose: " in timed
 
 
 def test_compile_to_prints_ir_and_dump_ir_writes_files(model_file, tmp_path, capsys):

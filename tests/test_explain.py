@@ -129,3 +129,17 @@ def test_a_moe_region_shows_its_routing_bound():
 
     fp8 = kiln.compile(Fp8Experts(), args).explain()
     assert "routing: 6 experts, k = 3; rows per expert <= N*k = 21" in fp8
+
+
+def test_compile_time_by_phase(exe, tmp_path):
+    """The compile records where its time went; a loaded module has no compile to show."""
+    t = exe.compile_timings
+    for key in ("import/export", "import/export/capture", "import/export/decompose",
+                "graph/cse", "codegen/select_kernels", "schedule/schedule", "verify"):
+        assert t[key] >= 0.0, key
+    assert t["import/export/capture"] + t["import/export/decompose"] <= t["import/export"]
+    text = exe.explain(timings=True)
+    assert "compile time" in text and "    decompose: " in text
+    assert "compile time" not in exe.explain()  # the plan's report, as an artifact's
+    exe.save(tmp_path / "m.kiln")
+    assert "compile time" not in kiln.load(tmp_path / "m.kiln").explain(timings=True)

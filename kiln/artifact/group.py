@@ -32,6 +32,7 @@ from kiln.artifact.save import (
 from kiln.artifact.weights import WEIGHTS_FILE, save_shared_weights
 from kiln.errors import ArgumentError, ArtifactError
 from kiln.ir.plan import Role
+from kiln.progress import phase
 
 GROUP_FORMAT = "kiln-modules"
 GROUP_VERSION = 1
@@ -129,4 +130,8 @@ def load_group(path, target=None) -> dict[str, Artifact]:
                                 "incomplete; " + _RESAVE)
         read_manifest(directory / name)  # every manifest's format, before any weight
     shared: dict = {}
-    return {name: load(directory / name, target, shared=shared) for name in names}
+    loaded = {}
+    for name in names:
+        with phase(name):
+            loaded[name] = load(directory / name, target, shared=shared)
+    return loaded

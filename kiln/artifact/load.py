@@ -33,6 +33,7 @@ from kiln.ir.plan import DispatchPlan
 from kiln.ir.printer import dtype_str
 from kiln.ir.symbolic import numel
 from kiln.ir.verify import verify_plan
+from kiln.progress import phase
 from kiln.runtime.memory_plan import MemoryPlan, Slot, lifetimes
 from kiln.runtime.program import Program
 from kiln.target import Target, get_target
@@ -101,7 +102,9 @@ def _target(saved: dict, tgt: Target | None) -> Target:
     return tgt
 
 
-def _kernel(entry: dict, region, target: Target, directory: Path):
+def _kernel(entry: dict, region, target: Target, directory: Path, binaries: dict):
+    """The region's kernel; `binaries` (files -> Binary) gives regions that run one
+    binary one Binary, so its module is loaded onto the GPU once."""
     kind = entry.get("kind")
     if kind == "torch":
         return TorchKernel(region, target.torch_device)
@@ -115,8 +118,12 @@ def _kernel(entry: dict, region, target: Target, directory: Path):
             return TritonKernel(region, spec, config, interpret=True)
         if "binary" not in entry:
             raise ManifestFormatError(f"region {region.name}'s kernel has no compiled binary")
+        files = json.dumps(entry["binary"].get("files"), sort_keys=True)
         try:
-            binary = Binary.load(directory / KERNELS_DIR, entry["binary"])
+            binary = binaries.get(files)
+            if binary is None:
+                binary = binaries[files] = Binary.load(directory / KERNELS_DIR,
+                                                       entry["binary"])
         except (OSError, ValueError) as e:  # missing, or unreadable JSON (not the manifest)
             raise ArtifactError(f"cannot read the kernel binary of region {region.name}: {e}",
                                 where=str(directory / KERNELS_DIR), hint=_RECOMPILE) from None
@@ -207,13 +214,29 @@ def load(path, target=None, shared: dict | None = None) -> Artifact:
     share their tensors."""
     directory = artifact_path(path)
     requested = None if target is None else get_target(target)  # the caller's, not the file's
-    manifest = read_manifest(directory)
+    program, manifest, example_sizes = load_program(directory, requested)
+    with phase("weights"):
+        state = load_weights(directory, manifest["weights"],
+                             _weights_device(program.kplan.target), shared)
+    log.info("loaded %s: %d regions for %s", directory, len(program.plan.regions),
+             program.kplan.target)
+    return Artifact(program, state, example_sizes, manifest.get("versions", {}))
+
+
+def load_program(directory: Path, requested: Target | None
+                 ) -> tuple[Program, dict, dict[str, int]]:
+    """The Program of the artifact in `directory` (its plan, kernels and memory plan, all
+    checked; the weights it lists checked against the plan but not read), its manifest
+    and its example sizes."""
+    with phase("manifest"):
+        manifest = read_manifest(directory)
     where = str(directory / MANIFEST_FILE)
     try:
         tgt = _target(manifest["target"], requested)
-        plan = plan_from_json(manifest["plan"])
-        _check_ops_registered(plan, where)
-        problems = verify_plan(plan)
+        with phase("plan"):
+            plan = plan_from_json(manifest["plan"])
+            _check_ops_registered(plan, where)
+            problems = verify_plan(plan)
         if problems:
             raise ManifestFormatError("the plan does not verify: " + problems[0])
         entries = manifest["kernels"]
@@ -221,10 +244,13 @@ def load(path, target=None, shared: dict | None = None) -> Artifact:
         if missing:
             raise ManifestFormatError(f"regions {missing} have no kernel")
         _check_versions(manifest, entries)
-        kernels = {r.name: _kernel(entries[r.name], r, tgt, directory) for r in plan.regions}
-        mem = _memory_plan(plan, manifest["memory"]["slots"])
-        weights_entry = manifest["weights"]
-        _check_state(plan, weights_entry["tensors"], directory)
+        with phase("kernels"):
+            binaries: dict = {}
+            kernels = {r.name: _kernel(entries[r.name], r, tgt, directory, binaries)
+                       for r in plan.regions}
+        with phase("memory_plan"):
+            mem = _memory_plan(plan, manifest["memory"]["slots"])
+        _check_state(plan, manifest["weights"]["tensors"], directory)
         example_sizes = {k: int(v) for k, v in manifest.get("example_sizes", {}).items()}
         if not plan.dim_names:  # manifests before the plan carried them: name -> symbol
             plan.dim_names = {str(sym): str(name)
@@ -233,7 +259,6 @@ def load(path, target=None, shared: dict | None = None) -> Artifact:
         detail = f"missing entry {e}" if isinstance(e, KeyError) else str(e)
         raise ArtifactError(f"{where} is not a valid kiln manifest: {detail}",
                             hint=_RECOMPILE) from None
-    state = load_weights(directory, weights_entry, _weights_device(tgt), shared)
-    program = Program(KernelPlan(plan, tgt, kernels), mem)
-    log.info("loaded %s: %d regions for %s", directory, len(plan.regions), tgt)
-    return Artifact(program, state, example_sizes, manifest.get("versions", {}))
+    with phase("program"):
+        program = Program(KernelPlan(plan, tgt, kernels), mem)
+    return program, manifest, example_sizes

@@ -13,6 +13,7 @@ failed save never leaves a half-written artifact where a good one was.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -39,11 +40,20 @@ def versions() -> dict[str, str]:
     return {"kiln": __version__, "torch": torch.__version__, "triton": triton.__version__}
 
 
-def _kernel_entry(name: str, kernel, kernels_dir: Path) -> dict:
+def _kernel_entry(kernel, kernels_dir: Path, written: dict[str, dict]) -> dict:
+    """A region's kernel in the manifest; its binary is written once per distinct binary
+    (an 8B's ~780 regions run ~34 kernels), named by its content, which `written`
+    (file stem -> manifest entry) remembers."""
     entry = kernel.to_json()
     binary = getattr(kernel, "binary", None)
     if binary is not None:
-        entry["binary"] = binary.save(kernels_dir, name)
+        code = binary.asm[binary.binary_ext]
+        digest = hashlib.sha256(code if isinstance(code, bytes) else code.encode())
+        digest.update(json.dumps(binary.metadata, sort_keys=True, default=str).encode())
+        stem = f"{binary.name}-{digest.hexdigest()[:16]}"
+        if stem not in written:
+            written[stem] = binary.save(kernels_dir, stem)
+        entry["binary"] = written[stem]
     return entry
 
 
@@ -51,6 +61,7 @@ def build_manifest(module, directory: Path) -> dict:
     """The manifest of `module` (a CompiledModule); writes kernel binaries as it goes."""
     program = module.program
     kplan = program.kplan
+    written: dict[str, dict] = {}
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -59,8 +70,8 @@ def build_manifest(module, directory: Path) -> dict:
         "example_sizes": dict(getattr(module, "example_sizes", None) or {}),
         "plan": plan_to_json(program.plan),
         "memory": program.mem.to_json(),
-        "kernels": {r.name: _kernel_entry(r.name, kplan.kernels[r.name],
-                                          directory / KERNELS_DIR)
+        "kernels": {r.name: _kernel_entry(kplan.kernels[r.name], directory / KERNELS_DIR,
+                                          written)
                     for r in program.plan.regions},
     }
 

@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(e, artifacts=True)
     e.add_argument("--kernels", action="store_true",
                    help="also print each region's kernel (the Triton source of Triton kernels)")
+    e.add_argument("--timings", action="store_true",
+                   help="also print where the compile's time went, phase by phase (a model "
+                   "compiled now; an artifact has none)")
     _add_tune(e)
     e.set_defaults(fn=cmd_explain)
 

@@ -14,9 +14,10 @@ region's note says why; a template that can run the anchor but not its epilogue
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 
-from kiln.codegen.autotune.tuner import choose
+from kiln.codegen.autotune.tuner import choose, precompile
 from kiln.codegen.autotune.worker_pool import stop_run_worker
 from kiln.codegen.build.resources import fitted_spec
 from kiln.codegen.build.spec import KernelSpec
@@ -37,6 +38,7 @@ from kiln.dispatch.split import split_epilogue
 from kiln.ir.ops import is_fallback
 from kiln.ir.plan import DispatchPlan, Region, RegionKind
 from kiln.pipeline import as_pass
+from kiln.progress import phase
 from kiln.target import Target
 
 log = logging.getLogger("kiln.codegen")
@@ -74,6 +76,12 @@ def template_for(region: Region) -> Template | None:
 
 def kernel_for(region: Region, plan: DispatchPlan, target: Target, ctx):
     """The region's kernel on a Triton target: its template's, tuned, or torch ops."""
+    got = spec_for(region, plan, target)
+    return choose(region, got, target, ctx, plan) if isinstance(got, KernelSpec) else got
+
+
+def spec_for(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec | TorchKernel:
+    """The region's kernel spec on a Triton target (configs that fit it), or torch ops."""
     template = template_for(region)
     if template is None:
         region.notes.append(f"extern: kiln generates no kernel for {region.kind.value} "
@@ -81,19 +89,20 @@ def kernel_for(region: Region, plan: DispatchPlan, target: Target, ctx):
         return TorchKernel(region, target.torch_device)
     try:
         # Only configs that can fit the target; may split the region (new regions in plan).
-        spec = fitted_spec(region, plan, target, template)
+        with phase("templates"):
+            spec = fitted_spec(region, plan, target, template)
     except EpilogueApart as e:
         # The product gets a kernel of its own (select_kernels' loop reaches the new
         # region); this region, now its epilogue alone, is chosen for again.
         split_epilogue(plan, region, str(e))
-        return kernel_for(region, plan, target, ctx)
+        return spec_for(region, plan, target)
     except CodegenUnsupported as e:
         region.notes.append(f"extern: the {region.kind.value} template declines: {e}")
         log.info("region %s: %s template declines: %s", region.name, region.kind.value, e)
         return TorchKernel(region, target.torch_device)
     if spec is None:  # nothing fits even split; fitted_spec noted why
         return TorchKernel(region, target.torch_device)
-    return choose(region, spec, target, ctx, plan)
+    return spec
 
 
 def _complex_values(region: Region, plan: DispatchPlan) -> list[str]:
@@ -116,9 +125,15 @@ def select_kernels(plan: DispatchPlan, ctx) -> KernelPlan:
 
 
 def _select(plan: DispatchPlan, ctx, kp: KernelPlan, pending: list[Region]) -> None:
+    """Every region's spec first (templates; splits add regions), then every candidate
+    the tuner will need compiled at once (the pool's workers busy across kernels, not
+    one kernel's few configs at a time), then each region's choice, in plan order."""
     target = ctx.target
-    while pending:
-        region = pending.pop(0)
+    queue = deque(pending)
+    queued = {r.name for r in pending}
+    chosen: dict[str, object] = {}  # region name -> its kernel, or its spec to tune
+    while queue:
+        region = queue.popleft()
         fallen = sorted({op.target for op in region.ops if is_fallback(op.target)})
         if fallen:
             region.notes.append(f"fallback: kiln has no kernel for {', '.join(fallen)}; "
@@ -126,11 +141,20 @@ def _select(plan: DispatchPlan, ctx, kp: KernelPlan, pending: list[Region]) -> N
         complex_ = _complex_values(region, plan)
         if complex_ and target.uses_triton:
             region.notes.append(f"extern: Triton has no complex dtypes (%{complex_[0]})")
-        if (fallen or complex_) and target.uses_triton:
-            kp.kernels[region.name] = TorchKernel(region, target.torch_device)
-        elif target.uses_triton:
-            kp.kernels[region.name] = kernel_for(region, plan, target, ctx)
+        regions_before = len(plan.regions)
+        if target.uses_triton and not (fallen or complex_):
+            chosen[region.name] = spec_for(region, plan, target)
         else:
-            kp.kernels[region.name] = TorchKernel(region, target.torch_device)
-        # A split inserts regions before the one it split: they need kernels too.
-        pending += [r for r in plan.regions if r.name not in kp.kernels and r not in pending]
+            chosen[region.name] = TorchKernel(region, target.torch_device)
+        if len(plan.regions) != regions_before:
+            # A split inserts regions before the one it split: they need kernels too.
+            # (By name: comparing Regions compares every op, cubic in the region count.)
+            new = [r for r in plan.regions if r.name not in chosen and r.name not in queued]
+            queue.extend(new)
+            queued.update(r.name for r in new)
+    regions = {r.name: r for r in plan.regions}
+    specs = [(regions[n], s) for n, s in chosen.items() if isinstance(s, KernelSpec)]
+    tuner = precompile(specs, target, ctx, plan) if specs else None
+    for name, got in chosen.items():
+        kp.kernels[name] = choose(regions[name], got, target, ctx, plan, tuner) \
+            if isinstance(got, KernelSpec) else got

@@ -39,6 +39,7 @@ from kiln.ir import treespec
 from kiln.ir.graph import GraphInput, GraphOutput, KilnGraph, where
 from kiln.ir.ops import ASSERT_OPS, fallback_problem, is_known, op_name
 from kiln.ir.symbolic import Bounds
+from kiln.progress import phase
 
 log = logging.getLogger("kiln.frontend")
 
@@ -426,14 +427,28 @@ def to_kiln_graph(ep: torch.export.ExportedProgram) -> KilnGraph:
 def import_model(model, args, kwargs=None, dynamic_shapes=None,
                  fallback: str = "allow", allow_train: bool = False) -> KilnGraph:
     """The whole import stage, as one pass of the pipeline."""
+    ep = capture(model, args, kwargs, dynamic_shapes, allow_train)
+    return import_exported(ep, model, args, kwargs, dynamic_shapes, fallback)
+
+
+def capture(model, args, kwargs=None, dynamic_shapes=None,
+            allow_train: bool = False) -> torch.export.ExportedProgram:
+    """The model as torch.export captures it (before any decomposition)."""
     if not isinstance(model, torch.nn.Module):
         raise ExportError(
             f"kiln.compile takes a torch.nn.Module, got {type(model).__name__}",
             hint="wrap a plain function in an nn.Module whose forward calls it",
         )
     check_inference_mode(model, allow_train)
-    ep = export_model(model, args, kwargs, dynamic_shapes)
-    ep = decompose(ep)
+    with phase("capture"):
+        return export_model(model, args, kwargs, dynamic_shapes)
+
+
+def import_exported(ep: torch.export.ExportedProgram, model, args, kwargs=None,
+                    dynamic_shapes=None, fallback: str = "allow") -> KilnGraph:
+    """The KilnGraph of a captured program: decomposed, checked and converted."""
+    with phase("decompose"):
+        ep = decompose(ep)
     _check_no_unbacked(ep)
     _drop_asserts(ep.graph_module)
     select_by_tensor_as_index(ep.graph_module)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from kiln.errors import ArgumentError
-from kiln.frontend.export import import_model
+from kiln.frontend.export import capture, import_exported
 from kiln.ir.graph import KilnGraph, named_devices
 from kiln.pipeline import Context, Pass
 
@@ -22,18 +22,27 @@ class ModelSource:
     args: tuple
     kwargs: dict
     dynamic_shapes: Any
+    # what torch.export captured, when kiln.compile has captured it already (to look the
+    # program up in the compile cache)
+    exported: torch.export.ExportedProgram | None = None
 
     def describe(self) -> str:
         return f"model {type(self.model).__name__} with {len(self.args)} args"
 
 
 def _import(src: ModelSource, ctx: Context) -> KilnGraph:
-    kg = import_model(src.model, src.args, src.kwargs, src.dynamic_shapes,
-                      fallback=ctx.options.get("fallback", "allow"),
-                      allow_train=ctx.options.get("allow_train", False))
+    ep = src.exported
+    if ep is None:
+        ep = capture(src.model, src.args, src.kwargs, src.dynamic_shapes,
+                     allow_train=ctx.options.get("allow_train", False))
+    kg = import_exported(ep, src.model, src.args, src.kwargs, src.dynamic_shapes,
+                         fallback=ctx.options.get("fallback", "allow"))
     _check_pin_names(kg.state, ctx.options.get("pins") or {})
     # The weights leave the IR here; kiln.compile hands them to the CompiledModule.
     ctx.options["state"] = kg.state
+    # as imported: a tensor later passes put in its place (folded from weight values)
+    # keeps the compile out of the compile cache
+    ctx.options["imported_state"] = dict(kg.state)
     kg.devices_named = named_devices(kg)
     ctx.options["fallback_ops"] = kg.fallback_ops
     return kg

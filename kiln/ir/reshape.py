@@ -8,6 +8,7 @@ view, _unsafe_view, reshape, and unsqueeze / squeeze (which add or drop unit dim
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import sympy
@@ -15,7 +16,7 @@ import torch.fx as fx
 
 from kiln.ir.graph import shape_of
 from kiln.ir.ops import SHAPE_ONLY_OPS, op_name
-from kiln.ir.symbolic import Bounds, bounds_of, same_dim
+from kiln.ir.symbolic import Bounds, as_dim, bounds_of, same_dim
 
 
 def is_reshape(node) -> bool:
@@ -68,7 +69,7 @@ def _smaller(a, b, symbols: Mapping[str, Bounds]) -> bool | None:
     ratio, else by bounds; None when neither can tell."""
     if isinstance(a, int) and isinstance(b, int):
         return a < b
-    ratio = sympy.simplify(sympy.sympify(b) / sympy.sympify(a))
+    ratio = _ratio(as_dim(a), as_dim(b))
     if ratio.is_Rational:
         return bool(ratio > 1)
     if ratio.is_integer and ratio.is_positive:  # a divides b: grow a's run to reach b
@@ -81,6 +82,13 @@ def _smaller(a, b, symbols: Mapping[str, Bounds]) -> bool | None:
     if bb.hi is not None and bb.hi < ba.lo:
         return False
     return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _ratio(a, b):
+    """b / a, simplified: the same few size pairs recur in every layer, and simplify
+    costs milliseconds (the verifier asks after every pass)."""
+    return sympy.simplify(sympy.sympify(b) / sympy.sympify(a))
 
 
 def kind(src, dst, symbols: Mapping[str, Bounds] | None = None) -> str:

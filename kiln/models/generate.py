@@ -43,6 +43,7 @@ from kiln.models.decoding import TextStream, sample
 from kiln.models.kv_cache import BlockAllocator, PagedLayout
 from kiln.models.llama import Llama
 from kiln.models.saved_llm import read_saved_llm, save_llm
+from kiln.progress import phase
 from kiln.target import get_target
 
 
@@ -123,7 +124,8 @@ class LLM:
         """The LLM saved at `path` by LLM.save, without compiling; `asked` holds
         kiln.models.load's other arguments, checked against what was compiled."""
         t0 = time.perf_counter()
-        saved = read_saved_llm(path, target, asked)
+        with phase("read"):
+            saved = read_saved_llm(path, target, asked)
         self = cls.__new__(cls)
         self.model, self.compile_options, self.parallel = None, None, None
         self._setup(saved.cfg, saved.tokenizer, saved.stop_ids, saved.target,
@@ -167,9 +169,11 @@ class LLM:
             raise ArgumentError("CUDA graphs need a GPU target", hint="target='cuda'")
         if self.runnable:
             if self.cuda_graphs:
-                self.decode_module.cuda_graphs(max_graphs=len(self.buckets))
-                self._capture_buckets()
-            self._warm_prefill()
+                with phase("cuda_graphs"):
+                    self.decode_module.cuda_graphs(max_graphs=len(self.buckets))
+                    self._capture_buckets()
+            with phase("warm_prefill"):
+                self._warm_prefill()
         self.load_s = time.perf_counter() - t0
 
     def _materialize(self, read_weights) -> None:

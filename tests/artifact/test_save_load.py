@@ -23,7 +23,9 @@ def no_compiler(monkeypatch):
         raise AssertionError("kiln.load exported or ran the pipeline")
 
     monkeypatch.setattr(kiln.frontend.export, "import_model", forbidden)
-    monkeypatch.setattr(kiln.frontend.import_pass, "import_model", forbidden)
+    monkeypatch.setattr(kiln.frontend.export, "capture", forbidden)
+    monkeypatch.setattr(kiln.frontend.import_pass, "capture", forbidden)
+    monkeypatch.setattr(kiln.frontend.import_pass, "import_exported", forbidden)
     monkeypatch.setattr(kiln.pipeline.PassManager, "run", forbidden)
 
 

@@ -79,11 +79,39 @@ def test_interpret_artifact_keeps_source_and_config(affine_gen, tmp_path):
     assert torch.equal(loaded(x), x * 2.0 + 1.0)
 
 
+def _files(artifact, region: str) -> dict:
+    """The files of `region`'s kernel binary, as the manifest names them."""
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    return manifest["kernels"][region]["binary"]["files"]
+
+
+class TwoAffines(torch.nn.Module):
+    def forward(self, x, y):
+        return x * 2.0 + 1.0, y * 2.0 + 1.0  # two regions that run one kernel
+
+
+def test_a_binary_several_regions_run_is_stored_and_loaded_once(affine_gen, tmp_path):
+    T = kiln.Dim("T", min=1, max=4096)
+    x, y = torch.randn(8), torch.randn(8)
+    exe = kiln.compile(TwoAffines(), (x, y), dynamic_shapes=({0: T}, {0: T}),
+                       target="cuda:sm_90")
+    affine = [r.name for r in exe.plan.regions
+              if getattr(exe.program.kplan.kernels[r.name], "binary", None) is not None]
+    assert len(affine) == 2
+    exe.save(tmp_path / "g.kiln")
+    first, second = (_files(tmp_path / "g.kiln", r) for r in affine)
+    assert first == second
+    assert len(list((tmp_path / "g.kiln" / "kernels").glob("*.cubin"))) == 1
+    kernels = kiln.load(tmp_path / "g.kiln").program.kplan.kernels
+    assert kernels[affine[0]].binary is kernels[affine[1]].binary
+
+
 def test_gpu_artifact_compiled_without_a_gpu(affine_gen, tmp_path):
     exe = _compile("cuda:sm_90")
     binary = exe.program.kplan.kernels["r0"].binary
     exe.save(tmp_path / "g.kiln")
-    assert (tmp_path / "g.kiln" / "kernels" / "r0.cubin").read_bytes() == binary.asm["cubin"]
+    assert (tmp_path / "g.kiln" / "kernels" / _files(tmp_path / "g.kiln", "r0")["cubin"]
+            ).read_bytes() == binary.asm["cubin"]
     loaded = kiln.load(tmp_path / "g.kiln")
     got = loaded.program.kplan.kernels["r0"].binary
     assert got.asm["cubin"] == binary.asm["cubin"] and got.resources == binary.resources
@@ -106,7 +134,8 @@ def test_gpu_binaries_from_another_triton_are_refused(affine_gen, tmp_path):
 
 def test_a_corrupt_kernel_file_is_named_not_the_manifest(affine_gen, tmp_path):
     _compile("cuda:sm_90").save(tmp_path / "g.kiln")
-    (tmp_path / "g.kiln" / "kernels" / "r0.json").write_text("{garbage")
+    (tmp_path / "g.kiln" / "kernels" / _files(tmp_path / "g.kiln", "r0")["json"]
+     ).write_text("{garbage")
     with pytest.raises(ArtifactError, match="cannot read the kernel binary of region r0"):
         kiln.load(tmp_path / "g.kiln")
 

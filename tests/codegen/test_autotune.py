@@ -16,7 +16,7 @@ import torch
 from kiln.codegen.autotune.cache import ChoiceCache
 from kiln.codegen.autotune.candidates import candidates
 from kiln.codegen.autotune.quarantine import FailureKey, Quarantine
-from kiln.codegen.autotune.tuner import Tuner, TuningWarning, choose
+from kiln.codegen.autotune.tuner import Tuner, TuningWarning, choose, precompile
 from kiln.codegen.autotune.worker_pool import get_pool
 from kiln.codegen.build.spec import Config, KernelArg, KernelSpec
 from kiln.codegen.build.triton_kernel import TritonKernel
@@ -197,6 +197,31 @@ def test_cache_makes_a_second_tuning_do_nothing(compiles):
     assert again.config == first.config
     assert again.binary.asm["cubin"] == first.binary.asm["cubin"]
     assert "(cached)" in region.notes[-1]
+
+
+def test_precompile_builds_every_kernels_candidates_in_one_pool_run(compiles, monkeypatch):
+    """A model's kernels are compiled together (the pool busy across kernels); untimed,
+    each kernel's first candidate only, and choosing then compiles nothing more."""
+    pool = get_pool()
+    runs = []
+    real_run = pool.run
+
+    def counted(jobs, *a, **k):
+        runs.append(sorted(f"{j.spec.name} {j.config}" for j in jobs))
+        return real_run(jobs, *a, **k)
+
+    monkeypatch.setattr(pool, "run", counted)
+    add = add_spec(W4, [W4, W8])
+    tile16 = Config.make(4, 1, BLOCK=16)
+    transpose = transpose_spec(tile16, [tile16, Config.make(4, 1, BLOCK=32)])
+    region, plan = add_plan()
+    ctx = Context(get_target("cuda:sm_90"), {"tune_compiler": CRASHY + "compile_counting"})
+    tuner = precompile([(region, add), (region, transpose), (region, add)], ctx.target, ctx,
+                       plan)
+    assert runs == [sorted([f"add {W4}", f"transpose {tile16}"])]
+    kernels = [choose(region, s, ctx.target, ctx, plan, tuner) for s in (add, transpose)]
+    assert [k.config for k in kernels] == [W4, tile16]
+    assert len(runs) == 1 and sorted(compiles()) == runs[0]
 
 
 def test_second_compile_of_a_model_tunes_nothing(compiles, monkeypatch):

@@ -49,11 +49,30 @@ def choice_key(spec: KernelSpec, configs: list[Config], target: Target, mode: st
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
 
+# entry file (path, mtime, size) -> the Choice read from it: regions that run one kernel
+# (a model's layers) share one Binary, read once and loaded onto the GPU once
+_READ: dict[tuple, Choice] = {}
+
+
 class ChoiceCache:
     def __init__(self, root: Path | None = None):
         self.root = root or cache_dir() / "autotune" / "choices"
 
     def get(self, key: str) -> Choice | None:
+        path = self.root / key / "choice.json"
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        stamp = (str(path), st.st_mtime_ns, st.st_size)
+        if stamp not in _READ:
+            choice = self._read(key)
+            if choice is None:
+                return None
+            _READ[stamp] = choice
+        return _READ[stamp]
+
+    def _read(self, key: str) -> Choice | None:
         entry = self.root / key
         try:
             d = json.loads((entry / "choice.json").read_text())

@@ -92,7 +92,7 @@ class IsolatedRuns:
         task = {**self.base, "spec": None, "config": None, "binary": None}
         if config is not None:  # never ship a loaded kernel: the worker loads its own
             task.update(spec=self.spec, config=config.to_json(),
-                        binary=dataclasses.replace(binary, _kernel=None))
+                        binary=dataclasses.replace(binary, _kernels={}))
         ((_, out),) = get_run_pool().run([RunJob(what, task, self.runner)], self.timeout)
         key = "ms" if what == "time" else "mismatch"
         if out.status == OK and isinstance(out.result, dict) and key in out.result:

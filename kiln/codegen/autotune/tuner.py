@@ -78,7 +78,7 @@ from kiln.codegen.build.triton_kernel import TritonKernel
 from kiln.codegen.torch_kernel import TorchKernel
 from kiln.errors import KilnError
 from kiln.ir.plan import DispatchPlan, Region
-from kiln.progress import progress
+from kiln.progress import phase, progress
 from kiln.settings import tune_mode, tune_timing
 from kiln.target import Target
 
@@ -93,12 +93,25 @@ class TuningWarning(UserWarning):
 
 
 def choose(region: Region, spec: KernelSpec, target: Target, ctx,
-           plan: DispatchPlan | None = None):
-    """The kernel that runs `region`: `spec` at its tuned config, or the extern form."""
+           plan: DispatchPlan | None = None, tuner: Tuner | None = None):
+    """The kernel that runs `region`: `spec` at its tuned config, or the extern form.
+    `tuner`: one that precompiled the candidates (precompile), else a new one."""
     if target.backend == "interpret":
         return TritonKernel(region, spec, spec.default, interpret=True)
-    return Tuner.from_options(target, ctx.options if ctx is not None else {}).choose(
-        region, spec, plan)
+    if tuner is None:
+        tuner = Tuner.from_options(target, ctx.options if ctx is not None else {})
+    return tuner.choose(region, spec, plan)
+
+
+def precompile(work: list[tuple[Region, KernelSpec]], target: Target, ctx,
+               plan: DispatchPlan | None) -> Tuner | None:
+    """A Tuner that has compiled, in one run of the worker pool, the candidates that
+    choosing a kernel for each (region, spec) will need (pass it to choose)."""
+    if target.backend == "interpret":
+        return None
+    tuner = Tuner.from_options(target, ctx.options if ctx is not None else {})
+    tuner.precompile(work, plan)
+    return tuner
 
 
 class Tuner:
@@ -131,6 +144,8 @@ class Tuner:
         self.run_timeout = float(run_timeout)
         self.quarantine = q.Quarantine()
         self.cache = ChoiceCache()
+        # (source hash, config) -> Outcome, compiled ahead by precompile
+        self._built: dict[tuple[str, Config], Outcome] = {}
 
     @classmethod
     def from_options(cls, target: Target, options: dict) -> Tuner:
@@ -147,18 +162,21 @@ class Tuner:
         sizes = self._timing_sizes(region, plan)
         key = choice_key(spec, configs, self.target, self.mode, sizes or "untimed",
                          self.compile_fn)
-        choice = self.cache.get(key)
+        with phase("cache"):
+            choice = self.cache.get(key)
         cached = choice is not None
         if choice is None:
             if sizes is not None and self.timing == "worker":
                 get_run_pool().prestart()  # it imports torch while the compiles run
-            outcomes = self._compile(region, spec, configs, stop_early=sizes is None)
+            with phase("build"):
+                outcomes = self._compile(region, spec, configs, stop_early=sizes is None)
             choice = self._decide(region, spec, configs, outcomes, plan, sizes is not None)
             # A fallback caused by errors that may not recur (see quarantine.py) is redone,
             # as is a choice that should have been timed but could not be.
             if choice.final and (choice.kind == "triton" or choice.ms is not None
                                  or _all_permanent(outcomes)):
-                self.cache.put(key, choice)
+                with phase("cache"):
+                    self.cache.put(key, choice)
         head = "tuned" if choice.kind == "triton" else "extern"
         region.notes.append(f"{head}{' (cached)' if cached else ''}: {choice.note}")
         if choice.kind == "triton":
@@ -167,6 +185,52 @@ class Tuner:
             warnings.warn(f"kiln: region {region.name} runs as torch ops: {choice.note}",
                           TuningWarning, stacklevel=2)
         return TorchKernel(region, self.target.torch_device)
+
+    def precompile(self, work: list[tuple[Region, KernelSpec]],
+                   plan: DispatchPlan | None) -> None:
+        """Compile every candidate `choose` will need for `work` in one pool run: a model's
+        ~30 distinct kernels' configs keep every worker busy, where one kernel's few
+        configs at a time left most idle. Untimed (no GPU of the target here), only
+        each kernel's first candidate: the first that fits wins, and it nearly always
+        does (`choose` compiles the next ones if not)."""
+        jobs: list[Job] = []
+        keys: set[str] = set()
+        wanted: set[tuple[str, Config]] = set()
+        timed = False
+        for region, spec in work:
+            configs = candidates(spec, self.mode)
+            sizes = self._timing_sizes(region, plan)
+            key = choice_key(spec, configs, self.target, self.mode, sizes or "untimed",
+                             self.compile_fn)
+            if key in keys:
+                continue
+            keys.add(key)
+            with phase("cache"):
+                if self.cache.get(key) is not None:
+                    continue
+            todo = [c for c in configs if self._needs_compile(spec, c)]
+            timed |= sizes is not None
+            for c in todo if sizes is not None else todo[:1]:
+                if (spec.source_hash, c) not in wanted:
+                    wanted.add((spec.source_hash, c))
+                    jobs.append(Job(spec, c, self.target, self.compile_fn))
+        if not jobs:
+            return
+        if timed and self.timing == "worker":
+            get_run_pool().prestart()  # it imports torch while the compiles run
+        with phase("build"), progress(total=len(jobs), desc="compile kernels",
+                                      unit="config") as bar:
+            for i, out in get_pool(self.workers).run(jobs, self.timeout, lambda: True):
+                job = jobs[i]
+                self._built[(job.spec.source_hash, job.config)] = \
+                    self._checked(job.spec, job.config, out)
+                bar.update(1)
+
+    def _needs_compile(self, spec: KernelSpec, config: Config) -> bool:
+        """Neither quarantined nor ruled out by the resource pre-check."""
+        if self.quarantine.blocked(q.FailureKey.of(spec, config, self.target)):
+            return False
+        return not precheck(spec, config, self.target, self.estimator)
 
     def _timing_sizes(self, region: Region, plan: DispatchPlan | None) -> str | None:
         """The sizes bucket to time at, or None when this tuning is untimed."""
@@ -188,6 +252,10 @@ class Tuner:
         outcomes: dict[Config, Outcome] = {}
         todo = []
         for c in configs:
+            built = self._built.get((spec.source_hash, c))
+            if built is not None:  # compiled ahead (precompile)
+                outcomes[c] = built
+                continue
             key = q.FailureKey.of(spec, c, self.target)
             known = self.quarantine.blocked(key)
             why = None if known else precheck(spec, c, self.target, self.estimator)
@@ -197,11 +265,11 @@ class Tuner:
                 outcomes[c] = Outcome(q.OVER_LIMIT, reason=why)
             else:
                 todo.append(c)
-        if not todo:
-            return outcomes
-
         def want_more() -> bool:
             return not (stop_early and _first_fit(configs, outcomes) is not None)
+
+        if not todo or not want_more():  # nothing to compile, or the winner is known
+            return outcomes
 
         jobs = [Job(spec, c, self.target, self.compile_fn) for c in todo]
         with progress(total=len(jobs), desc=f"tune {region.name}", unit="config") as bar:
@@ -233,7 +301,8 @@ class Tuner:
                            if o.status != OK)
         tail = f"; failed: {failed}" if failed else ""
         if timed and built:
-            return self._fastest(region, spec, outcomes, built, plan, tail)
+            with phase("timing"):
+                return self._fastest(region, spec, outcomes, built, plan, tail)
         first = _first_fit(configs, outcomes)
         if first is not None:
             return Choice("triton", first, outcomes[first].binary,

@@ -311,8 +311,13 @@ _pool: WorkerPool | None = None
 
 
 def default_size() -> int:
-    """A few workers: compiles are CPU-bound and the parent may be timing on the GPU."""
-    return max(1, min(4, (os.cpu_count() or 2) // 4))
+    """A worker per core this process may use, but one: compiles are CPU-bound, and a
+    model's kernels are compiled all at once (Tuner.precompile) while the parent waits."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 2
+    return max(1, cores - 1)
 
 
 def get_pool(size: int | None = None) -> WorkerPool:

@@ -42,7 +42,9 @@ class Binary:
     asm: dict[str, bytes | str]  # ext -> code ("cubin"/"hsaco" bytes, "ptx"/"amdgcn" text)
     resources: Resources
     binary_ext: str
-    _kernel: object = field(default=None, repr=False)
+    # current GPU -> CompiledKernel: its module is loaded on the GPU current at its first
+    # launch, and regions of several GPUs may share one Binary
+    _kernels: dict = field(default_factory=dict, repr=False)
 
     def kernel(self, spec: KernelSpec, config: Config):
         """A launchable triton CompiledKernel (loads the module on first launch).
@@ -50,9 +52,12 @@ class Binary:
         Triton's launcher reads the signature and constants from the kernel's source
         object, so a binary loaded from disk gets an equivalent one built from the spec.
         """
-        if self._kernel is None:
-            self._kernel = _compiled_kernel(self, _LaunchSource(spec, config))
-        return self._kernel
+        import torch
+
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        if device not in self._kernels:
+            self._kernels[device] = _compiled_kernel(self, _LaunchSource(spec, config))
+        return self._kernels[device]
 
     def save(self, directory: Path, stem: str) -> dict:
         """Write the binary and metadata under `directory`; returns the manifest entry."""

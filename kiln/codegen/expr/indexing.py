@@ -44,6 +44,22 @@ BLOCK_MARGIN = 2**16
 # ---------------------------------------------------------------- dim arithmetic
 
 
+def _memo(fn):
+    """`fn`, a pure function of sizes, remembered: a model's layers ask the same sympy
+    questions of the same sizes, and expand / cancel cost tens of microseconds each."""
+    cached = functools.lru_cache(maxsize=1 << 14)(fn)
+
+    @functools.wraps(fn)
+    def call(*args):
+        try:
+            return cached(*args)
+        except TypeError:  # an unhashable argument (a torch SymInt): computed, not kept
+            return fn(*args)
+
+    return call
+
+
+@_memo
 def norm(c) -> Dim:
     """A Dim in canonical form: an int when constant, else an expanded sympy expr."""
     if isinstance(c, int):
@@ -55,6 +71,7 @@ def is_zero(c: Dim) -> bool:
     return norm(c) == 0
 
 
+@_memo
 def exact_div(c: Dim, d: Dim) -> Dim | None:
     """c / d when d divides c (as polynomials with integer coefficients), else None."""
     if isinstance(c, int) and isinstance(d, int):
@@ -69,6 +86,7 @@ def exact_div(c: Dim, d: Dim) -> Dim | None:
     return as_dim(q)
 
 
+@_memo
 def known_nonneg(e) -> bool:
     """Is `e` >= 0 for every value of its (positive) size symbols? False when unsure."""
     if isinstance(e, int):
@@ -97,6 +115,7 @@ def _poly_positive(e) -> bool:
     return _poly_nonneg(e - 1)
 
 
+@_memo
 def known_lt(a: Dim | None, b: Dim) -> bool:
     """Is a < b for every value of the size symbols? (a None, unknown, is never.)"""
     if a is None:
@@ -194,6 +213,7 @@ class ModIdx:
 Atom = Var | Opaque | Div | ModIdx
 
 
+@_memo
 def _atom_key(a: Atom) -> str:
     return repr(a)
 
@@ -308,6 +328,7 @@ class Lin:
         return self.code(lambda d: str(d) if isinstance(d, int) else f"({d})")
 
 
+@_memo
 def _negative(c: Dim) -> bool:
     if isinstance(c, int):
         return c < 0

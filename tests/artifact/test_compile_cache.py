@@ -1,0 +1,182 @@
+"""The compile cache (kiln/artifact/compile_cache.py): a second compile of the same model
+reuses the first's plan and kernels, bound to the model's current weights; anything
+that changes the captured program, or the compile's other inputs, is a miss."""
+
+import sys
+
+import pytest
+import torch
+
+import kiln
+from kiln.artifact import compile_cache
+from kiln.errors import ArgumentError
+
+pytestmark = pytest.mark.compile_cache
+
+SCALE = 2.0
+
+
+def scale() -> float:  # a module-level helper the model reads at trace time
+    return SCALE
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self, d=16, h=32, act="silu"):
+        super().__init__()
+        self.up, self.down, self.act = torch.nn.Linear(d, h), torch.nn.Linear(h, d), act
+
+    def forward(self, x):
+        h = self.up(x)
+        h = torch.nn.functional.silu(h) if self.act == "silu" else torch.relu(h)
+        return self.down(h) * scale()
+
+
+def _compile(model, x, **kw):
+    T = kiln.Dim("tokens", min=1, max=64)
+    return kiln.compile(model, (x,), dynamic_shapes=({0: T},), **kw)
+
+
+def _hit(exe) -> bool:
+    """Whether `exe` came from the cache: decomposition and passes never ran."""
+    t = exe.compile_timings
+    assert "import/export/capture" in t  # every compile captures the program
+    return "import/export/decompose" not in t and "compile_cache" in t
+
+
+def _check(exe, model, x):
+    want = model(x)
+    got = exe(x)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_second_compile_hits_and_reads_the_new_weights():
+    x = torch.randn(6, 16)
+    first = Mlp()
+    a = _compile(first, x)
+    assert not _hit(a)
+    second = Mlp()  # same code and shapes, other weights
+    b = _compile(second, x)
+    assert _hit(b)
+    _check(b, second, x)
+    _check(b, second, torch.randn(11, 16))  # another size of the dynamic dim
+    assert b.state["up.weight"] is second.up.weight or \
+        torch.equal(b.state["up.weight"], second.up.weight)
+    assert b.explain().splitlines()[0] == a.explain().splitlines()[0]
+
+
+def test_changed_code_config_or_helper_misses(monkeypatch):
+    x = torch.randn(6, 16)
+    assert not _hit(_compile(Mlp(), x))
+    relu = Mlp(act="relu")  # another branch of the model's code
+    exe = _compile(relu, x)
+    assert not _hit(exe)
+    _check(exe, relu, x)
+    wider = Mlp(h=48)  # a config size
+    exe = _compile(wider, x)
+    assert not _hit(exe)
+    _check(exe, wider, x)
+    monkeypatch.setattr(sys.modules[__name__], "SCALE", 3.0)  # a patched module global
+    model = Mlp()
+    exe = _compile(model, x)
+    assert not _hit(exe)
+    _check(exe, model, x)
+    assert _hit(_compile(Mlp(), x))  # and that program is kept in turn
+
+
+def test_other_examples_dtype_or_options_miss():
+    x = torch.randn(6, 16)
+    assert not _hit(_compile(Mlp(), x))
+    assert not _hit(_compile(Mlp(), torch.randn(9, 16)))  # example sizes pick tunings
+    assert not _hit(_compile(Mlp().double(), x.double()))
+    assert not _hit(_compile(Mlp(), x, options={"tune": "none"}))
+    assert _hit(_compile(Mlp(), x, options={"tune": "none"}))
+
+
+class Folded(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x):
+        return x @ (self.w.t() * 2)  # weight-only compute: folded from the weight's values
+
+
+def test_a_plan_folded_from_weight_values_is_never_kept():
+    x = torch.randn(6, 16)
+    a, b = Folded(), Folded()
+    exe = _compile(a, x)
+    assert any(k.startswith("kiln_folded.") for k in exe.state)
+    exe = _compile(b, x)
+    assert not _hit(exe)
+    _check(exe, b, x)
+
+
+def test_turned_off_or_unreadable(monkeypatch, tmp_path):
+    x = torch.randn(6, 16)
+    assert not _hit(_compile(Mlp(), x, options={"compile_cache": False}))
+    assert not _hit(_compile(Mlp(), x))  # nothing was kept by the first
+    monkeypatch.setenv("KILN_COMPILE_CACHE", "0")
+    assert not _hit(_compile(Mlp(), x))
+    monkeypatch.delenv("KILN_COMPILE_CACHE")
+    for entry in (compile_cache._root()).iterdir():
+        (entry / "manifest.json").write_text("{ not json")
+    model = Mlp()
+    exe = _compile(model, x)
+    assert not _hit(exe)
+    _check(exe, model, x)
+    assert _hit(_compile(Mlp(), x))  # the garbage entry was replaced
+    with pytest.raises(ArgumentError, match="compile_cache"):
+        _compile(Mlp(), x, options={"compile_cache": "yes"})
+
+
+def test_an_llm_compiled_again_generates_the_same_tokens():
+    import kiln.models
+
+    first = kiln.models.load("tiny", max_batch_size=2, seed=3)
+    again = kiln.models.load("tiny", max_batch_size=2, seed=3)
+    assert not _hit(first.prefill_module) and not _hit(first.decode_module)
+    assert _hit(again.prefill_module) and _hit(again.decode_module)
+    prompt = [5, 17, 42, 9]
+    want = first.generate(prompt, max_new_tokens=6, ignore_eos=True).ids
+    assert again.generate(prompt, max_new_tokens=6, ignore_eos=True).ids == want
+
+
+SCRIPT = """
+import torch, kiln
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, WIDTH)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)).sum(-1)
+
+torch.manual_seed(0)
+net, x = Net(), torch.randn(5, 8)
+exe = kiln.compile(net, (x,), dynamic_shapes=({0: kiln.Dim("n", min=1, max=32)},))
+err = (exe(x) - net(x)).abs().max().item()
+print("decompose" not in str(sorted(exe.compile_timings)), err < 1e-5)
+"""
+
+
+def test_another_process_hits_and_an_edited_file_misses(tmp_path):
+    """The fingerprint is the same in every process for the same code, and an edit to the
+    model's file is a new key."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), KILN_PROGRESS="0")  # the test's cache dir
+
+    def run(width: int) -> str:
+        (tmp_path / "net.py").write_text(SCRIPT.replace("WIDTH", str(width)))
+        done = subprocess.run([sys.executable, str(tmp_path / "net.py")], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.split()[-2:]
+
+    assert run(16) == ["False", "True"]  # compiled
+    assert run(16) == ["True", "True"]  # kept by the first process
+    assert run(24) == ["False", "True"]  # the file changed: compiled again
