@@ -14,11 +14,12 @@ import torch
 
 from tests.helpers import rel_err
 from tests.parallel.spmd import Died, run_spmd
+from tests.parallel.transformers_plans import plan_errors, run_plans
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
-def _tiny_tp(rank, world, overrides):
+def _tiny_tp(rank, world, overrides, paths, plans):
     import kiln
     from kiln.models.llama import example_inputs, tiny_llama
 
@@ -45,7 +46,7 @@ def _tiny_tp(rank, world, overrides):
         token, pos = a.view(1, 1), pos + 1
     if world == 4:  # gpt-fast's fused wqkv with 2 KV heads over 4 ranks: q cut in 2, each
         errs.append(_gpt_fast_err(world))  # rank slicing its own heads out of its half
-    return max(errs), ours, theirs
+    return max(errs), ours, theirs, run_plans(rank, world, paths, plans)
 
 
 @pytest.mark.parametrize("tp,overrides,nodes", [
@@ -54,10 +55,16 @@ def _tiny_tp(rank, world, overrides):
     # them; 2 KV heads over 4 ranks: pairs of ranks share a KV head
     (8, {"n_heads": 8, "n_kv_heads": 2}, 1),
 ])
-def test_tiny_llama_tp_matches_one_device(tp, overrides, nodes):
-    for err, ours, theirs in run_spmd(_tiny_tp, tp, overrides, nodes=nodes, timeout=300):
+def test_tiny_llama_tp_matches_one_device(tp, overrides, nodes, request):
+    refs, plans = {}, []
+    if tp == 8:  # and transformers' Qwen2 (tied embedding, biases) in the same world
+        refs, plans = request.getfixturevalue("transformers_checkpoints"), [("qwen2", 8, 1)]
+    paths = {f: path for f, (path, _, _) in refs.items()}
+    out = run_spmd(_tiny_tp, tp, overrides, paths, plans, nodes=nodes, timeout=400)
+    for err, ours, theirs, _ in out:
         assert err <= 1e-5
         assert ours == theirs
+    plan_errors(refs, plans, [o[3] for o in out])
 
 
 def _hf_family(name):
