@@ -171,6 +171,8 @@ def test_explain_shows_a_ranks_weights_and_collectives():
     text = module.explain()
     assert "device: rank 3 of tp=8 x pp=1" in text
     assert "weights: 27 tensors (4 updated in place), 536 MiB" in text  # an eighth
-    assert "collectives: 6 (in schedule order)" in text
+    assert "regions: " in text
+    assert "collectives: 6 (1 all_gather 125 MiB, 5 all_reduce 160 MiB per call; in " \
+        "schedule order:)" in text
     assert text.count("all_reduce on 'tp', f16[1, 2048, 8192], 32 MiB") == 5
     assert "all_gather on 'tp', f16[1, 2048, 32000], 125 MiB at " in text
