@@ -8,12 +8,14 @@ process costs seconds on CI's two cores.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from tests.helpers import rel_err
-from tests.parallel.spmd import Died, run_spmd
+from tests.parallel.spmd import Died, free_port, run_spmd
 from tests.parallel.transformers_plans import plan_errors, run_plans
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -49,22 +51,43 @@ def _tiny_tp(rank, world, overrides, paths, plans):
     return max(errs), ours, theirs, run_plans(rank, world, paths, plans)
 
 
-@pytest.mark.parametrize("tp,overrides,nodes", [
-    (2, {"vocab_size": 255}, 1),  # a vocabulary 2 does not divide: padded to 256, cut
-    (4, {}, 2),  # two "nodes" of 2 processes (LOCAL_RANK 0, 1 twice), as torchrun runs
-    # them; 2 KV heads over 4 ranks: pairs of ranks share a KV head
-    (8, {"n_heads": 8, "n_kv_heads": 2}, 1),
+@pytest.mark.parametrize("tp,overrides", [
+    (2, {"vocab_size": 255}),  # a vocabulary 2 does not divide: padded to 256, cut
+    (8, {"n_heads": 8, "n_kv_heads": 2}),  # 2 KV heads over 8 ranks: 4 ranks share each
 ])
-def test_tiny_llama_tp_matches_one_device(tp, overrides, nodes, request):
+def test_tiny_llama_tp_matches_one_device(tp, overrides, request):
     refs, plans = {}, []
     if tp == 8:  # and transformers' Qwen2 (tied embedding, biases) in the same world
         refs, plans = request.getfixturevalue("transformers_checkpoints"), [("qwen2", 8, 1)]
     paths = {f: path for f, (path, _, _) in refs.items()}
-    out = run_spmd(_tiny_tp, tp, overrides, paths, plans, nodes=nodes, timeout=400)
+    out = run_spmd(_tiny_tp, tp, overrides, paths, plans, timeout=400)
     for err, ours, theirs, _ in out:
         assert err <= 1e-5
         assert ours == theirs
     plan_errors(refs, plans, [o[3] for o in out])
+
+
+def test_tp4_on_two_torchrun_nodes(tmp_path):
+    """Two torchrun launchers, as on two machines (--nnodes 2, --node-rank 0 and 1, one
+    rendezvous at node 0's address), each starting 2 processes: kiln joins the world
+    torchrun made, with no launcher of its own. 2 KV heads over 4 ranks: pairs share one."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+         str(node), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+         str(port), "tests/parallel/torchrun_rank.py", str(tmp_path)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for node in (0, 1)]
+    logs = [p.communicate(timeout=400)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    out = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    assert [where for where, _ in out] == [
+        {"RANK": r, "LOCAL_RANK": r % 2, "GROUP_RANK": r // 2} for r in range(4)]
+    for _, (err, ours, theirs, _) in out:
+        assert err <= 1e-5
+        assert ours == theirs
 
 
 def _hf_family(name):
