@@ -175,8 +175,21 @@ def _save_then_load(rank, world, path):
     return rel_err(loaded(*args), want), loaded.parallel.pp_rank, sorted(loaded.state)
 
 
-def test_save_and_load_a_pipeline_module_per_stage(tmp_path):
-    out = run_spmd(_save_then_load, 2, str(tmp_path / "pp2.kiln"), timeout=300)
+def test_save_and_load_a_pipeline_module_per_stage(tmp_path, capsys):
+    from kiln.cli import main
+    from tests.parallel.test_cli_ranks import _kiln
+
+    path = tmp_path / "pp2.kiln"
+    out = run_spmd(_save_then_load, 2, str(path), timeout=300)
     assert [o[1] for o in out] == [0, 1]
     assert all(err <= 1e-6 for err, _, _ in out)
     assert "lm_head.weight" in out[1][2] and "lm_head.weight" not in out[0][2]
+    # the command line reads it as saved: explain loads every stage in this process,
+    # run starts the second rank itself
+    assert main(["explain", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "device: rank 1 of tp=1 x pp=2" in text and text.count("send %") >= 1
+    done = _kiln("run", str(path), "--repeat", "0")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "2 ranks (tp=1 x pp=2) make every call" in done.stdout
+    assert _kiln("run", str(path), "-tp", "2").returncode == 2  # not how it was compiled
