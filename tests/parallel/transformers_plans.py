@@ -4,7 +4,8 @@ run shares test_tp_runs.py's world of 8 processes).
 
 Every rank reads the checkpoint into kiln's model and compiles one module per plan
 (dynamic length: prefills and decode steps alike): two prefills of different lengths,
-decode steps and greedy decoding must match transformers (fp32, 1e-5) on every rank.
+decode steps and greedy decoding must match transformers on every rank: the same
+tokens, and every call's logits within 1e-5 (fp32), the greedy steps' included.
 8 query heads over 2 KV heads, so TP4 and TP8 replicate KV heads; 4 layers, so PP4
 has a layer per stage.
 """
@@ -21,8 +22,8 @@ GREEDY = 6
 
 
 def make_references(root) -> dict:
-    """family -> (checkpoint dir, its transformers model's logits of the whole sequence,
-    transformers' greedy continuation of it)."""
+    """family -> (checkpoint dir, transformers' logits of the sequence and of its greedy
+    continuation, that continuation)."""
     from tests.models.support import make_checkpoint
 
     out = {}
@@ -31,10 +32,10 @@ def make_references(root) -> dict:
         hf = make_checkpoint(root / family, family, num_attention_heads=8,
                              num_key_value_heads=2, num_hidden_layers=4)
         with torch.no_grad():
-            logits = hf(seq).logits[0]
-            greedy = hf.generate(seq, max_new_tokens=GREEDY, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)[0, seq.shape[1]:]
-        out[family] = (str(root / family), logits, greedy.tolist())
+            whole = hf.generate(seq, max_new_tokens=GREEDY, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)
+            logits = hf(whole[:, :-1]).logits[0]  # each call's rows, greedy steps too
+        out[family] = (str(root / family), logits, whole[0, seq.shape[1]:].tolist())
     return out
 
 
@@ -61,7 +62,7 @@ def run_plans(rank, world, paths, plans):
             with torch.no_grad():
                 logits.append(module(torch.tensor([[tokens[-1]]]), torch.tensor([pos]))[0])
             pos += 1
-        out[family, tp, pp] = torch.cat(logits[:2 + len(STEPS)]), tokens
+        out[family, tp, pp] = torch.cat(logits[:-1]), tokens
     return out
 
 
@@ -73,8 +74,8 @@ def plan_errors(references, plans, outputs) -> dict:
         assert sorted(rank_out) == sorted(plans)
         for (family, tp, pp), (logits, tokens) in rank_out.items():
             _, want, greedy = references[family]
+            assert tokens == greedy, (family, tp, pp, tokens, greedy)
             err = rel_err(logits, want)
             assert err <= 1e-5, (family, tp, pp, err)
-            assert tokens == greedy, (family, tp, pp, tokens, greedy)
             worst[family, tp, pp] = max(err, worst.get((family, tp, pp), 0.0))
     return worst
