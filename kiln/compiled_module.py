@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 from kiln.errors import ArgumentError, TargetError
 from kiln.explain import explain
 from kiln.ir import treespec
+from kiln.runtime.distributed import use_groups
 from kiln.runtime.program import Program
 from kiln.runtime.state import device_present
 
@@ -163,6 +164,8 @@ class CompiledModule:
                 "load it (kiln.load / kiln run DIR) on a machine with that GPU",
             )
         flat = self._flatten(args, kwargs)
+        if self.parallel is not None:
+            use_groups(self.parallel.tp, self.parallel.pp)
         # a pipeline stage binds each micro-batch's sizes itself
         env = None if self._stages is not None else self.program.bind(flat, self.plan.user_inputs)
         grad = torch.is_grad_enabled()  # torch.no_grad(), without its context objects

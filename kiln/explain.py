@@ -200,39 +200,74 @@ def human_flops(n: int) -> str:
 # ---- weights and memory -----------------------------------------------------------------
 
 
+def _weight_bytes(plan: DispatchPlan) -> int:
+    return sum(evaluate(v.numel, {}) * v.itemsize for v in plan.values.values()
+               if v.role in (Role.WEIGHT, Role.STATE) and all(isinstance(d, int) for d in v.shape))
+
+
 def _weights(plan: DispatchPlan) -> list[str]:
     weights = [v for v in plan.values.values() if v.role in (Role.WEIGHT, Role.STATE)]
-    fixed = sum(evaluate(v.numel, {}) * v.itemsize for v in weights
-                if all(isinstance(d, int) for d in v.shape))
     state = sum(1 for v in weights if v.role == Role.STATE)
-    return [f"weights: {len(weights)} tensors ({state} updated in place), {human_bytes(fixed)}"]
+    return [f"weights: {len(weights)} tensors ({state} updated in place), "
+            f"{human_bytes(_weight_bytes(plan))}"]
+
+
+def explain_devices(parts) -> str:
+    """Every rank of a multi-device plan, one after another: its regions, weights,
+    collectives and transfers. `parts` holds (program, example sizes, ParallelConfig)
+    per rank, in rank order."""
+    first, _, cfg = parts[0]
+    total = 0
+    out = [f"kiln explain: a tp={cfg.tp} x pp={cfg.pp} plan for {first.kplan.target}, "
+           f"{len(parts)} devices (a rank each)"]
+    out += _symbols(first.plan.symbols, _full_env(first.plan, parts[0][1] or {}),
+                    first.plan.dim_names)
+    for program, sizes, parallel in parts:
+        example = _full_env(program.plan, sizes or {})
+        out.append("")
+        out += _device(program.plan, parallel, example)
+        out += ["  " + line for line in _stage_io(program.plan, example)] or \
+            ["  transfers: none (no pipeline stage boundary)"]
+        total += _weight_bytes(program.plan)
+    out += ["", f"weights on all {len(parts)} devices: {human_bytes(total)}"]
+    return "\n".join(out) + "\n"
 
 
 def _device(plan: DispatchPlan, parallel, example) -> list[str]:
-    """This rank's share of a multi-device plan: its weights and its collectives."""
+    """This rank's share of a multi-device plan: its regions, weights and collectives."""
+    kinds = Counter(r.kind.value for r in plan.regions)
     lines = [f"device: rank {parallel.rank} of tp={parallel.tp} x pp={parallel.pp} "
              f"(tp rank {parallel.tp_rank}, pipeline stage {parallel.pp_rank})",
+             f"  regions: {len(plan.regions)} ("
+             + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + ")",
              "  " + _weights(plan)[0]]
     colls = [(i, r) for i, r in enumerate(plan.regions)
              if r.kind.value == "extern" and r.anchor().target.startswith("kiln.all_")]
-    lines.append(f"  collectives: {len(colls)}" + (" (in schedule order)" if colls else ""))
+    rows, per_kind = [], Counter()
     for i, r in colls:
         op = r.anchor()
         v = plan.values[r.outputs[0]]
-        nbytes = (human_bytes(evaluate(v.numel, example) * v.itemsize)
-                  if example is not None else to_str(v.numel) + " elements")
-        group = op.args[-1]
-        where = f" at {op.where}" if op.where else ""
-        lines.append(f"    #{i} {r.name}: {op.target.split('.')[1]} on {group!r}, "
-                     f"{type_str(v.shape, v.dtype)}, {nbytes}{where}")
-    return lines
+        kind = op.target.split(".")[1]
+        n = evaluate(v.numel, example) * v.itemsize if example is not None else None
+        per_kind[kind] += n or 0
+        nbytes = human_bytes(n) if n is not None else to_str(v.numel) + " elements"
+        where = f" at {_short_where(op.where)}" if op.where else ""
+        rows.append(f"    #{i} {r.name}: {kind} on {op.args[-1]!r}, "
+                    f"{type_str(v.shape, v.dtype)}, {nbytes}{where}")
+    kinds = Counter(r.anchor().target.split(".")[1] for _, r in colls)
+    known = example is not None
+    summary = ", ".join(f"{kinds[k]} {k}" + (f" {human_bytes(per_kind[k])}" if known else "")
+                        for k in sorted(kinds))
+    lines.append(f"  collectives: {len(colls)}" + (f" ({summary} per call; in schedule "
+                                                    "order:)" if colls else ""))
+    return lines + rows
 
 
 def _stage_io(plan: DispatchPlan, example) -> list[str]:
     """A pipeline stage's boundary: what it receives before a call and sends after."""
     if not plan.recv and not plan.send:
         return []
-    lines = ["pipeline stage boundary (per call, in transfer order):"]
+    lines = ["transfers at the pipeline stage boundary (per call, in order):"]
     moves = [("recv", n, f"from stage {src}") for n, src in plan.recv]
     moves += [("send", n, "to stage" + ("s " if len(d) > 1 else " ") + ", ".join(map(str, d)))
               for n, d in plan.send]

@@ -25,6 +25,7 @@ from kiln.settings import setup_logging
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what spawned ranks rerun
     setup_logging(verbose=args.verbose)
     try:
         with warnings.catch_warnings():

@@ -68,6 +68,13 @@ def _add_tune(sp) -> None:
                     "(default: the autotuner's own)")
 
 
+def _add_parallel(sp, how: str) -> None:
+    sp.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="T",
+                    help=f"split the model over T devices (tensor parallelism); {how}")
+    sp.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1, metavar="P",
+                    help="split the layers into P pipeline stages")
+
+
 def _add_llm_compile(c) -> None:
     """`kiln compile --model DIR`: what the saved LLM is compiled for."""
     c.add_argument("--model", dest="checkpoint", metavar="DIR",
@@ -132,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     r.add_argument("--prompt-len", type=int, default=16, help="built-in LLMs: prompt tokens")
     r.add_argument("--steps", type=int, default=8, help="built-in LLMs: tokens to generate")
+    _add_parallel(r, "kiln starts the T x P processes itself unless run under torchrun (a "
+                  "multi-device artifact: its own T x P)")
     _add_tune(r)
     r.set_defaults(fn=cmd_run)
 
@@ -181,11 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "on GPU targets, dequantised on the CPU")
     g.add_argument("--cache", choices=["contiguous", "paged"], default="contiguous")
     g.add_argument("--block-size", type=int, default=16, help="paged cache block size")
-    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="T",
-                   help="split the model over T devices (tensor parallelism); kiln starts "
-                   "the T processes itself unless run under torchrun")
-    g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1, metavar="P",
-                   help="split the layers into P pipeline stages")
+    _add_parallel(g, "kiln starts the T x P processes itself unless run under torchrun")
     g.add_argument("--no-cuda-graphs", action="store_true",
                    help="GPU: run decode steps without CUDA graphs (default: graphs on)")
     g.add_argument("-v", "--verbose", action="store_true", help="log every stage")
@@ -203,6 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--timings", action="store_true",
                    help="also print where the compile's time went, phase by phase (a model "
                    "compiled now; an artifact has none)")
+    _add_parallel(e, "compile-only: every rank's part is planned in this process, no "
+                  "devices needed")
+    e.add_argument("--rank", type=int, default=None, metavar="R",
+                   help="with -tp/-pp: print rank R's whole report (regions included) "
+                   "instead of every rank's weights, collectives and transfers")
     _add_tune(e)
     e.set_defaults(fn=cmd_explain)
 

@@ -3,7 +3,8 @@
 An artifact runs on random inputs matching its signature; a model runs on its
 example args, or on random inputs with --size, and eager PyTorch runs the same calls:
 outputs compared, times side by side. The built-in LLMs generate instead
-(kiln.cli.run_llm).
+(kiln.cli.run_llm). With -tp/-pp (or a multi-device artifact) every rank runs the same
+calls and rank 0 reports (kiln.cli.ranks starts the ranks outside torchrun).
 """
 
 from __future__ import annotations
@@ -14,13 +15,37 @@ import torch
 import torch.utils._pytree as pytree
 
 from kiln.cli.model_spec import compile_model, is_artifact, load_artifact, load_model_spec
+from kiln.cli.ranks import plan_size, run_as_ranks
 from kiln.cli.timing import side_by_side, timed_calls, to_device
+from kiln.errors import KilnError
 
 
 def cmd_run(args) -> int:
+    """Run as every rank of a multi-device plan (-tp/-pp, or a multi-device artifact's):
+    kiln starts the other ranks unless this is one of torchrun's processes."""
+    tp, pp = plan_size(args)
+    if is_artifact(args.model):
+        from kiln.artifact.ranks import read_parallel_manifest
+
+        ranks = read_parallel_manifest(args.model)
+        saved = (ranks["tp"], ranks["pp"]) if ranks is not None else (1, 1)
+        if (tp, pp) not in ((1, 1), saved):
+            raise KilnError(f"{args.model} was compiled for tp={saved[0]} x pp={saved[1]}, "
+                            f"not tp={tp} x pp={pp}",
+                            hint="drop -tp/-pp (an artifact runs as it was compiled), or "
+                            "compile the model again with them")
+        tp, pp = saved
+    args.parallel = {"tp": tp, "pp": pp} if tp * pp > 1 else None
+    return run_as_ranks(_run, args, tp * pp)
+
+
+def _run(args) -> int:
     from kiln.cli.run_llm import is_llm, run_llm
     from kiln.models import BUILTINS
 
+    if args.parallel:
+        tp, pp = args.parallel["tp"], args.parallel["pp"]
+        print(f"{tp * pp} ranks (tp={tp} x pp={pp}) make every call; rank 0 reports")
     if is_artifact(args.model):
         exe, secs = load_artifact(args)
         print(f"loaded {args.model} ({exe.target}, {len(exe.plan.regions)} regions) "
@@ -31,7 +56,7 @@ def cmd_run(args) -> int:
     if args.model in BUILTINS and is_llm(spec.model) and not args.size:
         return run_llm(args, spec)
     eager = copy.deepcopy(spec.model)  # the compiled module shares (and updates) its buffers
-    exe, secs = compile_model(args, spec)
+    exe, secs = compile_model(args, spec, parallel=args.parallel)
     print(f"compiled {args.model} for {exe.target} in {secs:.2f} s: "
           f"{len(exe.plan.regions)} regions")
     if args.size:

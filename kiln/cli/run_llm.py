@@ -41,7 +41,7 @@ def run_llm(args, spec: ModelSpec) -> int:
         model = model.to(target.torch_device)  # the LLM runs the model where it lives
     t0 = time.perf_counter()
     llm = LLM(model, target=target, name=args.model,
-              compile_options=compile_options(args))
+              compile_options=compile_options(args), parallel=args.parallel)
     print(f"compiled {args.model} for {llm.target} in {time.perf_counter() - t0:.2f} s: "
           f"{len(llm.prefill_module.plan.regions)} regions "
           f"(decode: {len(llm.decode_module.plan.regions)})")

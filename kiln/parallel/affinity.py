@@ -37,6 +37,7 @@ class Affinity:
 def _pinned_weights(kg: KilnGraph, pins: dict[str, int]) -> dict[fx.Node, int]:
     """Placeholder -> the device its state tensor is pinned to; tied names must agree."""
     holders = {n.name: n for n in kg.graph.nodes if n.op == "placeholder"}
+    node_of = {spec.target: holders[spec.name] for spec in kg.inputs if spec.kind in _WEIGHTS}
     by_tensor: dict[int, list[tuple[str, int]]] = {}
     out: dict[fx.Node, int] = {}
     for spec in kg.inputs:
@@ -54,9 +55,10 @@ def _pinned_weights(kg: KilnGraph, pins: dict[str, int]) -> dict[fx.Node, int]:
         devices = {d for _, d in names if d is not None}
         if len(devices) > 1:
             listed = ", ".join(f"{n} -> device {d}" for n, d in names if d is not None)
+            read = [where(u) for n, _ in names for u in node_of[n].users if where(u)]
             raise AffinityError(
                 f"one tensor is pinned to devices {sorted(devices)} under its names "
-                f"({listed})", where=names[0][0],
+                f"({listed})", where=read[0] if read else names[0][0],
                 hint="tied weights are one tensor: pin them to one device (kiln clones a "
                 "weight to every device that reads it)")
     return out

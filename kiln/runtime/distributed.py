@@ -20,7 +20,10 @@ from kiln.errors import DistributedError
 from kiln.ops.collectives import bind_group
 from kiln.settings import dist_timeout_s
 
-_joined: tuple[int, int, object] | None = None  # (tp, pp, the default group) groups made for
+# (tp, pp, the default group) -> {"tp": group, "pp": group, "world": group}: each plan's
+# groups, made once; the plan whose groups the collectives use now is _bound
+_plans: dict[tuple, dict[str, object]] = {}
+_bound: tuple | None = None
 
 
 def _launched() -> bool:
@@ -54,21 +57,33 @@ def join_world(tp: int, pp: int, device_type: str = "cpu",
         raise DistributedError(
             f"the plan has tp={tp} x pp={pp} = {tp * pp} ranks, but {world} processes joined",
             hint=f"launch exactly {tp * pp} processes: torchrun --nproc-per-node {tp * pp}")
-    global _joined
-    if _joined == (tp, pp, dist.group.WORLD):
-        return True  # the groups exist: a second module of the same plan reuses them
-    rank = dist.get_rank()
-    for p in range(pp):  # every rank makes every group, in the same order
-        group = dist.new_group(list(range(p * tp, (p + 1) * tp)))
-        if rank // tp == p:
-            bind_group("tp", group)
-    for t in range(tp):
-        group = dist.new_group(list(range(t, tp * pp, tp)))
-        if rank % tp == t:
-            bind_group("pp", group)
-    bind_group("world", dist.group.WORLD)
-    _joined = (tp, pp, dist.group.WORLD)
+    key = (tp, pp, dist.group.WORLD)
+    if key not in _plans:  # every rank makes every group, in the same order
+        rank, groups = dist.get_rank(), {"world": dist.group.WORLD}
+        for p in range(pp):
+            group = dist.new_group(list(range(p * tp, (p + 1) * tp)))
+            if rank // tp == p:
+                groups["tp"] = group
+        for t in range(tp):
+            group = dist.new_group(list(range(t, tp * pp, tp)))
+            if rank % tp == t:
+                groups["pp"] = group
+        _plans[key] = groups
+    use_groups(tp, pp)
     return True
+
+
+def use_groups(tp: int, pp: int) -> None:
+    """Bind "tp", "pp" and "world" to the groups of the tp x pp plan (made by join_world):
+    a process holding modules of two plans (TP4 and PP4 of one world of 4) runs each
+    module's collectives on its own plan's groups, not on the last plan joined."""
+    global _bound
+    key = (tp, pp, dist.group.WORLD) if dist.is_initialized() else None
+    if key == _bound or key not in _plans:
+        return
+    for name, group in _plans[key].items():
+        bind_group(name, group)
+    _bound = key
 
 
 def _peer_failed(op: str, peer: int, error: Exception) -> DistributedError:

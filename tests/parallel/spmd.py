@@ -1,9 +1,9 @@
 """Run a function on N CPU processes joined by gloo, the way torchrun would start them.
 
 Each process gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-MASTER_PORT) so kiln joins the world as it would under torchrun; `nodes` > 1 gives
-LOCAL_RANK per node, as a multi-node torchrun does. A rank's exception comes back to
-the test with its traceback; a run past `timeout` is killed and fails.
+MASTER_PORT) so kiln joins the world as it would under torchrun (torchrun itself, two
+"nodes" of it: test_tp_runs.py). A rank's exception comes back to the test with its
+traceback; a run past `timeout` is killed and fails.
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, nodes, port, fn, args, env, results):
-    per_node = world // nodes
+def _entry(rank, world, port, fn, args, env, results):
     os.environ.update(env)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_node),
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
@@ -53,7 +52,7 @@ class Died:
         return f"Died(exitcode={self.exitcode})"
 
 
-def run_spmd(fn, world: int, *args, nodes: int = 1, timeout: float = 120, env=None,
+def run_spmd(fn, world: int, *args, timeout: float = 120, env=None,
              may_die=()) -> list:
     """fn(rank, world, *args) on `world` processes; the per-rank results, in rank order.
 
@@ -63,7 +62,7 @@ def run_spmd(fn, world: int, *args, nodes: int = 1, timeout: float = 120, env=No
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, nodes, port, fn, args,
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args,
                                                dict(env or {}), results))
              for r in range(world)]
     for p in procs:

@@ -119,3 +119,4 @@ def test_tied_weights_pinned_to_two_devices_contradict():
     text = str(info.value)
     assert "pinned to devices [0, 1]" in text
     assert "model.embed_tokens.weight -> device 0" in text and "lm_head.weight -> device 1" in text
+    assert "llama.py" in text and "embed_tokens(tokens)" in text  # where the model reads it

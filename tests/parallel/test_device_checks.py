@@ -44,14 +44,16 @@ def test_declared_or_mapped_devices_pass(kw):
 
 
 def test_llama2_70b_tp8_plan_with_one_device_declared():
-    model, args = _llama70b(layers=2)
+    """The seed case whole: 80 layers, on the meta device, compile-only for sm_90."""
+    model, args = _llama70b(layers=80)
     with pytest.raises(DeviceError) as info:
         kiln.compile(model, args, target="cuda:sm_90", parallel={"tp": 8, "rank": 0},
                      devices=1)
     text = str(info.value)
     assert "the plan needs devices [1, 2, 3, 4, 5, 6, 7]" in text
     assert "ranks of the tp=8 x pp=1 plan" in text
-    assert "all_reduce" in text and "llama.py" in text
+    assert "all_reduce" in text and "llama.py" in text  # the ops, with source lines
+    assert "devices=8" in text and "device_map" in text  # how to declare or map them
 
 
 @pytest.mark.parametrize("devices", [0, [], [-1], "cuda", True])

@@ -1,5 +1,6 @@
-"""kiln.models.load(..., tensor_parallel_size=2) on every rank of a gloo world: each
-rank reads only its slices of the checkpoint and generates what one device does."""
+"""kiln.models.load(..., tensor_parallel_size=2 or pipeline_parallel_size=2) on every
+rank of a gloo world: each rank reads only its slices (or its stage's weights) of the
+checkpoint and generates what one device does."""
 
 from __future__ import annotations
 
@@ -13,21 +14,25 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def _load_and_generate(rank, world, path, prompt, steps):
+    """TP2, then PP2 on the same two processes: logits, greedy tokens, weights held."""
     import kiln.models
     from tests.models.support import run_alone
 
-    llm = kiln.models.load(path, dtype=torch.float32, tensor_parallel_size=world)
-    logits = run_alone(llm, torch.tensor(prompt), torch.tensor(steps))
-    params = dict(llm.model.named_parameters(remove_duplicate=False))
-    weights = {n: t for m in (llm.prefill_module, llm.decode_module)
-               for n, t in m.state.items() if n in params}
-    held = sum(t.numel() for t in weights.values())
-    tokens = llm.generate(prompt, max_new_tokens=6).ids
-    return logits, tokens, held
+    out = []
+    for tp, pp in ((world, 1), (1, world)):
+        llm = kiln.models.load(path, dtype=torch.float32, tensor_parallel_size=tp,
+                               pipeline_parallel_size=pp)
+        logits = run_alone(llm, torch.tensor(prompt), torch.tensor(steps))
+        params = dict(llm.model.named_parameters(remove_duplicate=False))
+        weights = {n: t for m in (llm.prefill_module, llm.decode_module)
+                   for n, t in m.state.items() if n in params}
+        held = sum(t.numel() for t in weights.values())
+        out.append((logits, llm.generate(prompt, max_new_tokens=6).ids, held))
+    return out
 
 
 @pytest.mark.parametrize("family", ["llama3.1", "mistral", "qwen2", "qwen3"])
-def test_tp2_llm_from_a_checkpoint_matches_one_device(family, checkpoints, llms):
+def test_tp2_and_pp2_llms_from_a_checkpoint_match_one_device(family, checkpoints, llms):
     from tests.models.support import run_alone
 
     path, hf_model = checkpoints[family]
@@ -36,11 +41,11 @@ def test_tp2_llm_from_a_checkpoint_matches_one_device(family, checkpoints, llms)
     want = run_alone(single, torch.tensor(prompt), torch.tensor(steps))
     want_tokens = single.generate(prompt, max_new_tokens=6).ids
     full = sum(p.numel() for p in hf_model.parameters())
-    for logits, tokens, held in run_spmd(_load_and_generate, 2, str(path), prompt, steps,
-                                         timeout=400):
-        assert max(rel_err(a, b) for a, b in zip(logits, want)) <= 1e-5
-        assert tokens == want_tokens
-        assert held < 0.6 * full  # its slices and the (replicated) norms, no more
+    for plans in run_spmd(_load_and_generate, 2, str(path), prompt, steps, timeout=400):
+        for logits, tokens, held in plans:
+            assert max(rel_err(a, b) for a, b in zip(logits, want)) <= 1e-5
+            assert tokens == want_tokens
+            assert held < 0.6 * full  # its slices (or its stage) and the norms, no more
 
 
 def _cli_generate(*extra):
@@ -57,10 +62,10 @@ def _cli_generate(*extra):
     return done.stdout
 
 
-def test_cli_generate_spawns_its_tensor_parallel_ranks():
-    """`kiln generate -tp 2` outside torchrun starts the second rank itself, and prints
-    what one device prints."""
-    assert _cli_generate("-tp", "2") == _cli_generate()
+def test_cli_generate_spawns_its_ranks():
+    """`kiln generate -tp 2 -pp 2` outside torchrun starts the other three ranks itself,
+    and prints what one device prints."""
+    assert _cli_generate("-tp", "2", "-pp", "2") == _cli_generate()
 
 
 def _load_prefill(rank, world, path, prompt):

@@ -75,8 +75,9 @@ def _staged(rank, world, tp, pp, overrides, pins):
         return max(errs)
 
     errs = {"whole": check((5, 3, 1, 1), 1)}  # prefills of two lengths, then decode steps
+    greedy = _greedy(module, eager, pos=10)
     if pins is not None:
-        return errs, sorted(module.state)
+        return errs, sorted(module.state), greedy
     # GPipe: a batch of 4 as 2 micro-batches of 2 rows (prefill, then decode steps), a
     # batch of 2 as 2 of 1, and a causal prefill cut into 3 chunks through the one cache
     module.micro_batches(2)
@@ -99,7 +100,20 @@ def _staged(rank, world, tp, pp, overrides, pins):
     module.program.run_stage = lambda *a, **k: (time.sleep(0.2), run_stage(*a, **k))[1]
     check((3,), 4)
     return errs, sorted(module.state), graphs.captures, [
-        (s.stage, s.micro_batch, s.start, s.end) for s in module.pipeline_timeline]
+        (s.stage, s.micro_batch, s.start, s.end) for s in module.pipeline_timeline], greedy
+
+
+def _greedy(module, eager, pos: int, steps: int = 4):
+    """Greedy tokens from the same cache state: (the module's, eager's)."""
+    token, ours, theirs = torch.tensor([[3]]), [], []
+    for _ in range(steps):
+        with torch.no_grad():
+            a = module(token, torch.tensor([pos]))[0, -1].argmax()
+            b = eager(token, torch.tensor([pos]))[0, -1].argmax()
+        ours.append(int(a))
+        theirs.append(int(b))
+        token, pos = a.view(1, 1), pos + 1
+    return ours, theirs
 
 
 @pytest.mark.parametrize("tp,pp,overrides", [
@@ -108,8 +122,9 @@ def _staged(rank, world, tp, pp, overrides, pins):
 ])
 def test_tiny_llama_pipeline_matches_one_device(tp, pp, overrides):
     out = run_spmd(_staged, tp * pp, tp, pp, overrides, None, timeout=300)
-    for errs, _, captures, _ in out:
+    for errs, _, captures, _, (ours, theirs) in out:
         assert all(err <= 1e-5 for err in errs.values()), errs
+        assert ours == theirs  # greedy decoding: identical tokens
         assert captures == 4  # (prefill T=5, decode T=1) x 2 micro-batch slots
     last_stage = out[-1][1]
     assert "lm_head.weight" in last_stage and "model.embed_tokens.weight" in out[0][1]
@@ -126,8 +141,9 @@ def test_pinned_rotary_table_is_cloned_to_both_stages():
     pinned to device 0 and read by layers on devices 0 and 1."""
     out = run_spmd(_staged, 2, 1, 2, {"dim": 128}, {"rope_cos": 0, "rope_sin": 0},
                    timeout=300)
-    for errs, held in out:
+    for errs, held, (ours, theirs) in out:
         assert errs["whole"] <= 1e-5
+        assert ours == theirs
         assert "rope_cos" in held and "rope_sin" in held  # a copy on each stage
 
 
@@ -159,8 +175,21 @@ def _save_then_load(rank, world, path):
     return rel_err(loaded(*args), want), loaded.parallel.pp_rank, sorted(loaded.state)
 
 
-def test_save_and_load_a_pipeline_module_per_stage(tmp_path):
-    out = run_spmd(_save_then_load, 2, str(tmp_path / "pp2.kiln"), timeout=300)
+def test_save_and_load_a_pipeline_module_per_stage(tmp_path, capsys):
+    from kiln.cli import main
+    from tests.parallel.test_cli_ranks import _kiln
+
+    path = tmp_path / "pp2.kiln"
+    out = run_spmd(_save_then_load, 2, str(path), timeout=300)
     assert [o[1] for o in out] == [0, 1]
     assert all(err <= 1e-6 for err, _, _ in out)
     assert "lm_head.weight" in out[1][2] and "lm_head.weight" not in out[0][2]
+    # the command line reads it as saved: explain loads every stage in this process,
+    # run starts the second rank itself
+    assert main(["explain", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "device: rank 1 of tp=1 x pp=2" in text and text.count("send %") >= 1
+    done = _kiln("run", str(path), "--repeat", "0")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "2 ranks (tp=1 x pp=2) make every call" in done.stdout
+    assert _kiln("run", str(path), "-tp", "2").returncode == 2  # not how it was compiled
