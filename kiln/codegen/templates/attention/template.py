@@ -432,9 +432,8 @@ class _AttentionSource:
         L = [f"n = start_n + tl.arange(0, BLOCK_N){wide}", "nk = n[None, :]", "nv = n[:, None]"]
         if not full:
             L += [f"nk_ok = nk < {slen}", f"nv_ok = nv < {slen}"]
-        L += m_lines
-        body = [*k_lines,
-                f"qk = tl.dot({self._op('q')}, {self._op(kt)}{ieee}, out_dtype=tl.float32)"]
+        L += [*m_lines, *k_lines,
+              f"qk = tl.dot({self._op('q')}, {self._op(kt)}{ieee}, out_dtype=tl.float32)"]
         conds = [] if full else ["nk_ok", "row_ok2"]
         if s.causal and not full:
             conds.append("(nk <= qi[:, None])")
@@ -445,10 +444,10 @@ class _AttentionSource:
             else:
                 score = f"qk * qk_scale + {m}.to(tl.float32) * {LOG2E!r}"
         if conds:
-            body.append(f'sc = tl.where({" & ".join(conds)}, {score}, float("-inf"))')
+            L.append(f'sc = tl.where({" & ".join(conds)}, {score}, float("-inf"))')
         else:
-            body.append(f"sc = {score}")
-        body += [
+            L.append(f"sc = {score}")
+        L += [
             "m_new = tl.maximum(m_i, tl.max(sc, 1))",
             'm_use = tl.where(m_new == float("-inf"), 0.0, m_new)',
             "pr = tl.exp2(sc - m_use[:, None])",
@@ -461,8 +460,4 @@ class _AttentionSource:
             f"acc * alpha[:, None]{ieee}, out_dtype=tl.float32)",
             "m_i = m_new",
         ]
-        if m is None:
-            return L + body
-        # a block no row lets through is skipped whole: past a decode step's context
-        # the static cache's blocks cost one mask load each, not a K, V latency chain
-        return L + ["if tl.max(key_live.to(tl.int32), 0) > 0:", *["    " + x for x in body]]
+        return L
