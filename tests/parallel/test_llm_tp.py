@@ -31,7 +31,9 @@ def _load_and_generate(rank, world, path, prompt, steps):
     return out
 
 
-@pytest.mark.parametrize("family", ["llama3.1", "mistral", "qwen2", "qwen3"])
+# Mistral's sliding window under PP4 is test_transformers_plans' (CI time: each family here
+# is ~45 s of two cores)
+@pytest.mark.parametrize("family", ["llama3.1", "qwen2", "qwen3"])
 def test_tp2_and_pp2_llms_from_a_checkpoint_match_one_device(family, checkpoints, llms):
     from tests.models.support import run_alone
 
