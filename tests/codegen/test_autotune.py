@@ -428,6 +428,19 @@ def test_a_decode_batch_whose_ends_want_different_kernels_switches_on_its_size(
         assert again.low.binary.asm["cubin"] == kernel.low.binary.asm["cubin"]
 
 
+def test_each_end_of_a_switch_checks_its_winners_outputs(monkeypatch, fake_gpu, compiles):
+    """The low end's fastest computes garbage: the next fastest there that matches the
+    torch form runs at the low end, and the wrong one is quarantined."""
+    fake_gpu[0]["wrong"] = {D512}
+    kernel, region, _ = decode_batch_tuning(monkeypatch, fake_gpu, {
+        D256: {4: 1.5, 1: 1.2}, D512: {4: 1.5, 1: 1.0}, None: {4: 1.0, 1: 2.0}})
+    assert isinstance(kernel, SizeSwitch) and kernel.low.config == D256
+    assert isinstance(kernel.high, TorchKernel) and kernel.low_sizes == {"s0": 2}
+    assert f"runs [{D256}] ([{D512}] wrong: out: relative error" in region.notes[-1]
+    failure = Quarantine().get(FailureKey.of(kernel.low.spec, D512, get_target("cuda:sm_90")))
+    assert failure is not None and failure.kind == "wrong"
+
+
 def test_the_switch_point_is_where_the_two_winners_times_cross():
     assert switch_point((1.0, 2.0), (2.0, 1.0)) == 0.5  # as much to lose either way
     assert switch_point((1.0, 1.02), (2.0, 1.0)) is None  # the low winner serves both

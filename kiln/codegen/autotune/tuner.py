@@ -532,5 +532,12 @@ def _per_end(bottom: Choice, top: Choice, low_times: dict, times: dict,
     sizes = low_sizes(low, env, at)
     switch = ", ".join(f"{s} <= {n}" for s, n in sorted(sizes.items()))
     return Choice("switch", ms=top.ms, low=bottom, high=top, low_sizes=sizes,
-                  note=f"switch on size: {switch} runs {bottom.note.rstrip('; ')}, larger "
-                  f"sizes {top.note.rstrip('; ')}; {note}")
+                  note=f"switch on size: {switch} runs {_named(bottom)}, larger sizes "
+                  f"{_named(top)}; {note}")
+
+
+def _named(c: Choice) -> str:
+    """A choice's candidate, and what checking its outputs found, if anything."""
+    name = f"[{c.config}]" if c.kind == "triton" else "extern"
+    found = c.note.removeprefix(name).removeprefix(" is fastest").strip("; ")
+    return f"{name} ({found})" if found else name
