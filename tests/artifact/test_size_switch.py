@@ -104,3 +104,16 @@ def test_a_broken_switch_entry_is_named(tmp_path, edit, message):
     path.write_text(json.dumps(m))
     with pytest.raises(ArtifactError, match=message):
         kiln.load(tmp_path / "s.kiln")
+
+
+@pytest.mark.gpu
+def test_a_switch_runs_and_round_trips_on_the_gpu(tmp_path):
+    exe, _ = _switched("cuda")
+    exe.save(tmp_path / "c.kiln")
+    loaded = kiln.load(tmp_path / "c.kiln")
+    for module in (exe, loaded):
+        kinds = _bound_kinds(module.program.kplan.kernels["r0"])
+        for rows, kind in ((1, "triton"), (4, "torch")):
+            x = torch.randn(rows, 3, device="cuda")
+            torch.testing.assert_close(module(x), x * 2.0 + 1.0, rtol=1e-6, atol=1e-6)
+            assert kinds[-1] == kind
