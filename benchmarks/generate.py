@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 
 import torch
 
@@ -53,6 +54,10 @@ def main() -> None:
     for cache in args.cache:
         llm = LLM(model, ByteTokenizer(), target=target, max_batch_size=max(args.batch),
                   paged=cache == "paged")
+        # regions whose batch ends each run their own kernel (a size switch) show here
+        kinds = Counter(k.kind for k in llm.decode_module.program.kplan.kernels.values())
+        print(f"# {cache} decode module kernels: "
+              + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())), flush=True)
         gen = torch.Generator().manual_seed(0)
         for b in args.batch:
             prompts = torch.randint(0, cfg.vocab_size, (b, args.prompt_len),

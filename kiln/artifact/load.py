@@ -26,6 +26,7 @@ from kiln.artifact.paths import artifact_path
 from kiln.artifact.save import FORMAT_NAME, GROUP_FILE, KERNELS_DIR, MANIFEST_FILE, versions
 from kiln.artifact.weights import load_weights
 from kiln.codegen.kernel_plan import KernelPlan
+from kiln.codegen.size_switch import SizeSwitch
 from kiln.codegen.torch_kernel import TorchKernel
 from kiln.errors import ArtifactError
 from kiln.ir.ops import category
@@ -102,10 +103,20 @@ def _target(saved: dict, tgt: Target | None) -> Target:
     return tgt
 
 
-def _kernel(entry: dict, region, target: Target, directory: Path, binaries: dict):
+def _kernel(entry: dict, region, target: Target, directory: Path, binaries: dict,
+            plan: DispatchPlan, within: str | None = None):
     """The region's kernel; `binaries` (files -> Binary) gives regions that run one
-    binary one Binary, so its module is loaded onto the GPU once."""
+    binary one Binary, so its module is loaded onto the GPU once. `within`: the size
+    switch this entry is one side of ("low" or "high"), if any."""
+    if not isinstance(entry, dict):
+        raise ManifestFormatError(f"region {region.name}'s kernel entry "
+                                  f"{_side(within)}is not an object: {entry!r:.60}")
     kind = entry.get("kind")
+    if kind == "switch":
+        if within is not None:
+            raise ManifestFormatError(f"region {region.name}'s size switch has another "
+                                      f"switch as its {within} kernel; kiln makes none")
+        return _size_switch(entry, region, target, directory, binaries, plan)
     if kind == "torch":
         return TorchKernel(region, target.torch_device)
     if kind == "triton":
@@ -128,7 +139,32 @@ def _kernel(entry: dict, region, target: Target, directory: Path, binaries: dict
             raise ArtifactError(f"cannot read the kernel binary of region {region.name}: {e}",
                                 where=str(directory / KERNELS_DIR), hint=_RECOMPILE) from None
         return TritonKernel(region, spec, config, binary)
-    raise ManifestFormatError(f"region {region.name} has a kernel of unknown kind {kind!r}")
+    raise ManifestFormatError(f"region {region.name} has a kernel {_side(within)}of unknown "
+                              f"kind {kind!r}")
+
+
+def _side(within: str | None) -> str:
+    return "" if within is None else f"(its size switch's {within} side) "
+
+
+def _size_switch(entry: dict, region, target: Target, directory: Path, binaries: dict,
+                 plan: DispatchPlan) -> SizeSwitch:
+    """A decode batch's two kernels (codegen/size_switch.py) and the sizes they split at."""
+    sizes = entry.get("low_sizes")
+    if not isinstance(sizes, dict) or not sizes:
+        raise ManifestFormatError(f"region {region.name}'s size switch has no low_sizes "
+                                  "(dim -> the largest size its low kernel runs)")
+    for dim, n in sizes.items():
+        if dim not in plan.symbols:
+            raise ManifestFormatError(f"region {region.name}'s size switch switches on "
+                                      f"{dim!r}, which is not one of the plan's dims "
+                                      f"({', '.join(sorted(plan.symbols)) or 'none'})")
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise ManifestFormatError(f"region {region.name}'s size switch gives {dim} the "
+                                      f"size {n!r}, not an integer")
+    low, high = (_kernel(entry.get(side), region, target, directory, binaries, plan, side)
+                 for side in ("low", "high"))
+    return SizeSwitch(region, low, high, sizes)
 
 
 def _memory_plan(plan: DispatchPlan, slots: list[list[str]]) -> MemoryPlan:
@@ -166,7 +202,7 @@ def _check_state(plan: DispatchPlan, tensors: dict[str, dict], directory: Path) 
 
 def _check_versions(manifest: dict, kernels: dict) -> None:
     saved, here = manifest.get("versions", {}), versions()
-    has_binaries = any("binary" in k for k in kernels.values())
+    has_binaries = any(map(_has_binary, kernels.values()))
     if has_binaries and _minor(saved.get("triton")) != _minor(here["triton"]):
         raise ArtifactError(
             f"the artifact's GPU kernels were compiled by Triton {saved.get('triton')}; "
@@ -177,6 +213,12 @@ def _check_versions(manifest: dict, kernels: dict) -> None:
         if saved.get(lib) != here[lib]:
             log.info("artifact written with %s %s, loading with %s", lib, saved.get(lib),
                      here[lib])
+
+
+def _has_binary(entry) -> bool:
+    """Whether a kernel entry (a size switch's sides too) holds a compiled binary."""
+    return isinstance(entry, dict) and ("binary" in entry or any(
+        _has_binary(entry.get(side)) for side in ("low", "high")))
 
 
 def _minor(version: str | None) -> str | None:
@@ -246,7 +288,7 @@ def load_program(directory: Path, requested: Target | None
         _check_versions(manifest, entries)
         with phase("kernels"):
             binaries: dict = {}
-            kernels = {r.name: _kernel(entries[r.name], r, tgt, directory, binaries)
+            kernels = {r.name: _kernel(entries[r.name], r, tgt, directory, binaries, plan)
                        for r in plan.regions}
         with phase("memory_plan"):
             mem = _memory_plan(plan, manifest["memory"]["slots"])

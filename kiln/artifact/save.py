@@ -43,8 +43,13 @@ def versions() -> dict[str, str]:
 def _kernel_entry(kernel, kernels_dir: Path, written: dict[str, dict]) -> dict:
     """A region's kernel in the manifest; its binary is written once per distinct binary
     (an 8B's ~780 regions run ~34 kernels), named by its content, which `written`
-    (file stem -> manifest entry) remembers."""
+    (file stem -> manifest entry) remembers. A size switch (a decode batch's two ends,
+    each its own kernel) holds its two kernels' entries."""
     entry = kernel.to_json()
+    if kernel.kind == "switch":
+        entry["low"] = _kernel_entry(kernel.low, kernels_dir, written)
+        entry["high"] = _kernel_entry(kernel.high, kernels_dir, written)
+        return entry
     binary = getattr(kernel, "binary", None)
     if binary is not None:
         code = binary.asm[binary.binary_ext]

@@ -18,10 +18,12 @@ Three layers, each a folder named for its question, importing downward only
               form kiln::fp8_quantize + kiln::fp8_scaled_mm), moe
               (kiln::moe_experts and its fp8 form kiln::moe_experts_fp8), split_k.
 - autotune/   which config of a kernel to run: isolated compile workers, the
-              quarantine, the choice cache, timing.
+              quarantine, the choice cache, timing, a decode batch's two ends.
 
 select_kernels.py (the codegen pass) maps region kinds to templates in one table
 (TEMPLATES), and the extern ops kiln writes kernels for to theirs (EXTERN_TEMPLATES);
 torch_kernel.py runs a region as torch ops (the CPU target and the
-extern fallback); kernel_plan.py is the stage's IR.
+extern fallback); size_switch.py runs a region by one of two kernels by the sizes it
+is bound at (a decode batch whose ends each won with their own); kernel_plan.py is
+the stage's IR.
 """

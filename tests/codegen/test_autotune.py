@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 
+from kiln.codegen.autotune.both_ends import low_sizes, switch_point
 from kiln.codegen.autotune.cache import ChoiceCache
 from kiln.codegen.autotune.candidates import candidates
 from kiln.codegen.autotune.quarantine import FailureKey, Quarantine
@@ -21,6 +22,7 @@ from kiln.codegen.autotune.worker_pool import get_pool
 from kiln.codegen.build.spec import Config, KernelArg, KernelSpec
 from kiln.codegen.build.triton_kernel import TritonKernel
 from kiln.codegen.expr.values import CodegenUnsupported
+from kiln.codegen.size_switch import SizeSwitch
 from kiln.codegen.torch_kernel import TorchKernel
 from kiln.errors import KilnError
 from kiln.ir.plan import DispatchPlan, Op, Ref, Region, RegionKind, Role, TensorValue
@@ -359,28 +361,94 @@ def test_timed_tuning_picks_the_fastest_per_size_bucket(fake_gpu, compiles):
     assert isinstance(kernel, TorchKernel) and "extern is fastest" in region.notes[-1]
 
 
-def test_a_decode_batch_is_timed_at_both_ends_and_the_best_worst_case_wins(
-        monkeypatch, fake_gpu, compiles):
-    """A dim bounded to a few rows (a decode batch, a CUDA graph per size) is timed at
-    its top and at 1 row: the GEMV-like candidate slightly slower at the top but much
-    faster at 1 row beats the extern form that only wins at the top."""
+def decode_batch_tuning(monkeypatch, fake_gpu, table):
+    """Tune add_plan with s0 a decode batch (1..4 rows): `table[config][s0]` is what
+    bench says (config None: extern). Returns (kernel, region, benched configs)."""
     times, benched = fake_gpu
     from kiln.codegen.autotune import tuner as tune_module
 
-    monkeypatch.setattr(tune_module, "bench", lambda k, i, o, env: times[
-        getattr(k, "config", None)][env["s0"]])
-    default, other = Config.make(4, 1, XBLOCK=256), Config.make(4, 1, XBLOCK=512)
-    spec = add_spec(default, [other])
-    times.update({default: {4: 1.2, 1: 1.0}, other: {4: 1.3, 1: 1.6},
-                  None: {4: 1.0, 1: 1.5}})
+    def bench(kernel, inputs, outs, env):
+        benched.append(getattr(kernel, "config", None))
+        return table[getattr(kernel, "config", None)][env["s0"]]
+
+    monkeypatch.setattr(tune_module, "bench", bench)
+    spec = add_spec(D256, [D512])
     region, plan = add_plan()
     plan.symbols["s0"] = Bounds(1, 4)
     ctx = Context(get_target("cuda:sm_90"),
                   {"tune_compiler": CRASHY + "compile_counting", "tune": "full",
                    "example_env": {"s0": 2}})
-    kernel = choose(region, spec, ctx.target, ctx, plan)
-    assert kernel.config == default
+    return choose(region, spec, ctx.target, ctx, plan), region, benched
+
+
+D256, D512 = Config.make(4, 1, XBLOCK=256), Config.make(4, 1, XBLOCK=512)
+
+
+def test_a_decode_batch_near_the_fastest_at_both_ends_runs_one_kernel(
+        monkeypatch, fake_gpu, compiles):
+    """A dim bounded to a few rows (a decode batch, a CUDA graph per size) is timed at
+    its top and at 1 row: a candidate within 3% of the fastest at the top and much
+    faster at 1 row serves both; no second kernel is kept."""
+    kernel, region, _ = decode_batch_tuning(monkeypatch, fake_gpu, {
+        D256: {4: 1.02, 1: 1.0}, D512: {4: 1.3, 1: 1.6}, None: {4: 1.0, 1: 1.5}})
+    assert isinstance(kernel, TritonKernel) and kernel.config == D256
     assert "at the batch's low end" in region.notes[-1]
+
+
+@pytest.mark.parametrize("table, low, high, largest_low", [
+    # a GEMV-like config wins 1 row by 33%, cuBLAS 4 rows by 17%: the lines cross at
+    # 1 + 3 * 0.5 / (0.5 + 0.2) = 3.1 rows
+    ({D256: {4: 1.2, 1: 1.0}, D512: {4: 1.3, 1: 1.6}, None: {4: 1.0, 1: 1.5}},
+     D256, None, 3),
+    # the other way round, and a crossing near the low end: at 1 + 3 * 0.1 / 1.1 rows
+    ({D256: {4: 1.5, 1: 1.5}, D512: {4: 1.0, 1: 1.1}, None: {4: 2.0, 1: 1.0}},
+     None, D512, 1),
+])
+def test_a_decode_batch_whose_ends_want_different_kernels_switches_on_its_size(
+        monkeypatch, fake_gpu, compiles, table, low, high, largest_low):
+    """No candidate within 3% of the fastest at both ends: each end keeps its winner
+    (a Triton config or the torch form alike), the low end's up to where their times
+    cross, and the cached choice holds both."""
+    kernel, region, benched = decode_batch_tuning(monkeypatch, fake_gpu, table)
+    assert isinstance(kernel, SizeSwitch) and kernel.low_sizes == {"s0": largest_low}
+    for side, want in ((kernel.low, low), (kernel.high, high)):
+        assert getattr(side, "config", None) == want
+        assert isinstance(side, TorchKernel if want is None else TritonKernel)
+    assert kernel.pick({"s0": largest_low}) is kernel.low
+    assert kernel.pick({"s0": largest_low + 1}) is kernel.high
+    assert f"switch on size: s0 <= {largest_low}" in region.notes[-1]
+
+    benched.clear()
+    again, region, _ = decode_batch_tuning(monkeypatch, fake_gpu, table)
+    assert benched == [] and "(cached)" in region.notes[-1]
+    assert isinstance(again, SizeSwitch) and again.low_sizes == kernel.low_sizes
+    assert getattr(again.low, "config", None) == low
+    assert getattr(again.high, "config", None) == high
+    if low is not None:  # its binary came back from the cache too
+        assert again.low.binary.asm["cubin"] == kernel.low.binary.asm["cubin"]
+
+
+def test_each_end_of_a_switch_checks_its_winners_outputs(monkeypatch, fake_gpu, compiles):
+    """The low end's fastest computes garbage: the next fastest there that matches the
+    torch form runs at the low end, and the wrong one is quarantined."""
+    fake_gpu[0]["wrong"] = {D512}
+    kernel, region, _ = decode_batch_tuning(monkeypatch, fake_gpu, {
+        D256: {4: 1.5, 1: 1.2}, D512: {4: 1.5, 1: 1.0}, None: {4: 1.0, 1: 2.0}})
+    assert isinstance(kernel, SizeSwitch) and kernel.low.config == D256
+    assert isinstance(kernel.high, TorchKernel) and kernel.low_sizes == {"s0": 2}
+    assert f"runs [{D256}] ([{D512}] wrong: out: relative error" in region.notes[-1]
+    failure = Quarantine().get(FailureKey.of(kernel.low.spec, D512, get_target("cuda:sm_90")))
+    assert failure is not None and failure.kind == "wrong"
+
+
+def test_the_switch_point_is_where_the_two_winners_times_cross():
+    assert switch_point((1.0, 2.0), (2.0, 1.0)) == 0.5  # as much to lose either way
+    assert switch_point((1.0, 1.02), (2.0, 1.0)) is None  # the low winner serves both
+    assert switch_point((1.0, 2.0), (1.01, 1.0)) is None  # the top winner serves both
+    assert switch_point((1.0, math.inf), (2.0, 1.0)) == 0.0  # never run it untimed
+    assert low_sizes({"b": 1, "t": 7}, {"b": 4, "t": 7}, 0.5) == {"b": 2}
+    assert low_sizes({"b": 1}, {"b": 64}, 0.0) == {"b": 1}
+    assert low_sizes({"b": 1}, {"b": 64}, 1.0) == {"b": 63}  # the top runs its winner
 
 
 def test_a_fast_candidate_with_wrong_outputs_is_quarantined_and_never_retried(fake_gpu,

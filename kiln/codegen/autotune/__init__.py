@@ -14,6 +14,8 @@ costs only itself:
 - candidates.py:     the configs a tune mode tries.
 - timing.py:         with the target's GPU present, candidates (and the extern torch
                      form) are timed on random inputs of the example's sizes.
+- both_ends.py:      a decode batch timed at both ends: one kernel, or each end its own
+                     (a SizeSwitch between them).
 - cache.py:          the chosen config and its binary, so a second compile tunes nothing.
 - tuner.py:          puts them together; kiln.codegen.build.resources says which
                      configs fit the target, before compiling and after.

@@ -17,6 +17,9 @@ did) or hangs takes the whole compile with it. Here:
 3. With a GPU of the target's kind, the survivors and the extern torch form are timed
    on the example's sizes, dynamic dims raised toward a typical prompt's 512
    (timing.py), and the fastest whose outputs match the torch form's wins (verify.py).
+   A decode batch (a dim bounded <= 64) is timed at both its ends; when no candidate
+   is near the fastest at both, each end keeps its own winner, run by a SizeSwitch
+   (both_ends.py).
    Timing and checking run in the run worker, a process with its own CUDA context
    (isolated_runs.py, run_worker.py): a candidate that faults there (an illegal
    address poisons the context it runs in) or hangs is quarantined as runtime_fault
@@ -44,6 +47,13 @@ import math
 import warnings
 
 from kiln.codegen.autotune import quarantine as q
+from kiln.codegen.autotune.both_ends import (
+    SWITCH_GAIN,
+    low_sizes,
+    one_serves_both,
+    switch_point,
+    worst_ratio,
+)
 from kiln.codegen.autotune.cache import Choice, ChoiceCache, choice_key
 from kiln.codegen.autotune.candidates import MODES, candidates
 from kiln.codegen.autotune.compile_worker import resolve
@@ -75,6 +85,7 @@ from kiln.codegen.autotune.worker_pool import (
 from kiln.codegen.build.resources import over_limits, precheck
 from kiln.codegen.build.spec import Config, KernelSpec
 from kiln.codegen.build.triton_kernel import TritonKernel
+from kiln.codegen.size_switch import SizeSwitch
 from kiln.codegen.torch_kernel import TorchKernel
 from kiln.errors import KilnError
 from kiln.ir.plan import DispatchPlan, Region
@@ -173,17 +184,23 @@ class Tuner:
             choice = self._decide(region, spec, configs, outcomes, plan, sizes is not None)
             # A fallback caused by errors that may not recur (see quarantine.py) is redone,
             # as is a choice that should have been timed but could not be.
-            if choice.final and (choice.kind == "triton" or choice.ms is not None
+            if choice.final and (choice.kind != "extern" or choice.ms is not None
                                  or _all_permanent(outcomes)):
                 with phase("cache"):
                     self.cache.put(key, choice)
-        head = "tuned" if choice.kind == "triton" else "extern"
+        head = "extern" if choice.kind == "extern" else "tuned"
         region.notes.append(f"{head}{' (cached)' if cached else ''}: {choice.note}")
-        if choice.kind == "triton":
-            return TritonKernel(region, spec, choice.config, choice.binary)
-        if choice.ms is None:  # nothing compiled and fit: say so, every compile
+        if choice.kind == "extern" and choice.ms is None:  # nothing compiled and fit
             warnings.warn(f"kiln: region {region.name} runs as torch ops: {choice.note}",
                           TuningWarning, stacklevel=2)
+        return self._kernel(region, spec, choice)
+
+    def _kernel(self, region: Region, spec: KernelSpec, choice: Choice):
+        if choice.kind == "switch":
+            return SizeSwitch(region, self._kernel(region, spec, choice.low),
+                              self._kernel(region, spec, choice.high), choice.low_sizes)
+        if choice.kind == "triton":
+            return TritonKernel(region, spec, choice.config, choice.binary)
         return TorchKernel(region, self.target.torch_device)
 
     def precompile(self, work: list[tuple[Region, KernelSpec]],
@@ -243,7 +260,10 @@ class Tuner:
             env = timing_env(plan, self.example_env)
             low = low_env(region, plan, env)
             bucket = sizes_bucket(region, plan, env)
-            return bucket if low is None else f"{bucket}|{sizes_bucket(region, plan, low)}"
+            if low is None:
+                return bucket
+            # both ends timed; the rule deciding one kernel or a switch is in the key
+            return f"{bucket}|{sizes_bucket(region, plan, low)}|switch>{SWITCH_GAIN}"
         except KeyError:
             return None
 
@@ -315,27 +335,36 @@ class Tuner:
         env = timing_env(plan, self.example_env)
         low = low_env(region, plan, env)
         runs = self._runs(region, spec, plan, env)
+        low_runs = None if low is None else self._runs(region, spec, plan, low)
         faults: list[str] = []
         try:
             times = self._time_all(runs, region, spec, outcomes, built, faults)
-            # a decode batch's both ends: the candidate whose worse end is nearest the
-            # fastest there wins (its score, a ratio, ranks like a time in _verified)
             low_times = None if low is None else self._time_all(
-                self._runs(region, spec, plan, low), region, spec, outcomes, built, faults)
+                low_runs, region, spec, outcomes, built, faults)
         except NoRunWorker as e:  # nothing can be timed: decide as without a GPU
             first = built[0]
             return Choice("triton", first, outcomes[first].binary, final=False,
                           note=f"[{first}] ({self.mode}, untimed: {e}){tail}")
         tail += "".join(faults)
-        summary = _summary(times)
-        if low_times is not None:
-            summary += f"; at the batch's low end: {_summary(low_times)}"
-            scores = _worst_ratio(times, low_times)
-        else:
-            scores = times
-        note = f"timed ({self.mode}): {summary}{tail}"
+        note = f"timed ({self.mode}): {_summary(times)}"
+        if low_times is None:
+            return self._winner(runs, spec, outcomes, times, times, note + tail)
+        note += f"; at the batch's low end: {_summary(low_times)}{tail}"
+        # a decode batch's both ends: the candidate whose worse end is nearest the
+        # fastest there wins (its score, a ratio, ranks like a time in _verified) ...
+        scores = worst_ratio(times, low_times)
+        if one_serves_both(scores) or math.isinf(min(scores.values())):
+            return self._winner(runs, spec, outcomes, scores, times, note)
+        # ... unless none is near it at both: each end its own winner (both_ends.py)
+        top = self._winner(runs, spec, outcomes, times, times, "")
+        bottom = self._winner(low_runs, spec, outcomes, low_times, low_times, "")
+        return _per_end(bottom, top, low_times, times, low, env, note)
+
+    def _winner(self, runs, spec, outcomes, scores, times, note) -> Choice:
+        """The candidate ranked first by `scores` whose outputs match the torch form's
+        (`times`: the ms it is given), or the extern form."""
         best = min(scores, key=scores.get)
-        if math.isinf(times[best]):
+        if math.isinf(scores[best]):
             return Choice("extern", note=f"no candidate of kernel {spec.name} ran: {note}")
         if best is None:
             return Choice("extern", ms=times[None], note=f"extern is fastest; {note}")
@@ -485,14 +514,30 @@ def _summary(times: dict) -> str:
                      for c, t in times.items())
 
 
-def _worst_ratio(*timings: dict) -> dict:
-    """Per candidate, the largest of its time / the fastest time, over `timings`
-    (math.inf where it did not run at some size)."""
-    out = {}
-    for c in timings[0]:
-        ratios = []
-        for t in timings:
-            best = min(t.values())
-            ratios.append(t[c] / best if best > 0 and not math.isinf(best) else t[c])
-        out[c] = max(ratios)
-    return out
+def _per_end(bottom: Choice, top: Choice, low_times: dict, times: dict,
+             low: dict[str, int], env: dict[str, int], note: str) -> Choice:
+    """The low end's winner `bottom` and the top's `top` as one choice: a switch between
+    them (at both_ends.switch_point), or the one that alone serves both ends."""
+    def candidate(c: Choice):  # the key of its times: a config, or None for extern
+        return c.config if c.kind == "triton" else None
+
+    lo, hi = candidate(bottom), candidate(top)
+    at = None if lo == hi else switch_point((low_times[lo], times[lo]),
+                                            (low_times[hi], times[hi]))
+    if at is None:  # one winner (checking outputs can make it so), or one near enough
+        scores = worst_ratio(times, low_times)
+        one = top if scores[hi] <= scores[lo] else bottom
+        return Choice(one.kind, one.config, one.binary, one.ms,
+                      f"{one.note.rstrip('; ')}; {note}")
+    sizes = low_sizes(low, env, at)
+    switch = ", ".join(f"{s} <= {n}" for s, n in sorted(sizes.items()))
+    return Choice("switch", ms=top.ms, low=bottom, high=top, low_sizes=sizes,
+                  note=f"switch on size: {switch} runs {_named(bottom)}, larger sizes "
+                  f"{_named(top)}; {note}")
+
+
+def _named(c: Choice) -> str:
+    """A choice's candidate, and what checking its outputs found, if anything."""
+    name = f"[{c.config}]" if c.kind == "triton" else "extern"
+    found = c.note.removeprefix(name).removeprefix(" is fastest").strip("; ")
+    return f"{name} ({found})" if found else name
