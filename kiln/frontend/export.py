@@ -32,6 +32,7 @@ from kiln.errors import (
 )
 from kiln.frontend.decompositions import DECOMPOSE, FALLBACKS, OVERRIDES
 from kiln.frontend.dim_names import dim_names
+from kiln.frontend.local_decompose import decompose_locally
 from kiln.frontend.reduction_shapes import fix_reduction_shapes
 from kiln.frontend.scalar_index import select_by_tensor_as_index
 from kiln.frontend.train_mode import check_inference_mode
@@ -246,6 +247,11 @@ def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
             del table[op]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
+        local = decompose_locally(ep, table)
+        if local is not None:
+            return local
+        log.info("decomposing by torch's re-trace (the program is not plain enough to "
+                 "decompose node by node)")
         return ep.run_decompositions(table)
 
 
