@@ -32,6 +32,7 @@ from kiln.errors import (
 )
 from kiln.frontend.decompositions import DECOMPOSE, FALLBACKS, OVERRIDES
 from kiln.frontend.dim_names import dim_names
+from kiln.frontend.local_decompose import decompose_locally
 from kiln.frontend.reduction_shapes import fix_reduction_shapes
 from kiln.frontend.scalar_index import select_by_tensor_as_index
 from kiln.frontend.train_mode import check_inference_mode
@@ -233,6 +234,19 @@ def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     its own decompositions of what some torch versions leave whole (nn.RMSNorm on a GPU
     with torch 2.11), and torch's for ops kiln would otherwise run unfused (eval
     BatchNorm, bilinear upsampling), so they fuse with their neighbours."""
+    table = kiln_table()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        local = decompose_locally(ep, table)
+        if local is not None:
+            return local
+        log.info("decomposing by torch's re-trace (the program is not plain enough to "
+                 "decompose node by node)")
+        return ep.run_decompositions(table)
+
+
+def kiln_table() -> dict:
+    """torch's core ATen table with kiln's own entries, less the ops kept whole."""
     table = _plain(torch.export.default_decompositions()) | OVERRIDES
     # up front, not only when the exported graph shows them: some ops appear only
     # while decomposing (batch_norm -> _native_batch_norm_legit_no_training)
@@ -244,9 +258,7 @@ def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     for op in KEEP_WHOLE:
         if op in table:
             del table[op]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return ep.run_decompositions(table)
+    return table
 
 
 def _plain(table) -> dict:

@@ -1,0 +1,345 @@
+"""Decomposition node by node, each distinct (op, argument shapes) traced once.
+
+Why: `ExportedProgram.run_decompositions` re-traces the whole program through
+functionalization and fake tensors with symbolic shapes, twice (metadata, then the
+graph): ~1 s a layer of a Llama-3-8B over its prefill and decode modules on a CPU,
+half of a cold compile, although most nodes are core ATen already and a model's
+layers repeat the same few ops at the same sizes. Here only the nodes whose op the
+table decomposes are traced (make_fx over their own fake arguments, with the same
+table, so decompositions nest as in torch's re-trace), the trace of one (op, argument
+shapes and constants) is spliced in wherever that signature recurs, and the only
+in-place ops export leaves (writes into a buffer, as a KV cache's `index_put_`)
+become their functional form with the buffer's new value an output, as torch's
+functionalization makes them.
+
+Anything outside that (higher-order ops, in-place ops on views or user inputs, a
+view of a buffer read after the buffer is written, a decomposition that makes
+tensor constants) returns None, and the caller runs torch's re-trace.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._export.utils import _special_op_to_preserve_cia
+from torch._export.verifier import Verifier
+from torch._guards import detect_fake_mode
+from torch.export.exported_program import (
+    ExportedProgram,
+    _override_composite_implicit_decomp,
+    _split_decomp_table_to_cia_and_python_decomp,
+)
+from torch.export.graph_signature import (
+    ExportGraphSignature,
+    OutputKind,
+    OutputSpec,
+    TensorArgument,
+)
+from torch.fx.experimental.proxy_tensor import make_fx
+
+log = logging.getLogger("kiln.frontend")
+
+_META_KEPT = ("stack_trace", "nn_module_stack", "torch_fn", "custom", "source_fn_stack")
+
+
+def decompose_locally(ep: ExportedProgram, table: dict) -> ExportedProgram | None:
+    """`ep` lowered with `table` as run_decompositions would, or None when this pass
+    cannot be sure of giving the same program (the caller then re-traces)."""
+    try:
+        return _decompose(ep, table)
+    except Exception as e:  # noqa: BLE001 - torch's re-trace is always there to fall back on
+        log.info("node-by-node decomposition failed (%s: %s)", type(e).__name__, e)
+        return None
+
+
+def _decompose(ep: ExportedProgram, table: dict) -> ExportedProgram | None:
+    if ep.verifiers and ep.verifiers[0].dialect != "TRAINING":
+        return None
+    gm = ep.graph_module
+    if not _plain_graph(gm, ep):
+        return None
+    gm = _copy(gm)
+    mutated = _functionalize_buffer_writes(gm, ep.graph_signature)
+    if mutated is None:
+        return None
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    user_outs = list(output.args[0])
+    output.args = ((*mutated.values(), *user_outs),)  # as torch orders them
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes
+                                  if n.op == "placeholder"])
+    if fake_mode is None:
+        return None
+    # torch's split: CompositeImplicitAutograd ops go through the dispatcher, patched
+    # to decompose as the table says (or to stay whole, those deleted from it)
+    cia, python_table = _split_decomp_table_to_cia_and_python_decomp(dict(table))
+    traces: dict = {}
+    with _override_composite_implicit_decomp(cia):
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function" and _decomposes(node.target, cia, python_table) \
+                    and not _replace(gm.graph, node, python_table, traces, fake_mode):
+                return None
+    _share_sizes(gm.graph)
+    gm.graph.eliminate_dead_code(_impure)
+    gm.graph.lint()
+    gm.recompile()
+    return _program(ep, gm, mutated)
+
+
+def _decomposes(op, cia: dict, python_table: dict) -> bool:
+    """Whether torch's re-trace would replace `op`: an entry of the table, or an op
+    with a CompositeImplicitAutograd kernel not marked to stay whole."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return False
+    if op in python_table:
+        return True
+    if op in cia:
+        return cia[op] is not _special_op_to_preserve_cia
+    return torch._C._dispatch_has_kernel_for_dispatch_key(
+        op.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
+
+
+def _share_sizes(graph: fx.Graph) -> None:
+    """One node per size expression: each spliced decomposition reads the sizes it
+    needs itself (sym_size, products of them); torch's single trace reads each once.
+    Two size nodes with one expression are one value (the same symbols)."""
+    first: dict[tuple, fx.Node] = {}
+    for node in list(graph.nodes):
+        val = node.meta.get("val")
+        if node.op != "call_function" or not isinstance(val, torch.SymInt) or not (
+                node.target is torch.ops.aten.sym_size.int
+                or getattr(node.target, "__module__", None) == "_operator"):
+            continue
+        key = (type(val).__name__, str(val.node.expr))
+        if key in first:
+            node.replace_all_uses_with(first[key])
+        else:
+            first[key] = node
+
+
+def _plain_graph(gm: fx.GraphModule, ep: ExportedProgram) -> bool:
+    """Only ATen ops, getitem and size arithmetic; no submodules or attributes."""
+    if ep.graph_signature.input_tokens or ep.graph_signature.output_tokens:
+        return False
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" or node.op == "call_module" or node.op == "call_method":
+            return False
+        if _unbacked(node.meta.get("val")):
+            return False  # data-dependent sizes: torch's re-trace renames and checks them
+        if node.op != "call_function":
+            continue
+        t = node.target
+        if isinstance(t, torch._ops.OpOverload):
+            continue
+        if t is operator.getitem or getattr(t, "__module__", None) in ("_operator", "math") \
+                or t in (torch.sym_float, torch.sym_int, torch.sym_max, torch.sym_min,
+                         torch.sym_not, torch.sym_sqrt):
+            continue
+        return False  # a higher-order op, an OpOverloadPacket, a Python function
+    return True
+
+
+def _unbacked(val) -> bool:
+    if isinstance(val, list | tuple):
+        return any(_unbacked(v) for v in val)
+    if isinstance(val, torch.Tensor):
+        return any(_unbacked(d) for d in val.shape)
+    expr = getattr(getattr(val, "node", None), "expr", None)
+    return expr is not None and any(str(s).startswith("u") for s in expr.free_symbols)
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new graph module over a copy of the graph (the captured program stays as it
+    was: its fingerprint is the compile cache's key)."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    for old, new in zip(gm.graph.nodes, graph.nodes, strict=True):
+        new.meta = dict(old.meta)
+    return fx.GraphModule(gm, graph)
+
+
+def _is_inplace(node: fx.Node) -> bool:
+    t = node.target
+    return isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable
+
+
+def _functional_of(op: torch._ops.OpOverload):
+    """`index_put_.default` -> `index_put.default`, if the schemas agree but the alias."""
+    name = op._schema.name.split("::")[-1]
+    if not name.endswith("_") or op._schema.arguments[0].alias_info is None \
+            or not op._schema.arguments[0].alias_info.is_write:
+        return None
+    if any(a.alias_info is not None and a.alias_info.is_write
+           for a in op._schema.arguments[1:]):
+        return None
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    functional = getattr(packet, op._overloadname, None) if packet is not None else None
+    if functional is None or functional._schema.is_mutable:
+        return None
+    return functional
+
+
+def _aliases(node: fx.Node) -> bool:
+    """Whether the op's output may share memory with an input (a view)."""
+    t = node.target
+    if not isinstance(t, torch._ops.OpOverload):
+        return t is operator.getitem
+    return any(r.alias_info is not None for r in t._schema.returns)
+
+
+def _functionalize_buffer_writes(gm: fx.GraphModule, sig: ExportGraphSignature
+                                 ) -> dict[str, fx.Node] | None:
+    """Every in-place op writing a buffer placeholder rewritten to its functional op;
+    later reads of the buffer read the new value. {buffer name: its final value}, or
+    None for any other in-place op, or a view of a buffer taken before a write."""
+    buffers = {p: b for p, b in sig.inputs_to_buffers.items()}
+    current: dict[fx.Node, fx.Node] = {}  # buffer placeholder -> its value now
+    written: dict[str, fx.Node] = {}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if _is_inplace(node):
+            target = node.args[0] if node.args else None
+            functional = _functional_of(node.target)
+            if functional is None or not isinstance(target, fx.Node) \
+                    or target.op != "placeholder" or target.name not in buffers:
+                return None
+            for user in target.users:  # a view taken before a write would see it
+                if user is not node and _aliases(user) and order[user] < order[node]:
+                    return None
+            with gm.graph.inserting_before(node):
+                new = gm.graph.call_function(functional, (current.get(target, target),
+                                                          *node.args[1:]), dict(node.kwargs))
+            new.meta = dict(node.meta)
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+            current[target] = new
+            written[buffers[target.name]] = new
+            continue
+        if current:
+            def now(a):
+                return current.get(a, a) if isinstance(a, fx.Node) else a
+            node.args = pytree.tree_map(now, node.args)
+            node.kwargs = pytree.tree_map(now, node.kwargs)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    for a in pytree.tree_leaves(output.args):
+        if isinstance(a, fx.Node) and a.op == "placeholder" and a in current:
+            return None  # a written buffer returned as such
+    inputs = [s.target for s in sig.input_specs]
+    return dict(sorted(written.items(), key=lambda kv: inputs.index(kv[0])))
+
+
+def _signature(value) -> tuple:
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(str(d) for d in value.shape), tuple(str(s) for s in value.stride()),
+                str(value.dtype), str(value.device), value.layout, value.requires_grad)
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return ("S", type(value).__name__, str(value.node.expr))
+    return ("?", type(value).__name__)
+
+
+def _replace(graph: fx.Graph, node: fx.Node, table: dict, traces: dict, fake_mode) -> bool:
+    """Splice the decomposition of `node` in its place; False when it cannot be."""
+    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+    inputs = [a for a in leaves if isinstance(a, fx.Node)]
+    vals = [a.meta.get("val") for a in inputs]
+    if any(v is None for v in vals):
+        return False
+    key = (node.target, str(spec),
+           tuple(_signature(a.meta["val"]) if isinstance(a, fx.Node) else ("c", repr(a))
+                 for a in leaves))
+    trace = traces.get(key)
+    if trace is None:
+        trace = traces[key] = _trace(node.target, leaves, spec, vals, table, fake_mode)
+    if trace is False:
+        return False
+    env: dict[fx.Node, object] = {}
+    placeholders = iter(inputs)
+    result = None
+    with graph.inserting_before(node):
+        for t in trace.graph.nodes:
+            if t.op == "placeholder":
+                env[t] = next(placeholders)
+            elif t.op == "call_function":
+                new = graph.call_function(t.target, *pytree.tree_map(
+                    lambda a: env[a] if isinstance(a, fx.Node) else a, (t.args, t.kwargs)))
+                new.meta = {k: v for k, v in node.meta.items() if k in _META_KEPT}
+                new.meta["val"] = t.meta.get("val")
+                env[t] = new
+            elif t.op == "output":
+                result = pytree.tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a,
+                                         t.args[0])
+            else:
+                return False
+    if isinstance(result, fx.Node):
+        node.replace_all_uses_with(result)
+    elif isinstance(result, list | tuple):
+        for user in list(node.users):
+            if user.target is not operator.getitem or not isinstance(result[user.args[1]],
+                                                                      fx.Node):
+                return False
+            user.replace_all_uses_with(result[user.args[1]])
+            graph.erase_node(user)
+    else:
+        return False
+    graph.erase_node(node)
+    return True
+
+
+def _trace(op, leaves: list, spec, vals: list, table: dict, fake_mode):
+    """The decomposition of `op` at these arguments as a graph over its node inputs,
+    or False when make_fx cannot give one kiln can splice."""
+    positions = [i for i, a in enumerate(leaves) if isinstance(a, fx.Node)]
+
+    def call(*inputs):
+        filled = list(leaves)
+        for i, v in zip(positions, inputs, strict=True):
+            filled[i] = v
+        args, kwargs = pytree.tree_unflatten(filled, spec)
+        return op(*args, **kwargs)
+
+    try:
+        with fake_mode:
+            gm = make_fx(call, decomposition_table=table, tracing_mode="real",
+                         _allow_non_fake_inputs=False)(*vals)
+    except Exception:  # noqa: BLE001 - any failure means: leave it to torch's re-trace
+        return False
+    for t in gm.graph.nodes:
+        if t.op in ("get_attr", "call_module", "call_method"):
+            return False  # a tensor constant or submodule the program would have to hold
+        if t.op == "call_function" and (_is_inplace(t) or not callable(t.target)):
+            return False
+    return gm
+
+
+def _impure(node: fx.Node) -> bool:
+    if node.op in ("placeholder", "output"):
+        return True
+    return node.is_impure()
+
+
+def _program(ep: ExportedProgram, gm: fx.GraphModule, written: dict[str, fx.Node]
+             ) -> ExportedProgram:
+    """The ExportedProgram of the new graph, whose outputs are the buffers' new values
+    (`written`, in that order), then the user's."""
+    sig = ep.graph_signature
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    mutations, user_outs = outs[:len(written)], outs[len(written):]
+    specs = [OutputSpec(OutputKind.BUFFER_MUTATION, TensorArgument(v.name), name)
+             for name, v in zip(written, mutations, strict=True)]
+    for s, node in zip(sig.output_specs, user_outs, strict=True):
+        arg = type(s.arg)(name=node.name) if isinstance(node, fx.Node) else s.arg
+        specs.append(OutputSpec(s.kind, arg, s.target))
+    gm.graph.lint()
+    gm.recompile()
+    new_sig = ExportGraphSignature(input_specs=list(sig.input_specs), output_specs=specs)
+    return ExportedProgram(
+        root=gm, graph=gm.graph, graph_signature=new_sig, state_dict=ep.state_dict,
+        range_constraints=ep.range_constraints, module_call_graph=ep.module_call_graph,
+        example_inputs=ep.example_inputs, constants=ep.constants, verifiers=[Verifier])

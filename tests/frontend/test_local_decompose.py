@@ -1,0 +1,97 @@
+"""Node-by-node decomposition (frontend/local_decompose.py) gives torch's re-trace's
+program, and leaves programs it cannot be sure of to that re-trace."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch.export import Dim
+
+import kiln
+from kiln.frontend import export
+from kiln.frontend.local_decompose import decompose_locally
+
+
+class CacheBlock(torch.nn.Module):
+    """Linear layers, a chunked SwiGLU, a KV-cache write in place, SDPA over the cache."""
+
+    def __init__(self):
+        super().__init__()
+        self.wqkv = torch.nn.Linear(16, 48, bias=False)
+        self.w13 = torch.nn.Linear(16, 64, bias=False)
+        self.w2 = torch.nn.Linear(32, 16, bias=False)
+        self.register_buffer("k_cache", torch.zeros(1, 2, 12, 8))
+
+    def forward(self, x, pos):
+        q, k, v = self.wqkv(x).split(16, dim=-1)
+        q = q.view(1, -1, 2, 8).transpose(1, 2)
+        k = k.view(1, -1, 2, 8).transpose(1, 2)
+        self.k_cache.index_copy_(2, pos, k)
+        att = F.scaled_dot_product_attention(q, self.k_cache, self.k_cache)
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return att.transpose(1, 2).flatten(2) + self.w2(F.silu(gate) * up)
+
+
+def _exported(model, t=5):
+    x, pos = torch.randn(1, t, 16), torch.arange(t)
+    seq = Dim("seq", min=2, max=12)
+    return export.capture(model, (x, pos), dynamic_shapes=({1: seq}, {0: seq}))
+
+
+def _ops(ep):
+    return [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+
+
+def test_same_program_as_torchs_retrace():
+    ep = _exported(CacheBlock().eval())
+    local = decompose_locally(ep, _table())  # this program is plain enough
+    assert local is not None
+    ref = ep.run_decompositions(_table())
+    assert Counter(_ops(local)) == Counter(_ops(ref))
+    assert not {"aten.linear.default", "aten.index_copy_.default"} & set(_ops(local))
+    specs = [(s.kind.name, s.target) for s in local.graph_signature.output_specs]
+    assert specs == [(s.kind.name, s.target) for s in ref.graph_signature.output_specs]
+    assert specs[0] == ("BUFFER_MUTATION", "k_cache")
+
+
+def test_compiled_matches_eager_with_cache_writes():
+    model = CacheBlock().eval()
+    exe = kiln.compile(model, (torch.randn(1, 5, 16), torch.arange(5)),
+                       dynamic_shapes=({1: Dim("seq", min=2, max=12)},
+                                       {0: Dim("seq", min=2, max=12)}))
+    eager = CacheBlock().eval()
+    eager.load_state_dict(model.state_dict())
+    for t in (3, 7):
+        x, pos = torch.randn(1, t, 16), torch.arange(t)
+        ref = eager(x, pos)
+        out = exe(x, pos)
+        assert (out - ref).norm() / ref.norm() < 1e-5
+
+
+class ViewBeforeWrite(torch.nn.Module):
+    """A view of the buffer taken before it is written: eager reads the new values
+    through it, which only functionalization (torch's re-trace) keeps."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("buf", torch.zeros(4, 3))
+
+    def forward(self, x):
+        row = self.buf[0]
+        self.buf.add_(x)
+        return row * 2
+
+
+def test_view_read_after_a_write_is_left_to_torch():
+    model = ViewBeforeWrite().eval()
+    ep = export.capture(model, (torch.randn(4, 3),))
+    assert decompose_locally(ep, _table()) is None
+    x = torch.randn(4, 3)
+    exe = kiln.compile(ViewBeforeWrite().eval(), (torch.randn(4, 3),))
+    assert torch.allclose(exe(x), model(x))
+
+
+def _table():
+    return export.kiln_table()
