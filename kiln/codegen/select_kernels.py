@@ -30,11 +30,11 @@ from kiln.codegen.templates.fp8_matmul import quantize as fp8_quantize
 from kiln.codegen.templates.fp8_matmul import template as fp8_matmul
 from kiln.codegen.templates.gated_delta import template as gated_delta
 from kiln.codegen.templates.latent_attention import template as latent_attention
-from kiln.codegen.templates.matmul import template as matmul
+from kiln.codegen.templates.matmul import grouped as matmul
 from kiln.codegen.templates.moe import template as moe
 from kiln.codegen.templates.reduction import row_kernel as reduction
 from kiln.codegen.torch_kernel import TorchKernel
-from kiln.dispatch.split import split_epilogue
+from kiln.dispatch.split import split_epilogue, split_siblings
 from kiln.ir.ops import is_fallback
 from kiln.ir.plan import DispatchPlan, Region, RegionKind
 from kiln.pipeline import as_pass
@@ -97,6 +97,12 @@ def spec_for(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec |
         split_epilogue(plan, region, str(e))
         return spec_for(region, plan, target)
     except CodegenUnsupported as e:
+        if len(matmul.plain.products(region)) > 1:
+            # grouped sibling GEMVs (dispatch/group_siblings.py) the template cannot run
+            # together: each gets its kernel alone (the new regions are reached by
+            # select_kernels' loop; this one, now the last sibling, is chosen for again)
+            split_siblings(plan, region, f"the grouped GEMV declines: {e}")
+            return spec_for(region, plan, target)
         region.notes.append(f"extern: the {region.kind.value} template declines: {e}")
         log.info("region %s: %s template declines: %s", region.name, region.kind.value, e)
         return TorchKernel(region, target.torch_device)
