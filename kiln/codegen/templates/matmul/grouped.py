@@ -79,8 +79,8 @@ class _GroupedGemv(plain._MatmulSource):
 
     def _gemv_tiles(self) -> tuple:
         cols = sum(sib.cols for sib in self.siblings)
-        return cols, " + ".join(f"cdiv({self.p.grid(sib.cols)}, BLOCK_N)"
-                                for sib in self.siblings)
+        return cols, "(" + " + ".join(f"cdiv({self.p.grid(sib.cols)}, BLOCK_N)"
+                                      for sib in self.siblings) + ")"
 
     def _columns(self) -> tuple[list[str], str, str]:
         """`sib`, the program's sibling; `nj` its N; `pid_n` its column block; `wb` its
