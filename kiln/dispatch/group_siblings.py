@@ -21,9 +21,9 @@ siblings stay separate tensors and one kernel reads them all:
 Siblings: matmul regions with one mm / addmm each, at most GEMV_MAX_M rows (the GEMV
 form's), the same rows, K and dtype, weights of one dtype read through views only, and
 a left operand computed by the same ops from the same values (an RMSNorm that
-fold_rmsnorm copied into each is then computed once). A region that writes in place,
-returns its product through a view, or sits on another device is left alone, as is a
-sibling whose output also feeds anything besides the one that absorbs it. The grouped
+fold_rmsnorm copied into each is then computed once). A region that writes in place
+or updates a state tensor, or sits on another device, is left alone, as is a sibling
+whose output also feeds anything besides the one that absorbs it. The grouped
 region takes the first sibling's place in the plan (every sibling's inputs are
 produced by then, or it is not grouped). Only targets that generate kernels group:
 the CPU target runs torch ops, one per product either way. Whether the grouped
@@ -80,6 +80,8 @@ def _sibling(region: Region, plan: DispatchPlan) -> _Sibling | None:
     """`region` as a sibling candidate, or None when it cannot be grouped."""
     if region.kind != RegionKind.MATMUL or region.inplace or len(region.outputs) != 1:
         return None
+    if region.outputs[0] in plan.state_writes.values():
+        return None  # reinplace may make it write into the state: a region of its own
     mats = products(region)
     if len(mats) != 1 or mats[0].target not in _LEFT:
         return None

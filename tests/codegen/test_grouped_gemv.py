@@ -49,6 +49,7 @@ def test_llama_blocks_at_decode_batches_1_to_4(dtype, block, bias):
                        dynamic_shapes=({0: BATCH},))
     (k,) = _grouped_kernels(exe)
     assert len(k.spec.meta["siblings"]) == (3 if block is Attention else 2)
+    assert "note: siblings: " in exe.explain()
     with torch.no_grad():
         for b in (1, 3, 4):
             x = torch.randn(b, 1, 64, dtype=dtype)
@@ -120,3 +121,42 @@ def test_sm90_grouped_gemv_streams_weights_as_the_plain_one_does():
         pytest.skip("Triton ships no cuobjdump here")
     assert not re.search(r"\b(LDL|STL)\b", sass) and binary.resources.spills in (0, None)
     assert sass.count("LDG.E.128") >= 8
+
+
+@pytest.mark.parametrize("apart_ms,kept", [(5.0, True), (1.0, False)])
+def test_timed_group_kept_only_when_faster_than_its_siblings_apart(monkeypatch, apart_ms,
+                                                                   kept):
+    """select_kernels weighs the grouped kernel's time (3 ms, planted) against the sum of
+    the siblings' own choices; the plan is restored when the group wins."""
+    from kiln.codegen import select_kernels as sk
+    from kiln.codegen.kernel_plan import KernelPlan
+    from kiln.ir.verify import verify_plan
+
+    plan = kiln.compile(Attention(), (torch.randn(1, 1, 64),), target="interpret",
+                        compile_to="dispatch")
+    (region,) = [r for r in plan.regions if len(products(r)) > 1]
+    before, n = [r.name for r in plan.regions], len(products(region))
+
+    class Tuner:
+        times = {region.name: 3.0}
+
+    def planted(r, spec, target, ctx, plan, tuner):
+        tuner.times[r.name] = apart_ms / n
+        return TorchKernel(r, "cpu")
+
+    monkeypatch.setattr(sk, "choose", planted)
+    ctx = type("Ctx", (), {"target": get_target("interpret"), "options": {}})()
+    kp = KernelPlan(plan, ctx.target)
+    kp.kernels[region.name] = "grouped"
+    sk._siblings_apart_if_faster(plan, region, ctx, kp, Tuner())
+    assert verify_plan(plan) == []
+    if kept:
+        assert [r.name for r in plan.regions] == before and kp.kernels == {region.name:
+                                                                          "grouped"}
+        assert len(products(region)) == 3 and "siblings kept grouped" in region.notes[-1]
+    else:
+        assert len(plan.regions) == len(before) + 2
+        assert set(kp.kernels) == {r.name for r in plan.regions
+                                   if r.kind == RegionKind.MATMUL and r.name not in before
+                                   or r is region}
+        assert len(products(region)) == 1
