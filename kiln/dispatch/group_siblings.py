@@ -58,9 +58,9 @@ def products(region: Region) -> list[Op]:
 class _Sibling:
     """A GEMV region and what decides whom it may be grouped with."""
 
-    def __init__(self, region: Region, anchor: Op, left: list[Op], weight: str):
+    def __init__(self, region: Region, anchor: Op, left: list[Op], weight: str, k):
         self.region, self.anchor, self.left, self.weight = region, anchor, left, weight
-        self.m, self.k = anchor.shape[0], None
+        self.m, self.k = anchor.shape[0], k
 
     def same_family(self, other: _Sibling, plan: DispatchPlan) -> bool:
         a, b = self.anchor, other.anchor
@@ -90,17 +90,16 @@ def _sibling(region: Region, plan: DispatchPlan) -> _Sibling | None:
     if rows is None or rows > GEMV_MAX_M:
         return None
     ops = {o.name: o for o in region.ops}
-    left_arg, right_arg = anchor.args[_LEFT[anchor.target]], anchor.args[_LEFT[anchor.target] + 1]
+    at = _LEFT[anchor.target]
+    left_arg, right_arg = anchor.args[at], anchor.args[at + 1]
     if not (isinstance(left_arg, Ref) and isinstance(right_arg, Ref)):
         return None
     weight = _viewed_input(ops, right_arg.name, region)
     if weight is None:
         return None
     left = [o for o in region.ops if o.name in closure(ops, left_arg.name)]
-    s = _Sibling(region, anchor, left, weight)
-    s.k = ops[left_arg.name].shape[-1] if left_arg.name in ops else \
-        plan.values[left_arg.name].shape[-1]
-    return s
+    k = (ops[left_arg.name] if left_arg.name in ops else plan.values[left_arg.name]).shape[-1]
+    return _Sibling(region, anchor, left, weight, k)
 
 
 def _viewed_input(ops: dict[str, Op], name: str, region: Region) -> str | None:
