@@ -19,6 +19,10 @@ loop multiplies x * w (the norm's weight) by the weight tile and sums x^2 beside
 and each row's accumulators are scaled by rsqrt(mean(x^2) + eps) once, after split
 parts are combined and before bias and epilogue. It computes the norm in fp32 where
 eager rounds y to x's dtype before the product: within fp16 / bf16 tolerance.
+Sibling products grouped into one region (kiln.dispatch.group_siblings) whose one
+output's epilogue reads them all at its own element (SwiGLU over separate gate and up
+weights) are computed by one GEMV program at the same columns, each from its own
+weight (`partners`); siblings with outputs of their own are templates/matmul/grouped.py's.
 
 Both forms may split K across programs when the output has too few tiles to fill the
 GPU (kiln.codegen.templates.split_k; the count is chosen at launch, up to the config's
