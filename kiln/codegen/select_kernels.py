@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
+from copy import deepcopy
 
 from kiln.codegen.autotune.tuner import choose, precompile
 from kiln.codegen.autotune.worker_pool import stop_run_worker
@@ -30,11 +31,11 @@ from kiln.codegen.templates.fp8_matmul import quantize as fp8_quantize
 from kiln.codegen.templates.fp8_matmul import template as fp8_matmul
 from kiln.codegen.templates.gated_delta import template as gated_delta
 from kiln.codegen.templates.latent_attention import template as latent_attention
-from kiln.codegen.templates.matmul import template as matmul
+from kiln.codegen.templates.matmul import grouped as matmul
 from kiln.codegen.templates.moe import template as moe
 from kiln.codegen.templates.reduction import row_kernel as reduction
 from kiln.codegen.torch_kernel import TorchKernel
-from kiln.dispatch.split import split_epilogue
+from kiln.dispatch.split import split_epilogue, split_siblings
 from kiln.ir.ops import is_fallback
 from kiln.ir.plan import DispatchPlan, Region, RegionKind
 from kiln.pipeline import as_pass
@@ -97,6 +98,12 @@ def spec_for(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec |
         split_epilogue(plan, region, str(e))
         return spec_for(region, plan, target)
     except CodegenUnsupported as e:
+        if len(matmul.plain.products(region)) > 1:
+            # grouped sibling GEMVs (dispatch/group_siblings.py) the template cannot run
+            # together: each gets its kernel alone (the new regions are reached by
+            # select_kernels' loop; this one, now the last sibling, is chosen for again)
+            split_siblings(plan, region, f"the grouped GEMV declines: {e}")
+            return spec_for(region, plan, target)
         region.notes.append(f"extern: the {region.kind.value} template declines: {e}")
         log.info("region %s: %s template declines: %s", region.name, region.kind.value, e)
         return TorchKernel(region, target.torch_device)
@@ -158,3 +165,42 @@ def _select(plan: DispatchPlan, ctx, kp: KernelPlan, pending: list[Region]) -> N
     for name, got in chosen.items():
         kp.kernels[name] = choose(regions[name], got, target, ctx, plan, tuner) \
             if isinstance(got, KernelSpec) else got
+        if tuner is not None and len(matmul.plain.products(regions[name])) > 1:
+            _siblings_apart_if_faster(plan, regions[name], ctx, kp, tuner)
+
+
+def _siblings_apart_if_faster(plan: DispatchPlan, region: Region, ctx, kp: KernelPlan,
+                              tuner) -> None:
+    """Grouped sibling GEMVs (dispatch/group_siblings.py) stay grouped only if their
+    kernel, timed, beats the siblings' own choices (each its GEMV or cuBLAS) summed; an
+    untimed compile keeps the group: it runs the plain GEMV's loop in one launch
+    instead of several. The plan is restored when the group wins."""
+    grouped = tuner.times.pop(region.name, None)
+    if grouped is None:
+        return
+    saved, regions, values = deepcopy(region), list(plan.regions), dict(plan.values)
+    parts = split_siblings(plan, region, "timing the siblings apart")
+    kernels, apart = {}, 0.0
+    for r in parts:
+        got = spec_for(r, plan, ctx.target)
+        kernels[r.name] = choose(r, got, ctx.target, ctx, plan, tuner) \
+            if isinstance(got, KernelSpec) else got
+        ms = tuner.times.pop(r.name, None)
+        if ms is None:
+            apart = None
+            break
+        apart += ms
+    if apart is not None and apart < grouped:
+        for r in parts:
+            r.notes.append(f"siblings apart: {apart:.4f} ms in {len(parts)} kernels against "
+                           f"{grouped:.4f} ms grouped")
+        del kp.kernels[region.name]
+        kp.kernels.update(kernels)
+        return
+    tuner.times[region.name] = grouped
+    region.__dict__.update(saved.__dict__)
+    plan.regions[:] = regions
+    plan.values.clear()
+    plan.values.update(values)
+    region.notes.append(f"siblings kept grouped: {grouped:.4f} ms against "
+                        + (f"{apart:.4f} ms apart" if apart is not None else "untimed apart"))

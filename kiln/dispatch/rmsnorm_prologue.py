@@ -213,24 +213,29 @@ def operand_path(ops: dict[str, Op], anchor: Op, arg: int, source: str) -> list[
 
 
 def read_only_as_operand(region_ops: list[Op], outputs: list[str], anchor: Op, arg: int,
-                         source: str, inside: set[str] = frozenset()) -> bool:
+                         source: str, inside: set[str] = frozenset(),
+                         siblings: tuple[tuple[Op, int], ...] = ()) -> bool:
     """Is `source` (and each op of `inside`, what it is computed from in the region)
-    read by nothing but argument `arg` of `anchor`, through reshapes? The row scale
+    read by nothing but argument `arg` of `anchor` (or of a sibling product grouped
+    with it, `siblings`: (product, argument) pairs), through reshapes? The row scale
     applies to the product, so any other reader would see the unscaled rows."""
     ops = {o.name: o for o in region_ops}
-    path = operand_path(ops, anchor, arg, source)
-    if path is None:
+    reading = {anchor.name: (anchor, arg), **{op.name: (op, a) for op, a in siblings}}
+    paths = [operand_path(ops, op, a, source) for op, a in reading.values()]
+    if any(path is None for path in paths):
         return False
-    owned = set(inside) | {source} | set(path)
+    on_path = {n for path in paths for n in path}
+    owned = set(inside) | {source} | on_path
     for op in region_ops:
         if op.name in inside:
             continue  # the norm's own ops read each other
         reads = set(op.refs()) & owned
-        if op is anchor:
-            if [a for a in op.args if isinstance(a, Ref) and a.name in owned] != [op.args[arg]]:
+        if op.name in reading:
+            a = reading[op.name][1]
+            if [x for x in op.args if isinstance(x, Ref) and x.name in owned] != [op.args[a]]:
                 return False
             if any(isinstance(v, Ref) and v.name in owned for v in op.kwargs.values()):
                 return False
-        elif reads != ({op.args[0].name} if op.name in path else set()):
+        elif reads != ({op.args[0].name} if op.name in on_path else set()):
             return False
     return not (owned & set(outputs))

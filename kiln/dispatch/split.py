@@ -19,6 +19,11 @@ other columns than the tile's): the anchor, with the views feeding it, becomes a
 region of its own whose output is the product, and the region keeps the epilogue as
 a pointwise region reading it.
 
+`split_siblings(plan, region, why)` undoes dispatch/group_siblings.py: a region holding
+several products (sibling GEMVs) becomes one region per product again, each with its
+own copy of the ops its product reads (the shared input, an RMSNorm folded in), when
+the template declines the group or the separate kernels are timed faster.
+
 Assumes a verified plan (every region's ops in dependency order, refs defined);
 establishes the same, with the new region's output produced before it is read.
 """
@@ -140,6 +145,38 @@ def split_epilogue(plan: DispatchPlan, region: Region, why: str) -> Region:
     log.info("split region %s: its product %%%s now comes from %s (%s)", region.name,
              anchor.name, new.name, why)
     return new
+
+
+def split_siblings(plan: DispatchPlan, region: Region, why: str) -> list[Region]:
+    """One region per product of `region` (in order, `region` itself the last); a
+    product another one's epilogue read becomes a plan value again. Returns them."""
+    mats = [o for o in region.ops if category(o.target) == OpCategory.MATMUL]
+    out_of = {}  # output -> the products it reads
+    for o in region.outputs:
+        inside = {op.name for op in _closure(region, [o], set())}
+        out_of[o] = [m for m in mats if m.name in inside]
+    parts: list[tuple[list[str], set[str]]] = []  # (outputs, values the part stops at)
+    for o in region.outputs:
+        first, *rest = out_of[o]
+        for m in rest:  # an absorbed product (SwiGLU's up) comes out as a value of its own
+            parts.append(([m.name], set()))
+            plan.values[m.name] = TensorValue(m.name, tuple(m.shape), m.dtype, Role.TEMP)
+        parts.append(([o], {m.name for m in rest}))
+    made = []
+    for outs, stop in parts[:-1]:
+        ops = [copy.deepcopy(op) for op in _closure(region, outs, stop)]
+        made.append(Region(_fresh_name(plan, f"{region.name}_sibling"), RegionKind.MATMUL, ops,
+                           _inputs_of(ops, region.inputs), outs, device=region.device,
+                           label=region.label))
+        plan.regions.insert(plan.regions.index(region), made[-1])
+    outs, stop = parts[-1]
+    region.ops = _closure(region, outs, stop)
+    region.inputs = _inputs_of(region.ops, region.inputs + [n for o, _ in parts[:-1] for n in o])
+    region.outputs = outs
+    for r in made + [region]:
+        r.notes.append(f"siblings apart: {why}")
+    log.info("split the siblings of region %s apart (%s)", region.name, why)
+    return made + [region]
 
 
 def operand_role(anchor: Op, operand: str) -> str:

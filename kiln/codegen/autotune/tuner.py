@@ -157,6 +157,9 @@ class Tuner:
         self.cache = ChoiceCache()
         # (source hash, config) -> Outcome, compiled ahead by precompile
         self._built: dict[tuple[str, Config], Outcome] = {}
+        # region name -> its chosen kernel's median ms, when timed (select_kernels weighs
+        # grouped sibling GEMVs against the siblings apart with it)
+        self.times: dict[str, float] = {}
 
     @classmethod
     def from_options(cls, target: Target, options: dict) -> Tuner:
@@ -188,6 +191,8 @@ class Tuner:
                                  or _all_permanent(outcomes)):
                 with phase("cache"):
                     self.cache.put(key, choice)
+        if choice.ms is not None:
+            self.times[region.name] = choice.ms
         head = "extern" if choice.kind == "extern" else "tuned"
         region.notes.append(f"{head}{' (cached)' if cached else ''}: {choice.note}")
         if choice.kind == "extern" and choice.ms is None:  # nothing compiled and fit

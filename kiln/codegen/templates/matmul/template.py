@@ -19,6 +19,10 @@ loop multiplies x * w (the norm's weight) by the weight tile and sums x^2 beside
 and each row's accumulators are scaled by rsqrt(mean(x^2) + eps) once, after split
 parts are combined and before bias and epilogue. It computes the norm in fp32 where
 eager rounds y to x's dtype before the product: within fp16 / bf16 tolerance.
+Sibling products grouped into one region (kiln.dispatch.group_siblings) whose one
+output's epilogue reads them all at its own element (SwiGLU over separate gate and up
+weights) are computed by one GEMV program at the same columns, each from its own
+weight (`partners`); siblings with outputs of their own are templates/matmul/grouped.py's.
 
 Both forms may split K across programs when the output has too few tiles to fill the
 GPU (kiln.codegen.templates.split_k; the count is chosen at launch, up to the config's
@@ -99,9 +103,11 @@ class MatmulShape:
     norm: RowNorm | None = None  # an RMSNorm of A's rows folded in (fold_rmsnorm)
 
 
-def analyse(region: Region, plan: DispatchPlan) -> MatmulShape:
-    """The region's product; raises CodegenUnsupported (why) if the template cannot run it."""
-    anchor = region.anchor()
+def analyse(region: Region, plan: DispatchPlan, anchor=None, siblings=()) -> MatmulShape:
+    """The region's product (`anchor`, default its first); raises CodegenUnsupported
+    (why) if the template cannot run it. `siblings`: the other products of a region of
+    grouped sibling GEMVs (dispatch/group_siblings.py), which may read the same norm."""
+    anchor = anchor or region.anchor()
     if anchor.target not in MATMULS:
         raise CodegenUnsupported(f"anchor {anchor.target} is not mm, bmm or addmm")
     if anchor.dtype not in _FLOATS:
@@ -122,12 +128,12 @@ def analyse(region: Region, plan: DispatchPlan) -> MatmulShape:
         alpha, beta = float(a["alpha"]), float(a["beta"])
     norm = None
     if any(category(o.target) == OpCategory.REDUCTION for o in region.ops):
-        norm = _row_norm(region, anchor, 1 if addmm else 0, k)
+        norm = _row_norm(region, anchor, 1 if addmm else 0, k, siblings)
     return MatmulShape(a_ref.name, b_ref.name, bias, alpha, beta, batched,
                        lead[0] if batched else 1, m, n, k, anchor.dtype, norm)
 
 
-def _row_norm(region: Region, anchor, arg: int, k: Dim) -> RowNorm:
+def _row_norm(region: Region, anchor, arg: int, k: Dim, siblings=()) -> RowNorm:
     """The RMSNorm of A's rows the region computes as its prologue (fold_rmsnorm);
     raises CodegenUnsupported for any other reduction in a matmul region."""
     ops = {o.name: o for o in region.ops}
@@ -138,12 +144,21 @@ def _row_norm(region: Region, anchor, arg: int, k: Dim) -> RowNorm:
     norm = match_row_norm(ops, src.name) if isinstance(src, Ref) else None
     if (norm is None or anchor.target == "aten.bmm.default" or not same_dim(norm.dim, k)
             or not read_only_as_operand(region.ops, region.outputs, anchor, arg, norm.out,
-                                        closure(ops, norm.out))):
+                                        closure(ops, norm.out), _left_args(siblings))):
         raise CodegenUnsupported("a reduction in a matmul region that is not an RMSNorm "
                                  "of its left operand's rows read only by the product")
     if norm.dim == 1:
         raise CodegenUnsupported("an RMSNorm over a single element")
     return norm
+
+
+def _left_args(mats) -> tuple:
+    return tuple((m, 1 if m.target == "aten.addmm.default" else 0) for m in mats)
+
+
+def products(region: Region) -> list:
+    """The region's matmul ops: one, or several for grouped siblings."""
+    return [o for o in region.ops if category(o.target) == OpCategory.MATMUL]
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -172,10 +187,22 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     at 555 TFLOP/s (two dots a K step) and 529 (one interleaved dot), where cuBLAS's
     product and a pointwise kernel after it take 0.69 ms a Llama-3-8B layer against
     0.87-0.91 at 2048 tokens."""
-    shape, shifts = analyse(region, plan), ()
+    mats = products(region)
+    shape, shifts = analyse(region, plan, mats[0], mats[1:]), ()
+    # paired siblings (SwiGLU over separate gate and up weights): one output whose
+    # epilogue reads every product at its own element, computed in one program
+    partners = [(m, analyse(region, plan, m, [x for x in mats if x is not m]))
+                for m in mats[1:]]
+    if partners and len(region.outputs) != 1:
+        raise CodegenUnsupported("sibling products with outputs of their own: the grouped "
+                                 "GEMV's (templates/matmul/grouped.py)")
+    for _, sh in partners:
+        if not (same_dim(sh.m, shape.m) and same_dim(sh.n, shape.n)
+                and same_dim(sh.k, shape.k) and sh.dtype == shape.dtype and not sh.batched):
+            raise CodegenUnsupported("paired sibling products of different sizes or dtypes")
     while True:
         try:
-            return _MatmulSource(region, plan, target, shape, shifts).spec()
+            return _MatmulSource(region, plan, target, shape, shifts, partners=partners).spec()
         except _Shifted as e:
             if len(shifts) == MAX_SHIFTS:
                 raise CodegenUnsupported(f"the epilogue reads the product at more than "
@@ -184,22 +211,43 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
 
 
 class _MatmulSource:
-    def __init__(self, region, plan, target, shape: MatmulShape, shifts: tuple = ()):
+    """One product's kernel source. `partners`: (product, its shape) of sibling products
+    the epilogue reads at the tile's own element, computed at the same columns from
+    their own weights. `anchor` / `output` / `shared`: a grouped GEMV's sibling
+    (templates/matmul/grouped.py), writing its code with the `shared` source's
+    arguments and emitter."""
+
+    def __init__(self, region, plan, target, shape: MatmulShape, shifts: tuple = (),
+                 partners=(), anchor=None, output=None, shared=None):
         self.region, self.plan, self.s, self.shifts = region, plan, shape, shifts
+        self.partners = list(partners)
+        if self.partners and shifts:
+            raise CodegenUnsupported("paired sibling products with an epilogue that also "
+                                     "reads a product at shifted columns")
         self.shifted: dict = {}  # shift -> the product at those columns (set by _finish)
-        self.p = SymbolicArgs(plan.symbols)
-        self.anchor = region.anchor()
+        self.paired: dict = {}  # partner product name -> its value (set by _finish)
+        self.p = shared.p if shared else SymbolicArgs(plan.symbols)
+        self.anchor = anchor or region.anchor()
+        self.output = output or region.outputs[0]
         self.rows, self.cols, self.out_index, self.at = self._layout()
         self.m_hi = bounds_of(self.rows, plan.symbols).hi
         self.gemv = self.m_hi is not None and self.m_hi <= GEMV_MAX_M
+        if self.partners and not self.gemv:
+            raise CodegenUnsupported("paired sibling products need the GEMV form")
         overrides = {self.anchor.name: self._acc_at}
+        overrides.update({op.name: self._partner_at(op.name) for op, _ in self.partners})
         if shape.norm is not None:
             if not self.gemv or not same_dim(self.rows, shape.m):
                 raise CodegenUnsupported(f"a folded RMSNorm needs the GEMV form: at most "
                                          f"{GEMV_MAX_M} rows, the product's own")
-            overrides[shape.norm.out] = self._normed_at
+            if shared is None:
+                overrides[shape.norm.out] = self._normed_at
         self._a_mask, self._norm_x = mask_of(), None
-        self.em = Emitter(region, plan, self.p, target, overrides=overrides)
+        if shared is None:
+            self.em = Emitter(region, plan, self.p, target, overrides=overrides)
+        else:
+            self.em = shared.em
+            self.em.overrides.update(overrides)
         kind = "gemv" if self.gemv else "matmul"
         self.name = kernel_name(kind + ("_rmsnorm" if shape.norm else ""), region)
 
@@ -212,7 +260,7 @@ class _MatmulSource:
         source. `_acc_at` checks that the epilogue reads exactly that element."""
         s = self.s
         product = tuple(self.anchor.shape)
-        out = tuple(self.plan.values[self.region.outputs[0]].shape)
+        out = tuple(self.plan.values[self.output].shape)
         if same_dim(numel(out), numel(product)):
             tile = self._batch() + (Lin.of(Var("rm2", s.m)), Lin.of(Var("rn2", s.n)))
             return s.m, s.n, reshape_index(tile, product, out), tile
@@ -238,6 +286,14 @@ class _MatmulSource:
         if shift not in self.shifts:
             raise _Shifted(shift)
         return self.shifted[shift]
+
+    def _partner_at(self, name: str):
+        """The partner product `name` at `index`: only at the tile's own element."""
+        def at(index):
+            if all(d == 1 or a.equals(b) for a, b, d in zip(index, self.at, self.anchor.shape)):
+                return self.paired[name]
+            return None
+        return at
 
     def _normed_at(self, index):
         """The folded norm's value at `index` without its row scale: x times its factors
@@ -277,7 +333,7 @@ class _MatmulSource:
         the scale applies once, to the whole sums), before bias and epilogue."""
         norm = self.s.norm
         lines = [f"row_scale = tl.rsqrt(ss / {self.p.dim(norm.dim)} + {norm.eps!r})"]
-        return lines + [f"{acc} = {acc} * row_scale[:, None]" for acc, _, _ in self._accs()]
+        return lines + [f"{acc} = {acc} * row_scale[:, None]" for acc, *_ in self._accs()]
 
     def _column_shift(self, index) -> int | None:
         """C when `index` is the tile's own element C > 0 columns right, within the
@@ -294,10 +350,13 @@ class _MatmulSource:
         room = self.s.n - self.cols - diff.const
         return diff.const if known_nonneg(room) else None
 
-    def _accs(self) -> list[tuple[str, str, int]]:
-        """(accumulator, B's column variable, column shift) of each product block."""
-        return [("acc", "rb2", 0)] + [(f"acc_{i}", f"rb2_{i}", c)
-                                      for i, c in enumerate(self.shifts, 1)]
+    def _accs(self) -> list[tuple[str, str, int, MatmulShape]]:
+        """(accumulator, B's column variable, column shift, the product's shape) of each
+        product block: the anchor's, its shifted columns', its partners'."""
+        s = self.s
+        return ([("acc", "rb2", 0, s)]
+                + [(f"acc_{i}", f"rb2_{i}", c, s) for i, c in enumerate(self.shifts, 1)]
+                + [(f"acc_p{i}", "rb2", 0, sh) for i, (_, sh) in enumerate(self.partners, 1)])
 
     def _batch(self) -> tuple:
         return (Lin.of(Var("pid_b", self.s.batch, block=False)),) if self.s.batched else ()
@@ -310,8 +369,8 @@ class _MatmulSource:
         k, batch = p.grid(s.k), p.grid(s.batch)
         if self.gemv:
             tunables = ["BLOCK_N", "BLOCK_K", "SPLIT_K"]
-            configs = cfg.gemv_configs(self.cols, s.k)
-            tiles = f"cdiv({p.grid(self.cols)}, BLOCK_N)"
+            cols, tiles = self._gemv_tiles()
+            configs = cfg.gemv_configs(cols, s.k)
             fill, least = cfg.GEMV_FILL, cfg.MIN_GEMV_BLOCKS
             part = f"{cfg.pow2(self.m_hi)} * BLOCK_N"
             if s.norm is not None:  # each part also carries its rows' sums of squares
@@ -323,8 +382,8 @@ class _MatmulSource:
             tiles = f"cdiv({p.grid(self.rows)}, BLOCK_M) * cdiv({p.grid(self.cols)}, BLOCK_N)"
             fill, least = cfg.TILED_FILL, cfg.MIN_SPLIT_BLOCKS
             part = "BLOCK_M * BLOCK_N"
-        if self.shifts:
-            configs = cfg.paired(configs, 1 + len(self.shifts))
+        if self.shifts or self.partners:
+            configs = cfg.paired(configs, 1 + len(self.shifts) + len(self.partners))
         # K needs no mask when every config's BLOCK_K divides it (splits are whole blocks)
         self.even_k = isinstance(s.k, int) and all(s.k % c["BLOCK_K"] == 0 for c in configs)
         all_tiles = f"{tiles} * {batch}"
@@ -335,12 +394,13 @@ class _MatmulSource:
                                                               for t in tunables]
         source = module_source(self.name, params, body, self.em.helpers, target,
                                p.describe())
-        out = self.region.outputs[0]
+        out = self.output
         meta = {"form": "gemv" if self.gemv else "tiled", "dtype": _name(s.dtype),
                 "out_dtype": _name(self.plan.values[out].dtype),
                 "m_pad": cfg.pow2(self.m_hi) if self.gemv else None,
                 "epilogue_loads": self._epilogue_loads, "column_shifts": list(self.shifts),
-                "row_norm": s.norm is not None}
+                "row_norm": s.norm is not None,
+                "siblings": [self.anchor.name] + [op.name for op, _ in self.partners]}
         return KernelSpec(self.name, source, p.args(), tunables, (tiles, batch, n_split),
                           configs, configs[0], "matmul", meta, 64 if p.needs_int64 else 32,
                           scratch=split.scratch(all_tiles, n_split, part))
@@ -445,22 +505,44 @@ class _MatmulSource:
         gate = [f"n_ok = rn2 < tl.where(last, {n}, 0)"]  # only the last program stores
         return split.arrive("SPLIT_K", tile, store, combine, gate)
 
+    def _gemv_tiles(self) -> tuple:
+        """The columns the GEMV's configs are chosen for, and its column blocks (a grid
+        expression over BLOCK_N)."""
+        return self.cols, f"cdiv({self.p.grid(self.cols)}, BLOCK_N)"
+
+    def _columns(self) -> tuple[list[str], str, str]:
+        """Lines setting `pid_n`, the program's column block, from `pid`; the code of N
+        and of the columns the tile stores (a grouped GEMV's are its sibling's)."""
+        return ["pid_n = pid"], self.p.dim(self.s.n), self.p.dim(self.cols)
+
+    def _weight_loads(self, kb_ok: Cond | None) -> list[str]:
+        """The K step's weight tiles, `w{i}` for each product block, in fp32."""
+        loop = []
+        for i, (_, rb, _, sh) in enumerate(self._accs()):
+            b_idx = self._batch() + (Lin.of(Var("kb2", sh.k)), Lin.of(Var(rb, sh.n)))
+            b_lines, w = self._load(sh.b, b_idx, mask_of(kb_ok), ("kb2", rb),
+                                    "[BLOCK_K, BLOCK_N]", "kb2", kb_ok and kb_ok.code)
+            loop += [*b_lines, f"w{i} = {w}.to(tl.float32)"]
+        return loop
+
     def _gemv_body(self) -> list[str]:
         s, p = self.s, self.p
-        m, n, k, wide = p.dim(s.m), p.dim(s.n), p.dim(s.k), self._wide()
-        rows, cols = p.dim(self.rows), p.dim(self.cols)
+        m, k, wide = p.dim(s.m), p.dim(s.k), self._wide()
+        select, n, cols = self._columns()
+        rows = p.dim(self.rows)
         mp = cfg.pow2(self.m_hi)
         head = [
             f"pid_b = tl.program_id(1){wide}",
-            "pid_n = tl.program_id(0)",
+            "pid = tl.program_id(0)",
+            *select,
             "pid_s = tl.program_id(2)",
             "n_split = tl.num_programs(2)",
             f"rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N){wide}",
             f"rm = tl.arange(0, {mp})",
-            *[f"{rb} = ((rn + {c}) % {n})[None, :]" if c else f"{rb} = (rn % {n})[None, :]"
-              for _, rb, c in self._accs()],
+            *dict.fromkeys(f"{rb} = ((rn + {c}) % {n})[None, :]" if c
+                           else f"{rb} = (rn % {n})[None, :]" for _, rb, c, _ in self._accs()),
             *[f"{acc} = tl.zeros([{mp}, BLOCK_N], dtype=tl.float32)"
-              for acc, _, _ in self._accs()],
+              for acc, *_ in self._accs()],
         ]
         if s.norm is not None:
             head += [f"ss{mi} = tl.zeros([BLOCK_K], dtype=tl.float32)" for mi in range(mp)]
@@ -474,16 +556,12 @@ class _MatmulSource:
             elif not static_rows:
                 head.append(f"row{mi} = tl.minimum({mi}, {m} - 1)")
         head += [*self._k_range(k), "for k0 in range(lo, hi, BLOCK_K):"]
-        kk_b, kk_a = Var("kb2", s.k), Var("kk", s.k)
+        kk_a = Var("kk", s.k)
         kb_ok = self._k_mask("kb_ok", "kb2")
         loop = [f"kk = k0 + tl.arange(0, BLOCK_K){wide}", "kb2 = kk[:, None]"]
         if not self.even_k:
             loop += [f"k_ok = kk < {k}", f"kb_ok = kb2 < {k}"]
-        for i, (_, rb, _) in enumerate(self._accs()):
-            b_idx = self._batch() + (Lin.of(kk_b), Lin.of(Var(rb, s.n)))
-            b_lines, w = self._load(s.b, b_idx, mask_of(kb_ok), ("kb2", rb),
-                                    "[BLOCK_K, BLOCK_N]", "kb2", kb_ok and kb_ok.code)
-            loop += [*b_lines, f"w{i} = {w}.to(tl.float32)"]
+        loop += self._weight_loads(kb_ok)
         for mi in range(mp):  # rows unrolled: the weight tile is loaded once for all
             row = Lin.of(mi) if static_rows else Lin.of(Opaque(f"row{mi}", s.m))
             k_ok = self._k_mask("k_ok", "kk")
@@ -493,7 +571,7 @@ class _MatmulSource:
             work = list(a_lines)
             if s.norm is not None:
                 work += self._sum_squares(mi, k_ok)
-            for i, (acc, _, _) in enumerate(self._accs()):
+            for i, (acc, *_) in enumerate(self._accs()):
                 work += [f"part = tl.sum({x}.to(tl.float32)[:, None] * w{i}, 0)",
                          f"{acc} += tl.where(rm[:, None] == {mi}, part[None, :], 0.0)"]
             # Rows past a dynamic M (a decode bucket of 1 row in a module for up to 4)
@@ -506,7 +584,7 @@ class _MatmulSource:
         if s.norm is not None:
             tail += self._squares_total(mp)
         offs = f"tl.arange(0, {mp})[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]"
-        tail += self._combine("pid_b * tl.num_programs(0) + pid_n", f"[{mp}, BLOCK_N]",
+        tail += self._combine("pid_b * tl.num_programs(0) + pid", f"[{mp}, BLOCK_N]",
                               f"{mp} * BLOCK_N", offs, cols, mp if s.norm else None)
         if s.norm is not None:
             tail += self._row_scale()
@@ -514,24 +592,29 @@ class _MatmulSource:
 
     def _finish(self) -> list[str]:
         """addmm's alpha, beta and bias; rounding to the product's dtype; the epilogue."""
-        s, em = self.s, self.em
+        em = self.em
         mask = mask_of(Cond("m_ok", frozenset({"rm2"})), Cond("n_ok", frozenset({"rn2"})))
         em.lines = []
         products = {}
-        for acc, _, c in self._accs():
-            if s.alpha != 1.0:
-                em.lines.append(f"{acc} = {acc} * {s.alpha!r}")
-            if s.bias is not None:
-                bshape = _shape(self.region, self.plan, s.bias.name)
+        for acc, _, c, sh in self._accs():
+            if sh.alpha != 1.0:
+                em.lines.append(f"{acc} = {acc} * {sh.alpha!r}")
+            if sh.bias is not None:
+                bshape = _shape(self.region, self.plan, sh.bias.name)
                 at = self.at[:-1] + (Lin.of(self.at[-1]) + c,)
-                bias = em.value(s.bias.name, broadcast_index(at, self.anchor.shape, bshape),
+                bias = em.value(sh.bias.name, broadcast_index(at, self.anchor.shape, bshape),
                                 mask)
-                scale = f" * {s.beta!r}" if s.beta != 1.0 else ""
+                scale = f" * {sh.beta!r}" if sh.beta != 1.0 else ""
                 em.lines.append(f"{acc} = {acc} + {bias}.to(tl.float32){scale}")
             # the product in its own dtype, rounded as eager rounds it (the emitter's cast)
-            products[c] = em.cast(Val(acc, torch.float32, frozenset({"rm2", "rn2"})), s.dtype)
-        self.product, self.shifted = products.pop(0), products
-        out, idx = self.region.outputs[0], self.out_index
+            products[acc] = em.cast(Val(acc, torch.float32, frozenset({"rm2", "rn2"})),
+                                    sh.dtype)
+        accs = self._accs()
+        self.product = products["acc"]
+        self.shifted = {c: products[acc] for acc, _, c, _ in accs if c}
+        self.paired = {op.name: products[f"acc_p{i}"]
+                       for i, (op, _) in enumerate(self.partners, 1)}
+        out, idx = self.output, self.out_index
         # a size-1 dim's index is constant: the pointer block still spans the whole tile
         em.store(out, idx, em.value(out, idx, mask), mask, span=("rm2", "rn2"))
         self._epilogue_loads = sum("tl.load(" in x for x in em.lines)
