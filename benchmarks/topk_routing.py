@@ -8,6 +8,7 @@ topks of x + i: each its own kernel, the add fused as its prologue); a topk's co
 kiln's values and indices against torch.topk (distinct values: no ties). Writes JSON.
 
     PYTHONPATH=. python3 benchmarks/topk_routing.py --out topk.json [--rows 1,2,4,8]
+        [--tune full]
 
 Smoke test anywhere: --small (the interpret target, no graphs, R = 2).
 """
@@ -51,22 +52,26 @@ def _torch_graph(x, k: int, repeats: int):
     return graph.replay
 
 
-def _kiln(x, k: int, repeats: int, small: bool):
-    exe = kiln.compile(Chain(repeats, k), (x,), target="interpret" if small else "cuda")
+def _kiln(x, k: int, repeats: int, small: bool, tune: str = "none"):
+    exe = kiln.compile(Chain(repeats, k), (x,), target="interpret" if small else "cuda",
+                       options={"tune": tune})
     if not small:
         exe.cuda_graphs()
     kinds = [r.kind.value for r in exe.plan.regions]
     return exe, kinds
 
 
-def run_case(rows: int, width: int, k: int, groups: int, repeats: int, small: bool) -> dict:
+def run_case(rows: int, width: int, k: int, groups: int, repeats: int, small: bool,
+             tune: str) -> dict:
     device = "cpu" if small else "cuda"
     shape = (rows, groups, width) if groups > 1 else (rows, width)
     n = torch.Size(shape).numel()
     x = (torch.randperm(n, device=device).float() / n).reshape(shape)  # distinct values
     row: dict = {"shape": list(shape), "k": k, "repeats": repeats}
-    exe, kinds = _kiln(x, k, repeats, small)
-    row["kiln_regions"] = kinds
+    exe, kinds = _kiln(x, k, repeats, small, tune)
+    row["kiln_regions"] = sorted(set(kinds))
+    row["kiln_configs"] = sorted({str(getattr(k_, "config", "torch"))
+                                  for k_ in exe.program.kplan.kernels.values()})
     got = exe(x)
     ok = True
     for i in range(repeats):
@@ -75,7 +80,7 @@ def run_case(rows: int, width: int, k: int, groups: int, repeats: int, small: bo
     row["kiln_matches_torch"] = bool(ok)
     if small:
         return row
-    one, _ = _kiln(x, k, 1, small)
+    one, _ = _kiln(x, k, 1, small, tune)
     t_kiln = timed_ms(lambda: exe(x), device)
     t_kiln1 = timed_ms(lambda: one(x), device)
     t_torch = timed_ms(_torch_graph(x, k, repeats), device)
@@ -91,17 +96,19 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--repeats", type=int, default=32)
+    ap.add_argument("--tune", default="none", choices=["none", "fast", "full"],
+                    help="kiln's tuning (none: the heuristic config, as the slices run)")
     ap.add_argument("--small", action="store_true", help="smoke test: interpret target")
     args = ap.parse_args()
     repeats = 2 if args.small else args.repeats
     results = []
     for width, k, groups in SHAPES:
         for rows in [int(r) for r in args.rows.split(",") if r]:
-            res = run_case(rows, width, k, groups, repeats, args.small)
+            res = run_case(rows, width, k, groups, repeats, args.small, args.tune)
             print(json.dumps(res))
             results.append(res)
     device = "interpret" if args.small else torch.cuda.get_device_name()
-    meta = {"device": device, "torch": torch.__version__,
+    meta = {"device": device, "tune": args.tune, "torch": torch.__version__,
             "python": platform.python_version()}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)

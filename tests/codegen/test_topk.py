@@ -102,9 +102,11 @@ def test_nan_infinities_and_ties_as_a_stable_sort(largest):
 
 
 @pytest.mark.parametrize("k,width", [(1, 3), (8, 256), (10, 130)])
-def test_widths_and_k_fp16(k, width):
+def test_widths_and_k_fp16_through_save_and_load(k, width, tmp_path):
     exe = kiln.compile(Picks(k, True), (_distinct(4, width, dtype=torch.float16),),
                        target="interpret")
+    exe.save(tmp_path / "topk")
+    exe = kiln.load(tmp_path / "topk")
     _assert_generated(exe, 1)
     x = _distinct(4, width, dtype=torch.float16)
     got, want = exe(x), x.topk(k, dim=-1)

@@ -186,8 +186,9 @@ def topk_configs(rblock: int, outer_bound: int | None, target: Target
                  ) -> tuple[list[Config], Config]:
     """XBLOCK rows x num_warps candidates holding at most MAX_KEYS_PER_THREAD keys a
     thread (every thread busy: at least one key each), and the heuristic default: about
-    512 keys a program over one warp per 256, so a decode step's few rows spread over
-    as many programs and a prefill's many share them."""
+    512 keys a program, a warp per 512 (16 keys a thread: a pick's max then stays within
+    a warp's shuffles, with no barrier between warps), so a decode step's few rows
+    spread over as many programs and a prefill's many share them."""
     xcap = min(triton.next_power_of_2(outer_bound) if outer_bound else 1024, 1024)
     max_warps = max(1, target.max_threads_per_block // target.warp_size)
 
@@ -197,7 +198,7 @@ def topk_configs(rblock: int, outer_bound: int | None, target: Target
             warps == 1 or per_thread >= 1)
 
     xb = max(1, min(xcap, 512 // rblock))
-    warps = max(1, min(8, xb * rblock // 256))
+    warps = max(1, min(8, xb * rblock // 512))
     while not ok(xb, warps) and warps < max_warps:
         warps *= 2
     default = Config.make(warps, 1, XBLOCK=xb, RBLOCK=rblock)
