@@ -179,3 +179,23 @@ def test_every_router_candidate_compiles_for_sm90_without_spills(experts, k):
     for config in spec.configs:
         real = compile_binary(spec, config, SM90).resources
         assert real.spills in (0, None), (config, real)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 300])
+def test_router_topks_on_cuda_match_torch(rows):
+    model = Routers().cuda()
+    make = lambda r: (_distinct(r, 24).cuda(), _distinct(r, 37).cuda(),  # noqa: E731
+                      _distinct(r, 10, 3).cuda())
+    shapes = ({0: kiln.Dim("rows", min=1, max=512)},) * 3
+    exe = kiln.compile(model, make(rows), dynamic_shapes=shapes, target="cuda")
+    _assert_generated(exe, 4)
+    args = make(rows)
+    got, want = exe(*args), list(model(*args))
+    want[6], order = want[6].sort(dim=-1, descending=True)
+    want[7] = want[7].gather(-1, order)
+    for g, w in zip(got, want):
+        if g.is_floating_point():
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(g, w)
