@@ -24,7 +24,7 @@ from kiln.codegen.build.resources import fitted_spec
 from kiln.codegen.build.spec import KernelSpec
 from kiln.codegen.expr.values import CodegenUnsupported, EpilogueApart
 from kiln.codegen.kernel_plan import KernelPlan
-from kiln.codegen.templates import copy, pointwise
+from kiln.codegen.templates import copy, pointwise, topk
 from kiln.codegen.templates.attention import template as attention
 from kiln.codegen.templates.fp8_matmul import gemm as fp8_gemm
 from kiln.codegen.templates.fp8_matmul import quantize as fp8_quantize
@@ -54,6 +54,7 @@ TEMPLATES: dict[RegionKind, Template] = {
     RegionKind.MATMUL: matmul.generate,
     RegionKind.ATTENTION: attention.generate,
     RegionKind.COPY: copy.generate_copy,
+    RegionKind.TOPK: topk.generate,
 }
 
 # Extern ops kiln has a hand-written template for, by the region's extern (anchor) op:

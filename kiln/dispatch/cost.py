@@ -11,7 +11,8 @@ evaluated at any size (the example's, the upper bounds):
 - bytes written: each output, except that an in-place scatter (a KV-cache update)
   writes only the elements it scatters;
 - flops: matmul 2·M·N·K (per batch), attention 2·B·H·Tq·Tk·(D + Dv) ≈ 4·B·H·Tq·Tk·D,
-  pointwise ops one per output element, reductions a few per input element; casts,
+  pointwise ops one per output element, reductions a few per input element, topk k
+  per input element (a comparison per element and pick, as kiln's kernel); casts,
   copies, views, gathers and scatters move data and compute nothing;
 - kiln's own ops (kiln.ops) by what they compute: fp8 linear and scaled mm 2·M·N·K;
   the routed experts 6·N·k·I·D (gate, up, down for each of a token's k experts);
@@ -199,6 +200,9 @@ def op_flops(op: Op, shapes: _Shapes) -> Dim:
         return 0 if op.target in _DATA_ONLY or op.shape is None else numel(op.shape)
     if cat == OpCategory.REDUCTION:
         return _REDUCTION_FLOPS.get(op.target, 1) * shapes.numel(op.args[0])
+    if cat == OpCategory.TOPK:  # a comparison per element and pick (kiln's kernel)
+        k = bind_args(op)["k"]
+        return k * shapes.numel(op.args[0]) if isinstance(k, int) else 0
     return 0
 
 

@@ -6,12 +6,15 @@ root) and the group's kind accepts it:
 
 - pointwise, gather, concat ops fuse into anything but extern; into a matmul only
   after the product (epilogue: bias, activation, residual, cast), into attention and
-  copy (scatter) regions only before (prologue: RoPE, masks, values written);
+  copy (scatter) regions only before (prologue: RoPE, masks, values written), into a
+  topk only before and only when kiln generates that topk (a router's sigmoid and
+  bias: the kernel computes its row from them; a topk that runs as torch's op would
+  run its prologue as torch ops too, so that one keeps its producers apart);
 - a reduction joins a group whose iteration domain is its input shape (RMSNorm's
   final multiply, softmax's divide), or a group already reducing the same axes of
   the same shape (softmax's max and sum);
 - a matmul joins a group that so far holds only its pointwise epilogue;
-- attention, scatter and extern ops start groups of their own.
+- attention, scatter, topk and extern ops start groups of their own.
 
 View ops never join a group: each consumer folds them into its index maps. CREATE
 ops (arange, full) are recomputed inside every region that reads them.
@@ -25,12 +28,19 @@ import torch
 import torch.fx as fx
 
 from kiln.ir.graph import shape_of
-from kiln.ir.ops import OpCategory, category, op_name, reduction_dims
+from kiln.ir.ops import (
+    OpCategory,
+    category,
+    op_name,
+    reduction_dims,
+    topk_args,
+    topk_problem,
+)
 from kiln.ir.plan import RegionKind
 
 POINTWISE_LIKE = {OpCategory.POINTWISE, OpCategory.GATHER, OpCategory.CONCAT}
 ANCHORS = {OpCategory.MATMUL, OpCategory.ATTENTION, OpCategory.REDUCTION,
-           OpCategory.SCATTER, OpCategory.EXTERN}
+           OpCategory.SCATTER, OpCategory.TOPK, OpCategory.EXTERN}
 
 
 def cat_of(node: fx.Node) -> OpCategory | None:
@@ -64,6 +74,7 @@ class Group:
                 OpCategory.ATTENTION: RegionKind.ATTENTION,
                 OpCategory.REDUCTION: RegionKind.REDUCTION,
                 OpCategory.SCATTER: RegionKind.COPY,
+                OpCategory.TOPK: RegionKind.TOPK,
                 OpCategory.EXTERN: RegionKind.EXTERN,
             }[cat_of(self.anchor)]
         if any(cat_of(m) == OpCategory.POINTWISE for m in self.members):
@@ -124,6 +135,8 @@ def can_join(p: fx.Node, g: Group, consumers: set[fx.Node]) -> bool:
             return not feeds_anchor
         if anchor in (OpCategory.ATTENTION, OpCategory.SCATTER):
             return feeds_anchor
+        if anchor == OpCategory.TOPK:
+            return feeds_anchor and generated_topk(g.anchor)
         return True
     if c == OpCategory.REDUCTION:
         if anchor is None:
@@ -134,6 +147,16 @@ def can_join(p: fx.Node, g: Group, consumers: set[fx.Node]) -> bool:
     if c == OpCategory.MATMUL:
         return anchor is None and all(cat_of(m) in POINTWISE_LIKE for m in g.members)
     return False
+
+
+def generated_topk(node: fx.Node) -> bool:
+    """Will codegen write this topk as a kernel of its own (a static row within kiln's
+    limits)? Symbolic rows are left to the template, which knows their bounds."""
+    shape = shape_of(node.args[0])
+    k, dim, _ = topk_args(op_name(node.target), node.args, node.kwargs, len(shape))
+    width = shape[dim] if shape else 1
+    dtype = node.args[0].meta["val"].dtype
+    return isinstance(width, int) and topk_problem(k, width, dtype) is None
 
 
 def _is_tuple(node: fx.Node) -> bool:

@@ -27,10 +27,11 @@ class OpCategory(StrEnum):
     GATHER = "gather"  # indirect loads (embedding, index): fuse like pointwise
     CONCAT = "concat"  # each output element comes from one input: fuses like pointwise
     REDUCTION = "reduction"  # reduces some axes of one input
+    TOPK = "topk"  # the k largest / smallest along one axis: a kernel of its own
     MATMUL = "matmul"
     ATTENTION = "attention"
     SCATTER = "scatter"  # writes a subset of a tensor (KV-cache updates): copy regions
-    EXTERN = "extern"  # run as the framework's own op (sort, topk, cumsum, ...)
+    EXTERN = "extern"  # run as the framework's own op (sort, cumsum, ...)
     TUPLE = "tuple"  # getitem on a multi-output op
 
 
@@ -108,6 +109,7 @@ _register(
         "native_layer_norm.default", "logsumexp.default", "linalg_vector_norm.default",
     ),
 )
+_register(OpCategory.TOPK, _names("topk.default"))
 _register(OpCategory.MATMUL, _names("mm.default", "bmm.default", "addmm.default"))
 _register(
     OpCategory.ATTENTION,
@@ -127,7 +129,7 @@ _register(
 _register(
     OpCategory.EXTERN,
     _names(
-        "topk.default", "sort.default", "sort.stable", "cumsum.default", "cumprod.default",
+        "sort.default", "sort.stable", "cumsum.default", "cumprod.default",
         "argsort.default", "argsort.stable", "multinomial.default", "flip.default",
         "roll.default", "repeat.default", "tril.default", "triu.default",
         "native_group_norm.default", "convolution.default", "avg_pool2d.default",
@@ -292,6 +294,36 @@ def arange_start_step(op) -> tuple:
     """(start, step) of an op in ARANGES (0 and 1 for the overloads without them)."""
     a = bind_args(op)
     return a.get("start", 0), a.get("step", 1)
+
+
+# The topk kiln generates (codegen/templates/topk.py): a few picks out of a row that
+# registers hold whole, as MoE routers make (256 experts top 8, 512 top 10). Larger
+# ones (a vocabulary's top 50) run as torch's op.
+TOPK_MAX_K = 32
+TOPK_MAX_WIDTH = 4096
+# ... of values whose order a 32-bit integer key holds exactly
+TOPK_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int16,
+               torch.int8, torch.uint8)
+
+
+def topk_args(name: str, args: tuple, kwargs: dict, rank: int) -> tuple[object, int, bool]:
+    """(k, the normalised axis, largest) of a topk call on an input of `rank` dims."""
+    a = bind_call(name, args, kwargs)
+    return a["k"], norm_axis(a["dim"], rank), bool(a["largest"])
+
+
+def topk_problem(k, width: int | None, dtype: torch.dtype) -> str | None:
+    """Why kiln does not generate a topk of `k` over rows of at most `width` elements
+    (None: unbounded) of `dtype`, or None when it does."""
+    if dtype not in TOPK_DTYPES:
+        return f"its input is {dtype}"
+    if not isinstance(k, int):
+        return "k is a symbolic size"
+    if k > TOPK_MAX_K:
+        return f"k {k} is over {TOPK_MAX_K}"
+    if width is None or width > TOPK_MAX_WIDTH:
+        return f"its rows may hold over {TOPK_MAX_WIDTH} elements"
+    return None
 
 
 def reduction_dims(name: str, args: tuple, kwargs: dict, rank: int) -> tuple[int, ...]:

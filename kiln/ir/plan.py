@@ -23,6 +23,7 @@ class RegionKind(StrEnum):
     MATMUL = "matmul"
     ATTENTION = "attention"
     COPY = "copy"
+    TOPK = "topk"
     EXTERN = "extern"
 
 
@@ -117,6 +118,7 @@ class Region:
             RegionKind.ATTENTION: {OpCategory.ATTENTION},
             RegionKind.REDUCTION: {OpCategory.REDUCTION},
             RegionKind.EXTERN: {OpCategory.EXTERN},
+            RegionKind.TOPK: {OpCategory.TOPK},
             RegionKind.COPY: {OpCategory.SCATTER, OpCategory.GATHER, OpCategory.CONCAT},
         }.get(self.kind, set())
         for o in self.ops:

@@ -135,6 +135,7 @@ _ANCHORS = {
     RegionKind.ATTENTION: OpCategory.ATTENTION,
     RegionKind.REDUCTION: OpCategory.REDUCTION,
     RegionKind.EXTERN: OpCategory.EXTERN,
+    RegionKind.TOPK: OpCategory.TOPK,
 }
 
 
@@ -162,7 +163,7 @@ def verify_plan(plan: DispatchPlan) -> list[str]:
         anchor = _ANCHORS.get(r.kind)
         if anchor is not None:
             count = sum(category(op.target) == anchor for op in r.ops)
-            single = (RegionKind.ATTENTION, RegionKind.EXTERN)
+            single = (RegionKind.ATTENTION, RegionKind.EXTERN, RegionKind.TOPK)
             if r.kind in single and count != 1:
                 problems.append(f"{r.kind.value} region {r.name} has {count} {anchor.value} ops")
             # sibling GEMVs grouped into one region (dispatch/group_siblings.py) hold several

@@ -228,6 +228,10 @@ def test_interpret_target_runs_the_generated_latent_attention_kernel(checkpoint)
     moe = [pre.kplan.kernels[r.name] for r in pre.plan.regions
            if any(op.target == "kiln.moe_experts.default" for op in r.ops)]
     assert len(moe) == 1 and isinstance(moe[0], TritonKernel)  # one MoE layer of two
+    for module in (llm.prefill_module, llm.decode_module):  # the router's three topks
+        topks = [module.program.kplan.kernels[r.name] for r in module.program.plan.regions
+                 if r.kind == "topk"]
+        assert len(topks) == 3 and all(isinstance(k, TritonKernel) for k in topks)
     tokens = torch.randint(0, CONFIG["vocab_size"], (1, 12),
                            generator=torch.Generator().manual_seed(5))
     table = torch.tensor([[3, 1, 2]])  # blocks out of order

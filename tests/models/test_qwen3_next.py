@@ -82,6 +82,10 @@ def test_interpret_target_runs_the_generated_gated_delta_kernel(checkpoint):
     moe = [pre.kplan.kernels[r.name] for r in pre.plan.regions
            if any(op.target == "kiln.moe_experts.default" for op in r.ops)]
     assert len(moe) == 1 and isinstance(moe[0], TritonKernel)
+    for exe in (llm.prefill_module, llm.decode_module):  # the router's topk: kiln's kernel
+        topks = [exe.program.kplan.kernels[r.name] for r in exe.program.plan.regions
+                 if r.kind == "topk"]
+        assert len(topks) == 1 and isinstance(topks[0], TritonKernel)
     tokens = torch.randint(0, VOCAB, (1, 19))
     with torch.no_grad():
         ref = hf_model(tokens).logits
