@@ -238,7 +238,9 @@ def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         local = decompose_locally(ep, table)
-        if local is not None:
+        # a size the splice pinned to an int reads as data-dependent downstream
+        # (_check_no_unbacked): such a program is not the re-trace's, so re-trace
+        if local is not None and _pinned_sizes(local) <= _pinned_sizes(ep):
             return local
         log.info("decomposing by torch's re-trace (the program is not plain enough to "
                  "decompose node by node)")
@@ -361,6 +363,10 @@ def _check_no_unbacked(ep: torch.export.ExportedProgram) -> None:
             expr = getattr(getattr(d, "node", None), "expr", None)
             if expr is not None and any(s.name.startswith("u") for s in expr.free_symbols):
                 _data_dependent(node)
+
+
+def _pinned_sizes(ep: torch.export.ExportedProgram) -> int:
+    return sum(_pinned_data_size(n) for n in ep.graph.nodes)
 
 
 def _pinned_data_size(node: fx.Node) -> bool:

@@ -314,6 +314,9 @@ def _trace(op, leaves: list, spec, vals: list, table: dict, fake_mode):
             return False  # a tensor constant or submodule the program would have to hold
         if t.op == "call_function" and (_is_inplace(t) or not callable(t.target)):
             return False
+        if t.target is torch.ops.aten.sym_size.int and not isinstance(
+                t.meta.get("val"), torch.SymInt):
+            return False  # a size the trace pinned to a number: not valid at every size
     return gm
 
 
