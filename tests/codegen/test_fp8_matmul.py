@@ -122,21 +122,28 @@ def test_interpreted_quantisation_is_the_ops_bit_for_bit(K, dtype):
     assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
 
 
-@pytest.mark.parametrize("K,lead,bias", [(700, (1, 2), True), (512, (3,), False)])
-def test_interpreted_split_k_matches_the_op(K, lead, bias):
+@pytest.mark.parametrize("K,lead,bias,form", [
+    (700, (1, 2), True, "dot"), (512, (3,), False, "dot"),
+    (700, (1, 2), True, "gemv"), (512, (3,), False, "gemv")])
+def test_interpreted_split_k_matches_the_op(K, lead, bias, form):
     """Decode's split: K over several programs (a tail block in one), the last of each
-    tile sums the parts in split order, adds the bias, stores, and zeroes its counter."""
+    tile sums the parts in split order, adds the bias, stores, and zeroes its counter.
+    Both forms: tensor cores (2 K blocks a split at least) and the GEMV (one step of
+    KB = 2 blocks a split)."""
     m = Fp8Linear(72, K, bias, seed=4)
     x = torch.randn(*lead, K)
     plan, region = _regions(m, x, "fp8_linear")
-    spec = fp8_matmul.generate(region, plan, get_target("interpret"))
-    config = fp8_matmul.Config.make(4, 1, BM=16, BN=32, SPLIT_K=16)
+    spec = fp8_matmul.generate(region, plan, get_target("interpret"), form=form)
+    if form == "dot":
+        config = fp8_matmul.Config.make(4, 1, BM=16, BN=32, SPLIT_K=16)
+    else:
+        config = fp8_matmul.Config.make(4, 1, BM=4, BN=32, SPLIT_K=16, KB=2)
     kernel = TritonKernel(region, spec, config, interpret=True)
     state = {"p_weight": m.weight, "b_weight_scale_inv": m.weight_scale_inv,
              "p_bias": m.bias}  # the exported names of the module's tensors
     inputs = {v: state.get(v, x) for v in region.inputs}
     sizes = kernel.sizes({})
-    assert kernel.spec.grid_for(sizes, config)[2] == -(-K // 256)  # 2 K blocks a split
+    assert kernel.spec.grid_for(sizes, config)[2] == -(-K // 256)  # 256 of K a split
     outs = []
     for _ in range(2):
         out = torch.full(tuple(region.op(region.outputs[0]).shape), float("nan"))
@@ -350,13 +357,56 @@ def test_gpus_without_e4m3_decline_with_the_reason():
 def test_decode_and_interpret_heuristics():
     m = Fp8Linear(1536, 7168)
     plan, region = _regions(m, torch.randn(1, 1, 7168, dtype=torch.bfloat16), "fp8_linear")
-    spec = fp8_matmul.generate(region, plan, SM90)
+    spec = fp8_matmul.generate(region, plan, SM90, form="dot")
     assert spec.default["BM"] == 16 and {c["BM"] for c in spec.configs} == {16}
     assert spec.default["SPLIT_K"] == 16 and {c["SPLIT_K"] for c in spec.configs} == {1, 16}
     real = compile_binary(spec, spec.default, SM90).resources  # the split form compiles
     assert real.shared <= estimate(spec, spec.default, SM90).shared
-    interp = fp8_matmul.generate(region, plan, get_target("interpret"))
+    interp = fp8_matmul.generate(region, plan, get_target("interpret"), form="dot")
     assert interp.default == fp8_matmul.Config.make(4, 1, BM=16, BN=32, SPLIT_K=1)
+
+
+def test_one_token_gets_the_gemv_and_it_streams_16_byte_vectors_on_sm90():
+    """One token (decode at batch 1): the CUDA-core GEMV form by default; its default
+    (32 rows by 4 blocks, K split) compiles for sm_90 within the model's shared memory,
+    under 128 registers (four programs an SM at least), without spilling, and reads
+    the weight in 128-bit loads with no layout conversion of the weight tile (the
+    quantised x goes to it, not it to x); every candidate fits sm_90's shared memory."""
+    m = Fp8Linear(7168, 16384)
+    plan, region = _regions(m, torch.randn(1, 16384, dtype=torch.bfloat16), "fp8_linear")
+    spec = fp8_matmul.generate(region, plan, SM90)
+    assert spec.meta["form"] == "gemv" and spec.default["BM"] == 1
+    assert (spec.default["BN"], spec.default["KB"], spec.default["SPLIT_K"]) == (32, 4, 16)
+    assert set(fitting_configs(spec, SM90).configs) == set(spec.configs)
+    binary = compile_binary(spec, spec.default, SM90)
+    real = binary.resources
+    assert real.shared <= estimate(spec, spec.default, SM90).shared, real
+    assert real.spills == 0 and real.registers <= 128, real
+    assert "ld.global.v4.b32" in binary.asm["ptx"]
+    assert "convert_layout %wf" not in binary.asm["ttgir"]
+    assert "tensor<1x4x128xf32" in binary.asm["ttgir"]  # x is converted, a [1, KB, 128] step
+    interp = fp8_matmul.generate(region, plan, get_target("interpret"))
+    assert interp.default == fp8_matmul.Config.make(4, 1, BM=1, BN=32, SPLIT_K=1, KB=1)
+
+
+@pytest.mark.parametrize("most", [2, 4])
+def test_interpreted_gemv_with_dynamic_tokens(most):
+    """Dynamic tokens: the GEMV form (asked for; the template takes it only up to
+    GEMV_MAX_M rows) skips rows past the real count; compiled, either form is exact."""
+    from kiln.codegen.templates.fp8_matmul.gemv import GEMV_MAX_M
+
+    m = Fp8Linear(70, 300, bias=True, seed=5)
+    T = kiln.Dim("T", min=1, max=most)
+    plan, region = _regions(m, torch.randn(most, 300), "fp8_linear", ({0: T},))
+    interp = get_target("interpret")
+    assert fp8_matmul.generate(region, plan, interp).meta["form"] == \
+        ("gemv" if most <= GEMV_MAX_M else "dot")
+    assert fp8_matmul.generate(region, plan, interp, form="gemv").meta["form"] == "gemv"
+    exe = kiln.compile(m, (torch.randn(most, 300),), dynamic_shapes=({0: T},),
+                       target="interpret")
+    for t in sorted({1, most - 1, most} - {0}):
+        x = torch.randn(t, 300)
+        assert rel_err(exe(x), m(x)) <= 1e-6, t
 
 
 @pytest.mark.gpu

@@ -191,6 +191,8 @@ def _fp8_matmul(spec: KernelSpec, c: Config, target: Target, threads: int):
     tile's layout conversion (measured), plus the x tile's as a margin."""
     e = _BYTES.get(spec.meta.get("dtype"), 4)
     bm, bn, bk = c["BM"], c["BN"], 128
+    if spec.meta.get("form") == "gemv":  # CUDA cores: stages nothing (fp8_matmul/gemv.py)
+        return _fp8_gemv(c, threads)
     if target.backend == "hip":
         return (bm + bn) * bk, _BASE_REGISTERS + (bm * bn + 3 * bm * bk) / threads
     wgmma = _wgmma(target, bm, c, "fp8")
@@ -198,6 +200,17 @@ def _fp8_matmul(spec: KernelSpec, c: Config, target: Target, threads: int):
     shared = max(1, c.num_stages - 1) * (bm * bk * e + bn * bk) + convert
     regs = (bm * bn + 2 * bm * bk + bn * bk / 4) / threads
     return shared, _BASE_REGISTERS + regs
+
+
+def _fp8_gemv(c: Config, threads: int):
+    """The decode GEMV form of the fp8 linear: no staged tiles; shared memory only
+    carries each token's quantised [KB, 128] x step and the step's [BN, KB] scales to
+    the weight tile's layout, and the tile's sums to the store's (an upper bound:
+    sm_90 compiled 512-1024 bytes). Registers: the widened weight step, one fp32 value
+    per byte, and each token's accumulator."""
+    bn, kb = c["BN"], c["KB"]
+    step = bn * kb * 128
+    return 4 * (bn * kb + kb * 128 + bn), _BASE_REGISTERS + (step + c["BM"] * bn * kb) / threads
 
 
 def _moe(spec: KernelSpec, c: Config, target: Target, threads: int):

@@ -41,14 +41,16 @@ def pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def quantise_rows(xf: str, target: Target) -> list[str]:
+def quantise_rows(xf: str, target: Target, axis: int = 1) -> list[str]:
     """Lines quantising the fp32 tile `xf` [rows, 128] per row as kiln.ops.fp8_linear
     does: `xq` (the e4m3fn values, in the target's fp8 type: on gfx942 its e4m3fn
-    bytes as fnuz) and `xs` [rows] (amax times fp32(1 / 448))."""
-    lines = [f"amax = tl.maximum(tl.max(tl.abs({xf}), 1), {AMAX_FLOOR!r})",
+    bytes as fnuz) and `xs` [rows] (amax times fp32(1 / 448)). `axis`: the tile's
+    128-wide dim, its last (2 for the GEMV's [1, KB, 128] step of one row)."""
+    expand = "[" + ", ".join([":"] * axis + ["None"]) + "]"
+    lines = [f"amax = tl.maximum(tl.max(tl.abs({xf}), {axis}), {AMAX_FLOOR!r})",
              f"xs = amax * {1.0 / FP8_MAX!r}  # as the op: times fp32(1 / 448)",
              "# times 448 / amax as torch's `448 / amax`: a reciprocal, then times 448",
-             f"xv = {xf} * (tl.math.div_rn(1.0, amax) * {FP8_MAX!r})[:, None]",
+             f"xv = {xf} * (tl.math.div_rn(1.0, amax) * {FP8_MAX!r}){expand}",
              f"xv = tl.minimum(tl.maximum(xv, {-FP8_MAX!r}), {FP8_MAX!r})"]
     if target.backend == "interpret":
         lines += round_to_e4m3("xv")

@@ -33,8 +33,9 @@ from kiln.codegen.build.spec import Config, KernelSpec
 from kiln.codegen.expr.emit import Emitter, kernel_name, module_source
 from kiln.codegen.expr.indexing import Lin, Var, linearize, reshape_index
 from kiln.codegen.expr.kernel_args import SymbolicArgs
-from kiln.codegen.expr.values import Cond, mask_of
+from kiln.codegen.expr.values import CodegenUnsupported, Cond, mask_of
 from kiln.codegen.templates import split_k as split
+from kiln.codegen.templates.fp8_matmul import gemv
 from kiln.codegen.templates.fp8_matmul.analysis import BLOCK, OP, Fp8Shape, analyse
 from kiln.codegen.templates.fp8_matmul.common import (
     combine_splits,
@@ -101,30 +102,39 @@ def _v(name: str, size, block: bool = True) -> Lin:
     return Lin.of(Var(name, size, block))
 
 
-def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
-    """The fp8 GEMM kernel of `region`; raises CodegenUnsupported saying why not."""
+def generate(region: Region, plan: DispatchPlan, target: Target,
+             form: str | None = None) -> KernelSpec:
+    """The fp8 GEMM kernel of `region`; raises CodegenUnsupported saying why not.
+    `form`: "gemv" (CUDA cores, gemv.py) or "dot" (tensor cores); by default the GEMV
+    up to gemv.GEMV_MAX_M tokens (benchmarks compare the two)."""
     shape = analyse(region, plan)
     fp8_type(target)  # declines before any code is emitted
     p = SymbolicArgs(plan.symbols)
     em = Emitter(region, plan, p, target)
     for name in list(region.inputs) + list(region.outputs):
         p.check_extent(plan.values[name].numel)
-    lines = _body(em, p, shape, target)
+    m_hi = bounds_of(shape.m, plan.symbols).hi
+    form = form or ("gemv" if m_hi is not None and m_hi <= gemv.GEMV_MAX_M else "dot")
+    if form == "gemv":
+        if m_hi is None:
+            raise CodegenUnsupported("the GEMV form needs a bound on the tokens")
+        lines = gemv.body(em, p, shape, target, m_hi) + _epilogue(em, shape)
+        tunables, steps = ["BM", "BN", "SPLIT_K", "KB"], f"cdiv({shape.k}, KB * {BLOCK})"
+        configs, default = gemv.config_space(shape, m_hi), gemv.heuristic(shape, target, m_hi)
+    else:
+        lines = _body(em, p, shape, target) + _epilogue(em, shape)
+        tunables, steps = ["BM", "BN", "SPLIT_K"], f"cdiv({shape.k}, {MIN_SPLIT_BLOCKS * BLOCK})"
+        configs, default = config_space(shape, m_hi), heuristic(shape, target, m_hi)
     name = kernel_name("fp8_matmul", region)
-    tunables = ["BM", "BN", "SPLIT_K"]
     params = p.names() + [split.PARTS, split.COUNTS] + [f"{t}: tl.constexpr" for t in tunables]
     source = module_source(name, params, lines, em.helpers, target, p.describe())
     tiles = f"cdiv({p.grid(shape.m)}, BM) * cdiv({shape.n}, BN)"
-    n_split = split.count("SPLIT_K", tiles, SPLIT_FILL * target.multiprocessors,
-                          f"cdiv({shape.k}, {MIN_SPLIT_BLOCKS * BLOCK})")
+    n_split = split.count("SPLIT_K", tiles, SPLIT_FILL * target.multiprocessors, steps)
     grid = (f"cdiv({p.grid(shape.m)}, BM)", f"cdiv({shape.n}, BN)", n_split)
-    m_hi = bounds_of(shape.m, plan.symbols).hi
-    configs = config_space(shape, m_hi)
-    default = heuristic(shape, target, m_hi)
     if default not in configs:
         configs.insert(0, default)
     meta = {"dtype": str(shape.dtype).replace("torch.", ""), "m_hi": m_hi, "n": shape.n,
-            "k": shape.k}
+            "k": shape.k, "form": form}
     return KernelSpec(name, source, p.args(), tunables, grid, configs, default,
                       "fp8_matmul", meta, 64 if p.needs_int64 else 32,
                       scratch=split.scratch(tiles, n_split, "BM * BN"))
@@ -161,9 +171,15 @@ def _body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target) -> list[str
         loop.append("acc += tl.dot(xq, tl.trans(wq), out_dtype=tl.float32) * "
                     f"(xs{fnuz_scale(target)})[:, None] * ws[None, :]")
     L += [f"for k0 in range(lo, hi, {BLOCK}):", *["    " + x for x in loop]]
-    L += combine_splits("pid_m * tl.num_programs(1) + pid_n", "m_ok & n_ok",
-                        "n_ok = on < tl.where(last, N, 0)")
-    n_ok = Cond("n_ok", frozenset({"on"}))
+    return L + combine_splits("pid_m * tl.num_programs(1) + pid_n", "m_ok & n_ok",
+                              "n_ok = on < tl.where(last, N, 0)")
+
+
+def _epilogue(em: Emitter, s: Fp8Shape) -> list[str]:
+    """The bias and the store of `acc` [BM, BN] at tokens `om`, columns `on` (masks
+    `m_ok`, `n_ok`), after any split's combine; both bodies end with these names."""
+    L: list[str] = []
+    m_ok, n_ok = Cond("m_ok", frozenset({"om"})), Cond("n_ok", frozenset({"on"}))
     if s.bias is not None:
         with em.block() as lines:
             b = em.value(s.bias, (_v("on", s.n),), mask_of(n_ok))
