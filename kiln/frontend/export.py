@@ -240,7 +240,7 @@ def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
         local = decompose_locally(ep, table)
         # a size the splice pinned to an int reads as data-dependent downstream
         # (_check_no_unbacked): such a program is not the re-trace's, so re-trace
-        if local is not None and _pinned_sizes(local) <= _pinned_sizes(ep):
+        if local is not None and _pinned_sizes(local) == 0:
             return local
         log.info("decomposing by torch's re-trace (the program is not plain enough to "
                  "decompose node by node)")

@@ -83,6 +83,7 @@ def _decompose(ep: ExportedProgram, table: dict) -> ExportedProgram | None:
                     and not _replace(gm.graph, node, python_table, traces, fake_mode):
                 return None
     _share_sizes(gm.graph)
+    _fold_pinned_input_sizes(gm.graph)
     gm.graph.eliminate_dead_code(_impure)
     gm.graph.lint()
     gm.recompile()
@@ -118,6 +119,26 @@ def _share_sizes(graph: fx.Graph) -> None:
             node.replace_all_uses_with(first[key])
         else:
             first[key] = node
+
+
+def _fold_pinned_input_sizes(graph: fx.Graph) -> None:
+    """A size of an input that export pinned to a number is that number: torch's
+    re-trace writes it as a constant, and kiln's import reads a pinned size read as a
+    data-dependent size (export._pinned_data_size). An input's sizes never depend on
+    data, so the read is replaced by its value wherever it is used."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.sym_size.int:
+            continue
+        src, val = node.args[0], node.meta.get("val")
+        expr = getattr(getattr(val, "node", None), "expr", val)
+        if not (isinstance(src, fx.Node) and src.op == "placeholder"
+                and (isinstance(expr, int) or getattr(expr, "is_Integer", False))):
+            continue
+        val = int(expr)
+        for user in list(node.users):
+            user.args, user.kwargs = pytree.tree_map(
+                lambda a, n=node, v=val: v if a is n else a, (user.args, user.kwargs))
+        graph.erase_node(node)
 
 
 def _plain_graph(gm: fx.GraphModule, ep: ExportedProgram) -> bool:
