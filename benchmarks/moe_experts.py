@@ -20,6 +20,11 @@ same random weights quantised per expert in 128 x 128 blocks, kiln.ops.quantize_
 PyTorch form ("torch sorted": every product kiln::fp8_linear's); no gathered or dense
 torch form (they would need the weights dequantised).
 
+--forms (with --fp8): the fp8 kernel also rebuilt in each of its two forms at that
+form's default config, each launched alone: "gemv" (decode's CUDA-core K loops,
+templates/moe/fp8_gemv.py, kiln's choice up to 8 tokens) and "dot" (tl.dot K loops,
+templates/moe/fp8.py, the choice above), each against the floor.
+
 Outputs against the torch sorted form (relative error). The floor: the bytes a call
 must move, the weights of the experts the routing chose (each once: gate, up and down;
 1 byte a weight with --fp8, plus their fp32 block scales) plus x read and y written,
@@ -28,6 +33,8 @@ at the device's copy bandwidth measured in the same run; TFLOP/s counts
 
 Usage (GPU): PYTHONPATH=. python benchmarks/moe_experts.py --out $OUT/moe.json
              PYTHONPATH=. python benchmarks/moe_experts.py --fp8 --out $OUT/moe_fp8.json
+             PYTHONPATH=. python benchmarks/moe_experts.py --fp8 --forms --tokens 1 8 \
+                 --out $OUT/moe_fp8_forms.json
              (--tune none: kiln's untuned heuristic config)
 Smoke test anywhere: PYTHONPATH=. python benchmarks/moe_experts.py --device cpu --small
 [--fp8] (the interpret target, tiny widths; --fp8 at dim 256 / I 128, whole blocks).
@@ -46,8 +53,11 @@ import torch.nn.functional as F
 from measure import copy_bandwidth, rel_err, timed_ms
 
 import kiln
+from kiln.codegen.build.compiler import compile_binary
 from kiln.codegen.build.triton_kernel import TritonKernel
+from kiln.codegen.templates.moe import template as moe_template
 from kiln.ops import moe_experts, moe_experts_fp8, quantize_experts
+from kiln.target import get_target
 
 V3 = dict(dim=7168, inter=2048, experts=256, top_k=8, tokens=(1, 8, 128, 2048))
 SMALL = dict(dim=64, inter=32, experts=8, top_k=2, tokens=(1, 8, 24))
@@ -145,18 +155,49 @@ def moe_kernel(exe):
     return None, "missing", []
 
 
-def launcher(exe, kernel: TritonKernel, args):
-    """A zero-argument launch of the op's kernel on the call's tensors (no runtime)."""
+def launcher(exe, kernel: TritonKernel, args, outs=None):
+    """A zero-argument launch of the op's kernel on the call's tensors (no runtime);
+    `outs`, when given a dict, is filled with its output tensors."""
     plan, region = exe.plan, kernel.region
     given = dict(zip(plan.user_inputs, args))
-    given.update(exe.state)
+    given.update({v: exe.state[plan.values[v].target] for v in region.inputs
+                  if plan.values[v].target in exe.state})  # weights by their names
     if any(v not in given for v in region.inputs):  # reads intermediates: time the module
         return lambda: exe(*args)
     inputs = {v: given[v] for v in region.inputs}
-    outs = {o: torch.empty(tuple(int(d) for d in plan.values[o].shape),
+    made = {o: torch.empty(tuple(int(d) for d in plan.values[o].shape),
                            dtype=plan.values[o].dtype, device=args[0].device)
             for o in region.outputs}
-    return lambda: kernel.run(inputs, outs, {})
+    if outs is not None:
+        outs.update(made)
+    return lambda: kernel.run(inputs, made, {})
+
+
+def form_rows(exe, kernel: TritonKernel, args, ref, device) -> dict:
+    """--forms: the fp8 kernel rebuilt in each form at its default config, timed alone
+    (ms, relative error against the torch form, registers and spills on a GPU)."""
+    target = get_target("cuda" if device == "cuda" else "interpret")
+    rows = {}
+    for form in ("gemv", "dot"):
+        try:
+            spec = moe_template.generate(kernel.region, exe.program.plan, target, form=form)
+            row = {"config": str(spec.default)}
+            if device == "cuda":
+                binary = compile_binary(spec, spec.default, target)
+                k = TritonKernel(kernel.region, spec, spec.default, binary)
+                row.update(registers=binary.resources.registers,
+                           spills=binary.resources.spills)
+            else:
+                k = TritonKernel(kernel.region, spec, spec.default, interpret=True)
+            outs: dict = {}
+            run = launcher(exe, k, args, outs)
+            run()
+            row["err"] = rel_err(next(iter(outs.values())), ref)
+            row["ms"] = timed_ms(run, device)
+            rows[form] = row
+        except Exception as e:  # one form failing must not hide the other
+            rows[form] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return rows
 
 
 def floor_bytes(m, x, ids) -> int:
@@ -182,6 +223,8 @@ def one_shape(N, w, m, a, dtype, target, options, bandwidth) -> dict:
            "ms": timed_ms(lambda: exe(*args), a.device)}
     if isinstance(kernel, TritonKernel):
         row["ms_kernel"] = timed_ms(launcher(exe, kernel, args), a.device)
+    if a.forms and isinstance(kernel, TritonKernel):
+        row["forms"] = form_rows(exe, kernel, args, ref, a.device)
     row["ms_torch_sorted"] = timed_ms(lambda: m.op(x, weights, ids, *m.operands()), a.device)
     e, k = x.element_size(), w["top_k"]
     copies = 3 * N * k * w["inter"] * w["dim"] * e
@@ -201,6 +244,9 @@ def one_shape(N, w, m, a, dtype, target, options, bandwidth) -> dict:
     if bandwidth is not None:
         row["floor_ms"] = row["bytes"] / bandwidth * 1e3
         row["ratio_vs_floor"] = best / row["floor_ms"]
+        for f in row.get("forms", {}).values():
+            if "ms" in f:
+                f["x_floor"] = f["ms"] / row["floor_ms"]
     return row
 
 
@@ -228,6 +274,14 @@ def table(results) -> str:
                      f"{r.get('ms_torch_dense', nan):9.4f} {r.get('floor_ms', nan):9.4f} "
                      f"{r.get('ratio_vs_floor', nan):8.2f} {r['kiln_vs_best_torch']:8.2f} "
                      f"{r['tflops']:8.1f} {r['err']:9.2e}  {r['kernel']}")
+        for form, f in r.get("forms", {}).items():
+            if "error" in f:
+                lines.append(f"{'':5s}   {form}: ERROR {f['error'][:160]}")
+                continue
+            regs = f" regs {f['registers']} spills {f['spills']}" if "registers" in f else ""
+            lines.append(f"{'':5s}   {form:4s} {f['ms']:9.4f} ms  x floor "
+                         f"{f.get('x_floor', nan):5.2f}  err {f['err']:.2e}  "
+                         f"[{f['config']}]{regs}")
     return "\n".join(lines)
 
 
@@ -239,6 +293,8 @@ def main():
     ap.add_argument("--small", action="store_true", help="tiny widths (smoke test)")
     ap.add_argument("--fp8", action="store_true",
                     help="block-scaled fp8 experts (kiln.ops.moe_experts_fp8)")
+    ap.add_argument("--forms", action="store_true",
+                    help="with --fp8: time the kernel's GEMV and tl.dot forms too")
     ap.add_argument("--tokens", type=int, nargs="+", help="default 1 8 128 2048")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--tune", default=None, choices=["none", "fast", "full"],

@@ -18,6 +18,7 @@ from kiln.codegen.build.compiler import compile_binary
 from kiln.codegen.build.resources import estimate, fitting_configs
 from kiln.codegen.build.spec import Config
 from kiln.codegen.build.triton_kernel import TritonKernel, scratch_buffer
+from kiln.codegen.expr.values import CodegenUnsupported
 from kiln.codegen.templates.moe import template as moe
 from kiln.ir.plan import RegionKind
 from kiln.ops import moe_experts
@@ -129,6 +130,16 @@ def test_ids_out_of_range_are_dropped_as_the_op_does():
     assert rel_err(y, torch.ops.kiln.moe_experts(x, w, bad, gate, up, down)) <= 1e-5
     assert not y[4].any() and y[0].any()
     assert _counters_zero(kernel)
+
+
+def test_the_gemv_form_is_for_fp8_experts_alone():
+    """bf16 experts at decode keep tl.dot (their products are mma on the weights as
+    stored); asking for the fp8 decode form says why not."""
+    x, w, ids, *experts = make(2, 64, 3, 32, 2)
+    plan = kiln.compile(Experts(*experts), (x, w, ids), compile_to="dispatch")
+    assert moe.generate(_region(plan), plan, SM90).meta["form"] == "dot"
+    with pytest.raises(CodegenUnsupported, match="GEMV form needs fp8 experts"):
+        moe.generate(_region(plan), plan, SM90, form="gemv")
 
 
 def test_x_is_read_through_a_strided_sub_view_in_place():

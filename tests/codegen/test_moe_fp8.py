@@ -14,7 +14,7 @@ import torch
 
 import kiln
 from kiln.codegen.build.compiler import compile_binary
-from kiln.codegen.build.resources import estimate
+from kiln.codegen.build.resources import estimate, fitting_configs
 from kiln.codegen.build.triton_kernel import TritonKernel, scratch_buffer
 from kiln.codegen.expr.values import CodegenUnsupported
 from kiln.codegen.templates.moe import template as moe
@@ -39,12 +39,15 @@ def _interpreted(m, args):
     return exe, kernel
 
 
-def test_interpreted_fp32_with_tails_and_an_id_out_of_range():
+@pytest.mark.parametrize("N,form", [(4, "gemv"), (9, "dot")])
+def test_interpreted_fp32_with_tails_and_an_id_out_of_range(N, form):
     """dim 200 and I 136: a tail K block in both products, tiles past both widths; a
-    pair naming expert 3 of 3 adds nothing, as the op drops it."""
-    args, real = make_fp8(4, 200, 3, 136, 2, seed=1)
+    pair naming expert 3 of 3 adds nothing, as the op drops it. Both forms: the
+    GEMV up to 8 tokens, tl.dot above."""
+    args, real = make_fp8(N, 200, 3, 136, 2, seed=1)
     m = Fp8Experts(*args[3:])
     exe, kernel = _interpreted(m, args[:3])
+    assert kernel.spec.meta["form"] == form
     bad = args[2].clone()
     bad[1, 0] = 3
     y = exe(args[0], args[1], bad)
@@ -75,7 +78,7 @@ def test_a_gpu_tile_spanning_two_scale_blocks_on_the_interpreter():
     m = Fp8Experts(*args[3:])
     plan = kiln.compile(m, args[:3], compile_to="dispatch")
     region = _region(plan)
-    spec = moe.generate(region, plan, get_target("interpret"))
+    spec = moe.generate(region, plan, get_target("interpret"), form="dot")
     kernel = TritonKernel(region, spec, moe.Config.make(4, 1, BM=16, BN=64, BD=256, BK=128),
                           interpret=True)
     weights = {f"p_w_{i}": t for i, t in enumerate(args[3:])}  # the ParameterList's
@@ -86,7 +89,33 @@ def test_a_gpu_tile_spanning_two_scale_blocks_on_the_interpreter():
     assert rel_err(out[region.outputs[0]], m(*args[:3])) <= 1e-5
 
 
-def _v3_spec(tokens: int, most: int, target=SM90):
+@pytest.mark.parametrize("config", [None, moe.Config.make(4, 1, BM=4, BN=16, BD=32, KB=2)])
+def test_interpreted_gemv_with_skewed_routing_and_dynamic_tokens(config):
+    """Up to 8 dynamic tokens (the GEMV form): expert 0 chosen by every token (tiles
+    of 2 or 4 rows, the last part full), expert 1 by none, the rest spread; each
+    token count against the op. The default's 2-row tiles and 4-row tiles."""
+    args, _ = make_fp8(8, 256, 4, 128, 2, seed=6)
+    m = Fp8Experts(*args[3:])
+    T = kiln.Dim("T", min=1, max=8)
+    shapes = ({0: T}, {0: T}, {0: T})
+    plan = kiln.compile(m, args[:3], dynamic_shapes=shapes, compile_to="dispatch")
+    region = _region(plan)
+    spec = moe.generate(region, plan, get_target("interpret"))
+    assert spec.meta["form"] == "gemv" and spec.default["BM"] == 2
+    kernel = TritonKernel(region, spec, config or spec.default, interpret=True)
+    weights = {f"p_w_{i}": t for i, t in enumerate(args[3:])}
+    ids = torch.stack([torch.zeros(8, dtype=torch.long), torch.tensor([2, 3] * 4)], 1)
+    for t in (7, 1):
+        x, w = args[0][:t], args[1][:t]
+        named = {"x": x, "weights": w, "ids": ids[:t], **weights}
+        out = {region.outputs[0]: torch.full((t, 256), float("nan"))}
+        kernel.run(named, out, {str(plan.values["x"].shape[0]): t})
+        want = m(x, w, ids[:t])
+        assert rel_err(out[region.outputs[0]], want) <= 1e-5, t
+        assert not scratch_buffer(kernel.spec.scratch[0], 0, 1, "cpu").any()
+
+
+def _v3_spec(tokens: int, most: int, target=SM90, form=None):
     """The kernel at DeepSeek-V3's widths (dim 7168, I 2048, 256 experts, top 8) in bf16
     for `tokens` example tokens, dynamic up to `most` (weights on the meta device)."""
     E, inter, dim, k = 256, 2048, 7168, 8
@@ -102,11 +131,30 @@ def _v3_spec(tokens: int, most: int, target=SM90):
         T = kiln.Dim("T", min=1, max=most)
         shapes = ({0: T}, {0: T}, {0: T})
     plan = kiln.compile(m, args, dynamic_shapes=shapes, compile_to="dispatch")
-    return moe.generate(_region(plan), plan, target)
+    return moe.generate(_region(plan), plan, target, form=form)
 
 
-def test_decode_default_compiles_for_sm90_within_its_estimate():
-    decode = _v3_spec(2, 8)
+@pytest.mark.parametrize("tokens,most,rows", [(1, 1, 1), (2, 8, 2)])
+def test_decode_takes_the_gemv_and_it_streams_16_byte_vectors_on_sm90(tokens, most, rows):
+    """Decode (batch 1, and up to 8): the GEMV form by default; its default compiles
+    for sm_90 within the model's shared memory, at 128 registers at most (four
+    programs an SM), without spilling, reading the weights in 128-bit loads with no
+    layout conversion of a weight step (x goes to its layout); every candidate fits."""
+    spec = _v3_spec(tokens, most)
+    assert spec.meta["form"] == "gemv" and spec.default["BM"] == rows
+    assert set(fitting_configs(spec, SM90).configs) == set(spec.configs)
+    binary = compile_binary(spec, spec.default, SM90)
+    real = binary.resources
+    assert real.shared <= estimate(spec, spec.default, SM90).shared, real
+    assert real.spills == 0 and real.registers <= 128, real
+    assert "ld.global.v4.b32" in binary.asm["ptx"]
+    ttgir = binary.asm["ttgir"]
+    assert not any(f"convert_layout %{w}" in ttgir for w in ("gw", "uw", "dw")), ttgir
+    assert "tl.dot" not in spec.source
+
+
+def test_decode_dot_form_compiles_for_sm90_within_its_estimate():
+    decode = _v3_spec(2, 8, form="dot")
     assert decode.default == moe.Config.make(4, 3, BM=16, BN=64, BD=128, BK=128)
     assert {c["BK"] for c in decode.configs} == {128}
     real = compile_binary(decode, decode.default, SM90).resources
@@ -118,10 +166,15 @@ def test_decode_default_compiles_for_sm90_within_its_estimate():
 
 @pytest.mark.slow
 def test_every_v3_candidate_compiles_for_sm90_as_estimated():
-    for spec in (_v3_spec(16, 4096), _v3_spec(2, 8)):
+    for spec in (_v3_spec(16, 4096), _v3_spec(2, 8, form="dot")):
         for config in spec.configs:
             real = compile_binary(spec, config, SM90).resources
             assert real.shared == estimate(spec, config, SM90).shared, config
+            assert real.spills == 0, (config, real)
+    for spec in (_v3_spec(1, 1), _v3_spec(2, 8)):  # the GEMV: upper bound
+        for config in spec.configs:
+            real = compile_binary(spec, config, SM90).resources
+            assert real.shared <= estimate(spec, config, SM90).shared, config
             assert real.spills == 0, (config, real)
 
 

@@ -244,6 +244,8 @@ def _moe_fp8(spec: KernelSpec, c: Config, target: Target, threads: int):
     tests/codegen/test_moe_fp8.py checks them with KILN_RUN_SLOW=1). Registers, rough
     and low (sm_90 compiled 128-252, none spilling): the two fp32 accumulators and a
     step's product, and the weight fragments."""
+    if spec.meta.get("form") == "gemv":  # CUDA cores: stages nothing (moe/fp8_gemv.py)
+        return _moe_fp8_gemv(spec, c, threads)
     e = _BYTES.get(spec.meta.get("dtype"), 4)
     bm, bn, bk = c["BM"], c["BN"], 128
     staged = max(1, c.num_stages - 1) * (e * bm + 2 * bn) * bk
@@ -252,6 +254,19 @@ def _moe_fp8(spec: KernelSpec, c: Config, target: Target, threads: int):
         return staged + bm * bk, regs
     wgmma = _wgmma(target, bm, c, "fp8")
     return staged + ((bm + 2 * bn) * bk if wgmma else 2 * bm * bk), regs
+
+
+def _moe_fp8_gemv(spec: KernelSpec, c: Config, threads: int):
+    """The decode GEMV form of the grouped fp8 MoE: no staged tiles. Shared memory
+    only converts layouts, the largest of: a router's [32, k] tile of pointers, a
+    row's quantised [KB, 128] step with the step's [BD, KB] scales and the [BD]
+    sums (an upper bound: sm_90 compiled 512-2048 bytes at V3's widths, the
+    router's tile the largest). Registers: the widened weight step, one fp32 value
+    per byte, and each row's 16 values of the quantised step (rough: sm_90 compiled
+    72-199 over the config space)."""
+    bd, kb, kp = c["BD"], c["KB"], 1 << max(0, (spec.meta.get("top_k", 1) - 1).bit_length())
+    shared = max(8 * 32 * kp, 4 * (bd * kb + kb * 128 + bd))
+    return shared, _BASE_REGISTERS + bd * kb * 128 / threads + 16 * c["BM"]
 
 
 def _fp8_gemm(spec: KernelSpec, c: Config, target: Target, threads: int):

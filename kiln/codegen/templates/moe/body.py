@@ -212,18 +212,13 @@ class MoeBody:
         token, read once for both), silu(gate) * up stored to moe_h; then the tile
         counts one more of its column blocks done."""
         s = self.s
-        step = self._gate_up_step()
         with self.em.block() as cast:
             h = self.em.cast(Val("h", torch.float32, frozenset({"om", "on"})), s.dtype)
         L = [*self._tile("ticket - n_route", "nb_up", "nb"),
              "if s < used:",
              *_indent([
-                 "wn = nb * BN + tl.arange(0, BN)[:, None]",
                  "on = nb * BN + tl.arange(0, BN)[None, :]",
-                 "acc_g = tl.zeros([BM, BN], tl.float32)",
-                 "acc_u = tl.zeros([BM, BN], tl.float32)",
-                 f"for k0 in range(0, {s.dim}, BK):",
-                 *_indent(step),
+                 *self._gate_up_products(),
                  *self._swiglu(),
                  *cast,
                  f"tl.store(moe_h + h_row * {s.inter} + on, {h.code}, "
@@ -231,6 +226,15 @@ class MoeBody:
                  "tl.debug_barrier()  # the CTA's rows are stored before they are counted",
                  'tl.atomic_add(tile_ctr + s, 1, sem="release")'])]
         return L
+
+    def _gate_up_products(self) -> list[str]:
+        """`acc_g`, `acc_u` [BM, BN] (fp32): the tile's rows times gate and up rows
+        `nb * BN`.. of expert `e`, a tl.dot per BK step."""
+        return ["wn = nb * BN + tl.arange(0, BN)[:, None]",
+                "acc_g = tl.zeros([BM, BN], tl.float32)",
+                "acc_u = tl.zeros([BM, BN], tl.float32)",
+                f"for k0 in range(0, {self.s.dim}, BK):",
+                *_indent(self._gate_up_step())]
 
     def _swiglu(self) -> list[str]:
         """`h` (fp32) = silu(gate) * up of the accumulators."""
@@ -259,6 +263,14 @@ class MoeBody:
                               {"wd", "ok"})
         return step + [f"acc = {self._dot('ht', 'tl.trans(dt)', 'acc')}"]
 
+    def _down_products(self) -> list[str]:
+        """`acc` [BM, BD] (fp32): the tile's h rows times down rows `db * BD`.. of
+        expert `e`, a tl.dot per BK step."""
+        return ["wd = db * BD + tl.arange(0, BD)[:, None]",
+                "acc = tl.zeros([BM, BD], tl.float32)",
+                f"for k0 in range(0, {self.s.inter}, BK):",
+                *_indent(self._down_step())]
+
     def _down(self) -> list[str]:
         """Once every gate/up column block of its tile is stored: the tile's rows times
         BD rows of its expert's down, times each pair's routing weight, stored at the
@@ -266,7 +278,6 @@ class MoeBody:
         and the program that brings a token's last pair sums the token's rows in the
         order of j and stores y."""
         s = self.s
-        step = self._down_step()
         with self.em.block() as weight:
             w = self.em.value(s.weights, (self.tok, Lin.of(Opaque("jj", s.top_k,
                                                                  frozenset({"om"})))),
@@ -278,11 +289,8 @@ class MoeBody:
              *_indent([
                  'while tl.atomic_add(tile_ctr + s, 0, sem="acquire") < nb_up:',
                  "    pass",
-                 "wd = db * BD + tl.arange(0, BD)[:, None]",
                  "od = db * BD + tl.arange(0, BD)[None, :]",
-                 "acc = tl.zeros([BM, BD], tl.float32)",
-                 f"for k0 in range(0, {s.inter}, BK):",
-                 *_indent(step),
+                 *self._down_products(),
                  *weight,
                  *self._weighted(w.code),
                  *cast,

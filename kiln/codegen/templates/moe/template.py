@@ -39,7 +39,9 @@ pipeline stages. build/resources.py has its shared-memory model.
 kiln::moe_experts_fp8 (e4m3 experts with 128 x 128 block scales) is the same launch
 with fp8 K loops (fp8.py: activations quantised per row and 128-block in the
 kernel, e4m3 tl.dot, the block scales applied per 128-wide K step); it declines
-where Triton has no e4m3 (before sm_89), and the op runs as its PyTorch form.
+where Triton has no e4m3 (before sm_89), and the op runs as its PyTorch form. Up to
+fp8_gemv.GEMV_MAX_TOKENS tokens (decode) its K loops are GEMVs on CUDA cores instead
+(fp8_gemv.py: the weights streamed as 16-byte loads, no tl.dot), the rest the same.
 """
 
 from __future__ import annotations
@@ -51,9 +53,11 @@ from kiln.codegen.expr.emit import Emitter, kernel_name, module_source
 from kiln.codegen.expr.kernel_args import INT32_MAX, SymbolicArgs
 from kiln.codegen.expr.values import CodegenUnsupported
 from kiln.codegen.templates.fp8_matmul.common import fp8_type
+from kiln.codegen.templates.moe import fp8_gemv
 from kiln.codegen.templates.moe.analysis import FP8_OP, OP, MoeShape, analyse
 from kiln.codegen.templates.moe.body import BT, COUNTS, SCRATCH, MoeBody
 from kiln.codegen.templates.moe.fp8 import Fp8MoeBody
+from kiln.codegen.templates.moe.fp8_gemv import Fp8MoeGemvBody
 from kiln.ir.plan import DispatchPlan, Region
 from kiln.ir.symbolic import bounds_of
 from kiln.target import Target
@@ -112,12 +116,20 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
-    """The grouped MoE kernel of `region`; raises CodegenUnsupported saying why not."""
+def generate(region: Region, plan: DispatchPlan, target: Target,
+             form: str | None = None) -> KernelSpec:
+    """The grouped MoE kernel of `region`; raises CodegenUnsupported saying why not.
+    `form` (fp8 experts): "gemv" (CUDA cores, fp8_gemv.py) or "dot" (tensor cores);
+    by default the GEMV up to fp8_gemv.GEMV_MAX_TOKENS tokens (benchmarks compare)."""
     shape = analyse(region, plan)
     if shape.fp8:
         fp8_type(target)  # declines where Triton has no e4m3, before any code is emitted
     pairs_hi = bounds_of(shape.pairs, plan.symbols).hi
+    tokens_hi = bounds_of(shape.tokens, plan.symbols).hi
+    form = form or ("gemv" if shape.fp8 and tokens_hi is not None
+                    and tokens_hi <= fp8_gemv.GEMV_MAX_TOKENS else "dot")
+    if form == "gemv" and (not shape.fp8 or tokens_hi is None):
+        raise CodegenUnsupported("the GEMV form needs fp8 experts and a bound on the tokens")
     if pairs_hi is not None and pairs_hi > INT32_MAX:
         raise CodegenUnsupported(f"up to {pairs_hi} (token, expert) pairs: row ids are int32")
     p = SymbolicArgs(plan.symbols)
@@ -127,9 +139,10 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
                    shape.pairs * shape.dim):
         p.check_extent(extent)  # the scratch buffers
     em = Emitter(region, plan, p, target)
-    lines = (Fp8MoeBody if shape.fp8 else MoeBody)(em, p, shape).lines()
+    body = Fp8MoeGemvBody if form == "gemv" else Fp8MoeBody if shape.fp8 else MoeBody
+    lines = body(em, p, shape).lines()
     name = kernel_name("moe_fp8" if shape.fp8 else "moe", region)
-    tunables = ["BM", "BN", "BD", "BK"]
+    tunables = ["BM", "BN", "BD", "KB" if form == "gemv" else "BK"]
     params = p.names() + list(SCRATCH) + [f"{t}: tl.constexpr" for t in tunables]
     source = module_source(name, params, lines, em.helpers, target, p.describe())
     n = f"({p.grid(shape.tokens)})"
@@ -137,13 +150,16 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     tiles = f"min({pairs}, cdiv({pairs}, BM) + {shape.experts})"
     grid = (f"cdiv({n}, {BT}) + {tiles} * (cdiv({shape.inter}, BN) + "
             f"cdiv({shape.dim}, BD))",)
-    configs = config_space(shape, pairs_hi)
-    default = heuristic(shape, target, pairs_hi)
+    if form == "gemv":
+        configs = fp8_gemv.config_space(shape, tokens_hi)
+        default = fp8_gemv.heuristic(target, tokens_hi)
+    else:
+        configs, default = config_space(shape, pairs_hi), heuristic(shape, target, pairs_hi)
     if default not in configs:
         configs.insert(0, default)
     meta = {"dtype": str(shape.dtype).replace("torch.", ""), "pairs_hi": pairs_hi,
             "experts": shape.experts, "top_k": shape.top_k, "inter": shape.inter,
-            "dim": shape.dim,
+            "dim": shape.dim, "form": form,
             # timed with each token choosing k different experts at random: zeros
             # would send every pair to expert 0 and time one expert's GEMM
             "timing_fill": {shape.ids: {"choose_from": str(shape.experts)}}}
