@@ -83,7 +83,7 @@ def _decompose(ep: ExportedProgram, table: dict) -> ExportedProgram | None:
                     and not _replace(gm.graph, node, python_table, traces, fake_mode):
                 return None
     _share_sizes(gm.graph)
-    _fold_pinned_input_sizes(gm.graph)
+    _resymbolise_input_sizes(gm.graph)
     gm.graph.eliminate_dead_code(_impure)
     gm.graph.lint()
     gm.recompile()
@@ -121,11 +121,12 @@ def _share_sizes(graph: fx.Graph) -> None:
             first[key] = node
 
 
-def _fold_pinned_input_sizes(graph: fx.Graph) -> None:
-    """A size of an input that export pinned to a number is that number: torch's
-    re-trace writes it as a constant, and kiln's import reads a pinned size read as a
-    data-dependent size (export._pinned_data_size). An input's sizes never depend on
-    data, so the read is replaced by its value wherever it is used."""
+def _resymbolise_input_sizes(graph: fx.Graph) -> None:
+    """A size read of an input whose recorded value is a number while the input's own
+    (fake) shape holds a symbol there takes the symbol, as torch's re-trace finds it
+    (torch 2.11's capture recorded 2, the example's size, for a dynamic batch dim;
+    kiln's import reads a size read that is a number as data-dependent). Any other
+    such read is left, and export.decompose hands the program to the re-trace."""
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.aten.sym_size.int:
             continue
@@ -134,11 +135,14 @@ def _fold_pinned_input_sizes(graph: fx.Graph) -> None:
         if not (isinstance(src, fx.Node) and src.op == "placeholder"
                 and (isinstance(expr, int) or getattr(expr, "is_Integer", False))):
             continue
-        val = int(expr)
-        for user in list(node.users):
-            user.args, user.kwargs = pytree.tree_map(
-                lambda a, n=node, v=val: v if a is n else a, (user.args, user.kwargs))
-        graph.erase_node(node)
+        shape = getattr(src.meta.get("val"), "shape", None)
+        dim = node.args[1]
+        if shape is None or not isinstance(dim, int):
+            continue  # left for the check in export.decompose: the re-trace then runs
+        real = shape[dim]
+        if isinstance(real, torch.SymInt) and not isinstance(
+                getattr(real.node, "maybe_as_int", lambda: None)(), int):
+            node.meta["val"] = real
 
 
 def _plain_graph(gm: fx.GraphModule, ep: ExportedProgram) -> bool:
