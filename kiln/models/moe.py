@@ -95,7 +95,10 @@ class Router(nn.Module):
         groups = choice.view(N, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
         group_score = groups.topk(2, dim=-1).values.sum(-1)  # [N, n_group]
         kept = group_score.topk(cfg.topk_group, dim=-1).indices
-        group_mask = torch.zeros_like(group_score).scatter(1, kept, 1.0).bool()
+        # which groups were kept, as a comparison kiln fuses (a scatter into zeros ran
+        # as three torch kernels a layer in decode)
+        group_ids = torch.arange(cfg.n_group, device=kept.device)
+        group_mask = (kept[:, :, None] == group_ids).any(dim=1)  # [N, n_group]
         choice = groups.masked_fill(~group_mask[:, :, None], float("-inf")).view(N, -1)
         ids = choice.topk(cfg.n_experts_per_tok, dim=-1).indices
         weights = scores.gather(1, ids)
