@@ -50,6 +50,20 @@ def test_gqa_with_dynamic_length_matches_eager(causal, dtype, tol):
         assert rel_err(exe(*args), model(*args)) <= tol, t
 
 
+def test_dynamic_queries_over_keys_split_across_programs():
+    """A dynamic query length over a longer static cache splits the keys across
+    programs; the merge's loop variable once shadowed the size argument s0, so no
+    program stored its rows (the output was whatever memory held)."""
+    model = Sdpa(gqa=False)
+    exe = kiln.compile(model, _qkv(1, 4, 4, 8, 300), dynamic_shapes=({2: L}, None, None),
+                       target="interpret")
+    _, kernel = _attention_kernel(exe)
+    assert kernel.config["KV_SPLIT"] > 1
+    for t in (8, 1, 37):
+        args = _qkv(1, 4, 4, t, 300)
+        assert rel_err(exe(*args), model(*args)) <= 1e-5, t
+
+
 @pytest.mark.parametrize("kind", ["bool", "additive"])
 def test_mask_input_broadcast_over_batch_and_heads(kind):
     model = Sdpa()
