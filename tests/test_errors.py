@@ -169,6 +169,8 @@ def test_target_that_is_not_a_string():
     ({"tune": "fastest"}, "options['tune'] is 'fastest', not one of none, fast, full", None),
     ({"tune_timeout": "60"}, "positive number of seconds, got '60'", None),
     ({"tune_workers": 0}, "tune_workers'] must be a positive int, got 0", None),
+    ({"mask_envelope": 1}, "options['mask_envelope'] must be True or False, got 1",
+     "every key block"),
 ])
 def test_bad_options_name_the_option(options, message, hint):
     with pytest.raises(ArgumentError) as e:

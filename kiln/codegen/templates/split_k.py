@@ -45,11 +45,18 @@ def scratch(tiles: str, splits: str, numel: str) -> list[Scratch]:
             Scratch(COUNTS, torch.int32, f"({tiles}) if ({splits}) > 1 else 1", zeroed=True)]
 
 
-def program_range(total: str, block: str) -> list[str]:
-    """Lines setting `lo`, `hi`: this split's part of [0, total), in whole blocks."""
+def program_range(total: str, block: str, start: str = "0") -> list[str]:
+    """Lines setting `lo`, `hi`: this split's part of [start, total), in whole blocks
+    (`start` an expression, block-aligned; a split past the range gets none of it)."""
+    if start == "0":
+        return [
+            f"per_split = tl.cdiv(tl.cdiv({total}, n_split), {block}) * {block}",
+            "lo = pid_s * per_split",
+            f"hi = tl.minimum({total}, lo + per_split)",
+        ]
     return [
-        f"per_split = tl.cdiv(tl.cdiv({total}, n_split), {block}) * {block}",
-        "lo = pid_s * per_split",
+        f"per_split = tl.cdiv(tl.cdiv({total} - {start}, n_split), {block}) * {block}",
+        f"lo = {start} + pid_s * per_split",
         f"hi = tl.minimum({total}, lo + per_split)",
     ]
 

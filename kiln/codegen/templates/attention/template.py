@@ -39,13 +39,13 @@ from kiln.codegen.expr.indexing import Lin, Var, floordiv, modidx
 from kiln.codegen.expr.kernel_args import SymbolicArgs
 from kiln.codegen.expr.values import CodegenUnsupported, Cond, Val, mask_of
 from kiln.codegen.templates import split_k as split
-from kiln.codegen.templates.attention.causal_mask import is_causal_mask
 from kiln.codegen.templates.attention.repeated_heads import repeated_heads
 from kiln.codegen.templates.matmul.configs import can_split
 from kiln.codegen.templates.matmul.template import dot_operand
 from kiln.codegen.templates.op_operands import operand_shape as _shape
+from kiln.dispatch.causal_mask import is_causal_mask
 from kiln.ir.plan import DispatchPlan, Ref, Region
-from kiln.ir.symbolic import Dim, bounds_of, same_dim
+from kiln.ir.symbolic import Dim, bounds_of, same_dim, to_str
 from kiln.target import Target
 
 SDPA = "aten.scaled_dot_product_attention.default"
@@ -75,6 +75,9 @@ class AttentionShape:
     value_dim: int
     dtype: torch.dtype
     kv_repeat: int = 1  # K/V hold H heads, head h a repeat of kv head h // kv_repeat
+    # region inputs: per mask row, its first live key and one past its last
+    # (kiln.dispatch.mask_envelope); the key loop stays within its tile's rows' span
+    key_bounds: tuple[str, str] | None = None
 
     @property
     def group(self) -> int:
@@ -141,7 +144,19 @@ def analyse(region: Region, plan: DispatchPlan) -> AttentionShape:
     scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(D)
     return AttentionShape(refs[0].name, refs[1].name, refs[2].name, mask, kind, causal,
                           float(scale), B, H, Hkv // repeat, Tq, S, D, Dv, anchor.dtype,
-                          repeat)
+                          repeat, _key_bounds(region, plan, mask))
+
+
+def _key_bounds(region: Region, plan: DispatchPlan, mask: str | None):
+    """The region's mask envelope (region.key_bounds), if it has one for `mask`."""
+    bounds = region.key_bounds
+    if mask is None or bounds is None or not all(b in region.inputs for b in bounds):
+        return None
+    rows = _shape(region, plan, mask)[:-1]
+    ok = all(len(plan.values[b].shape) == len(rows) and plan.values[b].dtype == torch.int32
+             and all(same_dim(x, y) for x, y in zip(plan.values[b].shape, rows))
+             for b in bounds)
+    return bounds if ok else None
 
 
 def _pow2(n: int) -> int:
@@ -294,7 +309,9 @@ class _AttentionSource:
                 "mask": s.mask_kind, "head_dim_pad": _pow2(max(s.head_dim, s.value_dim)),
                 # [BLOCK_N, D] tiles the key loop loads beyond K and V (fused prologues)
                 "prologue_tiles": max(0, self.loop_loads - 2),
-                "mask_tiles": self.mask_loads}
+                "mask_tiles": self.mask_loads, "key_bounds": s.key_bounds is not None}
+        if s.key_bounds is not None:  # time (and check) the whole walk, not an empty one
+            meta["timing_fill"] = {s.key_bounds[0]: "0", s.key_bounds[1]: to_str(s.s)}
         return KernelSpec(self.name, source, p.args(), tunables, (tiles, heads, n_split),
                           configs, default, "attention", meta, 64 if p.needs_int64 else 32,
                           scratch=split.scratch(all_tiles, n_split, f"BLOCK_M * {dvp + 2}"))
@@ -346,8 +363,12 @@ class _AttentionSource:
                   " // BLOCK_N * BLOCK_N"]
         else:
             L += [f"kv_end = {slen}", f"full_end = {slen} // BLOCK_N * BLOCK_N"]
-        L += ["lo = 0", "hi = kv_end", "if KV_SPLIT > 1:",
-              *["    " + x for x in split.program_range("kv_end", "BLOCK_N")],
+        kv_start = "0"
+        if s.key_bounds is not None:
+            L += self._envelope(head, qpos, slen)
+            kv_start = "kv_start"
+        L += [f"lo = {kv_start}", "hi = kv_end", "if KV_SPLIT > 1:",
+              *["    " + x for x in split.program_range("kv_end", "BLOCK_N", kv_start)],
               "mid = tl.minimum(hi, tl.maximum(lo, full_end))",
               "for start_n in range(lo, mid, BLOCK_N):",
               *["    " + x for x in self._key_step(head, qpos, dp, dvp, ieee, wide, True)],
@@ -362,6 +383,27 @@ class _AttentionSource:
             f"tl.store({o} + ooff, {out_code}, mask=row_ok2 & (dv2 < {dv}))",
         ]
         return L
+
+    def _envelope(self, head: Lin, qpos: Lin, slen: str) -> list[str]:
+        """Lines narrowing [kv_start, kv_end) to the keys the tile's rows' mask lets
+        through, read from the envelope (one int32 pair per mask row). kv_start is
+        block-aligned, so the blocks up to full_end stay wholly inside the keys. A tile
+        whose rows let nothing through gets an empty range: its rows give 0, as eager."""
+        start, end = self.s.key_bounds
+        shape = _shape(self.region, self.plan, start)
+        b = Lin.of(Var("b", self.s.batch, block=False))
+        dims = (b, qpos) if self.three_d else (b, head, qpos)
+        dims = dims[len(dims) - len(shape):]
+        index = tuple(Lin() if same_dim(n, 1) else i for i, n in zip(dims, shape))
+        rows = Cond("row_ok2", frozenset({"rows2"}))
+        with self.em.block() as lines:
+            first = self.em.value(start, index, mask_of(rows)).code
+            last = self.em.value(end, index, mask_of(rows)).code
+        return lines + [
+            f"kv_end = tl.minimum(kv_end, tl.max(tl.where(row_ok2, {last}, 0)))",
+            f"kv_start = tl.minimum(tl.min(tl.where(row_ok2, {first}, {slen})), kv_end)"
+            " // BLOCK_N * BLOCK_N",
+        ]
 
     def _combine(self, dvp: int, rows: str) -> list[str]:
         """With the keys split: store this part (unnormalised acc, running max and sum);
