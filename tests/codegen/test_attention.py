@@ -353,3 +353,17 @@ def test_llm_head_dims_compile_within_the_target(head_dim, dtype, target):
     spec = fitted_spec(plan.regions[0], plan, tgt, attention.generate)
     res = compile_binary(spec, spec.default, tgt).resources
     assert res.shared <= tgt.shared_mem_per_block and res.spills == 0, (spec.default, res)
+
+
+def test_split_keys_merge_keeps_the_size_named_s0():
+    """A dynamic query length (export's first symbol, s0: a kernel parameter) with keys
+    split: the merge loop's counter once shadowed s0, and the store after it wrote rows
+    at the counter's value (rel. error ~1e3)."""
+    model = Sdpa()
+    exe = kiln.compile(model, _qkv(1, 4, 2, 8, 150), dynamic_shapes=({2: L}, None, None),
+                       target="interpret")
+    _, kernel = _attention_kernel(exe)
+    assert "s0" in kernel.spec.source and kernel.config["KV_SPLIT"] > 1
+    for t in (8, 30):
+        args = _qkv(1, 4, 2, t, 150)
+        assert rel_err(exe(*args), model(*args)) <= 1e-5, t

@@ -92,9 +92,10 @@ def merge_loop(elements: str, body: list[str], count: str = "n_split") -> list[s
     would not fit the registers."""
     step = ["    " * 2 + x for x in body]
     return [f"if {elements} <= {UNROLL_ELEMENTS}:",
-            f"    for s0 in range(0, {count}, {UNROLL}):",
+            # not s0: size symbols are kernel parameters named s0, s1, ...
+            f"    for part0 in range(0, {count}, {UNROLL}):",
             f"        for j in tl.static_range({UNROLL}):",
-            "            s = s0 + j", *["    " + x for x in step],
+            "            s = part0 + j", *["    " + x for x in step],
             "else:", f"    for s in range(0, {count}):", *step]
 
 
