@@ -1,0 +1,141 @@
+"""Attention whose key loop is bounded by its mask's envelope (dispatch/mask_envelope.py),
+against eager on fresh random inputs: a causal mask sliced from a buffer over a static
+cache (prefill and decode, as kiln bench's model), a sliding window, a left-padded
+batch, random boolean and additive masks with fully masked rows; under Triton's
+interpreter (the envelope's and attention's kernels) and on the CPU target (no
+envelope: SDPA as torch ops)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kiln
+from kiln.codegen.build.triton_kernel import TritonKernel
+from kiln.ir.plan import RegionKind
+from tests.helpers import rel_err
+
+TARGETS = ["interpret", "cpu"]
+T = torch.export.Dim("T", min=1, max=96)
+
+
+def _attention(exe):
+    (region,) = [r for r in exe.plan.regions if r.kind == RegionKind.ATTENTION]
+    return region, exe.program.kplan.kernels[region.name]
+
+
+def _bounded(exe, target):
+    """On a kernel target the attention kernel reads an envelope from its own kernel."""
+    region, kernel = _attention(exe)
+    if target == "cpu":
+        assert region.key_bounds is None
+        return
+    assert isinstance(kernel, TritonKernel) and kernel.spec.meta["key_bounds"]
+    (env,) = [r for r in exe.plan.regions if set(r.outputs) == set(region.key_bounds)]
+    assert isinstance(exe.program.kplan.kernels[env.name], TritonKernel), env.notes
+
+
+class StaticCache(torch.nn.Module):
+    """gpt-fast's attention: SDPA over a static [1, Hkv, S, D] cache with a boolean
+    causal mask sliced from a buffer by the input positions, GQA by repeat_interleave."""
+
+    def __init__(self, s: int = 150):
+        super().__init__()
+        self.register_buffer("causal", torch.tril(torch.ones(s, s, dtype=torch.bool)))
+
+    def forward(self, q, k_cache, v_cache, input_pos):
+        mask = self.causal[None, None, input_pos]
+        rep = q.shape[1] // k_cache.shape[1]
+        k, v = (c.repeat_interleave(rep, dim=1) for c in (k_cache, v_cache))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_static_cache_prefill_and_decode(target):
+    model = StaticCache()
+    cache = lambda: torch.randn(1, 2, 150, 16)  # noqa: E731
+    args = (torch.randn(1, 4, 8, 16), cache(), cache(), torch.arange(8))
+    exe = kiln.compile(model, args, dynamic_shapes=({2: T}, None, None, {0: T}),
+                       target=target)
+    _bounded(exe, target)
+    for start, t in ((0, 90), (70, 1), (131, 1), (40, 30)):  # prefill, decode, a chunk
+        args = (torch.randn(1, 4, t, 16), cache(), cache(), torch.arange(start, start + t))
+        assert rel_err(exe(*args), model(*args)) <= 1e-5, (start, t)
+
+
+class Masked(torch.nn.Module):
+    def forward(self, q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def _sliding(t, s, window):
+    i = torch.arange(s - t, s)[:, None]  # the queries are the last t positions
+    j = torch.arange(s)[None, :]
+    return (j <= i) & (j > i - window)
+
+
+def _left_padded(b, t, pads):
+    """Causal over a batch whose row r starts after pads[r] padding tokens: the padding
+    queries see nothing (fully masked rows)."""
+    j = torch.arange(t)
+    causal = j[None, :] <= j[:, None]
+    keep = j[None, :] >= torch.tensor(pads)[:, None]
+    return (causal[None] & keep[:, None, :] & keep[:, :, None])[:, None]
+
+
+def _random_bool(b, h, t, s):
+    mask = torch.rand(b, h, t, s) > 0.8
+    mask[:, :, t // 2] = False  # a fully masked row
+    return mask
+
+
+def _additive(t, s):
+    mask = torch.randn(1, 1, t, s)
+    dead = torch.rand(1, 1, t, s) > 0.3
+    dead[..., :, : s // 2] = True  # the first half of the keys dead for every row
+    mask[dead] = float("-inf")
+    mask[..., t // 2, :] = float("-inf")  # a fully masked row
+    return mask
+
+
+MASKS = {  # name -> (batch, heads, kv heads, query and key lengths -> mask)
+    "sliding window": (1, 4, 2, lambda t, s: _sliding(t, s, 24)),
+    "left padded": (3, 2, 2, lambda t, s: _left_padded(3, t, [0, 5, 70])),
+    "random bool": (2, 4, 2, lambda t, s: _random_bool(2, 4, t, s)),
+    "additive": (1, 2, 1, _additive),
+}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", list(MASKS))
+def test_masks_match_eager(name, target):
+    b, h, hkv, make = MASKS[name]
+    padded = name == "left padded"  # a self-attention batch: keys are the queries
+    sizes = [(80, 80), (9, 9)] if padded else [(40, 140), (1, 70), (7, 129)]
+
+    def args(t, s):
+        return (torch.randn(b, h, t, 16), torch.randn(b, hkv, s, 16),
+                torch.randn(b, hkv, s, 16), make(t, s))
+
+    S = torch.export.Dim("S", min=2, max=160)
+    rows = S if padded else T
+    first = args(*sizes[0])
+    n = first[3].dim()
+    ds = ({2: rows}, {2: S}, {2: S}, {n - 2: rows, n - 1: S})
+    exe = kiln.compile(Masked(), first, dynamic_shapes=ds, target=target)
+    _bounded(exe, target)
+    for t, s in sizes:
+        a = args(t, s)
+        out, ref = exe(*a), Masked()(*a)
+        assert torch.isfinite(out).all(), (name, t, s)
+        assert rel_err(out, ref) <= 1e-5, (name, t, s)
+
+
+def test_half_precision_prefill_with_a_sliding_window():
+    make = MASKS["sliding window"][3]
+    h = torch.float16
+    a = (torch.randn(1, 4, 64, 32, dtype=h), torch.randn(1, 2, 200, 32, dtype=h),
+         torch.randn(1, 2, 200, 32, dtype=h), make(64, 200))
+    exe = kiln.compile(Masked(), a, target="interpret")
+    _bounded(exe, "interpret")
+    ref = Masked()(*(x.float() if x.is_floating_point() else x for x in a))
+    assert rel_err(exe(*a).float(), ref) <= 1e-2
