@@ -92,6 +92,7 @@ def merge_loop(elements: str, body: list[str], count: str = "n_split") -> list[s
     would not fit the registers."""
     step = ["    " * 2 + x for x in body]
     return [f"if {elements} <= {UNROLL_ELEMENTS}:",
+            # not s0: size symbols are kernel parameters named s0, s1, ...
             f"    for part_first in range(0, {count}, {UNROLL}):",
             f"        for j in tl.static_range({UNROLL}):",
             "            s = part_first + j", *["    " + x for x in step],

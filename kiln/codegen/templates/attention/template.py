@@ -20,7 +20,11 @@ padded.
 
 The key loop runs in two parts: blocks wholly inside the keys and (causal) at or
 before every row's query need no key, row or causal mask; only the rest are masked.
-Causal row blocks run longest first. When the tiles are too few to fill the GPU
+Causal row blocks run longest first. An explicit mask's envelope (per mask row, the
+first key it lets through and one past the last: kiln.dispatch.mask_envelope, region
+inputs) bounds the loop to the span its tile's rows can see; the mask still applies
+inside it. The bounds are loop bounds, never an `if` around the loads (Triton does not
+pipeline loads inside an `if`). When the tiles are too few to fill the GPU
 (decode: one tile per KV head), the keys are split across programs
 (kiln.codegen.templates.split_k): each keeps its unnormalised output with its running max
 and sum, and the last program of a tile merges them by their maxima.
