@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.export import Dim
@@ -12,6 +13,12 @@ from torch.export import Dim
 import kiln
 from kiln.frontend import export
 from kiln.frontend.local_decompose import decompose_locally
+
+
+@pytest.fixture(autouse=True)
+def _local(monkeypatch):
+    """The node-by-node pass is opt-in (KILN_DECOMPOSE=local)."""
+    monkeypatch.setenv("KILN_DECOMPOSE", "local")
 
 
 class CacheBlock(torch.nn.Module):
