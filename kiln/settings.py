@@ -34,6 +34,9 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
     "KILN_COMPILE_CACHE": ("1", "0: never keep or reuse compiled modules in KILN_CACHE_DIR "
                            "(kiln.compile's options={'compile_cache': False} for one "
                            "compile); tuning results are kept either way"),
+    "KILN_DECOMPOSE": ("retrace", "local: decompose a captured program node by node (torch >= "
+                       "2.13; seconds instead of the whole-program re-trace's tens of "
+                       "seconds, but not yet the same program everywhere: off by default)"),
     "KILN_DIST_TIMEOUT": ("300", "seconds a rank waits on its peers (a collective, a "
                           "transfer) before a dead or stuck peer is a DistributedError"),
 }
@@ -104,6 +107,11 @@ def tune_timing() -> str:
 def compile_cache_enabled() -> bool:
     """KILN_COMPILE_CACHE: keep and reuse compiled modules (default on)."""
     return (_get("KILN_COMPILE_CACHE") or "1").strip().lower() not in ("0", "false", "no")
+
+
+def local_decompose() -> bool:
+    """KILN_DECOMPOSE=local: the node-by-node decomposition (default: torch's re-trace)."""
+    return (_get("KILN_DECOMPOSE") or "").strip().lower() == "local"
 
 
 def dist_timeout_s() -> float:

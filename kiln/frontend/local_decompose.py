@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import os
 
 import torch
 import torch.fx as fx
@@ -42,6 +41,8 @@ from torch.export.graph_signature import (
 )
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from kiln.settings import local_decompose
+
 log = logging.getLogger("kiln.frontend")
 
 _META_KEPT = ("stack_trace", "nn_module_stack", "torch_fn", "custom", "source_fn_stack")
@@ -59,7 +60,7 @@ def decompose_locally(ep: ExportedProgram, table: dict) -> ExportedProgram | Non
     module came out with its dynamic batch fixed at the example's 2; on torch 2.13 eval
     BatchNorm stayed native_batch_norm (the re-trace reaches kiln's eval form) and
     repeated views kept separate names (tests/graph: fold_conv_scale, cse)."""
-    if os.environ.get("KILN_DECOMPOSE") != "local" or _TORCH < (2, 13):
+    if not local_decompose() or _TORCH < (2, 13):
         return None
     try:
         return _decompose(ep, table)
