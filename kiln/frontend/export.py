@@ -32,7 +32,7 @@ from kiln.errors import (
 )
 from kiln.frontend.decompositions import DECOMPOSE, FALLBACKS, OVERRIDES
 from kiln.frontend.dim_names import dim_names
-from kiln.frontend.local_decompose import decompose_locally
+from kiln.frontend.local_decompose import ShapesSpecialised, decompose_locally
 from kiln.frontend.reduction_shapes import fix_reduction_shapes
 from kiln.frontend.scalar_index import select_by_tensor_as_index
 from kiln.frontend.train_mode import check_inference_mode
@@ -229,7 +229,8 @@ def _tail(text: str, n: int = 25) -> str:
     return "\n".join(text.splitlines()[:n])
 
 
-def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+def decompose(ep: torch.export.ExportedProgram, recapture=None
+              ) -> torch.export.ExportedProgram:
     """Lower to core ATen, and further where kiln knows better (decompositions.py):
     its own decompositions of what some torch versions leave whole (nn.RMSNorm on a GPU
     with torch 2.11), and torch's for ops kiln would otherwise run unfused (eval
@@ -237,7 +238,13 @@ def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     table = kiln_table()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        local = decompose_locally(ep, table)
+        try:
+            local = decompose_locally(ep, table)
+        except ShapesSpecialised as e:
+            if recapture is None:
+                raise
+            log.info("capturing again: %s", e)
+            ep, local = recapture(), None
         # a size the splice pinned to an int reads as data-dependent downstream
         # (_check_no_unbacked): such a program is not the re-trace's, so re-trace
         if local is not None and _pinned_sizes(local) == 0:
@@ -466,7 +473,7 @@ def import_exported(ep: torch.export.ExportedProgram, model, args, kwargs=None,
                     dynamic_shapes=None, fallback: str = "allow") -> KilnGraph:
     """The KilnGraph of a captured program: decomposed, checked and converted."""
     with phase("decompose"):
-        ep = decompose(ep)
+        ep = decompose(ep, recapture=lambda: export_model(model, args, kwargs, dynamic_shapes))
     _check_no_unbacked(ep)
     _drop_asserts(ep.graph_module)
     select_by_tensor_as_index(ep.graph_module)

@@ -25,6 +25,7 @@ import operator
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._dispatch.python import enable_python_dispatcher
 from torch._export.utils import _special_op_to_preserve_cia
 from torch._export.verifier import Verifier
 from torch._guards import detect_fake_mode
@@ -51,6 +52,12 @@ _META_KEPT = ("stack_trace", "nn_module_stack", "torch_fn", "custom", "source_fn
 _TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
+class ShapesSpecialised(Exception):
+    """The pass narrowed a dynamic input size in the program's shape environment (a
+    trace guarded on it): the captured program itself is no longer dynamic there, so
+    neither this pass's result nor torch's re-trace of it may be used; capture again."""
+
+
 def decompose_locally(ep: ExportedProgram, table: dict) -> ExportedProgram | None:
     """`ep` lowered with `table` as run_decompositions would, or None when this pass
     cannot be sure of giving the same program (the caller then re-traces).
@@ -62,11 +69,35 @@ def decompose_locally(ep: ExportedProgram, table: dict) -> ExportedProgram | Non
     repeated views kept separate names (tests/graph: fold_conv_scale, cse)."""
     if not local_decompose() or _TORCH < (2, 13):
         return None
+    shape_env, before = _input_symbols(ep)
     try:
-        return _decompose(ep, table)
+        local = _decompose(ep, table)
     except Exception as e:  # noqa: BLE001 - torch's re-trace is always there to fall back on
         log.info("node-by-node decomposition failed (%s: %s)", type(e).__name__, e)
-        return None
+        local = None
+    if shape_env is not None and _symbol_state(shape_env, before) != before:
+        raise ShapesSpecialised("a decomposition traced node by node guarded on a "
+                                "dynamic input size")
+    return local
+
+
+def _input_symbols(ep: ExportedProgram) -> tuple[object, dict]:
+    """The shape environment and, per symbol of an input's size, what it knows of it
+    (its replacement and range) before the pass."""
+    symbols, shape_env = set(), None
+    for node in ep.graph.nodes:
+        val = node.meta.get("val") if node.op == "placeholder" else None
+        for d in getattr(val, "shape", ()):
+            if isinstance(d, torch.SymInt):
+                shape_env = d.node.shape_env
+                symbols |= d.node.expr.free_symbols
+    state = dict.fromkeys(symbols)
+    return shape_env, _symbol_state(shape_env, state) if shape_env is not None else state
+
+
+def _symbol_state(shape_env, symbols: dict) -> dict:
+    return {s: (str(shape_env.replacements.get(s)), str(shape_env.var_to_range.get(s)))
+            for s in symbols}
 
 
 def _decompose(ep: ExportedProgram, table: dict) -> ExportedProgram | None:
@@ -303,6 +334,9 @@ def _replace(graph: fx.Graph, node: fx.Node, table: dict, traces: dict, fake_mod
         for t in trace.graph.nodes:
             if t.op == "placeholder":
                 env[t] = next(placeholders)
+            elif t.target is torch.ops.aten.alias.default:
+                env[t] = env[t.args[0]]  # the Python dispatcher's views of a whole
+                # tensor (split, chunk): functionalization drops them in the re-trace
             elif t.op == "call_function":
                 new = graph.call_function(t.target, *pytree.tree_map(
                     lambda a: env[a] if isinstance(a, fx.Node) else a, (t.args, t.kwargs)))
@@ -341,8 +375,9 @@ def _trace(op, leaves: list, spec, vals: list, table: dict, fake_mode):
         args, kwargs = pytree.tree_unflatten(filled, spec)
         return op(*args, **kwargs)
 
-    try:
-        with fake_mode:
+    try:  # the Python dispatcher, as torch's re-trace: C++ composite kernels (torch
+        # 2.11's linear) then read symbolic sizes instead of guarding them to the example's
+        with fake_mode, enable_python_dispatcher():
             gm = make_fx(call, decomposition_table=table, tracing_mode="real",
                          _allow_non_fake_inputs=False)(*vals)
     except Exception:  # noqa: BLE001 - any failure means: leave it to torch's re-trace

@@ -12,7 +12,7 @@ from torch.export import Dim
 
 import kiln
 from kiln.frontend import export
-from kiln.frontend.local_decompose import decompose_locally
+from kiln.frontend.local_decompose import ShapesSpecialised, decompose_locally
 
 
 @pytest.fixture(autouse=True)
@@ -98,6 +98,47 @@ def test_view_read_after_a_write_is_left_to_torch():
     x = torch.randn(4, 3)
     exe = kiln.compile(ViewBeforeWrite().eval(), (torch.randn(4, 3),))
     assert torch.allclose(exe(x), model(x))
+
+
+def _guarding_linear(x, w, b=None):
+    """A linear decomposition that reads the batch size as a number (as torch 2.11's
+    C++ linear did outside the Python dispatcher): tracing it pins the dynamic dim."""
+    rows = int(x.shape[0]) * x.shape[1]
+    out = torch.mm(x.reshape(rows, x.shape[-1]), w.t()).reshape(*x.shape[:-1], w.shape[0])
+    return out if b is None else out + b
+
+
+def _exported_batch(model):
+    x, pos = torch.randn(2, 5, 16), torch.arange(5)
+    batch, seq = Dim("batch", min=1, max=4), Dim("seq", min=2, max=12)
+    return (x, pos), ({0: batch, 1: seq}, {0: seq})
+
+
+class Linear2(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(16, 8)
+
+    def forward(self, x, pos):
+        return self.w(x) + pos[None, :, None]
+
+
+def test_a_trace_that_pins_a_dynamic_size_is_refused_and_the_model_recaptured():
+    """The pass must not leave the captured program narrowed: it raises, and the import
+    captures again, so the re-trace still sees the dynamic batch."""
+    model = Linear2().eval()
+    args, dyn = _exported_batch(model)
+    table = dict(_table())
+    table.pop(torch.ops.aten.linear.default, None)
+    table[torch.ops.aten.linear.default] = _guarding_linear
+    ep = export.capture(model, args, dynamic_shapes=dyn)
+    with pytest.raises(ShapesSpecialised):
+        decompose_locally(ep, table)
+    fresh = export.capture(model, args, dynamic_shapes=dyn)
+    out = export.decompose(fresh, recapture=lambda: export.capture(model, args,
+                                                                  dynamic_shapes=dyn))
+    ranges = sorted((int(r.lower), int(r.upper)) for r in out.range_constraints.values())
+    assert (1, 4) in ranges  # the batch is still dynamic
 
 
 def _table():
