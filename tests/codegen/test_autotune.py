@@ -539,8 +539,32 @@ def test_a_candidate_that_faults_kills_or_hangs_its_run_worker_is_quarantined(
     kernel, _ = tune_planted(spec)
     assert kernel.config == ok and get_run_pool().workers_started - started == 5
     tried = compiles()[before[0]:] + runs()[before[1]:]
+    # compiled, screened, timed on (screen.py), checked; extern (3x slower) screened only
     assert sorted(line.split(" ")[1] for line in tried) == sorted(
-        [str(ok), str(ok), str(ok), "extern"])  # compiled, timed, checked; extern timed
+        [str(ok)] * 4 + ["extern"])
+
+
+def test_screening_times_on_only_the_candidates_near_the_fastest():
+    from kiln.codegen.autotune.screen import REST, SCREEN, screened_times
+    from kiln.codegen.autotune.timing import PRUNE_RATIO
+
+    screen = {"best": 1.0, "near": 1.9, "far": PRUNE_RATIO * 1.0 + 0.1, "broken": math.inf}
+    rest = {"best": 3.0, "near": 1.5}  # the rest's samples shift the median
+    asked = []
+
+    def measure(c, budget):
+        asked.append((c, budget))
+        ms = screen[c] if budget == SCREEN else rest[c]
+        return ms, [ms] * (2 if budget == SCREEN else 3)
+
+    times, pruned = screened_times(measure, list(screen))
+    assert pruned == {"far"}
+    assert times == {"best": 3.0, "near": 1.5, "far": screen["far"], "broken": math.inf}
+    assert [a for a in asked if a[1] == REST] == [("best", REST), ("near", REST)]
+    # a runner that reports medians only: the rest's median stands
+    times, _ = screened_times(lambda c, b: (screen[c] if b == SCREEN else rest[c], None),
+                              ["best", "far"])
+    assert times == {"best": 3.0, "far": screen["far"]}
 
 
 def test_bad_tune_timing_setting_is_named(monkeypatch):

@@ -46,6 +46,9 @@ class NoRunWorker(Exception):
 @dataclass
 class Ran:
     value: object = None  # the median ms ("time"), or the mismatch or None ("verify")
+    # each timed run's ms, when the timing had a budget (a screen, or the rest after
+    # one); None from a runner that reports the median only
+    samples: list[float] | None = None
     fault: str | None = None
     error: str | None = None
 
@@ -80,23 +83,28 @@ class IsolatedRuns:
         self.runner = runner
         self.timeout = timeout
 
-    def time(self, config: Config | None, binary: Binary | None) -> Ran:
-        """The candidate's median ms (config None: the region's torch form)."""
-        return self._run("time", config, binary)
+    def time(self, config: Config | None, binary: Binary | None,
+             budget: tuple[float, float] | None = None) -> Ran:
+        """The candidate's median ms (config None: the region's torch form); with a
+        budget ((warmup ms, rep ms): a screen, or the rest of a timing) its samples too."""
+        return self._run("time", config, binary, budget)
 
     def verify(self, config: Config, binary: Binary) -> Ran:
         """Why the candidate's outputs differ from the torch form's (None: they agree)."""
         return self._run("verify", config, binary)
 
-    def _run(self, what: str, config: Config | None, binary: Binary | None) -> Ran:
+    def _run(self, what: str, config: Config | None, binary: Binary | None,
+             budget: tuple[float, float] | None = None) -> Ran:
         task = {**self.base, "spec": None, "config": None, "binary": None}
+        if budget is not None:
+            task["budget"] = list(budget)
         if config is not None:  # never ship a loaded kernel: the worker loads its own
             task.update(spec=self.spec, config=config.to_json(),
                         binary=dataclasses.replace(binary, _kernels={}))
         ((_, out),) = get_run_pool().run([RunJob(what, task, self.runner)], self.timeout)
         key = "ms" if what == "time" else "mismatch"
         if out.status == OK and isinstance(out.result, dict) and key in out.result:
-            return Ran(value=out.result[key])
+            return Ran(value=out.result[key], samples=out.result.get("samples"))
         if out.status == OK:
             return Ran(error=f"the runner's reply has no {key!r}: {out.result!r}"[:300])
         if out.status == NO_WORKER:

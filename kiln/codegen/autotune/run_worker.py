@@ -11,8 +11,10 @@ process). A candidate that faults ends only this worker; the tuner quarantines i
     job   {"id", "fn": "module:function" (the runner, default measure), "env",
            "task": {"what": "time" | "verify", "region", "spec", "config", "binary"
                     (spec/config/binary None: the region's torch form), "buffers",
-                    "sizes", "device", "seed"}}
-    reply {"id", "status": "ok", "result": {"ms": float} | {"mismatch": str | None}}
+                    "sizes", "device", "seed", "budget" (time only, optional:
+                    [warmup ms, rep ms], then the reply's samples too)}}
+    reply {"id", "status": "ok", "result": {"ms": float (, "samples": [ms...])}
+                                           | {"mismatch": str | None}}
         | {"id", "status": "error", "reason"}   raised, CUDA context intact: the
                                                   candidate cannot run (not a fault)
         | {"id", "status": "fault", "reason", "retire": True}   a CUDA error: this
@@ -48,7 +50,7 @@ def _kernel(task: dict):
 def measure(task: dict) -> dict:
     """Time a candidate ({"ms"}) or compare its outputs with the torch form's
     ({"mismatch": why, or None when they agree}), on fresh seeded buffers."""
-    from kiln.codegen.autotune.timing import make_buffers, timed_ms
+    from kiln.codegen.autotune.timing import make_buffers, median, timed_ms, timed_samples
     from kiln.codegen.autotune.verify import mismatch, outputs
     from kiln.codegen.torch_kernel import TorchKernel
 
@@ -58,6 +60,9 @@ def measure(task: dict) -> dict:
         torch.cuda.set_device(task["device"])
     inputs, outs = make_buffers(task["buffers"], task["device"], task["seed"])
     kernel, sizes = _kernel(task), task["sizes"]
+    if task["what"] == "time" and task.get("budget"):  # a screen, or the rest after one
+        samples = timed_samples(kernel, inputs, outs, sizes, *task["budget"])
+        return {"ms": median(samples), "samples": samples}
     if task["what"] == "time":
         return {"ms": timed_ms(kernel, inputs, outs, sizes)}
     want = outputs(TorchKernel(task["region"], task["device"]), inputs, outs, sizes)

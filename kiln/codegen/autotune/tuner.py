@@ -64,6 +64,7 @@ from kiln.codegen.autotune.isolated_runs import (
     NoRunWorker,
     Ran,
 )
+from kiln.codegen.autotune.screen import SCREEN, screened_times
 from kiln.codegen.autotune.timing import (
     bench,
     buffer_specs,
@@ -343,8 +344,8 @@ class Tuner:
         low_runs = None if low is None else self._runs(region, spec, plan, low)
         faults: list[str] = []
         try:
-            times = self._time_all(runs, region, spec, outcomes, built, faults)
-            low_times = None if low is None else self._time_all(
+            times, pruned = self._time_all(runs, region, spec, outcomes, built, faults)
+            low_times, low_pruned = (None, set()) if low is None else self._time_all(
                 low_runs, region, spec, outcomes, built, faults)
         except NoRunWorker as e:  # nothing can be timed: decide as without a GPU
             first = built[0]
@@ -363,7 +364,17 @@ class Tuner:
         # ... unless none is near it at both: each end its own winner (both_ends.py)
         top = self._winner(runs, spec, outcomes, times, times, "")
         bottom = self._winner(low_runs, spec, outcomes, low_times, low_times, "")
+        # where the two winners' times cross is read from each at the other's end too:
+        # a screen's time there is made a full one (the same note lists the screens')
+        for c, at, at_times, at_pruned in ((_key(bottom), runs, times, pruned),
+                                           (_key(top), low_runs, low_times, low_pruned)):
+            if c in at_pruned:
+                at_times[c] = self._full_ms(at, spec, c, outcomes, faults)
         return _per_end(bottom, top, low_times, times, low, env, note)
+
+    def _full_ms(self, runs, spec, c, outcomes, faults) -> float:
+        ran = self._ran(runs, spec, c, outcomes[c].binary if c else None, faults)
+        return math.inf if ran.value is None else float(ran.value)
 
     def _winner(self, runs, spec, outcomes, scores, times, note) -> Choice:
         """The candidate ranked first by `scores` whose outputs match the torch form's
@@ -384,15 +395,17 @@ class Tuner:
                       f"[{best}] {note}{verdict}")
 
     def _time_all(self, runs, region, spec, outcomes, built, faults):
-        """Each built candidate's median ms, and the torch form's (key None)."""
-        times: dict[Config | None, float] = {}
+        """(each built candidate's median ms and the torch form's (key None), those
+        timed by a screen alone): screen.py; far slower than the fastest, they lose."""
         with progress(total=len(built) + 1, desc=f"time {region.name}", unit="config") as bar:
-            for c in built:
-                times[c] = self._timed(runs, spec, c, outcomes[c].binary, faults)
-                bar.update(1)
-            times[None] = self._timed(runs, spec, None, None, faults)
-            bar.update(1)
-        return times
+            def measure(c, budget):
+                ran = self._ran(runs, spec, c, outcomes[c].binary if c else None, faults,
+                                budget)
+                if budget == SCREEN:  # one step a candidate
+                    bar.update(1)
+                return (math.inf if ran.value is None else float(ran.value)), ran.samples
+
+            return screened_times(measure, [*built, None])
 
     def _runs(self, region, spec, plan, env):
         """Where candidates run: the run worker, or (KILN_TUNE_TIMING=inprocess) here."""
@@ -402,14 +415,14 @@ class Tuner:
         return IsolatedRuns(region, spec, buffer_specs(region, plan, env, fill), env,
                             self.runner, self.run_timeout)
 
-    def _timed(self, runs, spec, config, binary, faults: list[str]) -> float:
-        """A candidate's median ms; math.inf when it did not run (a fault quarantines it)."""
-        ran = runs.time(config, binary)
+    def _ran(self, runs, spec, config, binary, faults: list[str], budget=None) -> Ran:
+        """A candidate's run (a fault quarantines it; a failure is logged)."""
+        ran = runs.time(config, binary, budget)
         if ran.fault is not None:
             self._faulted(spec, config, ran.fault, faults)
         elif ran.error is not None:
             log.info("timing %s failed: %s", config or "extern", ran.error)
-        return math.inf if ran.value is None else float(ran.value)
+        return ran
 
     def _faulted(self, spec, config, why: str, faults: list[str]) -> None:
         """Record that running `config` faulted (config None: the torch form, no record)."""
@@ -465,14 +478,20 @@ class _InProcessRuns:
         self.region, self.spec, self.env, self.device = region, spec, env, device
         self.inputs, self.outs = example_buffers(region, plan, env, device, fill)
         self._want = None
+        self._timed: dict = {}  # config -> ms
 
     def _kernel(self, config, binary):
         if config is None:
             return TorchKernel(self.region, self.device)
         return TritonKernel(self.region, self.spec, config, binary)
 
-    def time(self, config, binary) -> Ran:
-        return Ran(bench(self._kernel(config, binary), self.inputs, self.outs, self.env))
+    def time(self, config, binary, budget=None) -> Ran:
+        """One full timing a candidate, whatever the budget (a screen and its rest
+        read it twice): debugging favours the plain measurement over the saving."""
+        if config not in self._timed:
+            self._timed[config] = bench(self._kernel(config, binary), self.inputs,
+                                        self.outs, self.env)
+        return Ran(self._timed[config])
 
     def verify(self, config, binary) -> Ran:
         if self._want is None:
@@ -523,10 +542,7 @@ def _per_end(bottom: Choice, top: Choice, low_times: dict, times: dict,
              low: dict[str, int], env: dict[str, int], note: str) -> Choice:
     """The low end's winner `bottom` and the top's `top` as one choice: a switch between
     them (at both_ends.switch_point), or the one that alone serves both ends."""
-    def candidate(c: Choice):  # the key of its times: a config, or None for extern
-        return c.config if c.kind == "triton" else None
-
-    lo, hi = candidate(bottom), candidate(top)
+    lo, hi = _key(bottom), _key(top)
     at = None if lo == hi else switch_point((low_times[lo], times[lo]),
                                             (low_times[hi], times[hi]))
     if at is None:  # one winner (checking outputs can make it so), or one near enough
@@ -539,6 +555,11 @@ def _per_end(bottom: Choice, top: Choice, low_times: dict, times: dict,
     return Choice("switch", ms=top.ms, low=bottom, high=top, low_sizes=sizes,
                   note=f"switch on size: {switch} runs {_named(bottom)}, larger sizes "
                   f"{_named(top)}; {note}")
+
+
+def _key(c: Choice):
+    """The key of a choice's times: its config, or None for the extern form."""
+    return c.config if c.kind == "triton" else None
 
 
 def _named(c: Choice) -> str:
