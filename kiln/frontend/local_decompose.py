@@ -62,12 +62,13 @@ def decompose_locally(ep: ExportedProgram, table: dict) -> ExportedProgram | Non
     """`ep` lowered with `table` as run_decompositions would, or None when this pass
     cannot be sure of giving the same program (the caller then re-traces).
 
-    Opt-in (KILN_DECOMPOSE=local) and only on torch >= 2.13: it is not yet the same
-    program as the re-trace everywhere. Under torch 2.11 on an H100 an LLM's decode
-    module came out with its dynamic batch fixed at the example's 2; on torch 2.13 eval
-    BatchNorm stayed native_batch_norm (the re-trace reaches kiln's eval form) and
-    repeated views kept separate names (tests/graph: fold_conv_scale, cse)."""
-    if not local_decompose() or _TORCH < (2, 13):
+    Opt-in (KILN_DECOMPOSE=local), torch >= 2.11: it is not yet the same program as the
+    re-trace everywhere (torch 2.13: eval BatchNorm stayed native_batch_norm, repeated
+    views kept separate names: tests/graph fold_conv_scale, cse). Raises
+    ShapesSpecialised when a trace narrowed a dynamic input size (torch 2.11's C++
+    linear outside the Python dispatcher fixed an LLM's decode batch at the example's 2):
+    the caller captures again."""
+    if not local_decompose() or _TORCH < (2, 11):
         return None
     shape_env, before = _input_symbols(ep)
     try:
