@@ -30,14 +30,16 @@ from kiln.target import Target, detect_cuda
 
 log = logging.getLogger("kiln.codegen")
 
-WARMUP_MS, REP_MS = 25, 100
+WARMUP_MS, REP_MS = 25, 40
 # Screening (tuner._time_all): every candidate first runs for SCREEN_REP_MS; one slower
 # than PRUNE_RATIO x the fastest screened keeps that time, the others run on to REP_MS
-# in all (the screen's samples count), so a contender's median is taken over as many
-# samples as before. Why: an 8B generation compile timed 412 candidates at ~95 ms each
-# (H100: 38.9 s), most of it repeating kernels already known to lose by a wide margin.
+# in all (the screen's samples count). Why: an 8B generation compile timed ~500
+# candidates at 100 ms of runs each (H200: 64.7 s with screening at 2x), while a run of
+# a decode kernel with do_bench's L2 clear before it is ~70 us: 10 ms is ~140 samples,
+# whose median is within a few percent, and 40 ms ~550; a kernel 1.5x slower than the
+# fastest screen does not win.
 SCREEN_WARMUP_MS, SCREEN_REP_MS = 5, 10
-PRUNE_RATIO = 2.0
+PRUNE_RATIO = 1.5
 
 
 def gpu_for(target: Target) -> bool:
