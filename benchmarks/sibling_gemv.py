@@ -1,26 +1,42 @@
-"""Sibling decode GEMVs in one kernel (kiln.dispatch.group_siblings) against one kernel
-each, at Llama-3-8B's widths, fp16, B decode rows.
+"""Sibling decode GEMVs in one kernel (kiln.dispatch.group_siblings, group_fp8_siblings)
+against one kernel each, B decode rows.
 
-Per case, an RMSNorm then HF Llama's separate projections of the normed x:
+Per case, an RMSNorm then separate projections of the normed x:
 
-- qkv:     q_proj (4096), k_proj (1024), v_proj (1024), the three products returned;
-- gate_up: silu(gate_proj(h)) * up_proj(h), 14336 wide each.
+- qkv:        Llama-3-8B's q_proj (4096), k_proj (1024), v_proj (1024), fp16, the three
+              products returned;
+- gate_up:    silu(gate_proj(h)) * up_proj(h), 14336 wide each, fp16;
+- fp8_qkv, fp8_gate_up: the same with the projections block-scaled fp8 (a Llama
+              loaded with quantize="fp8"), bf16 activations;
+- v3_q_kv_a:  DeepSeek-V3's q_a_proj (1536) and kv_a_proj_with_mqa (576) of hidden 7168,
+              fp8, bf16, both returned;
+- v3_dense_gate_up, v3_shared_gate_up: V3's dense MLP (18432) and shared expert (2048)
+              gate / up, fp8, SiLU(gate) * up.
+
+fp8 siblings group only at one token (the fp8 GEMV form's): those cases skip other
+row counts.
 
 Forms, each compiled by kiln for the GPU and replayed as a CUDA graph:
 
 - grouped: kiln as it compiles (the siblings grouped: one launch; the tuner keeps the
-           group only if it beats the siblings apart, the region notes say which);
-- apart:   the same model with grouping switched off (a GEMV kernel per projection);
-- fused:   (gate_up only) gpt-fast's layout, one concatenated w13 split by chunk: the
+           group only if it beats the siblings apart, the region notes say which and
+           the tuner's times of both);
+- apart:   the same model with grouping switched off (a GEMV kernel per projection,
+           and for fp8 pairs the SiLU product a kernel of its own);
+- fused:   (gate_up cases) gpt-fast's layout, one concatenated w13 split by chunk: the
            same bytes in one product, what grouping aims to match (a fused wqkv's
-           returned split views would add copy kernels, so qkv has no such row).
+           returned split views would add copy kernels, so qkv has no such row; V3's
+           kv_a width is no multiple of the fp8 weight's 128-row scale blocks).
 
 Compiled with the compile cache off: the forms share one captured program.
 
 `apart - grouped` is what grouping saves per layer and case in a decode step. Errors
-against eager fp32. Writes JSON to --out.
+against eager fp32 (fp16 cases) or against the same fp8 model run eagerly in bf16
+(fp8 cases: only the compile's error). Writes JSON to --out.
 
     PYTHONPATH=. python3 benchmarks/sibling_gemv.py --out sibling_gemv.json [--rows 1,4]
+    PYTHONPATH=. python3 benchmarks/sibling_gemv.py --out fp8.json --rows 1 \
+        --cases v3_q_kv_a,v3_dense_gate_up,v3_shared_gate_up,fp8_qkv,fp8_gate_up
 
 Smoke test anywhere: --small (widths / 64, the interpret target, no CUDA graphs).
 """
@@ -37,18 +53,29 @@ import torch.nn.functional as F
 from measure import rel_err, timed_ms
 
 import kiln
-from kiln.dispatch import group_siblings
+from kiln.dispatch import group_fp8_siblings, group_siblings
+from kiln.dispatch.group_fp8_siblings import FP8_GEMV_MAX_M
+from kiln.models.fp8 import Fp8Linear
 
-WIDTHS = {"dim": 4096, "q": 4096, "kv": 1024, "ffn": 14336}
+WIDTHS = {"llama": {"dim": 4096, "q": 4096, "kv": 1024, "ffn": 14336},
+          "v3": {"dim": 7168, "q_a": 1536, "kv_a": 576, "ffn": 18432, "shared": 2048}}
+# case -> (model widths, its projections' widths, paired by SiLU(gate) * up, fp8)
+CASES = {"qkv": ("llama", ["q", "kv", "kv"], False, False),
+         "gate_up": ("llama", ["ffn", "ffn"], True, False),
+         "fp8_qkv": ("llama", ["q", "kv", "kv"], False, True),
+         "fp8_gate_up": ("llama", ["ffn", "ffn"], True, True),
+         "v3_q_kv_a": ("v3", ["q_a", "kv_a"], False, True),
+         "v3_dense_gate_up": ("v3", ["ffn", "ffn"], True, True),
+         "v3_shared_gate_up": ("v3", ["shared", "shared"], True, True)}
 
 
 class Case(torch.nn.Module):
     def __init__(self, case: str, w: dict, fused: bool):
         super().__init__()
-        self.case, self.fused = case, fused
+        _, outs, self.pair, _ = CASES[case]
+        self.fused = fused
         self.norm = torch.nn.RMSNorm(w["dim"], eps=1e-5)
-        outs = [w["q"], w["kv"], w["kv"]] if case == "qkv" else [w["ffn"], w["ffn"]]
-        self.outs = outs
+        self.outs = outs = [w[o] for o in outs]
         if fused:
             self.proj = torch.nn.Linear(w["dim"], sum(outs), bias=False)
         else:
@@ -59,7 +86,15 @@ class Case(torch.nn.Module):
         h = self.norm(x)
         ys = (self.proj(h).split(self.outs, dim=-1) if self.fused
               else [p(h) for p in self.projs])
-        return tuple(ys) if self.case == "qkv" else F.silu(ys[0]) * ys[1]
+        return F.silu(ys[0]) * ys[1] if self.pair else tuple(ys)
+
+    def to_fp8(self) -> Case:
+        """Each projection block-scaled fp8 (kiln.models.fp8.Fp8Linear), in place."""
+        if self.fused:
+            self.proj = Fp8Linear.from_linear(self.proj)
+        else:
+            self.projs = torch.nn.ModuleList(Fp8Linear.from_linear(p) for p in self.projs)
+        return self
 
 
 def _load_from(model: Case, base: Case) -> None:
@@ -75,19 +110,22 @@ def _load_from(model: Case, base: Case) -> None:
 
 @contextmanager
 def grouping(on: bool):
-    saved = group_siblings.group_siblings_of
+    saved = group_siblings.group_siblings_of, group_fp8_siblings.group_fp8_siblings_of
     if not on:
         group_siblings.group_siblings_of = lambda plan: 0
+        group_fp8_siblings.group_fp8_siblings_of = lambda plan: 0
     try:
         yield
     finally:
-        group_siblings.group_siblings_of = saved
+        group_siblings.group_siblings_of, group_fp8_siblings.group_fp8_siblings_of = saved
 
 
 def run_case(name: str, rows: int, small: bool) -> dict:
-    w = {k: v // 64 for k, v in WIDTHS.items()} if small else WIDTHS
+    family, _, pair, fp8 = CASES[name]
+    w = {k: v // 64 for k, v in WIDTHS[family].items()} if small else WIDTHS[family]
     device, target = ("cpu", "interpret") if small else ("cuda", "cuda")
-    x = torch.randn(rows, 1, w["dim"], device=device, dtype=torch.float16)
+    dtype = torch.bfloat16 if fp8 else torch.float16
+    x = torch.randn(rows, 1, w["dim"], device=device, dtype=dtype)
     torch.manual_seed(0)
     base = Case(name, w, False).to(device).eval()
     with torch.no_grad():
@@ -95,14 +133,16 @@ def run_case(name: str, rows: int, small: bool) -> dict:
         for p in base.projs:
             p.weight.normal_(0.0, 0.02)
         want = base(x.float())
-    row: dict = {"case": name, "rows": rows, "dim": w["dim"]}
+    row: dict = {"case": name, "rows": rows, "dim": w["dim"], "fp8": fp8}
     forms = {"grouped": (False, True), "apart": (False, False)}
-    if name == "gate_up":
+    if pair and (not fp8 or all(n % 128 == 0 for n in base.outs)):  # fp8: whole blocks
         forms["fused"] = (True, False)
     for form, (fused, grouped) in forms.items():
         model = Case(name, w, fused).to(device).eval()
         _load_from(model, base)
-        model = model.half()
+        model = model.to(dtype)
+        if fp8:
+            model.to_fp8()
         with grouping(grouped):
             exe = kiln.compile(model, (x,), target=target, options={"compile_cache": False})
         if not small:
@@ -113,8 +153,9 @@ def run_case(name: str, rows: int, small: bool) -> dict:
         with torch.no_grad():
             got = exe(x)
             got = got if isinstance(got, tuple) else (got,)
-            ref = want if isinstance(want, tuple) else (want,)
-            row[f"{form}_err"] = max(rel_err(g.float(), r) for g, r in zip(got, ref))
+            ref = model(x) if fp8 else want  # fp8: the same module run eagerly
+            ref = ref if isinstance(ref, tuple) else (ref,)
+            row[f"{form}_err"] = max(rel_err(g.float(), r.float()) for g, r in zip(got, ref))
             row[f"{form}_ms"] = timed_ms(lambda: exe(x), device)  # noqa: B023
     row["saved_us"] = round(1e3 * (row["apart_ms"] - row["grouped_ms"]), 2)
     if "fused_ms" in row:
@@ -131,7 +172,13 @@ def main() -> None:
     args = ap.parse_args()
     results = []
     for name in args.cases.split(","):
+        if name not in CASES:
+            ap.error(f"unknown case {name!r}: one of {', '.join(CASES)}")
         for r in (int(r) for r in args.rows.split(",") if r):
+            if CASES[name][3] and r > FP8_GEMV_MAX_M:
+                print(f"{name}: skipped at {r} rows (fp8 siblings group at "
+                      f"{FP8_GEMV_MAX_M} token)")
+                continue
             res = run_case(name, r, args.small)
             print(json.dumps(res))
             results.append(res)

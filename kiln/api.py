@@ -28,6 +28,7 @@ from kiln.compiled_module import CompiledModule
 from kiln.dispatch.example_sizes import bind_example_sizes
 from kiln.dispatch.fold_rmsnorm import fold_rmsnorm
 from kiln.dispatch.form_regions import form_regions
+from kiln.dispatch.group_fp8_siblings import group_fp8_siblings
 from kiln.dispatch.group_siblings import group_siblings
 from kiln.dispatch.mask_envelope import mask_envelope
 from kiln.dispatch.reinplace import reinplace
@@ -56,8 +57,8 @@ def build_pipeline(dump_dir: str | None = None) -> PassManager:
             Stage("import", [import_pass]),
             Stage("graph", list(GRAPH_PASSES)),
             Stage("parallel", [pipeline_stages, tensor_parallel, assign_devices]),
-            Stage("dispatch", [form_regions, fold_rmsnorm, group_siblings, mask_envelope,
-                               reinplace, bind_example_sizes]),
+            Stage("dispatch", [form_regions, fold_rmsnorm, group_siblings, group_fp8_siblings,
+                               mask_envelope, reinplace, bind_example_sizes]),
             Stage("codegen", [select_kernels]),
             Stage("schedule", [schedule]),
         ],

@@ -27,6 +27,7 @@ from kiln.codegen.kernel_plan import KernelPlan
 from kiln.codegen.templates import copy, pointwise, topk
 from kiln.codegen.templates.attention import template as attention
 from kiln.codegen.templates.fp8_matmul import gemm as fp8_gemm
+from kiln.codegen.templates.fp8_matmul import grouped as fp8_grouped
 from kiln.codegen.templates.fp8_matmul import quantize as fp8_quantize
 from kiln.codegen.templates.fp8_matmul import template as fp8_matmul
 from kiln.codegen.templates.gated_delta import template as gated_delta
@@ -35,6 +36,7 @@ from kiln.codegen.templates.matmul import grouped as matmul
 from kiln.codegen.templates.moe import template as moe
 from kiln.codegen.templates.reduction import row_kernel as reduction
 from kiln.codegen.torch_kernel import TorchKernel
+from kiln.dispatch.group_siblings import products
 from kiln.dispatch.split import split_epilogue, split_siblings
 from kiln.ir.ops import is_fallback
 from kiln.ir.plan import DispatchPlan, Region, RegionKind
@@ -62,7 +64,7 @@ TEMPLATES: dict[RegionKind, Template] = {
 EXTERN_TEMPLATES: dict[str, Template] = {
     gated_delta.OP: gated_delta.generate,
     latent_attention.OP: latent_attention.generate,
-    fp8_matmul.OP: fp8_matmul.generate,
+    fp8_matmul.OP: fp8_grouped.generate,  # one fp8 linear, or grouped siblings
     moe.OP: moe.generate,
     moe.FP8_OP: moe.generate,
     fp8_quantize.QUANTIZE_OP: fp8_quantize.generate,
@@ -99,8 +101,9 @@ def spec_for(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec |
         split_epilogue(plan, region, str(e))
         return spec_for(region, plan, target)
     except CodegenUnsupported as e:
-        if len(matmul.plain.products(region)) > 1:
-            # grouped sibling GEMVs (dispatch/group_siblings.py) the template cannot run
+        if len(products(region)) > 1:
+            # grouped sibling GEMVs (dispatch/group_siblings.py, group_fp8_siblings.py)
+            # the template cannot run
             # together: each gets its kernel alone (the new regions are reached by
             # select_kernels' loop; this one, now the last sibling, is chosen for again)
             split_siblings(plan, region, f"the grouped GEMV declines: {e}")
@@ -166,13 +169,14 @@ def _select(plan: DispatchPlan, ctx, kp: KernelPlan, pending: list[Region]) -> N
     for name, got in chosen.items():
         kp.kernels[name] = choose(regions[name], got, target, ctx, plan, tuner) \
             if isinstance(got, KernelSpec) else got
-        if tuner is not None and len(matmul.plain.products(regions[name])) > 1:
+        if tuner is not None and len(products(regions[name])) > 1:
             _siblings_apart_if_faster(plan, regions[name], ctx, kp, tuner)
 
 
 def _siblings_apart_if_faster(plan: DispatchPlan, region: Region, ctx, kp: KernelPlan,
                               tuner) -> None:
-    """Grouped sibling GEMVs (dispatch/group_siblings.py) stay grouped only if their
+    """Grouped sibling GEMVs (dispatch/group_siblings.py, group_fp8_siblings.py: then
+    with the pointwise region they were paired into) stay grouped only if their
     kernel, timed, beats the siblings' own choices (each its GEMV or cuBLAS) summed; an
     untimed compile keeps the group: it runs the plain GEMV's loop in one launch
     instead of several. The plan is restored when the group wins."""

@@ -48,26 +48,32 @@ log = logging.getLogger("kiln.dispatch")
 
 _LEFT = {"aten.mm.default": 0, "aten.addmm.default": 1}  # the left operand's position
 _VIEWS = {OpCategory.VIEW, OpCategory.TUPLE}
+FP8_LINEAR = "kiln.fp8_linear.default"  # grouped too: dispatch/group_fp8_siblings.py
 
 
 def products(region: Region) -> list[Op]:
-    """The region's matmul ops: one, or several once siblings are grouped."""
-    return [o for o in region.ops if category(o.target) == OpCategory.MATMUL]
+    """The region's products (matmul ops, or block-scaled fp8 linears): one, or several
+    once siblings are grouped."""
+    return [o for o in region.ops
+            if category(o.target) == OpCategory.MATMUL or o.target == FP8_LINEAR]
 
 
 class _Sibling:
     """A GEMV region and what decides whom it may be grouped with."""
 
-    def __init__(self, region: Region, anchor: Op, left: list[Op], weight: str, k):
-        self.region, self.anchor, self.left, self.weight = region, anchor, left, weight
-        self.m, self.k = anchor.shape[0], k
+    def __init__(self, region: Region, anchor: Op, x: str, left: list[Op], weight: str, k,
+                 m=None):
+        self.region, self.anchor, self.x, self.left = region, anchor, x, left
+        self.weight, self.m, self.k = weight, anchor.shape[0] if m is None else m, k
 
     def same_family(self, other: _Sibling, plan: DispatchPlan) -> bool:
         a, b = self.anchor, other.anchor
+        # the same left operand: by name (a value read as it is, or ops copied into each
+        # region under the same names), computed alike from the same values
         return (a.dtype == b.dtype and same_dim(self.m, other.m) and same_dim(self.k, other.k)
                 and plan.values[self.weight].dtype == plan.values[other.weight].dtype
                 and self.region.device == other.region.device
-                and self.left == other.left
+                and self.x == other.x and self.left == other.left
                 and _inputs(self.left, self.region) == _inputs(other.left, other.region))
 
 
@@ -99,7 +105,7 @@ def _sibling(region: Region, plan: DispatchPlan) -> _Sibling | None:
         return None
     left = [o for o in region.ops if o.name in closure(ops, left_arg.name)]
     k = (ops[left_arg.name] if left_arg.name in ops else plan.values[left_arg.name]).shape[-1]
-    return _Sibling(region, anchor, left, weight, k)
+    return _Sibling(region, anchor, left_arg.name, left, weight, k)
 
 
 def _viewed_input(ops: dict[str, Op], name: str, region: Region) -> str | None:
@@ -115,7 +121,7 @@ def _viewed_input(ops: dict[str, Op], name: str, region: Region) -> str | None:
     return name if name in region.inputs else None
 
 
-def _merged_ops(regions: list[Region]) -> list[Op] | None:
+def merged_ops(regions: list[Region]) -> list[Op] | None:
     """The regions' ops in order, each name once; None when two differ under one name."""
     out: dict[str, Op] = {}
     for r in regions:
@@ -135,16 +141,26 @@ def _produced_before(plan: DispatchPlan, at: int) -> set[str]:
     return done
 
 
-def group_siblings_of(plan: DispatchPlan) -> int:
-    """Group every family of siblings that can be; returns how many regions went."""
+def readers_of(plan: DispatchPlan) -> dict[str, list[Region]]:
+    """Value name -> the regions that read it."""
     readers: dict[str, list[Region]] = {}
     for r in plan.regions:
         for v in r.inputs:
             readers.setdefault(v, []).append(r)
-    returned = set(plan.outputs) | set(plan.state_writes.values()) | {v for v, _ in plan.send}
+    return readers
+
+
+def returned_values(plan: DispatchPlan) -> set[str]:
+    """Values that leave the plan (outputs, state writes, sends): never absorbed."""
+    return set(plan.outputs) | set(plan.state_writes.values()) | {v for v, _ in plan.send}
+
+
+def families_of(plan: DispatchPlan, sibling) -> list[list[_Sibling]]:
+    """The plan's sibling candidates (`sibling(region, plan)`, None for a region that is
+    not one) gathered into families of one input."""
     families: list[list[_Sibling]] = []
     for r in plan.regions:
-        s = _sibling(r, plan)
+        s = sibling(r, plan)
         if s is None:
             continue
         home = next((f for f in families if f[0].same_family(s, plan)), None)
@@ -152,11 +168,18 @@ def group_siblings_of(plan: DispatchPlan) -> int:
             families.append([s])
         else:
             home.append(s)
+    return families
+
+
+def group_siblings_of(plan: DispatchPlan) -> int:
+    """Group every family of siblings that can be; returns how many regions went."""
+    readers, returned = readers_of(plan), returned_values(plan)
+    families = families_of(plan, _sibling)
     before = len(plan.regions)
     for family in families:
         side_by_side = _pair(plan, family, readers, returned)
         if len(side_by_side) > 1:
-            _group(plan, side_by_side)
+            group_side_by_side(plan, side_by_side)
     return before - len(plan.regions)
 
 
@@ -173,7 +196,7 @@ def _pair(plan: DispatchPlan, family: list[_Sibling], readers, returned) -> list
         if outer is None or inner not in left or not same_dim(inner.anchor.shape[1],
                                                                outer.anchor.shape[1]):
             continue
-        ops = _merged_ops([inner.region, outer.region])
+        ops = merged_ops([inner.region, outer.region])
         if ops is None:
             continue
         region = outer.region
@@ -190,7 +213,7 @@ def _pair(plan: DispatchPlan, family: list[_Sibling], readers, returned) -> list
     return left
 
 
-def _group(plan: DispatchPlan, family: list[_Sibling]) -> bool:
+def group_side_by_side(plan: DispatchPlan, family: list[_Sibling]) -> bool:
     """Merge independent siblings into the first one's region; False when they cannot."""
     regions = [s.region for s in family]
     outs = {o for r in regions for o in r.outputs}
@@ -200,7 +223,7 @@ def _group(plan: DispatchPlan, family: list[_Sibling]) -> bool:
     ready = _produced_before(plan, at)
     if any(v not in ready for r in regions for v in r.inputs):
         return False
-    ops = _merged_ops(regions)
+    ops = merged_ops(regions)
     if ops is None:
         return False
     first = plan.regions[at]

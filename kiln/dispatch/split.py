@@ -19,10 +19,11 @@ other columns than the tile's): the anchor, with the views feeding it, becomes a
 region of its own whose output is the product, and the region keeps the epilogue as
 a pointwise region reading it.
 
-`split_siblings(plan, region, why)` undoes dispatch/group_siblings.py: a region holding
-several products (sibling GEMVs) becomes one region per product again, each with its
-own copy of the ops its product reads (the shared input, an RMSNorm folded in), when
-the template declines the group or the separate kernels are timed faster.
+`split_siblings(plan, region, why)` undoes dispatch/group_siblings.py and
+group_fp8_siblings.py: a region holding several products (sibling GEMVs) becomes one
+region per product again, each with its own copy of the ops its product reads (the
+shared input, an RMSNorm folded in), when the template declines the group or the
+separate kernels are timed faster.
 
 Assumes a verified plan (every region's ops in dependency order, refs defined);
 establishes the same, with the new region's output produced before it is read.
@@ -33,6 +34,7 @@ from __future__ import annotations
 import copy
 import logging
 
+from kiln.dispatch.group_siblings import products
 from kiln.ir.ops import OpCategory, bind_args, category
 from kiln.ir.plan import DispatchPlan, Op, Ref, Region, RegionKind, Role, TensorValue
 
@@ -149,8 +151,10 @@ def split_epilogue(plan: DispatchPlan, region: Region, why: str) -> Region:
 
 def split_siblings(plan: DispatchPlan, region: Region, why: str) -> list[Region]:
     """One region per product of `region` (in order, `region` itself the last); a
-    product another one's epilogue read becomes a plan value again. Returns them."""
-    mats = [o for o in region.ops if category(o.target) == OpCategory.MATMUL]
+    product another one's epilogue read becomes a plan value again. Paired fp8
+    products (dispatch/group_fp8_siblings.py) also give their pointwise ops back to a
+    region of their own (the fp8 linear's kernel has no epilogue). Returns them."""
+    mats = products(region)
     out_of = {}  # output -> the products it reads
     for o in region.outputs:
         inside = {op.name for op in _closure(region, [o], set())}
@@ -165,7 +169,7 @@ def split_siblings(plan: DispatchPlan, region: Region, why: str) -> list[Region]
     made = []
     for outs, stop in parts[:-1]:
         ops = [copy.deepcopy(op) for op in _closure(region, outs, stop)]
-        made.append(Region(_fresh_name(plan, f"{region.name}_sibling"), RegionKind.MATMUL, ops,
+        made.append(Region(_fresh_name(plan, f"{region.name}_sibling"), region.kind, ops,
                            _inputs_of(ops, region.inputs), outs, device=region.device,
                            label=region.label))
         plan.regions.insert(plan.regions.index(region), made[-1])
@@ -175,6 +179,8 @@ def split_siblings(plan: DispatchPlan, region: Region, why: str) -> list[Region]
     region.outputs = outs
     for r in made + [region]:
         r.notes.append(f"siblings apart: {why}")
+    if region.kind == RegionKind.EXTERN and region.outputs != [region.anchor().name]:
+        made.append(split_epilogue(plan, region, f"siblings apart: {why}"))
     log.info("split the siblings of region %s apart (%s)", region.name, why)
     return made + [region]
 

@@ -76,6 +76,19 @@ class Unrelated(torch.nn.Module):
         return self.a(x), self.b(x[..., :32]), self.c(x * 2)
 
 
+class TwoInputs(torch.nn.Module):
+    """Products of two 2-d inputs read as they are (no op computes the left operand):
+    the same K, not siblings. Grouped, the second read the first's input."""
+
+    def __init__(self, dim=64):
+        super().__init__()
+        self.a = torch.nn.Linear(dim, 32, bias=False)
+        self.b = torch.nn.Linear(dim, 48, bias=False)
+
+    def forward(self, x, y):
+        return self.a(x), self.b(y)
+
+
 class RawWeights(torch.nn.Module):
     """x @ W with [K, N_i] weights: grouped here, but their index maps differ (k * N_i +
     n), so the grouped GEMV declines and the siblings are split apart again."""
@@ -144,6 +157,8 @@ def test_a_product_read_elsewhere_is_not_absorbed():
 def test_products_of_different_inputs_do_not_group():
     plan = plan_of(Unrelated(), (torch.randn(1, 1, 64),))
     assert all(len(products(r)) == 1 for r in matmuls(plan)) and len(matmuls(plan)) == 3
+    plan = plan_of(TwoInputs(), (torch.randn(1, 64), torch.randn(1, 64)))
+    assert [len(products(r)) for r in matmuls(plan)] == [1, 1]
 
 
 def test_split_siblings_restores_one_region_a_product():

@@ -79,6 +79,21 @@ def test_fp8_llama_on_interpret_runs_the_generated_kernel_in_every_projection():
         assert rel_err(exe(*args), model(*args)) <= 1e-5
 
 
+def test_fp8_llama_decode_groups_qkv_and_pairs_gate_up_on_gpus():
+    """At one token (a decode step at batch 1) on a GPU target: q, k and v in one
+    grouped fp8 GEMV, gate and up paired with the SiLU product (dispatch/
+    group_fp8_siblings.py; numerics: tests/codegen/test_grouped_fp8_gemv.py)."""
+    from kiln.dispatch.group_siblings import products
+
+    cfg = TINY.with_(n_layers=1, max_seq_len=32)
+    model = quantize_fp8(hf.random_model(cfg, torch.float32, "cpu", 0))
+    args, _ = example_inputs(cfg, seq_len=1)
+    plan = kiln.compile(model, args, target="cuda:sm_90", compile_to="dispatch")
+    extern = [r for r in plan.regions if r.kind == RegionKind.EXTERN]
+    assert sorted((len(products(r)), len(r.outputs)) for r in extern) == [
+        (1, 1), (1, 1), (2, 1), (3, 3)]  # o, down; gate / up; q / k / v
+
+
 def _make_fp8_checkpoint(path, keep=()):
     """A tiny transformers Llama saved, then rewritten as HF's fp8 layout (e4m3 weight +
     weight_scale_inv per projection, quantization_config quant_method fp8); the

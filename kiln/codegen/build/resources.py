@@ -192,7 +192,7 @@ def _fp8_matmul(spec: KernelSpec, c: Config, target: Target, threads: int):
     e = _BYTES.get(spec.meta.get("dtype"), 4)
     bm, bn, bk = c["BM"], c["BN"], 128
     if spec.meta.get("form") == "gemv":  # CUDA cores: stages nothing (fp8_matmul/gemv.py)
-        return _fp8_gemv(c, threads)
+        return _fp8_gemv(c, threads, spec.meta.get("streams", 1))
     if target.backend == "hip":
         return (bm + bn) * bk, _BASE_REGISTERS + (bm * bn + 3 * bm * bk) / threads
     wgmma = _wgmma(target, bm, c, "fp8")
@@ -202,15 +202,17 @@ def _fp8_matmul(spec: KernelSpec, c: Config, target: Target, threads: int):
     return shared, _BASE_REGISTERS + regs
 
 
-def _fp8_gemv(c: Config, threads: int):
+def _fp8_gemv(c: Config, threads: int, streams: int = 1):
     """The decode GEMV form of the fp8 linear: no staged tiles; shared memory only
     carries each token's quantised [KB, 128] x step and the step's [BN, KB] scales to
     the weight tile's layout, and the tile's sums to the store's (an upper bound:
     sm_90 compiled 512-1024 bytes). Registers: the widened weight step, one fp32 value
-    per byte, and each token's accumulator."""
+    per byte, and each token's accumulator, for each of the `streams` weights a
+    program reads (paired siblings: fp8_matmul/grouped.py)."""
     bn, kb = c["BN"], c["KB"]
-    step = bn * kb * 128
-    return 4 * (bn * kb + kb * 128 + bn), _BASE_REGISTERS + (step + c["BM"] * bn * kb) / threads
+    step = streams * bn * kb * 128
+    shared = 4 * (streams * (bn * kb + bn) + kb * 128)
+    return shared, _BASE_REGISTERS + (step + streams * c["BM"] * bn * kb) / threads
 
 
 def _moe(spec: KernelSpec, c: Config, target: Target, threads: int):

@@ -14,7 +14,7 @@ import torch
 from kiln.codegen.expr.values import CodegenUnsupported
 from kiln.codegen.templates.op_operands import operand_dtype as _dtype
 from kiln.codegen.templates.op_operands import operand_shape as _shape
-from kiln.ir.plan import DispatchPlan, Ref, Region
+from kiln.ir.plan import DispatchPlan, Op, Ref, Region
 from kiln.ir.symbolic import Dim, numel
 from kiln.ops.fp8_linear import BLOCK  # the quantisation block: K step and scale block
 
@@ -59,6 +59,14 @@ def _anchor(region: Region, op: str):
 def analyse(region: Region, plan: DispatchPlan) -> Fp8Shape:
     """The region's op; raises CodegenUnsupported (why) when the template cannot run it."""
     anchor = _anchor(region, OP)
+    if region.outputs != [anchor.name]:
+        raise CodegenUnsupported(f"the region outputs {region.outputs}, not only the op's "
+                                 "result")
+    return analyse_op(region, plan, anchor)
+
+
+def analyse_op(region: Region, plan: DispatchPlan, anchor: Op) -> Fp8Shape:
+    """One kiln::fp8_linear op of the region (a grouped region holds several)."""
     args = list(anchor.args) + [None] * (4 - len(anchor.args))
     x, w, scale, bias = args[:4]
     for name, a in (("x", x), ("weight", w), ("weight_scale_inv", scale)):
@@ -66,9 +74,6 @@ def analyse(region: Region, plan: DispatchPlan) -> Fp8Shape:
             raise CodegenUnsupported(f"{name} is not a tensor")
     if bias is not None and not isinstance(bias, Ref):
         raise CodegenUnsupported("a bias that is not a tensor")
-    if region.outputs != [anchor.name]:
-        raise CodegenUnsupported(f"the region outputs {region.outputs}, not only the op's "
-                                 "result")
     if w.name not in region.inputs:
         raise CodegenUnsupported("a weight computed in the region (the kernel reads a stored "
                                  "[N, K] fp8 weight)")

@@ -86,14 +86,20 @@ def round_to_e4m3(v: str) -> list[str]:
     ]
 
 
-def combine_splits(tile: str, ok: str, gate: str) -> list[str]:
+def combine_splits(tile: str, ok: str, gate: str, accs: list[str] | None = None) -> list[str]:
     """With K split: each program stores its [BM, BN] part; the last to arrive sums
     them in split order and alone stores (kiln.codegen.templates.split_k). `tile` is
     the tile's index, `ok` the mask of its real elements, `gate` the line that masks
-    the final store with `last`."""
+    the final store with `last`. `accs`: the tiles (default `acc`), stored one after
+    another in a part (paired siblings' two)."""
+    accs = accs or ["acc"]
+    numel = "BM * BN" if len(accs) == 1 else f"{len(accs)} * BM * BN"
+    at = ["part_offs"] + [f"{j} * BM * BN + part_offs" for j in range(1, len(accs))]
     offs = "part_offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]"
-    store = [offs, f"tl.store({split.part('BM * BN')} + part_offs, acc, mask={ok})"]
-    load = split.load_part(split.part("BM * BN", "s") + " + part_offs", f"{ok} & (s < n_split)")
-    combine = ["acc = tl.zeros([BM, BN], dtype=tl.float32)",
-               *split.merge_loop("BM * BN", [f"acc += {load}"])]
+    store = [offs, *[f"tl.store({split.part(numel)} + {a}, {acc}, mask={ok})"
+                     for a, acc in zip(at, accs)]]
+    loads = [split.load_part(split.part(numel, "s") + f" + {a}", f"{ok} & (s < n_split)")
+             for a in at]
+    combine = [f"{acc} = tl.zeros([BM, BN], dtype=tl.float32)" for acc in accs]
+    combine += split.merge_loop(numel, [f"{acc} += {load}" for acc, load in zip(accs, loads)])
     return split.arrive("SPLIT_K", tile, store, combine, [gate])

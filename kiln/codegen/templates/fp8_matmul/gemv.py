@@ -45,9 +45,11 @@ from kiln.codegen.templates.fp8_matmul.common import (
     pow2,
     quantise_rows,
 )
+from kiln.dispatch.group_fp8_siblings import FP8_GEMV_MAX_M
 from kiln.target import Target
 
-GEMV_MAX_M = 1  # most tokens the CUDA-core form takes (decode at batch 1)
+# most tokens the CUDA-core form takes (decode at batch 1); grouping reads it too
+GEMV_MAX_M = FP8_GEMV_MAX_M
 BLOCK_N = (32, 64, 128)
 STEP_BLOCKS = (1, 2, 4)  # KB: 128-wide K blocks a step loads per row
 WARPS = (4, 8)
@@ -59,10 +61,11 @@ def rows(m_hi: int) -> int:
     return pow2(m_hi)
 
 
-def config_space(shape: Fp8Shape, m_hi: int) -> list[Config]:
+def config_space(shape: Fp8Shape, m_hi: int, streams: int = 1) -> list[Config]:
     """BN weight rows by KB blocks a step, 4 or 8 warps, K split caps 16 and 1. A
-    thread holds BN * KB * 128 / threads weight bytes a step: 64 to 256 (4 to 16
-    16-byte loads in flight); fewer starve the memory system, more spill."""
+    thread holds streams * BN * KB * 128 / threads weight bytes a step (`streams`:
+    the weights a program reads, two for paired siblings): 64 to 256 (4 to 16 16-byte
+    loads in flight); fewer starve the memory system, more spill."""
     ns = [b for b in BLOCK_N if b <= max(32, pow2(shape.n))]
     kbs = [b for b in STEP_BLOCKS if b == 1 or b * BLOCK <= pow2(shape.k)]
     out = []
@@ -70,23 +73,25 @@ def config_space(shape: Fp8Shape, m_hi: int) -> list[Config]:
         for bn in reversed(ns):
             for kb in reversed(kbs):
                 for w in WARPS:
-                    per_thread = bn * kb * BLOCK // (32 * w)
+                    per_thread = streams * bn * kb * BLOCK // (32 * w)
                     if 64 <= per_thread <= 256 or (bn, kb) == (ns[0], kbs[0]):
                         out.append(Config.make(w, 1, BM=rows(m_hi), BN=bn, SPLIT_K=sk, KB=kb))
     return list(dict.fromkeys(out))
 
 
-def heuristic(shape: Fp8Shape, target: Target, m_hi: int) -> Config:
+def heuristic(shape: Fp8Shape, target: Target, m_hi: int, streams: int = 1) -> Config:
     """32 rows by 4 blocks (a warp reads 512 contiguous bytes of a row; a thread 8
     16-byte vectors a step), 4 warps, K split where the tiles cannot fill the machine.
     On sm_90 (bf16 x, one token) that is 96 registers, five programs an SM: o_proj's
     448 programs all resident; 64 rows took 167 registers (three an SM: two waves).
     Two or more tokens keep the widened step for every row: 2 blocks (128-161
-    registers; 4 blocks took 254).
+    registers; 4 blocks took 254). Two weights a program (paired siblings) take half
+    the blocks each: the same bytes a thread a step.
     The interpreter runs the smallest tile fastest."""
     if target.backend == "interpret":
         return Config.make(4, 1, BM=rows(m_hi), BN=32, SPLIT_K=1, KB=1)
     kb = 4 if m_hi == 1 and shape.k >= 4 * BLOCK else 2 if shape.k >= 2 * BLOCK else 1
+    kb = max(1, kb // streams)
     return Config.make(4, 1, BM=rows(m_hi), BN=32, SPLIT_K=16, KB=kb)
 
 
@@ -94,13 +99,49 @@ def _v(name: str, size) -> Lin:
     return Lin.of(Var(name, size, True))
 
 
-def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int) -> list[str]:
+def tile(j: int) -> str:
+    """The name of stream j's [BM, BN] tile after the loop ("acc" for the first)."""
+    return "acc" if j == 0 else f"acc_s{j}"
+
+
+def _names(j: int) -> tuple[str, str, str]:
+    """Stream j's row accumulator prefix, widened weight step and step scales."""
+    return ("acc", "wf", "ws") if j == 0 else (f"acc_s{j}_", f"wf_s{j}", f"ws_s{j}")
+
+
+def k_tail(s: Fp8Shape) -> bool:
+    """Whether a step may pass K (then its loads are masked): K not a multiple of the
+    widest step. V3's and Llama's K all are; unmasked, the grouped GEMV's loop took 96
+    registers on sm_90, not 128."""
+    return s.k % (STEP_BLOCKS[-1] * BLOCK) != 0
+
+
+def plain_weight(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target
+                 ) -> list[tuple[str, str]]:
+    """The one weight of a plain fp8 linear: its step tile's load and its step
+    scales' (read through their index map), the loop's lines emitted into `em`."""
+    ok = f"(sn < {s.n_blocks}) & (kb < {s.k_blocks})" if k_tail(s) else f"sn < {s.n_blocks}"
+    ws = em.value(s.scale, (_v("sn", s.n_blocks), _v("kb", s.k_blocks)),
+                  mask_of(Cond(ok, frozenset({"sn", "kb"}))))
+    return [(_load_fp8(em, p, s), ws.code)]
+
+
+def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
+         columns: list[str] | None = None, weights=None, tile_id: str = "pid_n") -> list[str]:
     """The kernel's lines (template.generate wraps them): the K loop over steps of KB
-    blocks, every token row's products, the split combine, bias and store."""
+    blocks, every token row's products, the split combine; the bias and store follow.
+
+    A grouped form (grouped.py) passes `columns`, the lines setting `N` and the column
+    block `pid_n` (by default s.n and the grid's); `weights(em)`, called in the loop,
+    the (weight step load, step scales) code of each weight the program streams (by
+    default plain_weight's), each into its own tile (`tile(j)`); and `tile_id`, the
+    program's scratch slot when K is split. x is loaded and quantised once a step for
+    all of them."""
     wide = ".to(tl.int64)" if p.needs_int64 else ""
     M = p.dim(s.m)
     dynamic = not (isinstance(s.m, int) and s.m == m_hi)
-    L = [f"N = {s.n}", f"K = {s.k}", f"pid_n = tl.program_id(1){wide}",
+    columns = columns or [f"N = {s.n}", f"pid_n = tl.program_id(1){wide}"]
+    L = [*columns, f"K = {s.k}",
          "rn = pid_n * BN + tl.arange(0, BN)",
          "wn = rn[:, None, None]  # [BN, 1, 1] weight rows",
          f"kx = tl.arange(0, KB)[None, :, None] * {BLOCK} + "
@@ -109,41 +150,64 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int) -
          "pid_s = tl.program_id(2)", "n_split = tl.num_programs(2)",
          "lo = 0", "hi = K", "if SPLIT_K > 1:  # this split's whole steps",
          *["    " + x for x in split.program_range("K", f"KB * {BLOCK}")],
-         *[f"acc{m} = tl.zeros([BN, KB], tl.float32)" for m in range(m_hi)],
          *[f"row{m} = tl.minimum({m}, {M} - 1)" for m in range(m_hi) if dynamic]]
-    x_mask = mask_of(Cond("kk < K", frozenset({"kk"})))
+    tail = k_tail(s)
+    x_mask = mask_of(Cond("kk < K", frozenset({"kk"})) if tail else None)
     with em.block() as loop:
         loop += ["kk = k0 + kx", f"kb = k0 // {BLOCK} + tl.arange(0, KB)[None, :]  # [1, KB]"]
-        products = []
         for m in range(m_hi):
             # a row past a dynamic M reads row M - 1 (valid memory); its products are skipped
             at = Lin.of(Opaque(f"row{m}", s.m)) if dynamic else Lin.of(m)
             x = em.value(s.x, reshape_index((at, _v("kk", s.k)), (s.m, s.k), s.x_shape), x_mask)
-            loop += [f"xf = tl.where(kk < K, {x.code}.to(tl.float32), 0.0)",
+            xf = (f"tl.where(kk < K, {x.code}.to(tl.float32), 0.0)" if tail else
+                  f"tl.broadcast_to({x.code}.to(tl.float32), [1, KB, {BLOCK}])")
+            loop += [f"xf = {xf}",
                      *quantise_rows("xf", target, axis=2),
                      f"xq{m} = xq.to(tl.float32)", f"xs{m} = xs{fnuz_scale(target)}"]
-            step = [f"acc{m} += tl.sum(xq{m} * wf, 2) * xs{m} * ws  # [BN, KB]"]
-            products += [f"if {m} < {M}:", "    " + step[0]] if dynamic and m else step
-        w = _load_fp8(em, p, s)
-        ws = em.value(s.scale, (_v("sn", s.n_blocks), _v("kb", s.k_blocks)),
-                      mask_of(Cond(f"(sn < {s.n_blocks}) & (kb < {s.k_blocks})",
-                                   frozenset({"sn", "kb"}))))
+        streams = (weights or (lambda e: plain_weight(e, p, s, target)))(em)
+        products = []
+        for j in range(len(streams)):
+            acc, wf, ws = _names(j)
+            for m in range(m_hi):
+                step = f"{acc}{m} += tl.sum(xq{m} * {wf}, 2) * xs{m} * {ws}  # [BN, KB]"
+                products += [f"if {m} < {M}:", "    " + step] if dynamic and m else [step]
         # the weight's load after x's: Triton's layout propagation (a worklist) gives the
         # products the layout of the last anchor; were x's last, the weight tile would
         # go through shared memory to reach it
-        loop += [f"ws = {ws.code}{fnuz_scale(target)}",
-                 f"wf = {from_e4m3fn(w, target)}.to(tl.float32)", *products]
+        for j, (w, scale) in enumerate(streams):
+            _, wf, ws = _names(j)
+            loop += [f"{ws} = {scale}{fnuz_scale(target)}",
+                     f"{wf} = {from_e4m3fn(w, target)}.to(tl.float32)"]
+        loop += products
+    L += [f"{_names(j)[0]}{m} = tl.zeros([BN, KB], tl.float32)"
+          for j in range(len(streams)) for m in range(m_hi)]
     L += [f"for k0 in range(lo, hi, KB * {BLOCK}):", *["    " + x for x in loop],
           "rm = tl.arange(0, BM)", "om = rm[:, None]  # [BM, 1] tokens",
-          "on = rn[None, :]  # [1, BN] output columns", f"m_ok = om < {M}", "n_ok = on < N",
-          "acc = tl.zeros([BM, BN], tl.float32)",
-          *[f"acc = tl.where(om == {m}, tl.sum(acc{m}, 1)[None, :], acc)"
-            for m in range(m_hi)]]
-    return L + combine_splits("pid_n", "m_ok & n_ok", "n_ok = on < tl.where(last, N, 0)")
+          "on = rn[None, :]  # [1, BN] output columns", f"m_ok = om < {M}", "n_ok = on < N"]
+    for j in range(len(streams)):
+        L += [f"{tile(j)} = tl.zeros([BM, BN], tl.float32)",
+              *[f"{tile(j)} = tl.where(om == {m}, tl.sum({_names(j)[0]}{m}, 1)[None, :], "
+                f"{tile(j)})" for m in range(m_hi)]]
+    accs = [tile(j) for j in range(len(streams))]
+    return L + combine_splits(tile_id, "m_ok & n_ok", "n_ok = on < tl.where(last, N, 0)", accs)
 
 
 def _load_fp8(em: Emitter, p: SymbolicArgs, s: Fp8Shape) -> str:
     """A step's [BN, KB, 128] weight tile (e4m3fn bytes, 16 to a thread's vector)."""
     ptr = p.tensor(s.weight, torch.float8_e4m3fn, (s.n, s.k))
+    return weight_step(ptr, p, s)
+
+
+def weight_step(ptr: str, p: SymbolicArgs, s: Fp8Shape) -> str:
+    """The step's weight tile at rows `wn`, columns `kk` of the [N, K] weight at `ptr`."""
     at = "wn.to(tl.int64)" if p.needs_int64 else "wn"
-    return f"tl.load({ptr} + ({at} * K + kk), mask=(wn < N) & (kk < K), other=0.0)"
+    ok = "(wn < N) & (kk < K)" if k_tail(s) else "wn < N"
+    return f"tl.load({ptr} + ({at} * K + kk), mask={ok}, other=0.0)"
+
+
+def scale_step(ptr: str, n_blocks: str, s: Fp8Shape) -> str:
+    """The step's [BN, KB] block scales of rows `sn` from the [NB, KB] scales at `ptr`
+    (a grouped form's: `n_blocks` may be its program's sibling's)."""
+    kb = s.k_blocks
+    ok = f"(sn < {n_blocks}) & (kb < {kb})" if k_tail(s) else f"sn < {n_blocks}"
+    return f"tl.load({ptr} + sn * {kb} + kb, mask={ok}, other=0.0)"

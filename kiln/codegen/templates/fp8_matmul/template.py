@@ -118,11 +118,11 @@ def generate(region: Region, plan: DispatchPlan, target: Target,
     if form == "gemv":
         if m_hi is None:
             raise CodegenUnsupported("the GEMV form needs a bound on the tokens")
-        lines = gemv.body(em, p, shape, target, m_hi) + _epilogue(em, shape)
+        lines = gemv.body(em, p, shape, target, m_hi) + epilogue(em, shape)
         tunables, steps = ["BM", "BN", "SPLIT_K", "KB"], f"cdiv({shape.k}, KB * {BLOCK})"
         configs, default = gemv.config_space(shape, m_hi), gemv.heuristic(shape, target, m_hi)
     else:
-        lines = _body(em, p, shape, target) + _epilogue(em, shape)
+        lines = _body(em, p, shape, target) + epilogue(em, shape)
         tunables, steps = ["BM", "BN", "SPLIT_K"], f"cdiv({shape.k}, {MIN_SPLIT_BLOCKS * BLOCK})"
         configs, default = config_space(shape, m_hi), heuristic(shape, target, m_hi)
     name = kernel_name("fp8_matmul", region)
@@ -175,7 +175,7 @@ def _body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target) -> list[str
                               "n_ok = on < tl.where(last, N, 0)")
 
 
-def _epilogue(em: Emitter, s: Fp8Shape) -> list[str]:
+def epilogue(em: Emitter, s: Fp8Shape) -> list[str]:
     """The bias and the store of `acc` [BM, BN] at tokens `om`, columns `on` (masks
     `m_ok`, `n_ok`), after any split's combine; both bodies end with these names."""
     L: list[str] = []
