@@ -33,7 +33,8 @@ program of the one before. The price: one register allocation for all roles, so 
 heaviest role (the preparer at 64-step chunks) sets how many programs share an SM. A
 static one-step op (decode) needs none of it: its programs (one per value head and BV
 columns) take the recurrence directly, S = S exp(g); u = beta (v - S^T k);
-S += k u^T; o = S^T (scale q).
+S += k u^T; o = S^T (scale q); and they compute what dispatch folded into the step's
+region: its operands' producers and the state's in-place write (step_fusion.py).
 
 q, k, v, g, beta and the initial state are read through the region's fused views by the
 expression emitter (a q that is a slice of a projection is read in place); cu_seqlens
@@ -52,6 +53,7 @@ import torch
 from kiln.codegen.build.spec import Config, KernelSpec, Scratch
 from kiln.codegen.expr.emit import Emitter, kernel_name, module_source
 from kiln.codegen.expr.kernel_args import SymbolicArgs
+from kiln.codegen.expr.values import CodegenUnsupported
 from kiln.codegen.templates.gated_delta import staged
 from kiln.codegen.templates.gated_delta.analysis import OP, DeltaShape, analyse, pow2
 from kiln.codegen.templates.gated_delta.body import SCRATCH, decode_body
@@ -156,12 +158,14 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     for name in list(region.inputs) + list(region.outputs):
         p.check_extent(plan.values[name].numel)
     decode = shape.static_t == 1
+    if shape.final_store is not None and not decode:
+        raise CodegenUnsupported("the chunked kernel does not write the state in place")
     lines = decode_body(em, p, shape) if decode else chunked_body(em, p, shape)
     name = kernel_name("gated_delta", region)
     tunables = ["CHUNK", "BV"] if decode else ["CHUNK", "BV", "STAGED"]
     scratch = [] if decode else _scratch(shape, p)
-    params = p.names() + [b.name for b in scratch] + [f"{t}: tl.constexpr" for t in tunables]
-    source = module_source(name, params, lines, em.helpers, target, p.describe())
+    # the grid first: a size only the grid reads (the batch, when no load's offset uses
+    # it) is still a kernel parameter, as the launcher passes every size it binds
     heads, seqs = p.grid(shape.value_heads), p.grid(shape.sequences)
     columns = f"cdiv({p.grid(shape.value_dim)}, BV)"
     if decode:
@@ -170,6 +174,8 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
         chunks = f"cdiv({p.grid(shape.seq)}, CHUNK)"
         grid = (f"({heads}) * ({seqs}) * ({chunks} + {columns} + "
                 f"(({chunks}) * ({columns}) if STAGED else 0))",)
+    params = p.names() + [b.name for b in scratch] + [f"{t}: tl.constexpr" for t in tunables]
+    source = module_source(name, params, lines, em.helpers, target, p.describe())
     configs = config_space(shape)
     default = heuristic(shape, target)
     if default not in configs:
