@@ -112,7 +112,7 @@ def spec_for(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec |
             return spec_for(region, plan, target)
         operands = splittable_operands(region) if region.kind == RegionKind.EXTERN else []
         if operands:
-            # producers dispatch folded into a kernel op's region (fold_delta_prologue)
+            # producers dispatch folded into a kernel op's region (fold_delta_step)
             # that its template cannot compute: they run apart, the op keeps its kernel
             for operand in operands:
                 split_prologue(plan, region, operand, f"the template declines: {e}")

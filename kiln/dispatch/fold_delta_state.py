@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 
-from kiln.dispatch.fold_delta_prologue import is_delta_step
+from kiln.dispatch.fold_delta_step import is_delta_step
 from kiln.ir.ops import OpCategory, category
 from kiln.ir.plan import DispatchPlan, Ref, Region, RegionKind
 from kiln.pipeline import as_pass

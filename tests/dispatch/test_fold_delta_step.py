@@ -1,7 +1,7 @@
-"""A gated delta rule decode step takes its prologue and its state write into its kernel
-(kiln.dispatch.fold_delta_prologue, fold_delta_state; templates/gated_delta/
-step_fusion.py): the plan holds one region for them, and under the `interpret`
-target the step's outputs and state match eager over several steps."""
+"""A gated delta rule decode step takes its prologue, the gated RMSNorm of its output and
+its state write into its kernel (kiln.dispatch.fold_delta_step, fold_delta_state;
+templates/gated_delta/step_fusion.py): the plan holds one region for them, and under
+the `interpret` target the step's outputs and state match eager over several steps."""
 
 import copy
 
@@ -22,22 +22,24 @@ def l2norm(x):
 
 
 class Step(torch.nn.Module):
-    """One linear-attention step as a model writes it: q, k, v, b, a from one projection,
-    q and k l2-normalised, the gates from b and a, the state buffer read (zeros for a
-    row at position 0) and written back. `pairs`: q is summed over pairs of rows first
-    (a reduction the kernel cannot compute per program: its prologue is split out)."""
+    """One linear-attention step as a model writes it: q, k, v, z, b, a from one
+    projection, q and k l2-normalised, the gates from b and a, the state buffer read
+    (zeros for a row at position 0) and written back, the output's RMSNorm over each
+    value head times SiLU(z). `pairs`: q is summed over pairs of rows first (a reduction
+    the kernel cannot compute per program: its prologue is split out)."""
 
     def __init__(self, rows=2, pairs=False):
         super().__init__()
         self.pairs = pairs
-        self.proj = torch.nn.Linear(DIM, (3 if pairs else 2) * H * K + HV * V + 2 * HV,
-                                    bias=False)
+        self.proj = torch.nn.Linear(
+            DIM, (3 if pairs else 2) * H * K + 2 * HV * V + 2 * HV, bias=False)
+        self.norm = torch.nn.Parameter(1 + 0.1 * torch.randn(V))
         self.register_buffer("state", torch.randn(rows, HV, K, V))
 
     def forward(self, x, pos):
         B = x.shape[0]
         qw = (2 if self.pairs else 1) * H * K
-        q, k, v, b, a = self.proj(x).split([qw, H * K, HV * V, HV, HV], dim=-1)
+        q, k, v, z, b, a = self.proj(x).split([qw, H * K, HV * V, HV * V, HV, HV], dim=-1)
         if self.pairs:
             q = q.view(B, 1, H, 2, K).sum(-2)
         q = l2norm(q.reshape(B, 1, H, K).float())
@@ -49,7 +51,8 @@ class Step(torch.nn.Module):
         o, new = kiln.ops.gated_delta_rule(q, k, v, g, beta, initial_state=state,
                                            output_final_state=True)
         self.state[torch.arange(B, device=x.device)] = new
-        return o
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
+        return o * F.silu(z.reshape(B, 1, HV, V))
 
 
 def _steps(exe, model, calls):
@@ -72,6 +75,7 @@ def test_the_step_takes_its_prologue_and_state_write_and_matches_eager():
                        dynamic_shapes=({0: batch}, {0: batch}))
     step = _step_region(exe)
     assert step.kind == RegionKind.EXTERN and list(step.inplace.values()) == ["b_state"]
+    assert any(n.startswith("epilogue: region") for n in step.notes), step.notes
     assert isinstance(exe.program.kplan.kernels[step.name], TritonKernel)
     # the projection, and the step holding the rest: conv-free here, so nothing else
     others = [r for r in exe.plan.regions if r is not step]

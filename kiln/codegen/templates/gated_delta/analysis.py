@@ -47,6 +47,10 @@ class DeltaShape:
     # an in-place scatter of the region (step_fusion.py)
     final_store: StateStore | None = None
     final_op: str | None = None  # getitem 1, output or not
+    out_op: str | None = None  # getitem 0, output or not
+    # outputs computed from o per element of o (a gated RMSNorm over each value head:
+    # step_fusion.py), stored where o is
+    epilogue: tuple[str, ...] = ()
 
     @property
     def group(self) -> int:
@@ -74,12 +78,16 @@ def analyse(region: Region, plan: DispatchPlan) -> DeltaShape:
         if op.target == "getitem" and op.args and op.args[0] == Ref(anchor.name):
             outs[op.args[1]] = op.name
     store = state_store(region, outs[1]) if 1 in outs else None
-    extra = [o for o in region.outputs
-             if o not in outs.values() and (store is None or o != store.op)]
-    if extra:
-        raise CodegenUnsupported(f"the region also outputs {extra}, not only the op's results")
     B, T, H, K = _shape(region, plan, q.name)
     HV, V = _shape(region, plan, v.name)[2:]
+    extra = tuple(o for o in region.outputs
+                  if o not in outs.values() and (store is None or o != store.op))
+    o_shape = (B, T, HV, V)
+    if any(0 not in outs or len(region.op(o).shape) != 4
+           or not all(same_dim(a, b) for a, b in zip(region.op(o).shape, o_shape))
+           for o in extra):
+        raise CodegenUnsupported(f"the region also outputs {list(extra)}, not the op's "
+                                 "results or values shaped as its output")
     if not all(isinstance(x, int) for x in (H, K, HV, V)):
         raise CodegenUnsupported("symbolic head counts or head dims")
     if K > MAX_KEY_DIM or V > 4 * MAX_KEY_DIM:
@@ -103,7 +111,8 @@ def analyse(region: Region, plan: DispatchPlan) -> DeltaShape:
                       cu.name if isinstance(cu, Ref) else None,
                       outs.get(0) if outs.get(0) in region.outputs else None,
                       outs.get(1) if outs.get(1) in region.outputs else None,
-                      float(scale), B, T, sequences, H, HV, K, V, dtype, store, outs.get(1))
+                      float(scale), B, T, sequences, H, HV, K, V, dtype, store, outs.get(1),
+                      outs.get(0), extra)
 
 
 def pow2(n: int) -> int:

@@ -22,7 +22,13 @@ from kiln.codegen.expr.indexing import Lin, Var
 from kiln.codegen.expr.kernel_args import SymbolicArgs
 from kiln.codegen.expr.values import Cond, Val, mask_of
 from kiln.codegen.templates.gated_delta.analysis import DeltaShape, pow2
-from kiln.codegen.templates.gated_delta.step_fusion import StateReads, reductions, store_final
+from kiln.codegen.templates.gated_delta.step_fusion import (
+    StateReads,
+    output_of_step,
+    reductions,
+    split_ops,
+    store_final,
+)
 from kiln.codegen.templates.matmul.template import dot_operand
 
 TL = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32"}
@@ -52,10 +58,31 @@ def decode_body(em: Emitter, p: SymbolicArgs, s: DeltaShape) -> list[str]:
     if s.final_store is not None:
         reads = StateReads(s.final_store.dest, _STATE_MASK)
         reads.install(em)
-    reductions(em, {s.key_dim: ("kk", kp, _key_lanes(s))})
+    prologue, epilogue = split_ops(em.region, em.region.anchor().name)
+    reductions(em, {s.key_dim: ("kk", kp, _key_lanes(s))}, prologue)
+    reductions(em, {s.value_dim: ("vv", pow2(s.value_dim), _value_lanes(s))}, epilogue)
     L += _initial_state(em, s, kp)
     L += _decode(em, s, kp)
-    return L + _final_state(em, s, reads)
+    return L + _epilogue(em, s) + _final_state(em, s, reads)
+
+
+def _value_lanes(s: DeltaShape) -> Cond:
+    return Cond(f"vv < {s.value_dim}", frozenset({"vv"}))
+
+
+def _epilogue(em: Emitter, s: DeltaShape) -> list[str]:
+    """The region's outputs computed from o, stored at o's elements (BV = V: a program
+    holds whole value heads, step_fusion.py)."""
+    if not s.epilogue:
+        return []
+    b, _, hv = head_vars(s)
+    at = (b, lin("ts", s.seq, False), hv, lin("vv", s.value_dim))  # where o is stored
+    output_of_step(em, s.out_op, at, Val("o", torch.float32, frozenset({"vv"})))
+    with em.block() as lines:
+        for name in s.epilogue:
+            em.store(name, at, em.value(name, at, mask_of(_value_lanes(s))),
+                     mask_of(_value_lanes(s)))
+    return lines
 
 
 def program(em: Emitter, p: SymbolicArgs, s: DeltaShape, kp: int, wide: str) -> list[str]:
@@ -135,8 +162,7 @@ def _decode(em: Emitter, s: DeltaShape, kp: int) -> list[str]:
     """One step straight from the recurrence; the state block stays in registers."""
     ts = lin("ts", s.seq, False)
     b, hk, hv = head_vars(s)
-    kc = _key_lanes(s)
-    vc = Cond(f"vv < {s.value_dim}", frozenset({"vv"}))
+    kc, vc = _key_lanes(s), _value_lanes(s)
     keys, values = lin("kk", s.key_dim), lin("vv", s.value_dim)
     dt = TL[s.dtype]
     L = ["ts = bos"]

@@ -9,6 +9,10 @@ state write it takes over (dispatch/fold_delta_step.py puts them into its region
   computes it as one vector over the reduced dim (the kernel's own key lanes when the
   size matches, so the conv is computed once), summed in registers. Asked for at any
   other index it declines, and the region's prologues are split out again.
+- An epilogue reads o (a gated RMSNorm over each value head of it, then times SiLU of
+  the z projection): with a config whose value block is the whole head (BV = V), the
+  kernel's `o` is that row, its mean of squares a reduction over the value lanes `vv`;
+  its result is stored where o would be.
 - The final state may leave through an in-place `index_put` into the recurrent state
   (`state[torch.arange(B)] = final`): `state_store` finds that write and
   `store_final` stores each program's state block where the scatter would have put
@@ -44,14 +48,40 @@ _REDUCE = {
 Lanes = dict[int, tuple[str, int, Cond]]
 
 
-def reductions(em: Emitter, lanes: Lanes) -> None:
-    """Give `em` an override for every reduction op of its region. `lanes`: size ->
+def reductions(em: Emitter, lanes: Lanes, ops: list[Op]) -> None:
+    """Give `em` an override for every reduction op of `ops`. `lanes`: size ->
     (block variable, its padded width, the mask the kernel reads under) the kernel
-    already has (the key lanes `kk`): reading the same lanes under the same mask
-    finds the values the kernel computed for its operand, not a second copy."""
-    for op in em.region.ops:
+    already has (the key lanes `kk` for the prologue, a whole value head's `vv` for the
+    epilogue): reading the same lanes under the same mask finds the values the kernel
+    computed for its operand, not a second copy."""
+    for op in ops:
         if op.target in _REDUCE:
             em.overrides[op.name] = _reducer(em, op, lanes)
+
+
+def split_ops(region: Region, anchor: str) -> tuple[list[Op], list[Op]]:
+    """The region's ops before its anchor (the prologue) and after it (the epilogue)."""
+    names = [o.name for o in region.ops]
+    at = names.index(anchor)
+    return region.ops[:at], region.ops[at + 1:]
+
+
+def output_of_step(em: Emitter, name: str, at, o: Val):
+    """An override giving the step's output `name` (o's getitem) as the kernel's `o`,
+    at the program's own elements `at` only (the epilogue reads it nowhere else)."""
+    shape = em.shape(name)
+
+    def unit(index):  # size-1 dims read at 0 whatever their variable
+        return tuple(Lin() if same_dim(n, 1) else Lin.of(i) for i, n in zip(index, shape))
+
+    want = unit(at)
+
+    def value(index) -> Val | None:
+        if unit(index) != want:
+            return None
+        return em.cast(o, em.dtype(name))
+
+    em.overrides[name] = value
 
 
 def _reducer(em: Emitter, op: Op, lanes: Lanes):
