@@ -26,6 +26,8 @@ from kiln.artifact import compile_cache
 from kiln.codegen.select_kernels import select_kernels
 from kiln.compiled_module import CompiledModule
 from kiln.dispatch.example_sizes import bind_example_sizes
+from kiln.dispatch.fold_delta_state import fold_delta_state
+from kiln.dispatch.fold_delta_step import fold_delta_step
 from kiln.dispatch.fold_rmsnorm import fold_rmsnorm
 from kiln.dispatch.form_regions import form_regions
 from kiln.dispatch.group_fp8_siblings import group_fp8_siblings
@@ -57,8 +59,9 @@ def build_pipeline(dump_dir: str | None = None) -> PassManager:
             Stage("import", [import_pass]),
             Stage("graph", list(GRAPH_PASSES)),
             Stage("parallel", [pipeline_stages, tensor_parallel, assign_devices]),
-            Stage("dispatch", [form_regions, fold_rmsnorm, group_siblings, group_fp8_siblings,
-                               mask_envelope, reinplace, bind_example_sizes]),
+            Stage("dispatch", [form_regions, fold_rmsnorm, fold_delta_step,
+                               group_siblings, group_fp8_siblings, mask_envelope, reinplace,
+                               fold_delta_state, bind_example_sizes]),
             Stage("codegen", [select_kernels]),
             Stage("schedule", [schedule]),
         ],

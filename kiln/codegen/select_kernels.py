@@ -37,7 +37,12 @@ from kiln.codegen.templates.moe import template as moe
 from kiln.codegen.templates.reduction import row_kernel as reduction
 from kiln.codegen.torch_kernel import TorchKernel
 from kiln.dispatch.group_siblings import products
-from kiln.dispatch.split import split_epilogue, split_siblings
+from kiln.dispatch.split import (
+    split_epilogue,
+    split_prologue,
+    split_siblings,
+    splittable_operands,
+)
 from kiln.ir.ops import is_fallback
 from kiln.ir.plan import DispatchPlan, Region, RegionKind
 from kiln.pipeline import as_pass
@@ -107,6 +112,13 @@ def spec_for(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec |
             # together: each gets its kernel alone (the new regions are reached by
             # select_kernels' loop; this one, now the last sibling, is chosen for again)
             split_siblings(plan, region, f"the grouped GEMV declines: {e}")
+            return spec_for(region, plan, target)
+        operands = splittable_operands(region) if region.kind == RegionKind.EXTERN else []
+        if operands:
+            # producers dispatch folded into a kernel op's region (fold_delta_step)
+            # that its template cannot compute: they run apart, the op keeps its kernel
+            for operand in operands:
+                split_prologue(plan, region, operand, f"the template declines: {e}")
             return spec_for(region, plan, target)
         region.notes.append(f"extern: the {region.kind.value} template declines: {e}")
         log.info("region %s: %s template declines: %s", region.name, region.kind.value, e)

@@ -12,22 +12,53 @@ from __future__ import annotations
 
 import torch
 
-from kiln.codegen.expr.indexing import Index, Lin, broadcast_index, floordiv, norm
+from kiln.codegen.expr.indexing import (
+    Index,
+    Lin,
+    broadcast_index,
+    floordiv,
+    known_nonneg,
+    norm,
+)
 from kiln.codegen.expr.values import CodegenUnsupported, Cond, OpEmitter, Val, literal
-from kiln.codegen.expr.views import dim_value, select_index, slice_bounds
-from kiln.ir.ops import SLICE_SCATTERS, bind_args, norm_axis
+from kiln.codegen.expr.views import dim_value, is_view, select_index, slice_bounds, source_index
+from kiln.ir.ops import ARANGES, SLICE_SCATTERS, arange_start_step, bind_args, norm_axis
 from kiln.ir.plan import Op, Ref
 from kiln.ir.symbolic import same_dim
 
 
 def _index_value(em: OpEmitter, ref: Ref, index: Index, mask, size, wrap: bool) -> Lin:
     """The integer read from index tensor `ref` at `index`, as an index into `size`."""
+    ramp = _arange_index(em, ref, index)
+    if ramp is not None:
+        return ramp
     v = em.value(ref.name, index, mask)
     if v.dtype == torch.bool or v.dtype.is_floating_point:
         raise CodegenUnsupported(f"indexing with a {v.dtype} tensor")
     if wrap:
         v = em.let(f"tl.where({v} < 0, {v} + {em.dim(size)}, {v})", v.dtype, v.vars)
     return em.opaque(v, size)
+
+
+def _arange_index(em: OpEmitter, ref: Ref, index: Index) -> Lin | None:
+    """An index tensor the region computes as an integer arange (through views), read at
+    `index`: start + i * step, an affine index rather than a loaded one. A state write
+    `cache[torch.arange(B)] = x` then stores at the row its element comes from, as a
+    read of that row does (so a kernel can tell it reads and writes the same element)."""
+    ops = getattr(em, "ops", {})
+    name, idx = ref.name, tuple(index)
+    while name in ops and is_view(ops[name], ops):
+        name, idx = source_index(ops[name], idx, em.shape, ops)
+    op = ops.get(name)
+    if op is None or op.target not in ARANGES or op.dtype.is_floating_point:
+        return None
+    start, step = arange_start_step(op)
+    if any(isinstance(x, float) for x in (start, step)):
+        return None
+    start, step = dim_value(start), dim_value(step)
+    if not (isinstance(step, int) and step > 0 and known_nonneg(start)):
+        return None  # a ramp that may go negative wraps: loaded as any index is
+    return Lin.of(start) + idx[0] * step
 
 
 def emit_gather(em: OpEmitter, op: Op, index: Index, mask) -> Val:

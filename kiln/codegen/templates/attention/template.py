@@ -328,7 +328,8 @@ class _AttentionSource:
         wide = ".to(tl.int64)" if p.needs_int64 else ""
         ieee = ', input_precision="ieee"' if s.dtype == torch.float32 else ""
         out = self.region.outputs[0]
-        o = p.tensor(out, s.dtype, self.plan.values[out].shape, output=True, name="out_ptr")
+        o = self.out_ptr = p.tensor(out, s.dtype, self.plan.values[out].shape, output=True,
+                                    name="out_ptr")
         # causal: the longest row blocks (the last) start first, so they do not trail
         first = "tl.num_programs(0) - 1 - tl.program_id(0)" if s.causal else "tl.program_id(0)"
         L = [
@@ -410,8 +411,75 @@ class _AttentionSource:
         ]
 
     def _combine(self, dvp: int, rows: str) -> list[str]:
-        """With the keys split: store this part (unnormalised acc, running max and sum);
-        the last program merges all parts by their maxima, and alone stores."""
+        """With the keys split: each part with keys stores its unnormalised acc, running
+        max and sum; the last program to arrive merges the parts that had keys (parts
+        past the keys are left unread) and stores the output. Every part's max and sum
+        come in one [KV_SPLIT, rows] load each, so each part's weight is known before
+        its acc is read: the acc loads depend on nothing and go split.UNROLL at a time.
+        The merge holds only the rows a tile can have (a decode tile's GQA group: 8 of
+        its 16), not BLOCK_M: half the registers, so a 256-wide head still merges 4
+        parts a step (32 parts one after another, each an L2 round trip, took ~15 us
+        of a 26 us decode attention at head dim 256). The others store nothing. (Its
+        names differ from the key loop's m_i, l_i, which are BLOCK_M wide.) Tiles
+        of more than 16 rows (prefill) merge as before (`_combine_running`): their
+        [KV_SPLIT, BLOCK_M] maxima and sums beside the accumulator spilled at 128 rows."""
+        s = self.s
+        numel = f"BLOCK_M * {dvp + 2}"
+        acc_at = "ar[:, None] * " + str(dvp) + " + tl.arange(0, " + str(dvp) + ")[None, :]"
+        m_at, l_at = f"BLOCK_M * {dvp} + ar", f"BLOCK_M * {dvp + 1} + ar"
+        store = ["ar = tl.arange(0, BLOCK_M)",  # rows past the group's are never used
+                 "if lo < hi:",
+                 f"    tl.store({split.part(numel)} + {acc_at}, acc, mask=row_ok2)",
+                 f"    tl.store({split.part(numel)} + {m_at}, m_i, mask=row_ok)",
+                 f"    tl.store({split.part(numel)} + {l_at}, l_i, mask=row_ok)"]
+        hi = bounds_of(s.group * s.tq, self.plan.symbols).hi
+        if hi is None or hi > 16:
+            return self._combine_running(dvp, rows)
+        mr = max(2, 1 << (hi - 1).bit_length())  # no tl.dot here: any power of two
+        tq = self.p.dim(s.tq)
+        sp = "tl.arange(0, KV_SPLIT)[:, None]"
+        every = f"{split.PARTS} + (tile_id * n_split + {sp}) * ({numel})"
+        on = f"({sp} < n_used) & mr_ok[None, :]"
+        part = split.part(numel, "s")
+        used = "(s < n_used)"
+        m_s = split.load_part(f"{part} + BLOCK_M * {dvp} + mr", f"mr_ok & {used}",
+                              'float("-inf")')
+        a_s = split.load_part(f"{part} + mr[:, None] * {dvp} + dv2",
+                              f"(mr_ok & {used})[:, None]")
+        out_lines, out_code = self._cast("o", {"mr2", "dv2"})
+        start = "kv_start" if s.key_bounds is not None else "0"
+        m_all = split.load_part(f"{every} + BLOCK_M * {dvp} + mr[None, :]", on,
+                                'float("-inf")')
+        l_all = split.load_part(f"{every} + BLOCK_M * {dvp + 1} + mr[None, :]", on)
+        combine = [
+            f"mr = tl.arange(0, {mr})",
+            f"mr_ok = pid_m * BLOCK_M + mr < {rows}",
+            "mr2 = mr[:, None]",
+            f"n_used = tl.cdiv(kv_end - {start}, tl.maximum(per_split, 1))",
+            f"m_all = {m_all}",
+            "m_top = tl.max(m_all, 0)",
+            'm_ref = tl.where(m_top == float("-inf"), 0.0, m_top)',
+            f"l_sum = tl.sum({l_all} * tl.exp2(m_all - m_ref[None, :]), 0)",
+            "l_inv = 1.0 / tl.where(l_sum == 0.0, 1.0, l_sum)",  # fully masked rows: 0
+            f"o = tl.zeros([{mr}, {dvp}], tl.float32)",
+            *split.merge_loop(f"{mr} * {dvp}", [
+                f"w = tl.exp2({m_s} - m_ref) * l_inv",
+                f"o += {a_s} * w[:, None]"], count="n_used"),
+            *out_lines,
+            "mrow = pid_m * BLOCK_M + mr2",
+            f"ooff = ((b * {s.heads} + kvh * {s.group} + mrow // {tq}) * {tq} + "
+            f"mrow % {tq}) * {s.value_dim} + dv2",
+            f"tl.store({self.out_ptr} + ooff, {out_code}, "
+            f"mask=mr_ok[:, None] & (dv2 < {s.value_dim}))",
+        ]
+        gate = ["row_ok2 = row_ok2 & (n_split == 1)"]  # a split's output: the merge's
+        return split.arrive("KV_SPLIT", "pid_z * tl.num_programs(0) + pid_m", store, combine,
+                            gate)
+
+    def _combine_running(self, dvp: int, rows: str) -> list[str]:
+        """With the keys split, tiles of many rows (`_combine` says why few differ):
+        store this part (unnormalised acc, running max and sum); the last program
+        merges all parts by their maxima, and alone stores."""
         numel = f"BLOCK_M * {dvp + 2}"
         acc_at = "ar[:, None] * " + str(dvp) + " + tl.arange(0, " + str(dvp) + ")[None, :]"
         m_at, l_at = f"BLOCK_M * {dvp} + ar", f"BLOCK_M * {dvp + 1} + ar"
@@ -442,6 +510,7 @@ class _AttentionSource:
         gate = [f"row_ok2 = rows2 < tl.where(last, {rows}, 0)"]  # only the last stores
         return split.arrive("KV_SPLIT", "pid_z * tl.num_programs(0) + pid_m", store, combine,
                             gate)
+
 
     def _key_step(self, head, qpos, dp, dvp, ieee, wide, full: bool) -> list[str]:
         """One BLOCK_N step of the key loop. A `full` step's keys are all in range and,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.codegen.expr.values import CodegenUnsupported
+from kiln.codegen.templates.gated_delta.step_fusion import StateStore, state_store
 from kiln.codegen.templates.op_operands import operand_dtype as _dtype
 from kiln.codegen.templates.op_operands import operand_shape as _shape
 from kiln.ir.plan import DispatchPlan, Ref, Region
@@ -42,6 +43,14 @@ class DeltaShape:
     key_dim: int
     value_dim: int
     dtype: torch.dtype  # q and k's (the dots' operand type)
+    # the final state (getitem 1, then not an output) written into the recurrent state by
+    # an in-place scatter of the region (step_fusion.py)
+    final_store: StateStore | None = None
+    final_op: str | None = None  # getitem 1, output or not
+    out_op: str | None = None  # getitem 0, output or not
+    # outputs computed from o per element of o (a gated RMSNorm over each value head:
+    # step_fusion.py), stored where o is
+    epilogue: tuple[str, ...] = ()
 
     @property
     def group(self) -> int:
@@ -68,11 +77,17 @@ def analyse(region: Region, plan: DispatchPlan) -> DeltaShape:
     for op in region.ops:
         if op.target == "getitem" and op.args and op.args[0] == Ref(anchor.name):
             outs[op.args[1]] = op.name
-    extra = [o for o in region.outputs if o not in outs.values()]
-    if extra:
-        raise CodegenUnsupported(f"the region also outputs {extra}, not only the op's results")
+    store = state_store(region, outs[1]) if 1 in outs else None
     B, T, H, K = _shape(region, plan, q.name)
     HV, V = _shape(region, plan, v.name)[2:]
+    extra = tuple(o for o in region.outputs
+                  if o not in outs.values() and (store is None or o != store.op))
+    o_shape = (B, T, HV, V)
+    if any(0 not in outs or len(region.op(o).shape) != 4
+           or not all(same_dim(a, b) for a, b in zip(region.op(o).shape, o_shape))
+           for o in extra):
+        raise CodegenUnsupported(f"the region also outputs {list(extra)}, not the op's "
+                                 "results or values shaped as its output")
     if not all(isinstance(x, int) for x in (H, K, HV, V)):
         raise CodegenUnsupported("symbolic head counts or head dims")
     if K > MAX_KEY_DIM or V > 4 * MAX_KEY_DIM:
@@ -96,7 +111,8 @@ def analyse(region: Region, plan: DispatchPlan) -> DeltaShape:
                       cu.name if isinstance(cu, Ref) else None,
                       outs.get(0) if outs.get(0) in region.outputs else None,
                       outs.get(1) if outs.get(1) in region.outputs else None,
-                      float(scale), B, T, sequences, H, HV, K, V, dtype)
+                      float(scale), B, T, sequences, H, HV, K, V, dtype, store, outs.get(1),
+                      outs.get(0), extra)
 
 
 def pow2(n: int) -> int:

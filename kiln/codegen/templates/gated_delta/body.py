@@ -20,8 +20,15 @@ import torch
 from kiln.codegen.expr.emit import Emitter
 from kiln.codegen.expr.indexing import Lin, Var
 from kiln.codegen.expr.kernel_args import SymbolicArgs
-from kiln.codegen.expr.values import Cond, mask_of
+from kiln.codegen.expr.values import Cond, Val, mask_of
 from kiln.codegen.templates.gated_delta.analysis import DeltaShape, pow2
+from kiln.codegen.templates.gated_delta.step_fusion import (
+    StateReads,
+    output_of_step,
+    reductions,
+    split_ops,
+    store_final,
+)
 from kiln.codegen.templates.matmul.template import dot_operand
 
 TL = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32"}
@@ -40,15 +47,42 @@ def indent(lines: list[str], n: int = 1) -> list[str]:
 
 def decode_body(em: Emitter, p: SymbolicArgs, s: DeltaShape) -> list[str]:
     """A static one-step op: a program per (sequence, value head, BV columns) takes
-    the recurrence directly; grid (cdiv(V, BV), HV, N)."""
+    the recurrence directly; grid (cdiv(V, BV), HV, N). Its region may hold a fused
+    prologue and the state's in-place write (step_fusion.py)."""
     kp = pow2(s.key_dim)
     wide = ".to(tl.int64)" if p.needs_int64 else ""
     L = ["vb = tl.program_id(0)", f"hv = tl.program_id(1){wide}",
          f"nn = tl.program_id(2){wide}"]
     L += program(em, p, s, kp, wide)
+    reads = None
+    if s.final_store is not None:
+        reads = StateReads(s.final_store.dest, _STATE_MASK)
+        reads.install(em)
+    prologue, epilogue = split_ops(em.region, em.region.anchor().name)
+    reductions(em, {s.key_dim: ("kk", kp, _key_lanes(s))}, prologue)
+    reductions(em, {s.value_dim: ("vv", pow2(s.value_dim), _value_lanes(s))}, epilogue)
     L += _initial_state(em, s, kp)
     L += _decode(em, s, kp)
-    return L + _final_state(em, s)
+    return L + _epilogue(em, s) + _final_state(em, s, reads)
+
+
+def _value_lanes(s: DeltaShape) -> Cond:
+    return Cond(f"vv < {s.value_dim}", frozenset({"vv"}))
+
+
+def _epilogue(em: Emitter, s: DeltaShape) -> list[str]:
+    """The region's outputs computed from o, stored at o's elements (BV = V: a program
+    holds whole value heads, step_fusion.py)."""
+    if not s.epilogue:
+        return []
+    b, _, hv = head_vars(s)
+    at = (b, lin("ts", s.seq, False), hv, lin("vv", s.value_dim))  # where o is stored
+    output_of_step(em, s.out_op, at, Val("o", torch.float32, frozenset({"vv"})))
+    with em.block() as lines:
+        for name in s.epilogue:
+            em.store(name, at, em.value(name, at, mask_of(_value_lanes(s))),
+                     mask_of(_value_lanes(s)))
+    return lines
 
 
 def program(em: Emitter, p: SymbolicArgs, s: DeltaShape, kp: int, wide: str) -> list[str]:
@@ -72,6 +106,9 @@ def program(em: Emitter, p: SymbolicArgs, s: DeltaShape, kp: int, wide: str) -> 
     return L
 
 
+_STATE_MASK = mask_of(Cond("s_ok", frozenset({"kr", "ev"})))
+
+
 def _state_at(s: DeltaShape):
     return (lin("nn", s.sequences, False), lin("hv", s.value_heads, False),
             lin("kr", s.key_dim), lin("ev", s.value_dim))
@@ -87,12 +124,13 @@ def _initial_state(em: Emitter, s: DeltaShape, kp: int) -> list[str]:
                     f"{v.code}.to(tl.float32), 0.0)"]
 
 
-def _final_state(em: Emitter, s: DeltaShape) -> list[str]:
-    if s.final_state is None:
-        return []
+def _final_state(em: Emitter, s: DeltaShape, reads: StateReads | None) -> list[str]:
+    S = Val("S", torch.float32, frozenset({"kr", "ev"}))
     with em.block() as lines:
-        em.store(s.final_state, _state_at(s), em.let("S", torch.float32, frozenset({"kr", "ev"})),
-                 mask_of(Cond("s_ok", frozenset({"kr", "ev"}))))
+        if s.final_store is not None:
+            store_final(em, s.final_store, s.final_op, _state_at(s), S, _STATE_MASK, reads)
+        if s.final_state is not None:
+            em.store(s.final_state, _state_at(s), S, _STATE_MASK)
     return lines
 
 
@@ -116,12 +154,15 @@ def head_vars(s: DeltaShape):
     return lin("bb", s.batch, False), lin("hk", s.heads, False), lin("hv", s.value_heads, False)
 
 
+def _key_lanes(s: DeltaShape) -> Cond:
+    return Cond(f"kk < {s.key_dim}", frozenset({"kk"}))
+
+
 def _decode(em: Emitter, s: DeltaShape, kp: int) -> list[str]:
     """One step straight from the recurrence; the state block stays in registers."""
     ts = lin("ts", s.seq, False)
     b, hk, hv = head_vars(s)
-    kc = Cond(f"kk < {s.key_dim}", frozenset({"kk"}))
-    vc = Cond(f"vv < {s.value_dim}", frozenset({"vv"}))
+    kc, vc = _key_lanes(s), _value_lanes(s)
     keys, values = lin("kk", s.key_dim), lin("vv", s.value_dim)
     dt = TL[s.dtype]
     L = ["ts = bos"]

@@ -33,7 +33,9 @@ program of the one before. The price: one register allocation for all roles, so 
 heaviest role (the preparer at 64-step chunks) sets how many programs share an SM. A
 static one-step op (decode) needs none of it: its programs (one per value head and BV
 columns) take the recurrence directly, S = S exp(g); u = beta (v - S^T k);
-S += k u^T; o = S^T (scale q).
+S += k u^T; o = S^T (scale q); and they compute what dispatch folded into the step's
+region: its operands' producers, a norm of o over each value head (then BV = V: a
+program holds whole heads) and the state's in-place write (step_fusion.py).
 
 q, k, v, g, beta and the initial state are read through the region's fused views by the
 expression emitter (a q that is a slice of a projection is read in place); cu_seqlens
@@ -52,6 +54,7 @@ import torch
 from kiln.codegen.build.spec import Config, KernelSpec, Scratch
 from kiln.codegen.expr.emit import Emitter, kernel_name, module_source
 from kiln.codegen.expr.kernel_args import SymbolicArgs
+from kiln.codegen.expr.values import CodegenUnsupported
 from kiln.codegen.templates.gated_delta import staged
 from kiln.codegen.templates.gated_delta.analysis import OP, DeltaShape, analyse, pow2
 from kiln.codegen.templates.gated_delta.body import SCRATCH, decode_body
@@ -83,6 +86,8 @@ def config_space(shape: DeltaShape) -> list[Config]:
     blocks = [b for b in VALUE_BLOCKS if b <= vp] or [16]
     t_hi = shape.static_t
     if t_hi == 1:
+        if shape.epilogue:  # a reduction over each value head: whole heads a program
+            blocks = [vp]
         return [Config.make(w, 1, CHUNK=16, BV=bv) for bv in blocks for w in WARPS]
     chunks = [c for c in CHUNKS if t_hi is None or c <= pow2(t_hi)]
     if shape.dtype == torch.float32:  # exact fp32 dots run on FMA units: 64-step chunks
@@ -127,8 +132,10 @@ def heuristic(shape: DeltaShape, target: Target) -> Config:
     chunks fastest (the staged form at 32)."""
     vp = pow2(shape.value_dim)
     if shape.static_t == 1:
-        return Config.make(4 if pow2(shape.key_dim) * min(32, vp) <= 64 * 64 else 8, 1,
-                           CHUNK=16, BV=min(32, vp))
+        bv = vp if shape.epilogue else min(32, vp)
+        block = pow2(shape.key_dim) * bv  # the state block: 64 fp32 a thread at most
+        return Config.make(4 if block <= 64 * 64 else 8 if block <= 128 * 128 else 16, 1,
+                           CHUNK=16, BV=bv)
     space = config_space(shape)
     staged = [c for c in space if c["STAGED"]]
     if target.backend == "interpret":
@@ -156,12 +163,15 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     for name in list(region.inputs) + list(region.outputs):
         p.check_extent(plan.values[name].numel)
     decode = shape.static_t == 1
+    if (shape.final_store is not None or shape.epilogue) and not decode:
+        raise CodegenUnsupported("the chunked kernel takes no epilogue and does not write "
+                                 "the state in place")
     lines = decode_body(em, p, shape) if decode else chunked_body(em, p, shape)
     name = kernel_name("gated_delta", region)
     tunables = ["CHUNK", "BV"] if decode else ["CHUNK", "BV", "STAGED"]
     scratch = [] if decode else _scratch(shape, p)
-    params = p.names() + [b.name for b in scratch] + [f"{t}: tl.constexpr" for t in tunables]
-    source = module_source(name, params, lines, em.helpers, target, p.describe())
+    # the grid first: a size only the grid reads (the batch, when no load's offset uses
+    # it) is still a kernel parameter, as the launcher passes every size it binds
     heads, seqs = p.grid(shape.value_heads), p.grid(shape.sequences)
     columns = f"cdiv({p.grid(shape.value_dim)}, BV)"
     if decode:
@@ -170,6 +180,8 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
         chunks = f"cdiv({p.grid(shape.seq)}, CHUNK)"
         grid = (f"({heads}) * ({seqs}) * ({chunks} + {columns} + "
                 f"(({chunks}) * ({columns}) if STAGED else 0))",)
+    params = p.names() + [b.name for b in scratch] + [f"{t}: tl.constexpr" for t in tunables]
+    source = module_source(name, params, lines, em.helpers, target, p.describe())
     configs = config_space(shape)
     default = heuristic(shape, target)
     if default not in configs:

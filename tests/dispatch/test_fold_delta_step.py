@@ -1,0 +1,103 @@
+"""A gated delta rule decode step takes its prologue, the gated RMSNorm of its output and
+its state write into its kernel (kiln.dispatch.fold_delta_step, fold_delta_state;
+templates/gated_delta/step_fusion.py): the plan holds one region for them, and under
+the `interpret` target the step's outputs and state match eager over several steps."""
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+import kiln
+from kiln.codegen.build.triton_kernel import TritonKernel
+from kiln.ir.plan import RegionKind
+from tests.helpers import rel_err
+
+OP = "kiln.gated_delta_rule.default"
+H, HV, K, V, DIM = 2, 4, 16, 8, 32
+
+
+def l2norm(x):
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+class Step(torch.nn.Module):
+    """One linear-attention step as a model writes it: q, k, v, z, b, a from one
+    projection, q and k l2-normalised, the gates from b and a, the state buffer read
+    (zeros for a row at position 0) and written back, the output's RMSNorm over each
+    value head times SiLU(z). `pairs`: q is summed over pairs of rows first (a reduction
+    the kernel cannot compute per program: its prologue is split out)."""
+
+    def __init__(self, rows=2, pairs=False):
+        super().__init__()
+        self.pairs = pairs
+        self.proj = torch.nn.Linear(
+            DIM, (3 if pairs else 2) * H * K + 2 * HV * V + 2 * HV, bias=False)
+        self.norm = torch.nn.Parameter(1 + 0.1 * torch.randn(V))
+        self.register_buffer("state", torch.randn(rows, HV, K, V))
+
+    def forward(self, x, pos):
+        B = x.shape[0]
+        qw = (2 if self.pairs else 1) * H * K
+        q, k, v, z, b, a = self.proj(x).split([qw, H * K, HV * V, HV * V, HV, HV], dim=-1)
+        if self.pairs:
+            q = q.view(B, 1, H, 2, K).sum(-2)
+        q = l2norm(q.reshape(B, 1, H, K).float())
+        k = l2norm(k.reshape(B, 1, H, K).float())
+        v = F.silu(v).reshape(B, 1, HV, V)
+        beta, g = b.sigmoid(), -F.softplus(a.float() + 1.0)
+        fresh = (pos[:, 0] == 0)[:, None, None, None]
+        state = torch.where(fresh, 0, self.state[:B])
+        o, new = kiln.ops.gated_delta_rule(q, k, v, g, beta, initial_state=state,
+                                           output_final_state=True)
+        self.state[torch.arange(B, device=x.device)] = new
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
+        return o * F.silu(z.reshape(B, 1, HV, V))
+
+
+def _steps(exe, model, calls):
+    for x, pos in calls:
+        assert rel_err(exe(x, pos), model(x, pos)) <= 1e-5
+    state = next(t for n, t in exe.state.items() if n.endswith("state"))
+    assert rel_err(state, model.state) <= 1e-5
+
+
+def _step_region(exe):
+    return next(r for r in exe.plan.regions if any(op.target == OP for op in r.ops))
+
+
+def test_the_step_takes_its_prologue_and_state_write_and_matches_eager():
+    torch.manual_seed(0)
+    model = Step()
+    batch = kiln.Dim("batch", min=1, max=2)
+    x, pos = torch.randn(2, 1, DIM), torch.tensor([[3], [0]])
+    exe = kiln.compile(copy.deepcopy(model), (x, pos), target="interpret",
+                       dynamic_shapes=({0: batch}, {0: batch}))
+    step = _step_region(exe)
+    assert step.kind == RegionKind.EXTERN and list(step.inplace.values()) == ["b_state"]
+    assert any(n.startswith("epilogue: region") for n in step.notes), step.notes
+    assert isinstance(exe.program.kplan.kernels[step.name], TritonKernel)
+    # the projection, and the step holding the rest: conv-free here, so nothing else
+    others = [r for r in exe.plan.regions if r is not step]
+    assert all(r.kind in (RegionKind.MATMUL, RegionKind.POINTWISE) for r in others), others
+    assert not any("b_state" in r.inputs for r in others)
+    _steps(exe, model, [(x, pos), (torch.randn(2, 1, DIM), pos + 1),
+                        (torch.randn(1, 1, DIM), torch.tensor([[5]]))])
+
+
+def test_a_prologue_the_kernel_cannot_compute_is_split_out_again():
+    torch.manual_seed(1)
+    model = Step(rows=1, pairs=True)
+    x, pos = torch.randn(1, 1, DIM), torch.tensor([[2]])
+    exe = kiln.compile(copy.deepcopy(model), (x, pos), target="interpret")
+    step = _step_region(exe)
+    assert any("the template declines" in n for n in step.notes), step.notes
+    assert isinstance(exe.program.kplan.kernels[step.name], TritonKernel)
+    _steps(exe, model, [(x, pos), (torch.randn(1, 1, DIM), pos + 1)])
+
+
+def test_the_cpu_target_keeps_the_regions_apart():
+    model = Step(rows=1)
+    exe = kiln.compile(model, (torch.randn(1, 1, DIM), torch.tensor([[2]])))
+    step = _step_region(exe)
+    assert not step.inplace and not any("prologue" in n for n in step.notes)
