@@ -237,9 +237,8 @@ class RowKernel:
                 em.lines.append(f"rmask = rindex < {r_code}")
             self.current_mask = mask_of(self.xmask, rcond)
             for level in sorted(by_stage):
-                for stage in by_stage[level]:
-                    for acc in stage.accs:
-                        self.acc.reduce_tile(acc, self.current_mask)
+                self.acc.reduce_tiles([a for stage in by_stage[level] for a in stage.accs],
+                                      self.current_mask)
                 self._finish_stages(level, by_stage, plans, last_stage, done_after)
             self._store_elems(elem_outs)
         else:
