@@ -15,9 +15,9 @@ bias and epilogue run in a branch of their own and store its output.
 Requires the siblings' weights to be read by the same index expression from their
 own base (a [N_i, K] parameter read through its transpose: n * K + k, whatever N_i;
 a [1, K] one, read at a constant column, may take the others' expression, which reads
-the same elements at its only column), the same rows and a product that is the output's shape (no broadcasting epilogue);
-anything else raises CodegenUnsupported, and select_kernels splits the siblings
-apart again (dispatch/split.split_siblings).
+the same elements at its only column), the same rows and a product that is the
+output's shape (no broadcasting epilogue); anything else raises CodegenUnsupported, and
+select_kernels splits the siblings apart again (dispatch/split.split_siblings).
 """
 
 from __future__ import annotations
