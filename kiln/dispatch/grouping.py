@@ -8,7 +8,8 @@ root) and the group's kind accepts it:
   after the product (epilogue: bias, activation, residual, cast), into attention and
   copy (scatter) regions only before (prologue: RoPE, masks, values written), into a
   topk only before and only when kiln generates that topk (a router's sigmoid and
-  bias: the kernel computes its row from them; a topk that runs as torch's op would
+  bias: the kernel computes its row from them, as it computes reductions over the
+  rows it picks from, a router's softmax; a topk that runs as torch's op would
   run its prologue as torch ops too, so that one keeps its producers apart); into a
   reduction as its prologue unless that would recompute costly math many times over
   a broadcast (dispatch/recompute.py: then it stays apart, usually as the row
@@ -162,6 +163,8 @@ def can_join(p: fx.Node, g: Group, consumers: set[fx.Node],
             return shape_of(p.args[0]) == shape_of(g.root) or _row_epilogue(p, g)
         if anchor == OpCategory.REDUCTION:
             return _reduction_key(p) == _reduction_key(g.anchor)
+        if anchor == OpCategory.TOPK:
+            return feeds_anchor and generated_topk(g.anchor) and _over_topk_rows(p, g.anchor)
         return False
     if c == OpCategory.MATMUL:
         return anchor is None and all(cat_of(m) in POINTWISE_LIKE for m in g.members)
@@ -186,6 +189,18 @@ def _row_epilogue(p: fx.Node, g: Group) -> bool:
             return False
         row *= src[d]
     return row <= (ROW_EPILOGUE_MAX if innermost else ROW_EPILOGUE_MAX_STRIDED)
+
+
+def _over_topk_rows(p: fx.Node, topk: fx.Node) -> bool:
+    """Does reduction `p` reduce exactly the rows `topk` picks from (same input shape,
+    the topk's axis alone)? Then the topk kernel, which holds those rows whole,
+    computes it (a router's softmax)."""
+    shape = shape_of(topk.args[0])
+    _, dim, _ = topk_args(op_name(topk.target), topk.args, topk.kwargs, len(shape))
+    src = shape_of(p.args[0])
+    dims = reduction_dims(op_name(p.target), p.args, p.kwargs, len(src))
+    return (len(src) == len(shape) and all(same_dim(a, b) for a, b in zip(src, shape))
+            and tuple(dims) == (dim % len(shape),))
 
 
 def generated_topk(node: fx.Node) -> bool:
