@@ -38,7 +38,11 @@ GEMV_SPLIT_CAP = 16
 TILED_FILL = 1  # programs per SM a tiled split aims for
 GEMV_FILL = 4  # ... and a GEMV's (memory bound: more loads in flight)
 MIN_SPLIT_BLOCKS = 4  # K blocks a tiled split gets at least
-MIN_GEMV_BLOCKS = 2
+# A GEMV split may take a single K block: its program then waits on one DRAM round trip
+# instead of two (a program's K steps are not pipelined: ~0.85 us each on an H200, so a
+# 2 MB router of 64 programs x 2 steps took 4.1 us); it only matters where tiles x
+# K blocks leave SMs idle (small N and K), the rest split for fill first.
+MIN_GEMV_BLOCKS = 1
 TYPICAL_ROWS, MAX_ROWS = 2048, 4096
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
