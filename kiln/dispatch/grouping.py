@@ -154,7 +154,7 @@ def can_join(p: fx.Node, g: Group, consumers: set[fx.Node],
         if anchor == OpCategory.TOPK:
             return feeds_anchor and generated_topk(g.anchor)
         if anchor == OpCategory.REDUCTION and feeds_anchor:
-            return not costly_broadcast(p, consumers, symbols or {})
+            return not costly_broadcast(p, g.anchor, symbols or {})
         return True
     if c == OpCategory.REDUCTION:
         if _is_tuple(p):

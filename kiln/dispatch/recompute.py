@@ -6,14 +6,15 @@ read through a broadcast is so computed once per element it is broadcast to: Qwe
 Next's gathered experts read h = silu(g) * u [10, 512] in the down projection's sum
 over [10, 2048, 512], so fused there it was 2048 sigmoids and divisions per element of
 h (10 M a layer: 12.6 us on an H200 for a kernel whose 21 MB of weights stream in 5).
-Stored once instead, by the region that computes g and u (a reduction's row
-epilogue), the down projection reads 20 KB more and computes nothing.
+Stored once instead (in bf16: the widening cast after it stays fused), by the region
+that computes g and u (a reduction's row epilogue), the down projection reads 10 KB
+more and computes nothing.
 
 Cheap ops (casts, adds, multiplies, selects, comparisons, gathers) are recomputed
 freely: each is a few instructions next to the load it replaces, and keeping them
 fused saves a launch (x.float() broadcast over every expert row stays in the products
 that read it). The rule holds back a producer only when it is broadcast at least
-BROADCAST_RECOMPUTE-fold, the consumer's domain holds at least RECOMPUTE_MIN_ELEMENTS
+BROADCAST_RECOMPUTE-fold, the reduction's domain holds at least RECOMPUTE_MIN_ELEMENTS
 elements (a small broadcast costs less than a launch however often it is recomputed)
 and some op that would come with it is costly (transcendental, division, power).
 """
@@ -48,33 +49,30 @@ _FUSED = {OpCategory.POINTWISE, OpCategory.GATHER, OpCategory.CONCAT}
 _SEE_THROUGH = {OpCategory.VIEW, OpCategory.TUPLE}
 
 
-def costly_broadcast(p: fx.Node, consumers, symbols: Mapping[str, Bounds]) -> bool:
-    """Would fusing pointwise `p` into the reduction region of `consumers` (the compute
-    nodes reading it) recompute costly math at least BROADCAST_RECOMPUTE times per
-    element, over a domain of at least RECOMPUTE_MIN_ELEMENTS?"""
-    if not is_tensor_node(p):
+def costly_broadcast(p: fx.Node, anchor: fx.Node, symbols: Mapping[str, Bounds]) -> bool:
+    """Would fusing pointwise `p` into the region of reduction `anchor` (which computes
+    its prologue at every element of its input) recompute costly math at least
+    BROADCAST_RECOMPUTE times per element of p, over at least RECOMPUTE_MIN_ELEMENTS?
+    A widening cast never is: recomputed, it costs nothing beside the load of its
+    input, which this rule then stores (narrower) in its stead."""
+    if not is_tensor_node(p) or not is_tensor_node(anchor.args[0]) or _widening_cast(p):
         return False
     own = numel(shape_of(p))
-    for u in consumers:
-        domain = _domain(u)
-        if domain is None:
-            continue
-        fold = as_dim(domain / own) if own != 0 else 0
-        if not isinstance(fold, int) or fold < BROADCAST_RECOMPUTE:
-            continue
-        hi = domain if isinstance(domain, int) else upper_bound(domain, symbols)
-        if (hi is None or hi >= RECOMPUTE_MIN_ELEMENTS) and _costly(p):
-            return True
-    return False
+    domain = numel(shape_of(anchor.args[0]))
+    fold = as_dim(domain / own) if own != 0 else 0
+    if not isinstance(fold, int) or fold < BROADCAST_RECOMPUTE:
+        return False
+    hi = domain if isinstance(domain, int) else upper_bound(domain, symbols)
+    return (hi is None or hi >= RECOMPUTE_MIN_ELEMENTS) and _costly(p)
 
 
-def _domain(u: fx.Node):
-    """The elements a fused region computes `u` at: its output's, or a reduction's
-    input's."""
-    if category(op_name(u.target)) == OpCategory.REDUCTION:
-        src = u.args[0]
-        return numel(shape_of(src)) if is_tensor_node(src) else None
-    return numel(shape_of(u)) if is_tensor_node(u) else None
+def _widening_cast(p: fx.Node) -> bool:
+    """A dtype cast of a tensor to a wider dtype (bf16 -> fp32)."""
+    if op_name(p.target) != "aten._to_copy.default" or set(p.kwargs) - {"dtype"}:
+        return False
+    src = p.args[0]
+    return (is_tensor_node(src) and src.meta["val"].dtype.itemsize
+            < p.meta["val"].dtype.itemsize)
 
 
 def _costly(p: fx.Node) -> bool:

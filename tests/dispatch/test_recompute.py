@@ -47,8 +47,9 @@ def _with(region_ops, plan):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gathered_experts_store_silu_times_up_once(monkeypatch, dtype):
     """Over the (lowered) threshold: g, u and silu(g) * u are one region (two sums of
-    the same rows, x's cast fused), the down projection's sum reads h and computes no
-    sigmoid; under the interpreter the result is eager's."""
+    the same rows, x's cast fused), the down projection's sum reads h (in x's dtype:
+    the cast to fp32 after it is recomputed) and computes no sigmoid; under the
+    interpreter the result is eager's."""
     monkeypatch.setattr(recompute, "RECOMPUTE_MIN_ELEMENTS", 1024)
     model = Gathered().to(dtype)
     args = _inputs(dtype)
@@ -58,6 +59,7 @@ def test_gathered_experts_store_silu_times_up_once(monkeypatch, dtype):
     assert gu.kind == RegionKind.REDUCTION
     assert sum(o.target == "aten.sum.dim_IntList" for o in gu.ops) == 2
     assert not [r for r in plan.regions if r.kind == RegionKind.POINTWISE], plan.regions
+    assert plan.values[gu.outputs[0]].dtype == dtype  # h stored before its widening cast
     down = [r for r in plan.regions if gu.outputs[0] in r.inputs]
     assert len(down) == 1 and down[0].kind == RegionKind.REDUCTION
     with torch.no_grad():
