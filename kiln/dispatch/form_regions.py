@@ -219,7 +219,7 @@ class _Lowering:
 
 @as_pass
 def form_regions(kg: KilnGraph, ctx) -> DispatchPlan:
-    groups = form_groups(kg.graph)
+    groups = form_groups(kg.graph, kg.symbols)
     plan = _Lowering(kg, groups).build()
     counts: dict[str, int] = {}
     for r in plan.regions:

@@ -8,11 +8,19 @@ root) and the group's kind accepts it:
   after the product (epilogue: bias, activation, residual, cast), into attention and
   copy (scatter) regions only before (prologue: RoPE, masks, values written), into a
   topk only before and only when kiln generates that topk (a router's sigmoid and
-  bias: the kernel computes its row from them; a topk that runs as torch's op would
-  run its prologue as torch ops too, so that one keeps its producers apart);
+  bias: the kernel computes its row from them, as it computes reductions over the
+  rows it picks from, a router's softmax; a topk that runs as torch's op would
+  run its prologue as torch ops too, so that one keeps its producers apart); into a
+  reduction as its prologue unless that would recompute costly math many times over
+  a broadcast (dispatch/recompute.py: then it stays apart, usually as the row
+  epilogue of the reduction that computes its input);
 - a reduction joins a group whose iteration domain is its input shape (RMSNorm's
   final multiply, softmax's divide), or a group already reducing the same axes of
-  the same shape (softmax's max and sum);
+  the same shape (softmax's max and sum; a MoE's gathered gate and up products of
+  one x), or, as its row epilogue, a pointwise group over its own output shape that
+  reads it directly (silu(g) * u after the gate and up sums: stored once), when its
+  rows are innermost and short enough to be held whole (ROW_EPILOGUE_MAX), where the
+  reduction kernel computes per-row values anyway;
 - a matmul joins a group that so far holds only its pointwise epilogue;
 - attention, scatter, topk and extern ops start groups of their own.
 
@@ -27,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from kiln.dispatch.recompute import costly_broadcast
 from kiln.ir.graph import shape_of
 from kiln.ir.ops import (
     OpCategory,
@@ -37,10 +46,16 @@ from kiln.ir.ops import (
     topk_problem,
 )
 from kiln.ir.plan import RegionKind
+from kiln.ir.symbolic import Bounds, same_dim
 
 POINTWISE_LIKE = {OpCategory.POINTWISE, OpCategory.GATHER, OpCategory.CONCAT}
 ANCHORS = {OpCategory.MATMUL, OpCategory.ATTENTION, OpCategory.REDUCTION,
            OpCategory.SCATTER, OpCategory.TOPK, OpCategory.EXTERN}
+# The longest static row a reduction takes a row epilogue for, innermost or strided:
+# the reduction template holds such rows whole (codegen/templates/reduction/forms.py,
+# PERSISTENT_MAX, PERSISTENT_MAX_STRIDED); longer rows of few outputs may take its split
+# form, which stores only the sums.
+ROW_EPILOGUE_MAX, ROW_EPILOGUE_MAX_STRIDED = 16384, 64
 
 
 def cat_of(node: fx.Node) -> OpCategory | None:
@@ -123,7 +138,8 @@ def _reduction_key(node: fx.Node):
     return shape, dims
 
 
-def can_join(p: fx.Node, g: Group, consumers: set[fx.Node]) -> bool:
+def can_join(p: fx.Node, g: Group, consumers: set[fx.Node],
+             symbols: dict[str, Bounds] | None = None) -> bool:
     """May producer `p`, all of whose consumers are in `g`, fuse into `g`?"""
     c = cat_of(p)
     feeds_anchor = any(u in g.prologue for u in consumers)
@@ -137,16 +153,54 @@ def can_join(p: fx.Node, g: Group, consumers: set[fx.Node]) -> bool:
             return feeds_anchor
         if anchor == OpCategory.TOPK:
             return feeds_anchor and generated_topk(g.anchor)
+        if anchor == OpCategory.REDUCTION and feeds_anchor:
+            return not costly_broadcast(p, g.anchor, symbols or {})
         return True
     if c == OpCategory.REDUCTION:
+        if _is_tuple(p):
+            return False
         if anchor is None:
-            return shape_of(p.args[0]) == shape_of(g.root) and not _is_tuple(p)
+            return shape_of(p.args[0]) == shape_of(g.root) or _row_epilogue(p, g)
         if anchor == OpCategory.REDUCTION:
-            return _reduction_key(p) == _reduction_key(g.anchor) and not _is_tuple(p)
+            return _reduction_key(p) == _reduction_key(g.anchor)
+        if anchor == OpCategory.TOPK:
+            return feeds_anchor and generated_topk(g.anchor) and _over_topk_rows(p, g.anchor)
         return False
     if c == OpCategory.MATMUL:
         return anchor is None and all(cat_of(m) in POINTWISE_LIKE for m in g.members)
     return False
+
+
+def _row_epilogue(p: fx.Node, g: Group) -> bool:
+    """Is anchorless (pointwise) group `g` a row epilogue of reduction `p`: over p's
+    output shape, reading p directly (so each row's value is the kernel's own), p's
+    rows static and short enough to be held whole?"""
+    out, src = shape_of(p), shape_of(p.args[0])
+    root = shape_of(g.root)
+    if len(out) != len(root) or not all(same_dim(a, b) for a, b in zip(out, root)):
+        return False
+    if not all(u in g.members for u in p.users):
+        return False
+    dims = reduction_dims(op_name(p.target), p.args, p.kwargs, len(src))
+    innermost = sorted(dims) == list(range(len(src) - len(dims), len(src)))
+    row = 1
+    for d in dims:
+        if not isinstance(src[d], int):
+            return False
+        row *= src[d]
+    return row <= (ROW_EPILOGUE_MAX if innermost else ROW_EPILOGUE_MAX_STRIDED)
+
+
+def _over_topk_rows(p: fx.Node, topk: fx.Node) -> bool:
+    """Does reduction `p` reduce exactly the rows `topk` picks from (same input shape,
+    the topk's axis alone)? Then the topk kernel, which holds those rows whole,
+    computes it (a router's softmax)."""
+    shape = shape_of(topk.args[0])
+    _, dim, _ = topk_args(op_name(topk.target), topk.args, topk.kwargs, len(shape))
+    src = shape_of(p.args[0])
+    dims = reduction_dims(op_name(p.target), p.args, p.kwargs, len(src))
+    return (len(src) == len(shape) and all(same_dim(a, b) for a, b in zip(src, shape))
+            and tuple(dims) == (dim % len(shape),))
 
 
 def generated_topk(node: fx.Node) -> bool:
@@ -163,8 +217,9 @@ def _is_tuple(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), (tuple, list))
 
 
-def form_groups(graph: fx.Graph) -> list[Group]:
-    """Partition the compute nodes of `graph` into groups, returned in execution order."""
+def form_groups(graph: fx.Graph, symbols: dict[str, Bounds] | None = None) -> list[Group]:
+    """Partition the compute nodes of `graph` into groups, returned in execution order
+    (`symbols`: the size symbols' bounds)."""
     group_of: dict[fx.Node, Group] = {}
     order = {n: i for i, n in enumerate(graph.nodes)}
     groups: list[Group] = []
@@ -175,7 +230,7 @@ def form_groups(graph: fx.Graph) -> list[Group]:
         targets = {id(group_of[c]): group_of[c] for c in consumers if c in group_of}
         g = next(iter(targets.values())) if len(targets) == 1 else None
         if (g is not None and not returned and all(c in group_of for c in consumers)
-                and not _is_tuple(p) and can_join(p, g, consumers)):
+                and not _is_tuple(p) and can_join(p, g, consumers, symbols)):
             g.add(p, feeds_anchor=any(u in g.prologue for u in consumers))
         else:
             g = Group(root=p)

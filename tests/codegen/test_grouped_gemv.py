@@ -103,6 +103,83 @@ def test_forced_k_splits_of_the_grouped_gemv(dtype, rows):
         assert rel_err(got[o], ref[o]) <= TOL[dtype], (o, rel_err(got[o], ref[o]))
 
 
+class RouterAndGate(torch.nn.Module):
+    """Qwen3-Next's router [E, D] and shared expert gate [1, D] of one normed x."""
+
+    def __init__(self, dim=64, experts=24):
+        super().__init__()
+        self.router = torch.nn.Linear(dim, experts, bias=False)
+        self.gate = torch.nn.Linear(dim, 1, bias=False)
+
+    def forward(self, x):
+        return self.router(x).softmax(-1), torch.sigmoid(self.gate(x))
+
+
+@DTYPES
+def test_a_single_column_sibling_is_grouped(dtype):
+    """The [1, D] gate reads its one column at a constant; grouped with the router it
+    reads through the router's index map at column 0 (nj = 1), with K split too."""
+    model = RouterAndGate().to(dtype)
+    exe = kiln.compile(model, (torch.randn(2, 1, 64, dtype=dtype),), target="interpret",
+                       dynamic_shapes=({0: BATCH},))
+    (k,) = _grouped_kernels(exe)
+    assert len(k.spec.meta["siblings"]) == 2
+    region = k.region
+    config = Config.make(2, 1, BLOCK_N=16, BLOCK_K=16, SPLIT_K=4)
+    forced = TritonKernel(region, k.spec, config, interpret=True)
+    with torch.no_grad():
+        for b in (1, 3):
+            x = torch.randn(b, 1, 64, dtype=dtype)
+            assert_close_tree(exe(x), model(x), TOL[dtype])
+        plan = exe.plan
+        env = {str(s): 3 for s in plan.symbols}
+        inputs = {v: torch.randn(_sized(plan.values[v].shape, env),
+                                 dtype=plan.values[v].dtype) for v in region.inputs}
+        outs = {o: (_sized(plan.values[o].shape, env), plan.values[o].dtype)
+                for o in region.outputs}
+        ref = {o: torch.empty(s, dtype=d) for o, (s, d) in outs.items()}
+        got = {o: torch.empty(s, dtype=d) for o, (s, d) in outs.items()}
+        TorchKernel(region, "cpu").run(inputs, ref, env)
+        forced.run(inputs, got, env)
+    for o in region.outputs:
+        assert rel_err(got[o], ref[o]) <= TOL[dtype], (o, rel_err(got[o], ref[o]))
+
+
+def _sized(shape, env):
+    from kiln.ir.symbolic import evaluate
+
+    return tuple(evaluate(d, env) for d in shape)
+
+
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 1), (torch.bfloat16, 2)])
+def test_forced_k_splits_of_paired_products(dtype, rows):
+    """A paired GEMV (SwiGLU's gate absorbed into up's region, the RMSNorm folded in;
+    gpt-fast's chunked w13 read at two column offsets) splits K too: each part holds
+    every block's accumulator, and the last program combines them all."""
+    from tests.codegen.test_matmul import FusedGateUp
+
+    for model, dim in ((MLP(dim=128, ffn=48), 128), (FusedGateUp(d=128, f=40), 128)):
+        model = model.to(dtype)
+        plan = kiln.compile(model, (torch.randn(rows, 1, dim, dtype=dtype),),
+                            target="interpret", compile_to="dispatch")
+        (region,) = [r for r in plan.regions if r.kind == RegionKind.MATMUL
+                     and any(o.target == "aten.mul.Tensor" for o in r.ops)]
+        spec = grouped.generate(region, plan, get_target("interpret"))
+        assert len(spec.meta["siblings"]) + len(spec.meta["column_shifts"]) == 2
+        assert any(c["SPLIT_K"] > 1 for c in spec.configs)
+        config = Config.make(2, 1, BLOCK_N=16, BLOCK_K=32, SPLIT_K=4)
+        kernel = TritonKernel(region, spec, config, interpret=True)
+        assert spec.grid_for(kernel.sizes({}), config)[2] == 4  # K = 128: a block a part
+        inputs = {v: torch.randn(tuple(plan.values[v].shape), dtype=plan.values[v].dtype)
+                  for v in region.inputs}
+        (out,) = region.outputs
+        shape, dt = tuple(plan.values[out].shape), plan.values[out].dtype
+        ref, got = torch.empty(shape, dtype=dt), torch.empty(shape, dtype=dt)
+        TorchKernel(region, "cpu").run(inputs, {out: ref}, {})
+        kernel.run(inputs, {out: got}, {})
+        assert rel_err(got, ref) <= TOL[dtype], (type(model).__name__, rel_err(got, ref))
+
+
 def test_sm90_grouped_gemv_streams_weights_as_the_plain_one_does():
     """Compiled for sm_90 at Llama-3-8B's widths (no GPU): the pointer chosen before the
     K loop keeps the weight's 16-byte loads, and nothing spills."""

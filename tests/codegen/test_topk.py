@@ -77,6 +77,39 @@ def test_topks_match_torch_on_the_interpreter():
                 assert torch.equal(g, w)
 
 
+class SoftmaxRouters(torch.nn.Module):
+    """Qwen3-Next's router (an fp32 softmax of bf16 logits, then topk), a max-shifted
+    exp normalised by its sum before a topk, and a softmax over another axis than its
+    topk's (that one stays a reduction region of its own)."""
+
+    def forward(self, x, z):
+        w, i = torch.softmax(x.to(torch.bfloat16), dim=-1, dtype=torch.float32).topk(5)
+        e = (x - x.amax(-1, keepdim=True)).exp()
+        v, j = (e / e.sum(-1, keepdim=True)).topk(3, largest=False)
+        a, b = z.softmax(dim=1).topk(2, dim=-1)
+        return w, i, v, j, a, b
+
+
+def test_softmax_prologues_over_the_topk_rows_fuse():
+    model = SoftmaxRouters()
+    args = (_distinct(3, 40), _distinct(3, 6, 5))
+    exe = kiln.compile(model, args, dynamic_shapes=({0: ROWS}, {0: ROWS}),
+                       target="interpret")
+    _assert_generated(exe, 3)
+    fused = [r for r in _topk_regions(exe)
+             if any(op.target in ("aten._softmax.default", "aten.sum.dim_IntList")
+                    for op in r.ops)]
+    assert len(fused) == 2, [r.ops for r in _topk_regions(exe)]
+    assert sum(r.kind == RegionKind.REDUCTION for r in exe.plan.regions) == 1
+    for rows in (1, 7):
+        args = (_distinct(rows, 40), _distinct(rows, 6, 5))
+        for g, w in zip(exe(*args), model(*args)):
+            if g.is_floating_point():
+                torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+            else:
+                assert torch.equal(g, w)
+
+
 class Picks(torch.nn.Module):
     def __init__(self, k, largest):
         super().__init__()

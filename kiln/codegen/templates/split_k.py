@@ -29,6 +29,9 @@ PARTS = "ws_ptr"  # fp32 partial results: [tiles, n_split, numel]
 COUNTS = "lock_ptr"  # int32 arrival counters: [tiles]
 UNROLL = 4  # parts the last program loads at once when it combines small tiles
 UNROLL_ELEMENTS = 2048  # the largest tile (elements) combined UNROLL parts at a time
+# A GEMV's tile (a few rows of BLOCK_N columns) has its every part (16 at most:
+# matmul configs' GEMV_SPLIT_CAP) loaded at once: one L2 round trip, not four.
+UNROLL_SMALL, SMALL_ELEMENTS = 16, 256
 
 
 def count(cap: str, tiles: str, fill: int, most: str) -> str:
@@ -85,17 +88,21 @@ def arrive(cap: str, tile: str, store: list[str], combine: list[str],
 
 def merge_loop(elements: str, body: list[str], count: str = "n_split") -> list[str]:
     """Lines running `body` for each part s in [0, count), in order. A small tile's
-    parts are loaded UNROLL at a time, so that their loads are in flight together: one
-    part after another, each an L2 round trip, merging 16 parts of a decode step took
-    longer than computing them. `body` masks its loads with `s < count`. A big tile
-    (`elements`, a constexpr expression) takes one part a step: UNROLL of its parts
-    would not fit the registers."""
+    parts are loaded UNROLL at a time (a GEMV's UNROLL_SMALL), so that their loads are
+    in flight together: one part after another, each an L2 round trip, merging 16
+    parts of a decode step took longer than computing them. `body` masks its loads
+    with `s < count`. A big tile (`elements`, a constexpr expression) takes one part a
+    step: UNROLL of its parts would not fit the registers."""
     step = ["    " * 2 + x for x in body]
-    return [f"if {elements} <= {UNROLL_ELEMENTS}:",
-            # not s0: size symbols are kernel parameters named s0, s1, ...
-            f"    for part_first in range(0, {count}, {UNROLL}):",
-            f"        for j in tl.static_range({UNROLL}):",
-            "            s = part_first + j", *["    " + x for x in step],
+
+    def unrolled(n: int) -> list[str]:
+        # not s0: size symbols are kernel parameters named s0, s1, ...
+        return [f"    for part_first in range(0, {count}, {n}):",
+                f"        for j in tl.static_range({n}):",
+                "            s = part_first + j", *["    " + x for x in step]]
+
+    return [f"if {elements} <= {SMALL_ELEMENTS}:", *unrolled(UNROLL_SMALL),
+            f"elif {elements} <= {UNROLL_ELEMENTS}:", *unrolled(UNROLL),
             "else:", f"    for s in range(0, {count}):", *step]
 
 

@@ -1,6 +1,8 @@
 """Topk regions: the k largest (or smallest) values of each row and their indices, as
 one kernel whose prologue computes the row (a router's sigmoid and bias, a view into
-expert groups, a mask of dropped groups).
+expert groups, a mask of dropped groups, a router's softmax: reductions over the
+topk's own rows, computed on the row it holds by the reduction template's code,
+`RowKernel.held_rows`).
 
 Why: on a GPU torch.topk of a short row is three kernels (gatherTopK, a bitonic sort of
 the k picks, a copy), and its prologue one more; a DeepSeek-V3 router runs three
@@ -38,9 +40,10 @@ from kiln.codegen.expr.emit import Emitter, kernel_name, module_source, needs_in
 from kiln.codegen.expr.indexing import Var, delinearize
 from kiln.codegen.expr.kernel_args import KernelArgs
 from kiln.codegen.expr.values import TL, CodegenUnsupported, Cond, Val, mask_of
-from kiln.ir.ops import topk_args, topk_problem
+from kiln.codegen.templates.reduction.row_kernel import RowKernel
+from kiln.ir.ops import OpCategory, category, topk_args, topk_problem
 from kiln.ir.plan import DispatchPlan, Ref, Region
-from kiln.ir.symbolic import numel, upper_bound
+from kiln.ir.symbolic import numel, same_dim, upper_bound
 from kiln.target import Target
 
 OP = "aten.topk.default"
@@ -62,8 +65,13 @@ class _TopkKernel:
         src = self.op.args[0]
         if not isinstance(src, Ref):
             raise CodegenUnsupported("topk of a non-tensor")
-        self.args = KernelArgs()
-        self.em = Emitter(region, plan, self.args, target)
+        self.rows = None  # reductions over the topk's rows in its prologue
+        if any(category(o.target) == OpCategory.REDUCTION for o in region.ops):
+            self.rows = RowKernel(region, plan, target)
+            self.args, self.em = self.rows.args, self.rows.em
+        else:
+            self.args = KernelArgs()
+            self.em = Emitter(region, plan, self.args, target)
         self.src = src.name
         self.shape = tuple(self.em.shape(src.name))
         self.dtype = self.em.dtype(src.name)
@@ -81,6 +89,10 @@ class _TopkKernel:
         self.outer_dims = [d for d in range(len(self.shape)) if d != self.dim]
         self.outer = numel([self.shape[d] for d in self.outer_dims])
         self.parts = self._parts()
+        if self.rows is not None and (tuple(self.rows.dims) != (self.dim,) or not all(
+                same_dim(a, b) for a, b in zip(self.rows.src_shape, self.shape))
+                or len(self.rows.src_shape) != len(self.shape)):
+            raise CodegenUnsupported("a reduction in a topk's prologue over other rows")
 
     def _parts(self) -> dict[str, int]:
         """Region output -> which of topk's results it is (0 values, 1 indices)."""
@@ -114,6 +126,8 @@ class _TopkKernel:
             em.lines.append(f"rmask = rindex < {w}")
         if kmask is not None:
             em.lines.append(f"kmask = kindex < {self.k}")
+        if self.rows is not None:
+            self.rows.held_rows(mask_of(xmask, rmask))
         v = em.value(self.src, _insert(outer_index, self.dim, r), mask_of(xmask, rmask))
         em.lines.extend(self._keys(v, w, rmask is not None))
         em.lines.extend(self._picks())

@@ -13,18 +13,21 @@ scratch slot is its program's global column block). After the loop each sibling'
 bias and epilogue run in a branch of their own and store its output.
 
 Requires the siblings' weights to be read by the same index expression from their
-own base (a [N_i, K] parameter read through its transpose: n * K + k, whatever N_i),
-the same rows and a product that is the output's shape (no broadcasting epilogue);
-anything else raises CodegenUnsupported, and select_kernels splits the siblings
-apart again (dispatch/split.split_siblings).
+own base (a [N_i, K] parameter read through its transpose: n * K + k, whatever N_i;
+a [1, K] one, read at a constant column, may take the others' expression, which reads
+the same elements at its only column), the same rows and a product that is the
+output's shape (no broadcasting epilogue); anything else raises CodegenUnsupported, and
+select_kernels splits the siblings apart again (dispatch/split.split_siblings).
 """
 
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 
 from kiln.codegen.build.spec import KernelSpec
 from kiln.codegen.expr.emit import indent
+from kiln.codegen.expr.indexing import Lin, Var, linearize
 from kiln.codegen.expr.values import CodegenUnsupported, Cond
 from kiln.codegen.templates.matmul import template as plain
 from kiln.dispatch.rmsnorm_prologue import closure
@@ -33,6 +36,7 @@ from kiln.ir.symbolic import same_dim
 from kiln.target import Target
 
 _WEIGHT = "wb"  # the program's sibling's weight pointer
+_COLUMN = "rb2"  # the weight tile's column variable (the plain GEMV's)
 
 
 def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
@@ -117,19 +121,28 @@ class _GroupedGemv(plain._MatmulSource):
 
     def _weight_loads(self, kb_ok: Cond | None) -> list[str]:
         """Each sibling's weight tile written with its own pointer, which must then be the
-        only difference: the loop reads `wb` with that code."""
+        only difference: the loop reads `wb` with that code. A single-column sibling (a
+        [1, K] weight: Qwen3-Next's shared expert gate beside its router) reads its
+        column at a constant, so its text lacks the column term; it takes the others'
+        text when that reads the same element at column 0 (its `rn % nj` is 0)."""
         em = self.em
-        start, texts = em._n, []
+        start, texts, offsets = em._n, [], []
         for sib in self.siblings:
             em._n = start  # the same temp names, so the texts compare
-            with em.block():
+            with em.block(), _loads_recorded(em) as offs:
                 lines = plain._MatmulSource._weight_loads(sib, kb_ok)
             ptr = re.escape(self._pointer(sib))
             texts.append([re.sub(rf"\b{ptr}\b", _WEIGHT, x) for x in lines])
-        if any(t != texts[0] for t in texts[1:]):
-            raise CodegenUnsupported("the grouped siblings' weights are not read alike "
-                                     "(the same index map from their own base)")
-        return texts[0]
+            offsets.append(offs)
+        wide = [j for j, sib in enumerate(self.siblings) if not same_dim(sib.s.n, 1)]
+        ref = wide[0] if wide else 0
+        for j in range(len(self.siblings)):
+            if texts[j] == texts[ref]:
+                continue
+            if j in wide or _at_column_zero(offsets[ref]) != _at_column_zero(offsets[j]):
+                raise CodegenUnsupported("the grouped siblings' weights are not read alike "
+                                         "(the same index map from their own base)")
+        return texts[ref]
 
     def _finish(self) -> list[str]:
         """Each sibling's bias, rounding and epilogue in a branch of its own."""
@@ -149,3 +162,34 @@ class _GroupedGemv(plain._MatmulSource):
         spec.meta["siblings"] = [sib.anchor.name for sib in self.siblings]
         spec.meta["epilogue_loads"] = max(sib._epilogue_loads for sib in self.siblings)
         return spec
+
+
+@contextmanager
+def _loads_recorded(em):
+    """The flat offset (a Lin) of each region input `em` loads meanwhile, in order."""
+    offsets: list = []
+    load = em.load
+
+    def recorded(name, index, mask):
+        offsets.append(linearize(tuple(Lin.of(i) for i in index), em.shape(name)))
+        return load(name, index, mask)
+
+    em.load = recorded
+    try:
+        yield offsets
+    finally:
+        del em.load  # the instance attribute: the method again
+
+
+def _at_column_zero(offsets: list) -> list | None:
+    """The offsets with the weight column's plain terms dropped (their value at column
+    0); None when the column variable sits inside another term (a division, a modulo),
+    whose value at 0 a comparison of terms cannot tell."""
+    out = []
+    for off in offsets:
+        terms = [(a, c) for a, c in off.terms
+                 if not (isinstance(a, Var) and a.name == _COLUMN)]
+        if any(_COLUMN in a.var_names() for a, _ in terms):
+            return None
+        out.append((tuple(terms), off.const))
+    return out

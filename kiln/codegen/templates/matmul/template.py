@@ -373,6 +373,8 @@ class _MatmulSource:
             configs = cfg.gemv_configs(cols, s.k)
             fill, least = cfg.GEMV_FILL, cfg.MIN_GEMV_BLOCKS
             part = f"{cfg.pow2(self.m_hi)} * BLOCK_N"
+            if len(self._accs()) > 1:  # an accumulator per product block
+                part = f"{len(self._accs())} * {part}"
             if s.norm is not None:  # each part also carries its rows' sums of squares
                 part += f" + {cfg.pow2(self.m_hi)}"
         else:
@@ -486,17 +488,24 @@ class _MatmulSource:
     def _combine(self, tile: str, shape: str, numel: str, offs: str, n: str,
                  rows: int | None = None) -> list[str]:
         """With K split: store this part; the last program sums all parts and stores.
-        `rows`: the GEMV's padded rows when a folded norm's sums of squares `ss` ride
-        along, after the part's `numel` product elements."""
-        whole = numel if rows is None else f"({numel} + {rows})"
-        store = [f"part_offs = {offs}",
-                 f"tl.store({split.part(whole)} + part_offs, acc, mask=m_ok & n_ok)"]
-        load = split.load_part(split.part(whole, "s") + " + part_offs",
-                               "m_ok & n_ok & (s < n_split)")
-        combine = [f"acc = tl.zeros({shape}, dtype=tl.float32)"]
-        body = [f"acc += {load}"]
+        A part holds each product block's accumulator (the anchor's, its shifted
+        columns', its partners': `numel` elements each) one after another; `rows`: the
+        GEMV's padded rows when a folded norm's sums of squares `ss` ride along, after
+        them."""
+        accs = [acc for acc, *_ in self._accs()]
+        blocks = f"{len(accs)} * {numel}" if len(accs) > 1 else numel
+        whole = blocks if rows is None else f"({blocks} + {rows})"
+        store = [f"part_offs = {offs}"]
+        combine, body = [], []
+        for i, acc in enumerate(accs):
+            at = f"part_offs + {i} * {numel}" if i else "part_offs"
+            store.append(f"tl.store({split.part(whole)} + {at}, {acc}, mask=m_ok & n_ok)")
+            combine.append(f"{acc} = tl.zeros({shape}, dtype=tl.float32)")
+            load = split.load_part(f"{split.part(whole, 's')} + {at}",
+                                   "m_ok & n_ok & (s < n_split)")
+            body.append(f"{acc} += {load}")
         if rows is not None:
-            at = f"{numel} + tl.arange(0, {rows})"
+            at = f"{blocks} + tl.arange(0, {rows})"
             store.append(f"tl.store({split.part(whole)} + {at}, ss)")
             combine.append(f"ss = tl.zeros([{rows}], dtype=tl.float32)")
             body.append("ss += " + split.load_part(f"{split.part(whole, 's')} + {at}",

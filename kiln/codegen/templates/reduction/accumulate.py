@@ -1,7 +1,7 @@
 """Accumulators of a row kernel, as Triton code.
 
 A persistent kernel reduces its [XBLOCK, RBLOCK] tile straight to row values
-(`reduce_tile`). A looped kernel keeps a [XBLOCK, RBLOCK] accumulator per reduction
+(`reduce_tiles`). A looped kernel keeps a [XBLOCK, RBLOCK] accumulator per reduction
 (`init`), folds each chunk of the row into it (`update`: masked lanes contribute the
 identity), and reduces it after the loop (`finish`). Argmax keeps each lane's first
 best position (int32 unless the row may pass 2**31); `lse` keeps a running max with a
@@ -50,9 +50,13 @@ class Accumulators:
         code = f"tl.where({m}, {tile}, {self.ident(acc)})" if m else tile
         return em.let(code, acc.dtype, TILE)
 
-    def reduce_tile(self, acc: Acc, mask) -> None:
-        v = self.tile_input(acc, mask)
-        self.final(acc, v, self.rindex_tile() if acc.kind.startswith("arg") else None)
+    def reduce_tiles(self, accs: list[Acc], mask) -> None:
+        """Reduce each accumulator's tile, every input first: their loads are then in
+        flight together (the gathered experts' gate and up rows), not each after the
+        cross-warp reduction before it (a barrier the loads do not move across)."""
+        tiles = [self.tile_input(acc, mask) for acc in accs]
+        for acc, v in zip(accs, tiles):
+            self.final(acc, v, self.rindex_tile() if acc.kind.startswith("arg") else None)
 
     def rindex_tile(self) -> Val:
         dt = self.index_dtype

@@ -198,11 +198,12 @@ class RowKernel:
                                        else None)
 
     # emission -----------------------------------------------------------------------
-    def spec(self) -> KernelSpec:
-        em = self.em
-        n_code = em.dim(self.rnumel)
+    def _stages(self):
+        """Each reduction's plan (its values registered with the emitter), the stages by
+        level, and the level of each reduction's last stage."""
+        n_code = self.em.dim(self.rnumel)
         getitems = self._getitems()
-        plans = {op.name: plan_op(op, em, n_code, getitems, online=not self.persistent)
+        plans = {op.name: plan_op(op, self.em, n_code, getitems, online=not self.persistent)
                  for op in self.reds}
         self._row_values: list = []
         for p in plans.values():
@@ -212,6 +213,32 @@ class RowKernel:
         for name, p in plans.items():
             for k, stage in enumerate(p.stages):
                 by_stage.setdefault(first[name] + k, []).append(stage)
+        last_stage = {name: first[name] + len(p.stages) - 1 for name, p in plans.items()}
+        return plans, by_stage, last_stage
+
+    def _held(self, plans, by_stage, last_stage) -> None:
+        """The stages over rows held whole in registers (the persistent form)."""
+        done_after: set[int] = set()
+        for level in sorted(by_stage):
+            self.acc.reduce_tiles([a for stage in by_stage[level] for a in stage.accs],
+                                  self.current_mask)
+            self._finish_stages(level, by_stage, plans, last_stage, done_after)
+
+    def held_rows(self, mask) -> None:
+        """Every reduction of the region over rows another kernel holds whole in
+        registers, as [XBLOCK, RBLOCK] tiles indexed by `xindex` and `rindex` (`mask`:
+        its live lanes); afterwards the emitter answers the reductions' row and element
+        values. A topk's prologue (a router's softmax) is computed so."""
+        if not self.persistent:
+            raise CodegenUnsupported("reductions over rows too long to hold in registers")
+        plans, by_stage, last_stage = self._stages()
+        self.current_mask = mask
+        self._held(plans, by_stage, last_stage)
+
+    def spec(self) -> KernelSpec:
+        em = self.em
+        n_code = em.dim(self.rnumel)
+        plans, by_stage, last_stage = self._stages()
         elem_outs, row_outs = self._classify_outputs()
         outer_code, r_code = em.dim(self.outer), n_code
         pid = "tl.program_id(0).to(tl.int64)" if self.wide else "tl.program_id(0)"
@@ -227,7 +254,6 @@ class RowKernel:
                      f"rstop = tl.minimum(rstart + rchunk, {r_code})"]
         em.lines.extend(head)
         done_after: set[int] = set()
-        last_stage = {name: first[name] + len(p.stages) - 1 for name, p in plans.items()}
         if self.persistent:
             static_full = isinstance(self.rnumel, int) and \
                 self.rnumel == triton.next_power_of_2(self.rnumel)
@@ -236,11 +262,7 @@ class RowKernel:
             if rcond is not None:
                 em.lines.append(f"rmask = rindex < {r_code}")
             self.current_mask = mask_of(self.xmask, rcond)
-            for level in sorted(by_stage):
-                for stage in by_stage[level]:
-                    for acc in stage.accs:
-                        self.acc.reduce_tile(acc, self.current_mask)
-                self._finish_stages(level, by_stage, plans, last_stage, done_after)
+            self._held(plans, by_stage, last_stage)
             self._store_elems(elem_outs)
         else:
             self.current_mask = mask_of(self.xmask, self.rmask)
