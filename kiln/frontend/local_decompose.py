@@ -6,11 +6,14 @@ graph): ~1 s a layer of a Llama-3-8B over its prefill and decode modules on a CP
 half of a cold compile, although most nodes are core ATen already and a model's
 layers repeat the same few ops at the same sizes. Here only the nodes whose op the
 table decomposes are traced (make_fx over their own fake arguments, with the same
-table, so decompositions nest as in torch's re-trace), the trace of one (op, argument
-shapes and constants) is spliced in wherever that signature recurs, and the only
+table and in the dispatch state the re-trace has, Python dispatcher included, so
+decompositions nest and end where torch's do), the trace of one (op, argument
+shapes and constants, which arguments are one value) is spliced in wherever that
+signature recurs, and the only
 in-place ops export leaves (writes into a buffer, as a KV cache's `index_put_`)
 become their functional form with the buffer's new value an output, as torch's
-functionalization makes them.
+functionalization makes them. The result is renamed and its arguments put as torch's
+tracer records them, since kiln's passes and tests read the printed program.
 
 Anything outside that (higher-order ops, in-place ops on views or user inputs, a
 view of a buffer read after the buffer is written, a decomposition that makes
@@ -19,15 +22,18 @@ tensor constants) returns None, and the caller runs torch's re-trace.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch._export.utils import _special_op_to_preserve_cia
+from torch._dispatch.python import enable_python_dispatcher
+from torch._export.utils import _compiling_state_context, _special_op_to_preserve_cia
 from torch._export.verifier import Verifier
 from torch._guards import detect_fake_mode
+from torch.export._trace import _ignore_backend_decomps
 from torch.export.exported_program import (
     ExportedProgram,
     _override_composite_implicit_decomp,
@@ -55,11 +61,11 @@ def decompose_locally(ep: ExportedProgram, table: dict) -> ExportedProgram | Non
     """`ep` lowered with `table` as run_decompositions would, or None when this pass
     cannot be sure of giving the same program (the caller then re-traces).
 
-    Opt-in (KILN_DECOMPOSE=local) and only on torch >= 2.13: it is not yet the same
-    program as the re-trace everywhere. Under torch 2.11 on an H100 an LLM's decode
-    module came out with its dynamic batch fixed at the example's 2; on torch 2.13 eval
-    BatchNorm stayed native_batch_norm (the re-trace reaches kiln's eval form) and
-    repeated views kept separate names (tests/graph: fold_conv_scale, cse)."""
+    The default (KILN_DECOMPOSE=local; =retrace turns it off) on torch >= 2.13, where
+    it gives the re-trace's program: the same ops, arguments, sizes and signature
+    (tests/frontend/test_decompose_parity.py), names by the same scheme. Not on older
+    torch: under torch 2.11 on an H100 an LLM's decode module came out with its
+    dynamic batch fixed at the example's 2 (not understood yet)."""
     if not local_decompose() or _TORCH < (2, 13):
         return None
     try:
@@ -90,7 +96,7 @@ def _decompose(ep: ExportedProgram, table: dict) -> ExportedProgram | None:
     # to decompose as the table says (or to stay whole, those deleted from it)
     cia, python_table = _split_decomp_table_to_cia_and_python_decomp(dict(table))
     traces: dict = {}
-    with _override_composite_implicit_decomp(cia):
+    with _as_torchs_retrace(cia):
         for node in list(gm.graph.nodes):
             if node.op == "call_function" and _decomposes(node.target, cia, python_table) \
                     and not _replace(gm.graph, node, python_table, traces, fake_mode):
@@ -98,9 +104,20 @@ def _decompose(ep: ExportedProgram, table: dict) -> ExportedProgram | None:
     _share_sizes(gm.graph)
     _resymbolise_input_sizes(gm.graph)
     gm.graph.eliminate_dead_code(_impure)
-    gm.graph.lint()
-    gm.recompile()
-    return _program(ep, gm, mutated)
+    return _program(ep, _as_traced(gm), mutated)
+
+
+@contextlib.contextmanager
+def _as_torchs_retrace(cia: dict):
+    """The dispatch state torch's re-trace decomposes under (_export_to_aten_ir):
+    without the Python dispatcher, ops' Python kernels on the Autograd and
+    CompositeImplicitAutograd keys are skipped (native_batch_norm's sends eval
+    BatchNorm to _native_batch_norm_legit_no_training, which kiln's table turns into
+    a per-channel affine map); no_grad and the backend flags pick the same branches
+    of the C++ composites."""
+    with _override_composite_implicit_decomp(cia), _ignore_backend_decomps(), \
+            _compiling_state_context(), torch.no_grad(), enable_python_dispatcher():
+        yield
 
 
 def _decomposes(op, cia: dict, python_table: dict) -> bool:
@@ -156,6 +173,72 @@ def _resymbolise_input_sizes(graph: fx.Graph) -> None:
         if isinstance(real, torch.SymInt) and not isinstance(
                 getattr(real.node, "maybe_as_int", lambda: None)(), int):
             node.meta["val"] = real
+
+
+def _as_traced(gm: fx.GraphModule) -> fx.GraphModule:
+    """The graph again with every op node as torch's tracer records it, in graph order:
+    named by the op's packet (`view`, `view_1`, ...; `sym_size_int` for size reads), not
+    `view_default` (fx's name of an overload) nor after names the capture had taken
+    (the re-trace's `add` would otherwise be `add_tensor`, its `add_1` the capture's
+    `add`); arguments in the dispatcher's form (_dispatched). Placeholders keep their
+    names: the signature names them."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        t = node.target
+        args, kwargs = pytree.tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a,
+                                       (node.args, node.kwargs))
+        if node.op in ("placeholder", "output"):
+            name = node.name
+        elif isinstance(t, torch._ops.OpOverload) and not _size_read(t):
+            name = graph._target_to_str(t.overloadpacket.__name__)
+            args, kwargs = _dispatched(t, args, kwargs)
+        else:
+            name = graph._target_to_str(t)
+        new = graph.create_node(node.op, t, args, kwargs, name=name, type_expr=node.type)
+        new.meta = dict(node.meta)
+        env[node] = new
+    return fx.GraphModule(gm, graph)
+
+
+def _size_read(op: torch._ops.OpOverload) -> bool:
+    return op._schema.name.split("::")[-1].startswith("sym_")
+
+
+def _dispatched(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`args, kwargs` as the dispatcher hands `op` to Python, so as the re-trace records
+    it: positional arguments by position less a tail at their defaults, keyword-only
+    ones by name unless at their default. The capture's own insertions (the
+    `_assert_tensor_metadata` of a `.to`) carry positional arguments as keywords."""
+    params = op._schema.arguments
+    if len(args) > len(params) or any(k not in {p.name for p in params} for k in kwargs):
+        return args, kwargs  # not this schema's call: left as it is
+    values = [args[i] if i < len(args) else kwargs.get(
+        p.name, p.default_value if p.has_default_value() else _MISSING)
+        for i, p in enumerate(params)]
+    if any(v is _MISSING for v in values):
+        return args, kwargs  # a required argument not given
+
+    def at_default(i: int) -> bool:
+        p = params[i]
+        return p.has_default_value() and _same(values[i], p.default_value)
+
+    first_kw = next((i for i, p in enumerate(params) if p.kwarg_only), len(params))
+    end = first_kw
+    while end > 0 and at_default(end - 1):
+        end -= 1
+    kw = {params[i].name: values[i] for i in range(first_kw, len(params)) if not at_default(i)}
+    return tuple(values[:end]), kw
+
+
+_MISSING = object()
+
+
+def _same(a, b) -> bool:
+    """Equal as the dispatcher's values compare: an int is not a float nor a bool."""
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
 
 
 def _plain_graph(gm: fx.GraphModule, ep: ExportedProgram) -> bool:
@@ -285,10 +368,11 @@ def _replace(graph: fx.Graph, node: fx.Node, table: dict, traces: dict, fake_mod
     """Splice the decomposition of `node` in its place; False when it cannot be."""
     leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
     inputs = [a for a in leaves if isinstance(a, fx.Node)]
-    vals = [a.meta.get("val") for a in inputs]
-    if any(v is None for v in vals):
+    vals = _distinct_values(inputs, fake_mode)
+    if vals is None:
         return False
-    key = (node.target, str(spec),
+    first: dict[fx.Node, int] = {}  # which inputs are one value: stack([x, x]) != ([x, y])
+    key = (node.target, str(spec), tuple(first.setdefault(a, len(first)) for a in inputs),
            tuple(_signature(a.meta["val"]) if isinstance(a, fx.Node) else ("c", repr(a))
                  for a in leaves))
     trace = traces.get(key)
@@ -327,6 +411,24 @@ def _replace(graph: fx.Graph, node: fx.Node, table: dict, traces: dict, fake_mod
         return False
     graph.erase_node(node)
     return True
+
+
+def _distinct_values(inputs: list[fx.Node], fake_mode) -> list | None:
+    """The inputs' fake values, one tensor object per distinct node: make_fx knows a
+    tensor by its identity, and a trace spliced twice leaves one value on both splices
+    (two casts read by one stack traced as one cast read twice). None if one is missing."""
+    owner: dict[int, fx.Node] = {}
+    vals = []
+    for a in inputs:
+        v = a.meta.get("val")
+        if v is None:
+            return None
+        if isinstance(v, torch.Tensor) and owner.setdefault(id(v), a) is not a:
+            with fake_mode:
+                v = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device,
+                                        layout=v.layout, requires_grad=v.requires_grad)
+        vals.append(v)
+    return vals
 
 
 def _trace(op, leaves: list, spec, vals: list, table: dict, fake_mode):
