@@ -6,14 +6,13 @@ graph): ~1 s a layer of a Llama-3-8B over its prefill and decode modules on a CP
 half of a cold compile, although most nodes are core ATen already and a model's
 layers repeat the same few ops at the same sizes. Here only the nodes whose op the
 table decomposes are traced (make_fx over their own fake arguments, with the same
-table and in the dispatch state the re-trace has, Python dispatcher included, so
-decompositions nest and end where torch's do), the trace of one (op, argument
+table and in the re-trace's dispatch state, Python dispatcher included, so
+decompositions nest and end where torch's do); the trace of one (op, argument
 shapes and constants, which arguments are one value) is spliced in wherever that
-signature recurs, and the only
-in-place ops export leaves (writes into a buffer, as a KV cache's `index_put_`)
-become their functional form with the buffer's new value an output, as torch's
-functionalization makes them. The result is renamed and its arguments put as torch's
-tracer records them, since kiln's passes and tests read the printed program.
+signature recurs; the only in-place ops export leaves (writes into a buffer, as a KV
+cache's `index_put_`) become their functional form with the buffer's new value an
+output, as torch's functionalization makes them; and the nodes are named and their
+arguments put as torch's tracer records them (kiln's passes and tests read both).
 
 Anything outside that (higher-order ops, in-place ops on views or user inputs, a
 view of a buffer read after the buffer is written, a decomposition that makes
@@ -47,6 +46,7 @@ from torch.export.graph_signature import (
 )
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from kiln.frontend.traced_form import as_traced, keep_name
 from kiln.settings import local_decompose
 
 log = logging.getLogger("kiln.frontend")
@@ -98,13 +98,20 @@ def _decompose(ep: ExportedProgram, table: dict) -> ExportedProgram | None:
     traces: dict = {}
     with _as_torchs_retrace(cia):
         for node in list(gm.graph.nodes):
-            if node.op == "call_function" and _decomposes(node.target, cia, python_table) \
-                    and not _replace(gm.graph, node, python_table, traces, fake_mode):
+            if node.op != "call_function":
+                continue
+            if node.target is torch.ops.aten.sym_numel.default:
+                done = _numel_as_product(gm.graph, node)
+            elif _decomposes(node.target, cia, python_table):
+                done = _replace(gm.graph, node, python_table, traces, fake_mode)
+            else:
+                continue
+            if not done:
                 return None
     _share_sizes(gm.graph)
     _resymbolise_input_sizes(gm.graph)
     gm.graph.eliminate_dead_code(_impure)
-    return _program(ep, _as_traced(gm), mutated)
+    return _program(ep, as_traced(gm), mutated)
 
 
 @contextlib.contextmanager
@@ -131,6 +138,43 @@ def _decomposes(op, cia: dict, python_table: dict) -> bool:
         return cia[op] is not _special_op_to_preserve_cia
     return torch._C._dispatch_has_kernel_for_dispatch_key(
         op.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
+
+
+def _numel_as_product(graph: fx.Graph, node: fx.Node) -> bool:
+    """`x.numel()` as the re-trace writes it: the product of x's sizes in order, as C++
+    multiplies them (numbers folded, factors of 1 dropped), symbolic ones read by
+    sym_size; torch's functionalization answers numel from the sizes, never as an
+    aten.sym_numel node. False for a numel that is a number (a capture never has one)."""
+    x = node.args[0]
+    shape = getattr(x.meta.get("val"), "shape", None) if isinstance(x, fx.Node) else None
+    if shape is None:
+        return False
+    product: int | fx.Node = 1
+    with graph.inserting_before(node):
+        for i, size in enumerate(shape):
+            factor: int | fx.Node = size
+            if isinstance(size, torch.SymInt):
+                factor = graph.call_function(torch.ops.aten.sym_size.int, (x, i))
+                factor.meta["val"] = size
+            if isinstance(factor, int) and isinstance(product, int):
+                product *= factor
+            elif isinstance(factor, int) and factor == 1:
+                continue
+            elif isinstance(product, int) and product == 1:
+                product = factor
+            else:
+                value = _value(product) * _value(factor)
+                product = graph.call_function(operator.mul, (product, factor))
+                product.meta["val"] = value
+    if isinstance(product, int):
+        return False
+    node.replace_all_uses_with(product)
+    graph.erase_node(node)
+    return True
+
+
+def _value(v):
+    return v.meta["val"] if isinstance(v, fx.Node) else v
 
 
 def _share_sizes(graph: fx.Graph) -> None:
@@ -175,72 +219,6 @@ def _resymbolise_input_sizes(graph: fx.Graph) -> None:
             node.meta["val"] = real
 
 
-def _as_traced(gm: fx.GraphModule) -> fx.GraphModule:
-    """The graph again with every op node as torch's tracer records it, in graph order:
-    named by the op's packet (`view`, `view_1`, ...; `sym_size_int` for size reads), not
-    `view_default` (fx's name of an overload) nor after names the capture had taken
-    (the re-trace's `add` would otherwise be `add_tensor`, its `add_1` the capture's
-    `add`); arguments in the dispatcher's form (_dispatched). Placeholders keep their
-    names: the signature names them."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in gm.graph.nodes:
-        t = node.target
-        args, kwargs = pytree.tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a,
-                                       (node.args, node.kwargs))
-        if node.op in ("placeholder", "output"):
-            name = node.name
-        elif isinstance(t, torch._ops.OpOverload) and not _size_read(t):
-            name = graph._target_to_str(t.overloadpacket.__name__)
-            args, kwargs = _dispatched(t, args, kwargs)
-        else:
-            name = graph._target_to_str(t)
-        new = graph.create_node(node.op, t, args, kwargs, name=name, type_expr=node.type)
-        new.meta = dict(node.meta)
-        env[node] = new
-    return fx.GraphModule(gm, graph)
-
-
-def _size_read(op: torch._ops.OpOverload) -> bool:
-    return op._schema.name.split("::")[-1].startswith("sym_")
-
-
-def _dispatched(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """`args, kwargs` as the dispatcher hands `op` to Python, so as the re-trace records
-    it: positional arguments by position less a tail at their defaults, keyword-only
-    ones by name unless at their default. The capture's own insertions (the
-    `_assert_tensor_metadata` of a `.to`) carry positional arguments as keywords."""
-    params = op._schema.arguments
-    if len(args) > len(params) or any(k not in {p.name for p in params} for k in kwargs):
-        return args, kwargs  # not this schema's call: left as it is
-    values = [args[i] if i < len(args) else kwargs.get(
-        p.name, p.default_value if p.has_default_value() else _MISSING)
-        for i, p in enumerate(params)]
-    if any(v is _MISSING for v in values):
-        return args, kwargs  # a required argument not given
-
-    def at_default(i: int) -> bool:
-        p = params[i]
-        return p.has_default_value() and _same(values[i], p.default_value)
-
-    first_kw = next((i for i, p in enumerate(params) if p.kwarg_only), len(params))
-    end = first_kw
-    while end > 0 and at_default(end - 1):
-        end -= 1
-    kw = {params[i].name: values[i] for i in range(first_kw, len(params)) if not at_default(i)}
-    return tuple(values[:end]), kw
-
-
-_MISSING = object()
-
-
-def _same(a, b) -> bool:
-    """Equal as the dispatcher's values compare: an int is not a float nor a bool."""
-    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return type(a) is type(b) and a == b
-
-
 def _plain_graph(gm: fx.GraphModule, ep: ExportedProgram) -> bool:
     """Only ATen ops, getitem and size arithmetic; no submodules or attributes."""
     if ep.graph_signature.input_tokens or ep.graph_signature.output_tokens:
@@ -280,6 +258,8 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     graph.output(out)
     for old, new in zip(gm.graph.nodes, graph.nodes, strict=True):
         new.meta = dict(old.meta)
+        if new.op == "placeholder":
+            keep_name(new, old.name)
     return fx.GraphModule(gm, graph)
 
 
