@@ -63,9 +63,12 @@ def decompose_locally(ep: ExportedProgram, table: dict) -> ExportedProgram | Non
 
     The default (KILN_DECOMPOSE=local; =retrace turns it off) on torch >= 2.13, where
     it gives the re-trace's program: the same ops, arguments, sizes and signature
-    (tests/frontend/test_decompose_parity.py), names by the same scheme. Not on older
-    torch: under torch 2.11 on an H100 an LLM's decode module came out with its
-    dynamic batch fixed at the example's 2 (not understood yet)."""
+    (tests/frontend/test_decompose_parity.py), names by the same scheme; but a view of
+    a written buffer is taken once where the re-trace's functionalization takes it
+    again for each use (DeepSeek-V3's latent cache: the same values, which kiln's CSE
+    merges in the re-trace's program). Not on older torch: under torch 2.11 on an H100
+    an LLM's decode module came out with its dynamic batch fixed at the example's 2
+    (not understood yet)."""
     if not local_decompose() or _TORCH < (2, 13):
         return None
     try:
