@@ -34,9 +34,10 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
     "KILN_COMPILE_CACHE": ("1", "0: never keep or reuse compiled modules in KILN_CACHE_DIR "
                            "(kiln.compile's options={'compile_cache': False} for one "
                            "compile); tuning results are kept either way"),
-    "KILN_DECOMPOSE": ("retrace", "local: decompose a captured program node by node (torch >= "
-                       "2.13; seconds instead of the whole-program re-trace's tens of "
-                       "seconds, but not yet the same program everywhere: off by default)"),
+    "KILN_DECOMPOSE": ("local", "local|retrace: how a captured program is lowered to core "
+                       "ATen: node by node (torch >= 2.13; seconds for an 8B, where torch's "
+                       "whole-program re-trace takes tens of seconds; programs it cannot "
+                       "take and older torch get the re-trace), or always by the re-trace"),
     "KILN_DIST_TIMEOUT": ("300", "seconds a rank waits on its peers (a collective, a "
                           "transfer) before a dead or stuck peer is a DistributedError"),
 }
@@ -110,8 +111,13 @@ def compile_cache_enabled() -> bool:
 
 
 def local_decompose() -> bool:
-    """KILN_DECOMPOSE=local: the node-by-node decomposition (default: torch's re-trace)."""
-    return (_get("KILN_DECOMPOSE") or "").strip().lower() == "local"
+    """KILN_DECOMPOSE: "local" (the default: node by node where it can) or "retrace"
+    (torch's re-trace always); anything else is a KilnError."""
+    value = (_get("KILN_DECOMPOSE") or SETTINGS["KILN_DECOMPOSE"][0]).strip().lower()
+    if value not in ("local", "retrace"):
+        raise KilnError(f"KILN_DECOMPOSE={value!r} is not a way to decompose",
+                        hint="set it to 'local' (the default) or 'retrace'")
+    return value == "local"
 
 
 def dist_timeout_s() -> float:

@@ -6,11 +6,13 @@ graph): ~1 s a layer of a Llama-3-8B over its prefill and decode modules on a CP
 half of a cold compile, although most nodes are core ATen already and a model's
 layers repeat the same few ops at the same sizes. Here only the nodes whose op the
 table decomposes are traced (make_fx over their own fake arguments, with the same
-table, so decompositions nest as in torch's re-trace), the trace of one (op, argument
-shapes and constants) is spliced in wherever that signature recurs, and the only
-in-place ops export leaves (writes into a buffer, as a KV cache's `index_put_`)
-become their functional form with the buffer's new value an output, as torch's
-functionalization makes them.
+table and in the re-trace's dispatch state, Python dispatcher included, so
+decompositions nest and end where torch's do); the trace of one (op, argument
+shapes and constants, which arguments are one value) is spliced in wherever that
+signature recurs; the only in-place ops export leaves (writes into a buffer, as a KV
+cache's `index_put_`) become their functional form with the buffer's new value an
+output, as torch's functionalization makes them; and the nodes are named and their
+arguments put as torch's tracer records them (kiln's passes and tests read both).
 
 Anything outside that (higher-order ops, in-place ops on views or user inputs, a
 view of a buffer read after the buffer is written, a decomposition that makes
@@ -19,6 +21,7 @@ tensor constants) returns None, and the caller runs torch's re-trace.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 
@@ -26,9 +29,10 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._dispatch.python import enable_python_dispatcher
-from torch._export.utils import _special_op_to_preserve_cia
+from torch._export.utils import _compiling_state_context, _special_op_to_preserve_cia
 from torch._export.verifier import Verifier
 from torch._guards import detect_fake_mode
+from torch.export._trace import _ignore_backend_decomps
 from torch.export.exported_program import (
     ExportedProgram,
     _override_composite_implicit_decomp,
@@ -42,6 +46,7 @@ from torch.export.graph_signature import (
 )
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from kiln.frontend.traced_form import as_traced, keep_name
 from kiln.settings import local_decompose
 
 log = logging.getLogger("kiln.frontend")
@@ -62,13 +67,19 @@ def decompose_locally(ep: ExportedProgram, table: dict) -> ExportedProgram | Non
     """`ep` lowered with `table` as run_decompositions would, or None when this pass
     cannot be sure of giving the same program (the caller then re-traces).
 
-    Opt-in (KILN_DECOMPOSE=local), torch >= 2.11: it is not yet the same program as the
-    re-trace everywhere (torch 2.13: eval BatchNorm stayed native_batch_norm, repeated
-    views kept separate names: tests/graph fold_conv_scale, cse). Raises
-    ShapesSpecialised when a trace narrowed a dynamic input size (torch 2.11's C++
-    linear outside the Python dispatcher fixed an LLM's decode batch at the example's 2):
-    the caller captures again."""
-    if not local_decompose() or _TORCH < (2, 11):
+    The default (KILN_DECOMPOSE=local; =retrace turns it off) on torch >= 2.13, where
+    it gives the re-trace's program: the same ops, arguments, sizes and signature
+    (tests/frontend/test_decompose_parity.py), names by the same scheme; but a view of
+    a written buffer is taken once where the re-trace's functionalization takes it
+    again for each use (DeepSeek-V3's latent cache: the same values, which kiln's CSE
+    merges in the re-trace's program). Not the default on older torch: under torch 2.11
+    the traces ran outside the Python dispatcher, where C++ linear read sizes as numbers
+    and narrowed the captured program's shape environment (an LLM's decode batch fixed
+    at the example's 2). They now run under it; on torch 2.11 (H200) an 8B LLM then
+    compiled node by node, but that is not yet tested widely enough to be its default.
+    A pass that narrows an input size raises ShapesSpecialised: the caller captures
+    again, since the program itself is no longer dynamic there."""
+    if not local_decompose() or _TORCH < (2, 13):
         return None
     shape_env, before = _input_symbols(ep)
     try:
@@ -122,17 +133,35 @@ def _decompose(ep: ExportedProgram, table: dict) -> ExportedProgram | None:
     # to decompose as the table says (or to stay whole, those deleted from it)
     cia, python_table = _split_decomp_table_to_cia_and_python_decomp(dict(table))
     traces: dict = {}
-    with _override_composite_implicit_decomp(cia):
+    with _as_torchs_retrace(cia):
         for node in list(gm.graph.nodes):
-            if node.op == "call_function" and _decomposes(node.target, cia, python_table) \
-                    and not _replace(gm.graph, node, python_table, traces, fake_mode):
+            if node.op != "call_function":
+                continue
+            if node.target is torch.ops.aten.sym_numel.default:
+                done = _numel_as_product(gm.graph, node)
+            elif _decomposes(node.target, cia, python_table):
+                done = _replace(gm.graph, node, python_table, traces, fake_mode)
+            else:
+                continue
+            if not done:
                 return None
     _share_sizes(gm.graph)
     _resymbolise_input_sizes(gm.graph)
     gm.graph.eliminate_dead_code(_impure)
-    gm.graph.lint()
-    gm.recompile()
-    return _program(ep, gm, mutated)
+    return _program(ep, as_traced(gm), mutated)
+
+
+@contextlib.contextmanager
+def _as_torchs_retrace(cia: dict):
+    """The dispatch state torch's re-trace decomposes under (_export_to_aten_ir):
+    without the Python dispatcher, ops' Python kernels on the Autograd and
+    CompositeImplicitAutograd keys are skipped (native_batch_norm's sends eval
+    BatchNorm to _native_batch_norm_legit_no_training, which kiln's table turns into
+    a per-channel affine map); no_grad and the backend flags pick the same branches
+    of the C++ composites."""
+    with _override_composite_implicit_decomp(cia), _ignore_backend_decomps(), \
+            _compiling_state_context(), torch.no_grad(), enable_python_dispatcher():
+        yield
 
 
 def _decomposes(op, cia: dict, python_table: dict) -> bool:
@@ -146,6 +175,43 @@ def _decomposes(op, cia: dict, python_table: dict) -> bool:
         return cia[op] is not _special_op_to_preserve_cia
     return torch._C._dispatch_has_kernel_for_dispatch_key(
         op.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
+
+
+def _numel_as_product(graph: fx.Graph, node: fx.Node) -> bool:
+    """`x.numel()` as the re-trace writes it: the product of x's sizes in order, as C++
+    multiplies them (numbers folded, factors of 1 dropped), symbolic ones read by
+    sym_size; torch's functionalization answers numel from the sizes, never as an
+    aten.sym_numel node. False for a numel that is a number (a capture never has one)."""
+    x = node.args[0]
+    shape = getattr(x.meta.get("val"), "shape", None) if isinstance(x, fx.Node) else None
+    if shape is None:
+        return False
+    product: int | fx.Node = 1
+    with graph.inserting_before(node):
+        for i, size in enumerate(shape):
+            factor: int | fx.Node = size
+            if isinstance(size, torch.SymInt):
+                factor = graph.call_function(torch.ops.aten.sym_size.int, (x, i))
+                factor.meta["val"] = size
+            if isinstance(factor, int) and isinstance(product, int):
+                product *= factor
+            elif isinstance(factor, int) and factor == 1:
+                continue
+            elif isinstance(product, int) and product == 1:
+                product = factor
+            else:
+                value = _value(product) * _value(factor)
+                product = graph.call_function(operator.mul, (product, factor))
+                product.meta["val"] = value
+    if isinstance(product, int):
+        return False
+    node.replace_all_uses_with(product)
+    graph.erase_node(node)
+    return True
+
+
+def _value(v):
+    return v.meta["val"] if isinstance(v, fx.Node) else v
 
 
 def _share_sizes(graph: fx.Graph) -> None:
@@ -229,6 +295,8 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     graph.output(out)
     for old, new in zip(gm.graph.nodes, graph.nodes, strict=True):
         new.meta = dict(old.meta)
+        if new.op == "placeholder":
+            keep_name(new, old.name)
     return fx.GraphModule(gm, graph)
 
 
@@ -317,10 +385,11 @@ def _replace(graph: fx.Graph, node: fx.Node, table: dict, traces: dict, fake_mod
     """Splice the decomposition of `node` in its place; False when it cannot be."""
     leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
     inputs = [a for a in leaves if isinstance(a, fx.Node)]
-    vals = [a.meta.get("val") for a in inputs]
-    if any(v is None for v in vals):
+    vals = _distinct_values(inputs, fake_mode)
+    if vals is None:
         return False
-    key = (node.target, str(spec),
+    first: dict[fx.Node, int] = {}  # which inputs are one value: stack([x, x]) != ([x, y])
+    key = (node.target, str(spec), tuple(first.setdefault(a, len(first)) for a in inputs),
            tuple(_signature(a.meta["val"]) if isinstance(a, fx.Node) else ("c", repr(a))
                  for a in leaves))
     trace = traces.get(key)
@@ -335,9 +404,6 @@ def _replace(graph: fx.Graph, node: fx.Node, table: dict, traces: dict, fake_mod
         for t in trace.graph.nodes:
             if t.op == "placeholder":
                 env[t] = next(placeholders)
-            elif t.target is torch.ops.aten.alias.default:
-                env[t] = env[t.args[0]]  # the Python dispatcher's views of a whole
-                # tensor (split, chunk): functionalization drops them in the re-trace
             elif t.op == "call_function":
                 new = graph.call_function(t.target, *pytree.tree_map(
                     lambda a: env[a] if isinstance(a, fx.Node) else a, (t.args, t.kwargs)))
@@ -364,6 +430,24 @@ def _replace(graph: fx.Graph, node: fx.Node, table: dict, traces: dict, fake_mod
     return True
 
 
+def _distinct_values(inputs: list[fx.Node], fake_mode) -> list | None:
+    """The inputs' fake values, one tensor object per distinct node: make_fx knows a
+    tensor by its identity, and a trace spliced twice leaves one value on both splices
+    (two casts read by one stack traced as one cast read twice). None if one is missing."""
+    owner: dict[int, fx.Node] = {}
+    vals = []
+    for a in inputs:
+        v = a.meta.get("val")
+        if v is None:
+            return None
+        if isinstance(v, torch.Tensor) and owner.setdefault(id(v), a) is not a:
+            with fake_mode:
+                v = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device,
+                                        layout=v.layout, requires_grad=v.requires_grad)
+        vals.append(v)
+    return vals
+
+
 def _trace(op, leaves: list, spec, vals: list, table: dict, fake_mode):
     """The decomposition of `op` at these arguments as a graph over its node inputs,
     or False when make_fx cannot give one kiln can splice."""
@@ -376,9 +460,8 @@ def _trace(op, leaves: list, spec, vals: list, table: dict, fake_mode):
         args, kwargs = pytree.tree_unflatten(filled, spec)
         return op(*args, **kwargs)
 
-    try:  # the Python dispatcher, as torch's re-trace: C++ composite kernels (torch
-        # 2.11's linear) then read symbolic sizes instead of guarding them to the example's
-        with fake_mode, enable_python_dispatcher():
+    try:
+        with fake_mode:
             gm = make_fx(call, decomposition_table=table, tracing_mode="real",
                          _allow_non_fake_inputs=False)(*vals)
     except Exception:  # noqa: BLE001 - any failure means: leave it to torch's re-trace

@@ -230,27 +230,8 @@ class LLM:
         # exported with meta examples: one device for every tensor export sees
         meta = self.model.lm_head.weight.device.type == "meta"
         dev = torch.device("meta") if meta else self.device
-        b = min(2, self.max_batch_size)  # an example of 1 would pin the batch dim to 1
-        t = seq_len or min(8, self.max_seq_len)
-        batch = Dim("batch", min=1, max=self.max_batch_size) if b > 1 else None
-        seq = Dim("seq", min=1, max=self.max_seq_len) if seq_len is None and t > 1 else None
-        dims = {k: d for k, d in ((0, batch), (1, seq)) if d is not None}
-        args = {"tokens": torch.zeros(b, t, dtype=torch.long, device=dev),
-                "input_pos": torch.arange(t, device=dev).expand(b, t).contiguous()}
-        shapes = {"tokens": dims, "input_pos": dims}
-        if self.paged:
-            cache = self.cache_layout
-            w = min(max(2, math.ceil(t / cache.block_size)), cache.blocks_per_seq)
-            width = Dim("blocks", min=1, max=cache.blocks_per_seq) if w > 1 else None
-            args["block_table"] = torch.zeros(b, w, dtype=torch.long, device=dev)
-            shapes["block_table"] = {k: d for k, d in ((0, batch), (1, width)) if d is not None}
-        if seq is not None:
-            rows = Dim("logit_rows", min=1, max=self.max_seq_len)
-            args["logits_at"] = torch.zeros(b, 2, dtype=torch.long, device=dev)
-            shapes["logits_at"] = {k: d for k, d in ((0, batch), (1, rows)) if d is not None}
-            if self.needs_seq_lens:
-                args["seq_lens"] = torch.full((b,), t, dtype=torch.long, device=dev)
-                shapes["seq_lens"] = {0: batch} if batch is not None else None
+        args, shapes = generation_inputs(self.model, self.max_batch_size, seq_len, dev,
+                                         self.paged)
         return kiln.compile(self.model, (), kwargs=args, dynamic_shapes=shapes,
                             target=self.target, options=self.compile_options,
                             parallel=self.parallel)
@@ -474,6 +455,37 @@ class LLM:
         text = s.text.text if s.text is not None else None
         return Generation(s.prompt, s.ids, text, s.finish or "length", s.t_first - t0,
                           s.t_last - s.t_first)
+
+
+def generation_inputs(model, max_batch_size: int, seq_len: int | None, device,
+                      paged: bool = False) -> tuple[dict, dict]:
+    """The example kwargs and dynamic shapes an LLM exports `model` with (its KV cache
+    set up; `paged`: a block table too): decode at T = seq_len, or prefill over a
+    dynamic T in [1, max_seq_len] with logits at L dynamic positions per row (L = 1,
+    the last prompt token). Apart from LLM so the exports can be had uncompiled."""
+    max_seq_len = model.cfg.max_seq_len
+    b = min(2, max_batch_size)  # an example of 1 would pin the batch dim to 1
+    t = seq_len or min(8, max_seq_len)
+    batch = Dim("batch", min=1, max=max_batch_size) if b > 1 else None
+    seq = Dim("seq", min=1, max=max_seq_len) if seq_len is None and t > 1 else None
+    dims = {k: d for k, d in ((0, batch), (1, seq)) if d is not None}
+    args = {"tokens": torch.zeros(b, t, dtype=torch.long, device=device),
+            "input_pos": torch.arange(t, device=device).expand(b, t).contiguous()}
+    shapes = {"tokens": dims, "input_pos": dims}
+    if paged:
+        cache = model.cache
+        w = min(max(2, math.ceil(t / cache.block_size)), cache.blocks_per_seq)
+        width = Dim("blocks", min=1, max=cache.blocks_per_seq) if w > 1 else None
+        args["block_table"] = torch.zeros(b, w, dtype=torch.long, device=device)
+        shapes["block_table"] = {k: d for k, d in ((0, batch), (1, width)) if d is not None}
+    if seq is not None:
+        rows = Dim("logit_rows", min=1, max=max_seq_len)
+        args["logits_at"] = torch.zeros(b, 2, dtype=torch.long, device=device)
+        shapes["logits_at"] = {k: d for k, d in ((0, batch), (1, rows)) if d is not None}
+        if getattr(model, "needs_seq_lens", False):
+            args["seq_lens"] = torch.full((b,), t, dtype=torch.long, device=device)
+            shapes["seq_lens"] = {0: batch} if batch is not None else None
+    return args, shapes
 
 
 def _is_int(x) -> bool:
