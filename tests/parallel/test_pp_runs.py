@@ -196,4 +196,5 @@ def test_save_and_load_a_pipeline_module_per_stage(tmp_path, capsys):
     done = _kiln("run", str(path), "--repeat", "0")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "2 ranks (tp=1 x pp=2) make every call" in done.stdout
-    assert _kiln("run", str(path), "-tp", "2").returncode == 2  # not how it was compiled
+    assert main(["run", str(path), "-tp", "2"]) == 2  # refused before any rank starts
+    assert "was compiled for tp=1 x pp=2, not tp=2 x pp=1" in capsys.readouterr().err
