@@ -5,10 +5,10 @@ MASTER_PORT) so kiln joins the world as it would under torchrun (torchrun itself
 "nodes" of it: test_tp_runs.py). A rank's exception comes back to the test with its
 traceback; a run past `timeout` is killed and fails.
 
-Ranks are forked from a forkserver that has imported torch and kiln once (and only
-imported them): a rank starts in milliseconds, where a spawned one spent seconds of
-CI's two cores on its imports. Each still starts fresh, with the test's environment
-and working directory at the call.
+Ranks are forked from a forkserver that imported torch and kiln once (tests/forkserver.py):
+a rank starts in milliseconds, where a spawned one spent seconds of CI's two cores on
+its imports. Each still starts fresh, with the test's environment and working
+directory at the call.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import time
 import traceback
 
 import torch
-import torch.multiprocessing as mp
+
+from tests import forkserver
 
 
 def free_port() -> int:
@@ -30,17 +31,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# imported by the forkserver before it forks any rank (a missing one is skipped): kiln,
-# and what torch imports on a first export (about a second of a core per rank)
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._functorch.aot_autograd",
-           "torch._functorch.partitioners", "torch._inductor", "torch.export._trace",
-           "networkx", "kiln", "kiln.models", "kiln.models.hf", "tests.parallel.spmd"]
-
-
-def _entry(rank, world, port, fn, args, env, cwd, results):
-    os.environ.clear()  # the test's environment, not the forkserver's from its start
-    os.environ.update(env)
-    os.chdir(cwd)
+def _entry(rank, world, port, fn, args, where, results):
+    forkserver.enter(where)  # the test's environment, not the forkserver's from its start
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -73,13 +65,11 @@ def run_spmd(fn, world: int, *args, timeout: float = 120, env=None,
     A rank in `may_die` that exits without a result gives Died(exitcode); any other
     failure, or a run past `timeout`, fails the test.
     """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx = forkserver.context()
     results = ctx.Queue()
     port = free_port()
-    env = {**os.environ, **(env or {})}
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, env, os.getcwd(),
-                                               results))
+    where = forkserver.caller(env)
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, where, results))
              for r in range(world)]
     for p in procs:
         p.start()
