@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
 
 FAILURES = ("crash", "mismatch", "fallback")
@@ -96,14 +96,14 @@ def fuzz(seeds: list[int], plan: Plan, jobs: int = 1, time_limit: float | None =
         it = iter(enumerate(seeds))
         for _ in range(jobs * 2):
             _submit(pool, it, pending, plan)
-        while pending:
-            done = next(iter(pending))
-            results.append(done.result())
-            del pending[done]
-            if on_result:
-                on_result(results[-1])
-            if deadline is None or time.monotonic() < deadline:
-                _submit(pool, it, pending, plan)
+        while pending:  # whichever graph ends first: a slow one idles no worker
+            for done in wait(pending, return_when=FIRST_COMPLETED).done:
+                results.append(done.result())
+                del pending[done]
+                if on_result:
+                    on_result(results[-1])
+                if deadline is None or time.monotonic() < deadline:
+                    _submit(pool, it, pending, plan)
     results.sort(key=lambda r: r["seed"])
     return results
 
