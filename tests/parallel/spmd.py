@@ -4,6 +4,11 @@ Each process gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_A
 MASTER_PORT) so kiln joins the world as it would under torchrun (torchrun itself, two
 "nodes" of it: test_tp_runs.py). A rank's exception comes back to the test with its
 traceback; a run past `timeout` is killed and fails.
+
+Ranks are forked from a forkserver that imported torch and kiln once (tests/forkserver.py):
+a rank starts in milliseconds, where a spawned one spent seconds of CI's two cores on
+its imports. Each still starts fresh, with the test's environment and working
+directory at the call.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import time
 import traceback
 
 import torch
-import torch.multiprocessing as mp
+
+from tests import forkserver
 
 
 def free_port() -> int:
@@ -25,8 +31,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args, env, results):
-    os.environ.update(env)
+def _entry(rank, world, port, fn, args, where, results):
+    forkserver.enter(where)  # the test's environment, not the forkserver's from its start
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -59,11 +65,11 @@ def run_spmd(fn, world: int, *args, timeout: float = 120, env=None,
     A rank in `may_die` that exits without a result gives Died(exitcode); any other
     failure, or a run past `timeout`, fails the test.
     """
-    ctx = mp.get_context("spawn")
+    ctx = forkserver.context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args,
-                                               dict(env or {}), results))
+    where = forkserver.caller(env)
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, where, results))
              for r in range(world)]
     for p in procs:
         p.start()

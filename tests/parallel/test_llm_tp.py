@@ -50,24 +50,26 @@ def test_tp2_and_pp2_llms_from_a_checkpoint_match_one_device(family, checkpoints
             assert held < 0.6 * full  # its slices (or its stage) and the norms, no more
 
 
-def _cli_generate(*extra):
+GENERATE = ["generate", "--random-weights", "--config", "tiny", "--prompt", "hello",
+            "--max-new-tokens", "6"]
+
+
+def test_cli_generate_spawns_its_ranks(capsys):
+    """`kiln generate -tp 2 -pp 2` outside torchrun (a fresh process) starts the other
+    three ranks itself, and prints what one device prints (here, in this process)."""
     import os
     import subprocess
     import sys
 
+    from kiln.cli import main
+
     cmd = [sys.executable, "-c", "import sys; from kiln.cli import main; sys.exit(main())",
-           "generate", "--random-weights", "--config", "tiny", "--prompt", "hello",
-           "--max-new-tokens", "6", *extra]
+           *GENERATE, "-tp", "2", "-pp", "2"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
-
-
-def test_cli_generate_spawns_its_ranks():
-    """`kiln generate -tp 2 -pp 2` outside torchrun starts the other three ranks itself,
-    and prints what one device prints."""
-    assert _cli_generate("-tp", "2", "-pp", "2") == _cli_generate()
+    assert main(GENERATE) == 0
+    assert done.stdout == capsys.readouterr().out
 
 
 def _load_prefill(rank, world, path, prompt):

@@ -50,12 +50,27 @@ def run_chain(stages, args):
     return outputs
 
 
-@pytest.mark.parametrize("layers,pp,tied", [(2, 2, False), (4, 4, False), (2, 2, True)])
-def test_pipeline_stages_match_single_device(layers, pp, tied):
-    ref = tiny_llama(n_layers=layers, tie_word_embeddings=tied)
+def compile_stages(layers: int, pp: int, tied: bool = False):
+    """The tiny Llama's `pp` stages, each compiled as its rank would."""
     model = tiny_llama(n_layers=layers, tie_word_embeddings=tied)
     args, ds = example_inputs(model.cfg, 6)
-    stages = [compile_stage(model, args, ds, ParallelConfig(pp=pp, rank=r)) for r in range(pp)]
+    return model, [compile_stage(model, args, ds, ParallelConfig(pp=pp, rank=r))
+                   for r in range(pp)]
+
+
+@pytest.fixture(scope="module")
+def two_stages():
+    """The default tiny Llama (2 layers) as PP2, compiled once for the tests that read
+    it: the chained run (which only fills its KV caches) and the plan's explain/save."""
+    return compile_stages(2, 2)
+
+
+@pytest.mark.parametrize("layers,pp,tied", [(2, 2, False), (4, 4, False), (2, 2, True)])
+def test_pipeline_stages_match_single_device(layers, pp, tied, request):
+    ref = tiny_llama(n_layers=layers, tie_word_embeddings=tied)
+    reused = (layers, pp, tied) == (2, 2, False)
+    model, stages = request.getfixturevalue("two_stages") if reused else \
+        compile_stages(layers, pp, tied)
     caches = [dict(state) for _, state in stages]
     if tied:  # the embedding is the LM head too: the last stage holds its own copy
         shared = set(caches[0]) & set(caches[-1])
@@ -142,13 +157,12 @@ def test_a_transformers_llama_splits_and_matches_eager():
         assert rel_err(got, want) <= 1e-5, (n, rel_err(got, want))
 
 
-def test_stage_plan_explains_and_round_trips_through_an_artifact(tmp_path):
+def test_stage_plan_explains_and_round_trips_through_an_artifact(tmp_path, two_stages):
     from kiln.artifact.manifest import plan_from_json, plan_to_json
     from kiln.compiled_module import CompiledModule
 
-    model = tiny_llama()
+    model, stages = two_stages
     args, ds = example_inputs(model.cfg, 4)
-    stages = [compile_stage(model, args, ds, ParallelConfig(pp=2, rank=r)) for r in range(2)]
     first, second = (prog.plan for prog, _ in stages)
     text = CompiledModule(stages[0][0], stages[0][1]).explain()
     (name, dsts), = first.send[:1]

@@ -76,8 +76,6 @@ def _staged(rank, world, tp, pp, overrides, pins):
 
     errs = {"whole": check((5, 3, 1, 1), 1)}  # prefills of two lengths, then decode steps
     greedy = _greedy(module, eager, pos=10)
-    if pins is not None:
-        return errs, sorted(module.state), greedy
     # GPipe: a batch of 4 as 2 micro-batches of 2 rows (prefill, then decode steps), a
     # batch of 2 as 2 of 1, and a causal prefill cut into 3 chunks through the one cache
     module.micro_batches(2)
@@ -116,12 +114,9 @@ def _greedy(module, eager, pos: int, steps: int = 4):
     return ours, theirs
 
 
-@pytest.mark.parametrize("tp,pp,overrides", [
-    (1, 2, {"n_layers": 2}), (1, 4, {"n_layers": 4}),
-    (2, 2, {"n_layers": 2, "vocab_size": 255}),  # the last stage's head padded to 256
-])
-def test_tiny_llama_pipeline_matches_one_device(tp, pp, overrides):
-    out = run_spmd(_staged, tp * pp, tp, pp, overrides, None, timeout=300)
+def _check_staged(out, pp: int) -> None:
+    """Every rank of a _staged run: outputs and greedy tokens as one device's, its stages'
+    weights, graph captures and micro-batch timeline."""
     for errs, _, captures, _, (ours, theirs) in out:
         assert all(err <= 1e-5 for err in errs.values()), errs
         assert ours == theirs  # greedy decoding: identical tokens
@@ -136,14 +131,23 @@ def test_tiny_llama_pipeline_matches_one_device(tp, pp, overrides):
         assert steps[s, 0][1] <= steps[s + 1, 0][0]  # and s+1 waited for s's micro-batch 0
 
 
+# PP2 alone (tp=1) is the pinned seed case below, through the same checks
+@pytest.mark.parametrize("tp,pp,overrides", [
+    (1, 4, {"n_layers": 4}),
+    (2, 2, {"n_layers": 2, "vocab_size": 255}),  # the last stage's head padded to 256
+])
+def test_tiny_llama_pipeline_matches_one_device(tp, pp, overrides):
+    _check_staged(run_spmd(_staged, tp * pp, tp, pp, overrides, None, timeout=300), pp)
+
+
 def test_pinned_rotary_table_is_cloned_to_both_stages():
     """The seed case of DESIGN.md failure 2: a PP2 Llama whose 128 x 32 rotary table is
-    pinned to device 0 and read by layers on devices 0 and 1."""
+    pinned to device 0 and read by layers on devices 0 and 1; then micro-batches, graph
+    replays and the timeline, as every pipeline plan."""
     out = run_spmd(_staged, 2, 1, 2, {"dim": 128}, {"rope_cos": 0, "rope_sin": 0},
                    timeout=300)
-    for errs, held, (ours, theirs) in out:
-        assert errs["whole"] <= 1e-5
-        assert ours == theirs
+    _check_staged(out, 2)
+    for _, held, *_ in out:
         assert "rope_cos" in held and "rope_sin" in held  # a copy on each stage
 
 
@@ -192,4 +196,5 @@ def test_save_and_load_a_pipeline_module_per_stage(tmp_path, capsys):
     done = _kiln("run", str(path), "--repeat", "0")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "2 ranks (tp=1 x pp=2) make every call" in done.stdout
-    assert _kiln("run", str(path), "-tp", "2").returncode == 2  # not how it was compiled
+    assert main(["run", str(path), "-tp", "2"]) == 2  # refused before any rank starts
+    assert "was compiled for tp=1 x pp=2, not tp=2 x pp=1" in capsys.readouterr().err
