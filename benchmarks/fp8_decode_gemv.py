@@ -1,10 +1,12 @@
 """The fp8 linear at decode's token counts against its byte floor (issue 13): the GEMV
-form (CUDA cores, templates/fp8_matmul/gemv.py) and the tensor-core form, each at its
-default config (what `tune none`, kiln.models.load's choice, runs), and kiln's tuned
-module, on the DeepSeek-V3 slice's fp8 shapes.
+form (CUDA cores, templates/fp8_matmul/gemv.py) and the two tensor-core forms (tokens
+or weight rows as the dot's rows: "dot", "swap"), each at its default config (what
+`tune none`, kiln.models.load's choice, runs), and kiln's tuned module, on the
+DeepSeek-V3 slice's and Llama-3-8B's fp8 shapes.
 
-Each kernel is timed alone with triton's do_bench (L2 flushed before each call: a
-decode step streams ~4 GB, so no weight is in L2 when its linear runs), and divided
+Each kernel is timed alone by the profiler (its device time: launch gaps excluded,
+as in a decode step's CUDA graph; L2 flushed before each call: a decode step streams
+~4 GB, so no weight is in L2 when its linear runs), and divided
 by its floor: the weight's bytes (plus x, scales, output) at the device copy rate
 measured in the same run (measure.copy_bandwidth, 1 GiB read + write). Every output
 is checked against the op's PyTorch form.
@@ -34,7 +36,11 @@ from kiln.target import get_target
 # MLP, the shared expert
 SHAPES = {"q_a": (1536, 7168), "kv_a": (576, 7168), "q_b": (24576, 1536),
           "o": (7168, 16384), "dense_up": (18432, 7168), "dense_down": (7168, 18432),
-          "shared_up": (2048, 7168), "shared_down": (7168, 2048)}
+          "shared_up": (2048, 7168), "shared_down": (7168, 2048),
+          # Llama-3-8B's (gpt-fast's fused wqkv and w1/w3)
+          "llama_qkv": (6144, 4096), "llama_o": (4096, 4096), "llama_w13": (28672, 4096),
+          "llama_w2": (4096, 14336)}
+FORMS = ("gemv", "dot", "swap")
 SMALL = {"small": (200, 300)}
 
 
@@ -57,7 +63,26 @@ def time_kernel(exe, kernel, x, device):
 
     run()
     sync(device)
-    return timed_ms(run, device), outs[region.outputs[0]]
+    ms = device_ms(run) if device == "cuda" else timed_ms(run, device)
+    return ms, outs[region.outputs[0]]
+
+
+def device_ms(run, reps: int = 20) -> float:
+    """Median device time of `run`'s kernels (the profiler's, launch gaps excluded: a
+    decode step replays them back to back in a CUDA graph), L2 flushed before each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        sync("cuda")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+            sync("cuda")
+        times.append(sum(e.time_range.elapsed_us() for e in prof.events()
+                         if e.device_type.name == "CUDA") / 1e3)
+    return sorted(times)[reps // 2]
 
 
 def run_shape(name, N, K, M, a, rate, rows):
@@ -73,7 +98,7 @@ def run_shape(name, N, K, M, a, rate, rows):
     row = {"shape": name, "M": M, "N": N, "K": K, "bytes": nbytes, "floor_ms": floor_ms}
     exe = kiln.compile(model, (x,), target="cuda" if device == "cuda" else "interpret",
                        options={"tune": "none"})
-    for form in ("gemv", "dot"):
+    for form in FORMS:
         try:
             kernel, config, *res = form_kernel(exe, form, target, device != "cuda")
             ms, out = time_kernel(exe, kernel, x, device)
@@ -101,7 +126,7 @@ def _line(row) -> str:
     parts = [f"{row['shape']:>11} M={row['M']:<2} N={row['N']:<6} K={row['K']:<6}"]
     if row["floor_ms"]:
         parts.append(f"floor {row['floor_ms'] * 1e3:7.1f} us")
-    for key in ("gemv", "dot", "tuned"):
+    for key in (*FORMS, "tuned"):
         r = row.get(key)
         if r is None:
             continue

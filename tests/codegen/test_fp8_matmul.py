@@ -124,18 +124,21 @@ def test_interpreted_quantisation_is_the_ops_bit_for_bit(K, dtype):
 
 @pytest.mark.parametrize("K,lead,bias,form", [
     (700, (1, 2), True, "dot"), (512, (3,), False, "dot"),
-    (700, (1, 2), True, "gemv"), (512, (3,), False, "gemv")])
+    (700, (1, 2), True, "gemv"), (512, (3,), False, "gemv"),
+    (700, (1, 2), True, "swap"), (512, (3,), False, "swap")])
 def test_interpreted_split_k_matches_the_op(K, lead, bias, form):
     """Decode's split: K over several programs (a tail block in one), the last of each
     tile sums the parts in split order, adds the bias, stores, and zeroes its counter.
-    Both forms: tensor cores (2 K blocks a split at least) and the GEMV (one step of
-    KB = 2 blocks a split)."""
+    Every form: tensor cores with the tokens or the weight rows as the dot's rows (2 K
+    blocks a split at least) and the GEMV (one step of KB = 2 blocks a split)."""
     m = Fp8Linear(72, K, bias, seed=4)
     x = torch.randn(*lead, K)
     plan, region = _regions(m, x, "fp8_linear")
     spec = fp8_matmul.generate(region, plan, get_target("interpret"), form=form)
     if form == "dot":
         config = fp8_matmul.Config.make(4, 1, BM=16, BN=32, SPLIT_K=16)
+    elif form == "swap":
+        config = fp8_matmul.Config.make(4, 1, BM=16, BN=64, SPLIT_K=16)
     else:
         config = fp8_matmul.Config.make(4, 1, BM=4, BN=32, SPLIT_K=16, KB=2)
     kernel = TritonKernel(region, spec, config, interpret=True)
@@ -235,9 +238,9 @@ def test_model_with_fp8_linears_on_cpu_and_interpret(tmp_path):
         assert rel_err(kiln.load(tmp_path / target, target=target)(x), m(x)) <= 1e-5, target
 
 
-def _deepseek_specs(dtype, most, target=SM90):
+def _deepseek_specs(dtype, most, target=SM90, form=None):
     """q_a_proj's shape (N 1536, K 7168) with dynamic tokens up to `most`: the specs of
-    its fp8 regions' kernels by op."""
+    its fp8 regions' kernels by op (`form`: fp8_linear's, by default its own choice)."""
     m = Fp8Linear(1536, 7168)
     T = kiln.Dim("T", min=1, max=most)
     plan = kiln.compile(m, (torch.randn(1, 16, 7168, dtype=dtype),), compile_to="dispatch",
@@ -246,7 +249,8 @@ def _deepseek_specs(dtype, most, target=SM90):
     specs = {}
     for r in plan.regions:
         op = r.anchor().target.split(".")[1]
-        specs[op] = templates[op].generate(r, plan, target)
+        kw = {"form": form} if form and op == "fp8_linear" else {}
+        specs[op] = templates[op].generate(r, plan, target, **kw)
     return specs
 
 
@@ -302,10 +306,10 @@ def test_the_prefill_gemm_is_pipelined_on_wgmma_for_sm90():
 
 
 def test_decode_config_space_and_its_extremes_on_sm90():
-    """Decode (up to 64 tokens) keeps one kernel: its tiles, warps and split caps; the
-    ones the model drops are over sm_90's shared memory; the default and the smallest
-    and largest kept compile within the model's figure (all: the slow test below)."""
-    (spec,) = _deepseek_specs(torch.bfloat16, 64).values()
+    """Decode (up to 64 tokens) keeps one kernel; the dot form's tiles, warps and split
+    caps; the ones the model drops are over sm_90's shared memory; the default and the
+    smallest and largest kept compile within the model's figure (all: the slow test)."""
+    (spec,) = _deepseek_specs(torch.bfloat16, 64, form="dot").values()
     assert {c["BM"] for c in spec.configs} == {16, 32, 64}
     assert {c["BN"] for c in spec.configs} == {32, 64, 128, 256}
     assert {c.num_warps for c in spec.configs} == {4, 8}
@@ -320,8 +324,52 @@ def test_decode_config_space_and_its_extremes_on_sm90():
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_every_decode_candidate_within_shared_memory_compiles_for_sm90(dtype):
-    (spec,) = _deepseek_specs(dtype, 64).values()
-    _compile_within(spec, fitting_configs(spec, SM90).configs)
+    for form in ("dot", "swap"):
+        (spec,) = _deepseek_specs(dtype, 64, form=form).values()
+        _compile_within(spec, fitting_configs(spec, SM90).configs)
+
+
+def test_a_few_tokens_get_the_swap_form_on_wgmma_and_it_pipelines():
+    """2 to 64 tokens on sm_90: the weight rows are the dot's rows (64 or 128: fp8
+    wgmma, QGMMA E4M3 in the SASS), the tokens its columns, the weight streamed through
+    the pipeline's stages (cp.async); every candidate compiles within the model's
+    shared memory. One token keeps the GEMV; Ada (no wgmma) the tokens-as-rows dot."""
+    (spec,) = _deepseek_specs(torch.bfloat16, 64).values()
+    assert spec.meta["form"] == "swap"
+    assert {c["BN"] for c in spec.configs} == {64, 128} and {c["BM"] for c in spec.configs} \
+        == {64}
+    assert spec.default == fp8_matmul.Config.make(4, 4, BM=64, BN=64, SPLIT_K=16)
+    fit = fitting_configs(spec, SM90)
+    assert set(fit.configs) == set(spec.configs)
+    binary = compile_binary(spec, spec.default, SM90)
+    assert binary.resources.spills == 0 and "cp.async" in binary.asm["ptx"]
+    sass = disassemble(binary)
+    if sass is not None:
+        assert "QGMMA" in sass and "E4M3.E4M3" in sass
+    _compile_within(spec, _extremes(spec, fit.configs))
+    (sixteen,) = _deepseek_specs(torch.bfloat16, 16).values()
+    assert sixteen.meta["form"] == "swap" and sixteen.default["BM"] == 16
+    m = Fp8Linear(1536, 7168)
+    plan, region = _regions(m, torch.randn(1, 7168, dtype=torch.bfloat16), "fp8_linear")
+    assert fp8_matmul.generate(region, plan, SM90).meta["form"] == "gemv"
+    (ada,) = _deepseek_specs(torch.bfloat16, 16, get_target("cuda:sm_89")).values()
+    assert ada.meta["form"] == "dot"
+
+
+def test_interpreted_swap_form_with_dynamic_tokens(monkeypatch):
+    """The swap form (made the interpreter's choice) at 1, 5 and 16 of up to 16 dynamic
+    tokens: rows past the real count masked, a tail in N and K, the bias; equal to the
+    op's PyTorch form to fp32 summation order."""
+    monkeypatch.setattr(fp8_matmul, "takes_swap", lambda target, m_hi: m_hi is not None)
+    m = Fp8Linear(70, 300, bias=True, seed=6)
+    T = kiln.Dim("T", min=1, max=16)
+    exe = kiln.compile(m, (torch.randn(16, 300),), dynamic_shapes=({0: T},),
+                       target="interpret")
+    (kernel,) = _kernels(exe).values()
+    assert kernel.spec.meta["form"] == "swap"
+    for t in (1, 5, 16):
+        x = torch.randn(t, 300)
+        assert rel_err(exe(x), m(x)) <= 1e-6, t
 
 
 def _compile_within(spec, configs):

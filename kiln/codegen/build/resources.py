@@ -195,7 +195,8 @@ def _fp8_matmul(spec: KernelSpec, c: Config, target: Target, threads: int):
         return _fp8_gemv(c, threads, spec.meta.get("streams", 1))
     if target.backend == "hip":
         return (bm + bn) * bk, _BASE_REGISTERS + (bm * bn + 3 * bm * bk) / threads
-    wgmma = _wgmma(target, bm, c, "fp8")
+    # the swap form (fp8_matmul/template.py) puts the weight rows on the dot's M side
+    wgmma = _wgmma(target, bn if spec.meta.get("form") == "swap" else bm, c, "fp8")
     convert = (bm + bn) * bk if wgmma else 2 * bm * bk
     shared = max(1, c.num_stages - 1) * (bm * bk * e + bn * bk) + convert
     regs = (bm * bn + 2 * bm * bk + bn * bk / 4) / threads

@@ -23,6 +23,19 @@ are unbounded), BN (32-256), num_warps, pipeline stages and, for decode shapes, 
 split (SPLIT_K, the cap of kiln.codegen.templates.split_k's count: the last program
 of a tile sums the parts, adds the bias and stores). Targets, gfx942's e4m3fnuz and
 the interpreter's fp8 cast: common.py.
+
+The swap form (decode on sm_90) computes the same tile transposed: acc^T [BN, BM] +=
+wq [BN, 128] @ xq^T [128, BM]. The weight rows become the dot's M side (64 or 128,
+what Hopper's fp8 wgmma needs; with the tokens as M a decode tile has 16 rows and
+Triton widens fp8 to fp16 for mma.sync), the few tokens its N side, and the weight
+tiles stream through Triton's software pipeline. On an H200 at 4 tokens
+(benchmarks/fp8_decode_gemv.py, default configs) it ran Llama-3-8B's gate/up, qkv and
+V3's o_proj 12-14% faster than the dot form, and an 8B fp8 decode step at batch 4 fell
+from 3.99 to 3.56 ms. At one token the GEMV (gemv.py) stays ahead (gate/up 43 vs 61
+us): each K step waits on its x load and quantisation before its wgmma, and one
+token's 16-row tile spends that on padding. Loading x a step ahead (Triton pipelines
+only the loads a dot reads directly) sped one token 5-17% but slowed four 3-13%, so
+it is not done.
 """
 
 from __future__ import annotations
@@ -58,6 +71,9 @@ STAGES = (2, 3, 4)
 SPLITS = (1, 16)  # K split caps for decode shapes (the launch picks the count)
 SPLIT_FILL = 4  # programs per SM a split aims for: decode streams the weight
 MIN_SPLIT_BLOCKS = 2  # 128-wide K blocks a split gets at least
+SWAP_BLOCK_N = (64, 128)  # weight rows a swap-form program takes: wgmma's M side
+SWAP_STAGES = (3, 4, 6)
+SWAP_MAX_M = 64  # tokens up to which the swap form serves (decode)
 
 
 def config_space(shape: Fp8Shape, m_hi: int | None = None) -> list[Config]:
@@ -98,6 +114,27 @@ def heuristic(shape: Fp8Shape, target: Target, m_hi: int | None = None) -> Confi
     return Config.make(8, 3, BM=128, BN=128, SPLIT_K=1)
 
 
+def swap_config_space(shape: Fp8Shape, m_hi: int) -> list[Config]:
+    """The swap form's tiles: BN weight rows (64 or 128, no more than N needs) by the
+    tokens' tile, 4 warps (one warpgroup), 3 to 6 stages, K split caps 16 and 1."""
+    ns = [b for b in SWAP_BLOCK_N if b == SWAP_BLOCK_N[0] or b <= pow2(shape.n)]
+    return [Config.make(4, st, BM=max(16, pow2(m_hi)), BN=bn, SPLIT_K=sk) for sk in (16, 1)
+            for bn in reversed(ns) for st in SWAP_STAGES]
+
+
+def swap_heuristic(shape: Fp8Shape, target: Target, m_hi: int) -> Config:
+    """64 weight rows, 4 stages, K split where the tiles cannot fill the SMs: the
+    probe's best or within 5% of it on Llama-3-8B's four projections."""
+    return Config.make(4, 4, BM=max(16, pow2(m_hi)), BN=64, SPLIT_K=16)
+
+
+def takes_swap(target: Target, m_hi: int | None) -> bool:
+    """Whether the swap form serves `m_hi` tokens on `target`: decode's token counts on
+    GPUs with fp8 wgmma (sm_90)."""
+    return (target.backend == "cuda" and isinstance(target.arch, int) and target.arch >= 90
+            and m_hi is not None and m_hi <= SWAP_MAX_M)
+
+
 def _v(name: str, size, block: bool = True) -> Lin:
     return Lin.of(Var(name, size, block))
 
@@ -105,8 +142,10 @@ def _v(name: str, size, block: bool = True) -> Lin:
 def generate(region: Region, plan: DispatchPlan, target: Target,
              form: str | None = None) -> KernelSpec:
     """The fp8 GEMM kernel of `region`; raises CodegenUnsupported saying why not.
-    `form`: "gemv" (CUDA cores, gemv.py) or "dot" (tensor cores); by default the GEMV
-    up to gemv.GEMV_MAX_M tokens (benchmarks compare the two)."""
+    `form`: "gemv" (CUDA cores, gemv.py), "dot" (tensor cores, tokens as the dot's
+    rows) or "swap" (tensor cores, weight rows as the dot's rows); by default the GEMV
+    up to gemv.GEMV_MAX_M tokens, then the swap form up to SWAP_MAX_M where the target
+    has fp8 wgmma, else the dot form (benchmarks/fp8_decode_gemv.py compares them)."""
     shape = analyse(region, plan)
     fp8_type(target)  # declines before any code is emitted
     p = SymbolicArgs(plan.symbols)
@@ -114,7 +153,10 @@ def generate(region: Region, plan: DispatchPlan, target: Target,
     for name in list(region.inputs) + list(region.outputs):
         p.check_extent(plan.values[name].numel)
     m_hi = bounds_of(shape.m, plan.symbols).hi
-    form = form or ("gemv" if m_hi is not None and m_hi <= gemv.GEMV_MAX_M else "dot")
+    form = form or ("gemv" if m_hi is not None and m_hi <= gemv.GEMV_MAX_M
+                    else "swap" if takes_swap(target, m_hi) else "dot")
+    if form == "swap" and m_hi is None:
+        raise CodegenUnsupported("the swap form needs a bound on the tokens")
     if form == "gemv":
         if m_hi is None:
             raise CodegenUnsupported("the GEMV form needs a bound on the tokens")
@@ -122,9 +164,12 @@ def generate(region: Region, plan: DispatchPlan, target: Target,
         tunables, steps = ["BM", "BN", "SPLIT_K", "KB"], f"cdiv({shape.k}, KB * {BLOCK})"
         configs, default = gemv.config_space(shape, m_hi), gemv.heuristic(shape, target, m_hi)
     else:
-        lines = _body(em, p, shape, target) + epilogue(em, shape)
+        swap = form == "swap"
+        lines = _body(em, p, shape, target, swap) + epilogue(em, shape)
         tunables, steps = ["BM", "BN", "SPLIT_K"], f"cdiv({shape.k}, {MIN_SPLIT_BLOCKS * BLOCK})"
-        configs, default = config_space(shape, m_hi), heuristic(shape, target, m_hi)
+        configs, default = ((swap_config_space(shape, m_hi), swap_heuristic(shape, target, m_hi))
+                            if swap else (config_space(shape, m_hi),
+                                          heuristic(shape, target, m_hi)))
     name = kernel_name("fp8_matmul", region)
     params = p.names() + [split.PARTS, split.COUNTS] + [f"{t}: tl.constexpr" for t in tunables]
     source = module_source(name, params, lines, em.helpers, target, p.describe())
@@ -140,7 +185,10 @@ def generate(region: Region, plan: DispatchPlan, target: Target,
                       scratch=split.scratch(tiles, n_split, "BM * BN"))
 
 
-def _body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target) -> list[str]:
+def _body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target,
+          swap: bool = False) -> list[str]:
+    """The K loop of the tensor-core forms; `swap` accumulates the tile transposed
+    (acc_t [BN, BM]: the weight rows on the dot's M side) and turns it after the loop."""
     wide = ".to(tl.int64)" if p.needs_int64 else ""
     M = p.dim(s.m)
     m_ok, k_ok = Cond("m_ok", frozenset({"om"})), Cond("ok < K", frozenset({"ok"}))
@@ -154,7 +202,9 @@ def _body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target) -> list[str
          "rm = pid_m * BM + tl.arange(0, BM)", "rn = pid_n * BN + tl.arange(0, BN)",
          "om = rm[:, None]  # [BM, 1] tokens", "wn = rn[:, None]  # [BN, 1] weight rows",
          "on = rn[None, :]  # [1, BN] output columns", f"nb = rn // {BLOCK}  # scale rows",
-         f"m_ok = om < {M}", "n_ok = on < N", "acc = tl.zeros([BM, BN], tl.float32)",
+         f"m_ok = om < {M}", "n_ok = on < N",
+         "acc_t = tl.zeros([BN, BM], tl.float32)" if swap else
+         "acc = tl.zeros([BM, BN], tl.float32)",
          "pid_s = tl.program_id(2)", "n_split = tl.num_programs(2)",
          "lo = 0", "hi = K", "if SPLIT_K > 1:  # this split's whole K blocks",
          *["    " + x for x in split.program_range("K", str(BLOCK))]]
@@ -168,9 +218,15 @@ def _body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target) -> list[str
         w = _load_fp8(em, p, s, w_idx, w_mask)
         ws = em.value(s.scale, ws_idx, mask_of(Cond("rn < N", frozenset({"nb"}))))
         loop += [f"wq = {from_e4m3fn(w, target)}", f"ws = {ws.code}{fnuz_scale(target)}"]
-        loop.append("acc += tl.dot(xq, tl.trans(wq), out_dtype=tl.float32) * "
-                    f"(xs{fnuz_scale(target)})[:, None] * ws[None, :]")
+        if swap:
+            loop.append("acc_t += tl.dot(wq, tl.trans(xq), out_dtype=tl.float32) * "
+                        f"ws[:, None] * (xs{fnuz_scale(target)})[None, :]")
+        else:
+            loop.append("acc += tl.dot(xq, tl.trans(wq), out_dtype=tl.float32) * "
+                        f"(xs{fnuz_scale(target)})[:, None] * ws[None, :]")
     L += [f"for k0 in range(lo, hi, {BLOCK}):", *["    " + x for x in loop]]
+    if swap:
+        L.append("acc = tl.trans(acc_t)  # [BM, BN]")
     return L + combine_splits("pid_m * tl.num_programs(1) + pid_n", "m_ok & n_ok",
                               "n_ok = on < tl.where(last, N, 0)")
 
