@@ -9,8 +9,8 @@ x^2 beside the product and scales each row's accumulator before its epilogue.
 A norm region folds when it computes only the norm (pointwise ops around one mean),
 its value leaves through no output, and every region that reads it is a matmul (mm,
 addmm) that reads it only as its left operand through reshapes, with at most
-GEMV_MAX_M rows (the GEMV form's). Each such matmul gets a copy of the norm's ops
-and reads the norm's inputs instead; the norm region goes. Several readers (HF
+gemv_max_rows(dtype) rows (the GEMV form's). Each such matmul gets a copy of the
+norm's ops and reads the norm's inputs instead; the norm region goes. Several readers (HF
 Llama's separate q, k, v projections) each recompute it: x is a few KB. A norm any
 other region reads, a tiled (prefill) matmul, or a region that is not a plain norm
 stays as it is. Only targets that generate kernels fold: the CPU target runs torch
@@ -22,6 +22,8 @@ from __future__ import annotations
 import copy
 import logging
 
+import torch
+
 from kiln.dispatch.rmsnorm_prologue import closure, match_row_norm, read_only_as_operand
 from kiln.ir.ops import IDENTITY_OPS, OpCategory, category
 from kiln.ir.plan import DispatchPlan, Region, RegionKind
@@ -30,9 +32,20 @@ from kiln.pipeline import as_pass
 
 log = logging.getLogger("kiln.dispatch")
 
-# Rows up to which the matmul template takes its GEMV form (it imports this: the
-# fold and the template must agree on which products fold).
+# Rows up to which the matmul template takes its GEMV form (it imports gemv_max_rows:
+# the fold and the template must agree on which products fold). fp32 products run
+# on FMA units in either form, and the GEMV multiplies no padding rows. fp16/bf16
+# tiles run on tensor cores: the GEMV's per-row CUDA-core products and cross-lane
+# sums cost more than a padded 16-row tile from two rows on (H200, an 8B decode step
+# at batch 4: 6.03 ms as GEMVs, 4.64 ms tiled with the norms unfolded; at batch 1 the
+# GEMV wins, 4.34 ms).
 GEMV_MAX_M = 8
+HALF_GEMV_MAX_M = 1
+
+
+def gemv_max_rows(dtype: torch.dtype) -> int:
+    """Rows up to which a product in `dtype` takes the GEMV form."""
+    return GEMV_MAX_M if dtype == torch.float32 else HALF_GEMV_MAX_M
 _LEFT = {"aten.mm.default": 0, "aten.addmm.default": 1}  # the left operand's position
 _INLINE = {OpCategory.POINTWISE, OpCategory.VIEW, OpCategory.CREATE, OpCategory.TUPLE}
 
@@ -62,7 +75,8 @@ def _folds_into(reader: Region, norm, plan: DispatchPlan) -> bool:
     a = anchor.args[arg]
     k = (reader.op(a.name).shape if a.name != norm.out else plan.values[a.name].shape)[-1]
     rows = bounds_of(anchor.shape[0], plan.symbols).hi
-    return same_dim(k, norm.dim) and rows is not None and rows <= GEMV_MAX_M
+    return (same_dim(k, norm.dim) and rows is not None
+            and rows <= gemv_max_rows(anchor.dtype))
 
 
 def fold_norms(plan: DispatchPlan) -> int:

@@ -18,7 +18,7 @@ siblings stay separate tensors and one kernel reads them all:
   columns in one program (as it does for gpt-fast's chunked w13), so the product
   read in the epilogue is never stored.
 
-Siblings: matmul regions with one mm / addmm each, at most GEMV_MAX_M rows (the GEMV
+Siblings: matmul regions with one mm / addmm each, at most gemv_max_rows rows (the GEMV
 form's), the same rows, K and dtype, weights of one dtype read through views only, and
 a left operand computed by the same ops from the same values (an RMSNorm that
 fold_rmsnorm copied into each is then computed once). A region that writes in place
@@ -37,7 +37,7 @@ from __future__ import annotations
 import copy
 import logging
 
-from kiln.dispatch.fold_rmsnorm import GEMV_MAX_M
+from kiln.dispatch.fold_rmsnorm import gemv_max_rows
 from kiln.dispatch.rmsnorm_prologue import closure
 from kiln.ir.ops import OpCategory, category
 from kiln.ir.plan import DispatchPlan, Op, Ref, Region, RegionKind
@@ -93,7 +93,7 @@ def _sibling(region: Region, plan: DispatchPlan) -> _Sibling | None:
         return None
     anchor = mats[0]
     rows = bounds_of(anchor.shape[0], plan.symbols).hi
-    if rows is None or rows > GEMV_MAX_M:
+    if rows is None or rows > gemv_max_rows(anchor.dtype):
         return None
     ops = {o.name: o for o in region.ops}
     at = _LEFT[anchor.target]

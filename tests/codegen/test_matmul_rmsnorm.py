@@ -42,11 +42,15 @@ def _folded(exe):
 
 
 @DTYPES
-@pytest.mark.parametrize("rows,dim", [(1, 64), (3, 96)])  # padded rows and a K tail
+@pytest.mark.parametrize("rows,dim", [(1, 64), (1, 96), (3, 96)])  # padded rows, a K tail
 def test_norm_then_linear_with_bias(dtype, rows, dim):
+    """fp16 products of more than one row take the tiled form: the norm stays apart."""
     model, args, exe = _compile(NormLinear(dim), (10 * torch.randn(1, rows, dim),), dtype)
-    (k,) = _folded(exe)
-    assert k.spec.meta["form"] == "gemv" and len(exe.plan.regions) == 1
+    if dtype == torch.float16 and rows > 1:
+        assert not _folded(exe) and len(exe.plan.regions) == 2
+    else:
+        (k,) = _folded(exe)
+        assert k.spec.meta["form"] == "gemv" and len(exe.plan.regions) == 1
     with torch.no_grad():
         assert_close_tree(exe(*args), model(*args), TOL[dtype])
 
@@ -101,7 +105,7 @@ def test_bench_subject_decode_step(dtype):
     assert rel_err(exe(*args), ref) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype,rows,dim", [(torch.float32, 1, 512), (torch.float16, 3, 200)])
+@pytest.mark.parametrize("dtype,rows,dim", [(torch.float32, 3, 512), (torch.float16, 1, 200)])
 def test_split_k_parts_carry_the_sums_of_squares(dtype, rows, dim):
     """Each part is a partial dot product and a partial sum of x^2: the last program
     sums both, then scales. Forced splits against the region's torch ops."""

@@ -62,7 +62,7 @@ from kiln.codegen.expr.values import CodegenUnsupported, Cond, EpilogueApart, Va
 from kiln.codegen.templates import split_k as split
 from kiln.codegen.templates.matmul import configs as cfg
 from kiln.codegen.templates.op_operands import operand_shape as _shape
-from kiln.dispatch.fold_rmsnorm import GEMV_MAX_M
+from kiln.dispatch.fold_rmsnorm import gemv_max_rows
 from kiln.dispatch.rmsnorm_prologue import (
     RowNorm,
     closure,
@@ -75,7 +75,7 @@ from kiln.ir.symbolic import Dim, bounds_of, numel, same_dim
 from kiln.target import Target
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-# GEMV_MAX_M (kiln.dispatch.fold_rmsnorm): rows up to which the GEMV form beats a
+# gemv_max_rows (kiln.dispatch.fold_rmsnorm): rows up to which the GEMV form beats a
 # padded tensor-core tile
 
 
@@ -231,7 +231,7 @@ class _MatmulSource:
         self.output = output or region.outputs[0]
         self.rows, self.cols, self.out_index, self.at = self._layout()
         self.m_hi = bounds_of(self.rows, plan.symbols).hi
-        self.gemv = self.m_hi is not None and self.m_hi <= GEMV_MAX_M
+        self.gemv = self.m_hi is not None and self.m_hi <= gemv_max_rows(shape.dtype)
         if self.partners and not self.gemv:
             raise CodegenUnsupported("paired sibling products need the GEMV form")
         overrides = {self.anchor.name: self._acc_at}
@@ -239,7 +239,8 @@ class _MatmulSource:
         if shape.norm is not None:
             if not self.gemv or not same_dim(self.rows, shape.m):
                 raise CodegenUnsupported(f"a folded RMSNorm needs the GEMV form: at most "
-                                         f"{GEMV_MAX_M} rows, the product's own")
+                                         f"{gemv_max_rows(shape.dtype)} rows, the "
+                                         "product's own")
             if shared is None:
                 overrides[shape.norm.out] = self._normed_at
         self._a_mask, self._norm_x = mask_of(), None
