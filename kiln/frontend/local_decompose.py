@@ -67,19 +67,19 @@ def decompose_locally(ep: ExportedProgram, table: dict) -> ExportedProgram | Non
     """`ep` lowered with `table` as run_decompositions would, or None when this pass
     cannot be sure of giving the same program (the caller then re-traces).
 
-    The default (KILN_DECOMPOSE=local; =retrace turns it off) on torch >= 2.13, where
+    The default (KILN_DECOMPOSE=local; =retrace turns it off) on torch >= 2.11, where
     it gives the re-trace's program: the same ops, arguments, sizes and signature
     (tests/frontend/test_decompose_parity.py), names by the same scheme; but a view of
     a written buffer is taken once where the re-trace's functionalization takes it
     again for each use (DeepSeek-V3's latent cache: the same values, which kiln's CSE
-    merges in the re-trace's program). Not the default on older torch: under torch 2.11
-    the traces ran outside the Python dispatcher, where C++ linear read sizes as numbers
-    and narrowed the captured program's shape environment (an LLM's decode batch fixed
-    at the example's 2). They now run under it; on torch 2.11 (H200) an 8B LLM then
-    compiled node by node, but that is not yet tested widely enough to be its default.
+    merges in the re-trace's program). Under torch 2.11 the traces first ran outside the
+    Python dispatcher, where C++ linear read sizes as numbers and narrowed the captured
+    program's shape environment (an LLM's decode batch fixed at the example's 2); they
+    run under it now, the parity tests pass on torch 2.11 (GPU image, 2026-11-28) and an
+    8B LLM compiled node by node there. Older torch is untried: it gets the re-trace.
     A pass that narrows an input size raises ShapesSpecialised: the caller captures
     again, since the program itself is no longer dynamic there."""
-    if not local_decompose() or _TORCH < (2, 13):
+    if not local_decompose() or _TORCH < (2, 11):
         return None
     shape_env, before = _input_symbols(ep)
     try:

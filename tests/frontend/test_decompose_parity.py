@@ -1,4 +1,4 @@
-"""The node-by-node decomposition (the default on torch >= 2.13) gives torch's
+"""The node-by-node decomposition (the default on torch >= 2.11) gives torch's
 re-trace's program: the same ops with the same arguments, sizes and signature, named
 by the same scheme. Cheap: both decompositions of one capture, nothing compiled."""
 
@@ -25,7 +25,7 @@ from kiln.models.generate import generation_inputs
 from kiln.models.llama import tiny_llama
 from kiln.pipeline import Context
 
-pytestmark = pytest.mark.skipif(_TORCH < (2, 13), reason="node by node on torch >= 2.13")
+pytestmark = pytest.mark.skipif(_TORCH < (2, 11), reason="node by node on torch >= 2.11")
 
 
 def _conv_bn():
