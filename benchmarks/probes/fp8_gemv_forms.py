@@ -115,11 +115,7 @@ def gemv_swap(w_ptr, ws_ptr, x_ptr, xq_ptr, xs_ptr, out_ptr, N, M, K: tl.constex
 def run_swap(shape, mode, bn, stages, split, warps, ws, dev):
     """One call of gemv_swap per weight copy (M = 1), as run()."""
     n, k = shape
-    sc = torch.rand(n // 128, k // 128, device=dev) + 0.5
-    x = torch.randn(k, device=dev, dtype=torch.bfloat16)
-    xr = x.float().view(-1, 128)
-    xs = xr.abs().amax(1).clamp_min(1e-12) / 448
-    xq = (xr / xs[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(-1)
+    sc, x, xq, xs = operands(n, k, dev)
     out = torch.empty(split, n, device=dev)
     grid = (triton.cdiv(n, bn), split)
 
@@ -153,6 +149,16 @@ def _graph_ms(call, ws):
     return sorted(ts)[2]
 
 
+def operands(n, k, dev):
+    """The weight's block scales, x (bf16) and x quantised per 128-block (e4m3, scales)."""
+    sc = torch.rand(n // 128, k // 128, device=dev) + 0.5
+    x = torch.randn(k, device=dev, dtype=torch.bfloat16)
+    xr = x.float().view(-1, 128)
+    xs = xr.abs().amax(1).clamp_min(1e-12) / 448
+    xq = (xr / xs[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(-1)
+    return sc, x, xq, xs
+
+
 def weights(shape, mode, copies, dev):
     wdt = torch.bfloat16 if mode == 3 else torch.float8_e4m3fn
     return [torch.randn(*shape, device=dev).to(wdt) for _ in range(copies)]
@@ -160,11 +166,7 @@ def weights(shape, mode, copies, dev):
 
 def run(shape, mode, bn, kb, split, warps, ws, dev):
     n, k = shape
-    sc = torch.rand(n // 128, k // 128, device=dev) + 0.5
-    x = torch.randn(k, device=dev, dtype=torch.bfloat16)
-    xr = x.float().view(-1, 128)
-    xs = xr.abs().amax(1).clamp_min(1e-12) / 448
-    xq = (xr / xs[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(-1)
+    sc, x, xq, xs = operands(n, k, dev)
     out = torch.empty(split, n, device=dev)
     grid = (triton.cdiv(n, bn), split)
 
