@@ -72,3 +72,29 @@ def test_attention_with_size_one_tile_dims(shapes):
     args = [torch.randn(s) for s in shapes]
     got = kiln.compile(Attend(), tuple(args), target="interpret")(*args)
     torch.testing.assert_close(got, Attend()(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_a_k_split_loops_from_program_ids():
+    """A split matmul's loop bounds are program-id arithmetic: one-element tensors that
+    Triton 3.6's interpreter turned into an index with int(), which NumPy 2.4 refuses
+    (kiln.codegen.build.interpreter's _scalar_index squeezes them, as later Triton)."""
+    from kiln.codegen.build.interpreter import Interpreted
+    from kiln.codegen.build.source import load_kernel
+
+    source = '''import triton
+import triton.language as tl
+
+
+@triton.jit
+def split_sums(x_ptr, out_ptr, PER: tl.constexpr):
+    lo = tl.program_id(0) * PER
+    acc = tl.zeros([1], tl.float32)
+    for k in range(lo, lo + PER):
+        acc += tl.load(x_ptr + k + tl.arange(0, 1))
+    tl.store(out_ptr + tl.program_id(0) + tl.arange(0, 1), acc)
+'''
+    kernel = load_kernel(source, "split_sums", interpret=True)
+    assert isinstance(kernel, Interpreted)
+    x, out = torch.arange(12, dtype=torch.float32), torch.zeros(3)
+    kernel[(3, 1, 1)](x, out, PER=4)
+    assert torch.equal(out, x.view(3, 4).sum(1))

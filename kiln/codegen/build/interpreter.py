@@ -13,6 +13,11 @@ between bf16 (stored as uint16 bits) and integers or booleans go through fp32, a
 its fp32 <-> bf16 cast does, instead of converting the bits (3 -> 2.8e-40), and
 anything -> bf16 rounds to nearest even, as a GPU and eager PyTorch do (the
 interpreter truncated: 279 -> 278).
+
+Triton 3.6's interpreter reads a tensor used as an index (a `range` bound) with
+int(data), which NumPy 2.4 refuses for the one-element 1-D arrays program ids are
+("only 0-dimensional arrays can be converted to Python scalars": every K split's
+loop); later Triton squeezes first, and so does `_scalar_index` while a kernel runs.
 """
 
 from __future__ import annotations
@@ -74,7 +79,7 @@ def _interpreted_stdlib():
         import triton.experimental.gluon  # noqa: F401
     modules = [tl, tl.core, tl.standard, tl.math]
     saved = []
-    with _lock, _boolean_comparisons():
+    with _lock, _boolean_comparisons(), _scalar_index():
         try:
             for mod in modules:
                 for attr, val in list(vars(mod).items()):
@@ -88,6 +93,27 @@ def _interpreted_stdlib():
         finally:
             for mod, attr, val in saved:
                 setattr(mod, attr, val)
+
+
+@contextmanager
+def _scalar_index():
+    """While a kernel runs, a one-element tensor converts to an index (Triton 3.6)."""
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None:  # a Triton that patches its tensors another way
+        yield
+        return
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patch
+    try:
+        yield
+    finally:
+        interpreter._patch_lang_tensor = original
 
 
 _COMPARISONS = ("equal", "not_equal", "less", "less_equal", "greater", "greater_equal")
