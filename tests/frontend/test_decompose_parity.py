@@ -89,14 +89,14 @@ class StateRead(nn.Module):
 
 
 def _qwen3_next(seq_len):
-    """Two layers (gated delta rule with an MoE, gated attention with a dense MLP):
-    recurrent and convolution state read as views, then written per row."""
+    """One gated delta rule layer with an MoE: its recurrent and convolution state read
+    as views, then written per row (the KV cache of its attention layers is Llama's)."""
     cfg = Qwen3NextConfig(
-        vocab_size=64, dim=32, n_layers=2, layer_types=("linear_attention", "full_attention"),
+        vocab_size=64, dim=32, n_layers=1, layer_types=("linear_attention",),
         n_heads=2, n_kv_heads=1, head_dim=16, linear_k_heads=1, linear_v_heads=2,
         linear_k_dim=8, linear_v_dim=8, intermediate_size=48, n_experts=2,
         experts_per_token=1, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-        mlp_only_layers=(1,), max_seq_len=32)
+        max_seq_len=32)
     model = Qwen3Next(cfg).eval()
     model.setup_cache(max_batch_size=2)
     kwargs, shapes = generation_inputs(model, 2, seq_len, "cpu")
