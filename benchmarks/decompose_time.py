@@ -6,6 +6,7 @@ compiled, so this runs in a minute on any machine:
 
     python benchmarks/decompose_time.py                      # Llama-3-8B shape
     python benchmarks/decompose_time.py --layers 4 --cache contiguous
+    python benchmarks/decompose_time.py --preset qwen3-next-80b-a3b --layers 4
 """
 
 from __future__ import annotations
@@ -18,6 +19,22 @@ from collections import Counter
 import torch
 
 
+def qwen3_next_80b_a3b(n_layers: int, max_seq_len: int):
+    """Qwen3-Next-80B-A3B's shape (its config.json), cut to n_layers: three gated
+    delta rule layers, then one of gated attention; every layer's MLP a 512-expert MoE."""
+    from kiln.models.qwen3_next import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=151936, dim=2048, n_layers=n_layers,
+        layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                          for i in range(n_layers)),
+        n_heads=16, n_kv_heads=2, head_dim=256, rope_theta=10_000_000.0,
+        linear_k_heads=16, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128,
+        intermediate_size=5120, n_experts=512, experts_per_token=10,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        max_seq_len=max_seq_len)
+
+
 def captured(args) -> dict:
     """{"prefill"|"decode": the ExportedProgram an LLM with these settings captures}."""
     from kiln.frontend import export
@@ -25,10 +42,14 @@ def captured(args) -> dict:
     from kiln.models.hf import DTYPES, build_model
     from kiln.models.llama import PRESETS
 
-    changes = {"max_seq_len": args.max_seq_len}
-    if args.layers is not None:
-        changes["n_layers"] = args.layers
-    cfg = PRESETS[args.preset].with_(**changes)
+    if args.preset == "qwen3-next-80b-a3b":
+        cfg = qwen3_next_80b_a3b(args.layers or 48, args.max_seq_len)
+        args.cache = "contiguous"  # its linear-attention state is kept per cache row
+    else:
+        changes = {"max_seq_len": args.max_seq_len}
+        if args.layers is not None:
+            changes["n_layers"] = args.layers
+        cfg = PRESETS[args.preset].with_(**changes)
     with torch.device("meta"):
         model = build_model(cfg).to(DTYPES[args.dtype])
     model.init_rope("meta")
@@ -46,7 +67,8 @@ def captured(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="llama3-8b")
+    p.add_argument("--preset", default="llama3-8b",
+                   help="a kiln.models.llama preset, or qwen3-next-80b-a3b")
     p.add_argument("--layers", type=int, default=None, help="default: the preset's")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-seq-len", type=int, default=2048)

@@ -333,7 +333,10 @@ def _functionalize_buffer_writes(gm: fx.GraphModule, sig: ExportGraphSignature
                                  ) -> dict[str, fx.Node] | None:
     """Every in-place op writing a buffer placeholder rewritten to its functional op;
     later reads of the buffer read the new value. {buffer name: its final value}, or
-    None for any other in-place op, or a view of a buffer taken before a write."""
+    None for any other in-place op, or a view of a buffer taken before a write and
+    read (itself or through views of it) at or after the write. A view read only
+    before the write stays as it is: it shows the old value, as the functional program
+    computes (Qwen3-Next's linear-attention state, read, then written per row)."""
     buffers = {p: b for p, b in sig.inputs_to_buffers.items()}
     current: dict[fx.Node, fx.Node] = {}  # buffer placeholder -> its value now
     written: dict[str, fx.Node] = {}
@@ -347,13 +350,14 @@ def _functionalize_buffer_writes(gm: fx.GraphModule, sig: ExportGraphSignature
             if functional is None or not isinstance(target, fx.Node) \
                     or target.op != "placeholder" or target.name not in buffers:
                 return None
-            for user in target.users:  # a view taken before a write would see it
-                if user is not node and _aliases(user) and order[user] < order[node]:
-                    return None
+            if any(user is not node and _aliases(user) and order[user] < order[node]
+                   and _read_from(user, node, order) for user in target.users):
+                return None  # a view taken before the write, read at or after it
             with gm.graph.inserting_before(node):
                 new = gm.graph.call_function(functional, (current.get(target, target),
                                                           *node.args[1:]), dict(node.kwargs))
             new.meta = dict(node.meta)
+            order[new] = order[node]
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)
             current[target] = new
@@ -370,6 +374,20 @@ def _functionalize_buffer_writes(gm: fx.GraphModule, sig: ExportGraphSignature
             return None  # a written buffer returned as such
     inputs = [s.target for s in sig.input_specs]
     return dict(sorted(written.items(), key=lambda kv: inputs.index(kv[0])))
+
+
+def _read_from(view: fx.Node, write: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """Whether `view` (of the buffer `write` writes) or a view of it is read at or after
+    the write. If every read comes before, the view only ever shows the buffer's old
+    value, as in the functional program; a later read would see the write."""
+    stack = [view]
+    while stack:
+        for user in stack.pop().users:
+            if order[user] >= order[write]:
+                return True
+            if _aliases(user):  # a view of the view (a slice's getitem, a reshape)
+                stack.append(user)
+    return False
 
 
 def _signature(value) -> tuple:
