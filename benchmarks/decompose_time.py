@@ -1,5 +1,5 @@
 """How long lowering an LLM's captured prefill and decode programs to core ATen takes,
-node by node (frontend/local_decompose.py, the default on torch >= 2.13) against
+node by node (frontend/local_decompose.py, the default on torch >= 2.11) against
 torch's whole-program re-trace, and whether both give one program (the same op
 multiset and output specs). The model is built on the meta device and nothing is
 compiled, so this runs in a minute on any machine:
