@@ -38,6 +38,10 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
                        "ATen: node by node (torch >= 2.13; seconds for an 8B, where torch's "
                        "whole-program re-trace takes tens of seconds; programs it cannot "
                        "take and older torch get the re-trace), or always by the re-trace"),
+    "KILN_PDL": ("1", "0: launch each kernel only once the one before it has finished; by "
+                 "default kiln's kernels on Hopper and later GPUs are scheduled while their "
+                 "predecessor drains and wait for its results (programmatic dependent "
+                 "launch)"),
     "KILN_DIST_TIMEOUT": ("300", "seconds a rank waits on its peers (a collective, a "
                           "transfer) before a dead or stuck peer is a DistributedError"),
 }
@@ -118,6 +122,11 @@ def local_decompose() -> bool:
         raise KilnError(f"KILN_DECOMPOSE={value!r} is not a way to decompose",
                         hint="set it to 'local' (the default) or 'retrace'")
     return value == "local"
+
+
+def pdl_enabled() -> bool:
+    """KILN_PDL: programmatic dependent launch on GPUs that have it (default on)."""
+    return (_get("KILN_PDL") or "1").strip().lower() not in ("0", "false", "no")
 
 
 def dist_timeout_s() -> float:

@@ -52,7 +52,13 @@ from kiln.errors import KilnError
 from kiln.frontend.fingerprint import program_fingerprint
 from kiln.progress import phase
 from kiln.runtime.program import Program
-from kiln.settings import cache_dir, compile_cache_enabled, tune_mode, tune_timing
+from kiln.settings import (
+    cache_dir,
+    compile_cache_enabled,
+    pdl_enabled,
+    tune_mode,
+    tune_timing,
+)
 from kiln.target import Target
 from kiln.version import __version__
 
@@ -82,7 +88,7 @@ def compile_key(ep: torch.export.ExportedProgram, target: Target, options: dict,
         "program": program_fingerprint(ep),
         "target": repr(target),
         "options": repr(sorted(user.items(), key=lambda kv: kv[0])),
-        "tuning": [tune_mode(), tune_timing(), gpu_for(target)],
+        "tuning": [tune_mode(), tune_timing(), gpu_for(target), pdl_enabled()],
         # what Triton emits depends on its own settings
         "triton_env": sorted((k, v) for k, v in os.environ.items() if k.startswith("TRITON_")),
         "examples": [_leaf(x) for x in examples],

@@ -28,6 +28,7 @@ from pathlib import Path
 import triton
 
 from kiln.codegen.autotune.quarantine import target_id, unwritable
+from kiln.codegen.build import grid_dependency
 from kiln.codegen.build.compiler import Binary
 from kiln.codegen.build.spec import Config, KernelSpec
 from kiln.settings import cache_dir
@@ -53,6 +54,8 @@ def choice_key(spec: KernelSpec, configs: list[Config], target: Target, mode: st
                sizes: str, compile_fn: str) -> str:
     parts = [spec.source_hash, [str(c) for c in configs], target_id(target),
              triton.__version__, mode, sizes, compile_fn]
+    if grid_dependency.applies(target):  # binaries launched as programmatic dependents
+        parts.append("pdl")
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
 

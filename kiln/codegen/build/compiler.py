@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import triton
 
+from kiln.codegen.build import grid_dependency
 from kiln.codegen.build.source import load_kernel
 from kiln.codegen.build.spec import Config, KernelSpec
 from kiln.target import Target
@@ -114,11 +115,15 @@ def compile_binary(spec: KernelSpec, config: Config, target: Target) -> Binary:
     """Compile `spec` at `config` for `target` (no GPU needed). Raises on failure."""
     from triton.compiler import ASTSource
 
-    fn = load_kernel(spec.source, spec.name)
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    source = spec.source
+    if grid_dependency.applies(target):
+        waiting = grid_dependency.with_grid_dependency(source, spec.name)
+        if waiting is not None:
+            source, options["launch_pdl"] = waiting, True
+    fn = load_kernel(source, spec.name)
     src = ASTSource(fn, spec.signature(), spec.constexprs(config), _attrs(spec))
-    ck = triton.compile(src, target=target.triton_target(),
-                        options={"num_warps": config.num_warps,
-                                 "num_stages": config.num_stages})
+    ck = triton.compile(src, target=target.triton_target(), options=options)
     meta = ck.metadata._asdict()
     tgt = meta["target"]
     meta["target"] = {"backend": tgt.backend, "arch": tgt.arch, "warp_size": tgt.warp_size}

@@ -1,0 +1,47 @@
+"""Programmatic dependent launch: the next kernel is scheduled as the last one drains.
+
+A decode step is hundreds of small kernels, and each boundary costs the launch of the
+next kernel after the previous one has completed. On Hopper and later a kernel launched
+with programmatic stream serialization is scheduled as its predecessor's blocks exit;
+its blocks wait in `griddepcontrol.wait` until the predecessor has finished and its
+writes are visible. Measured on an H200 (8-layer Llama-3-8B decode in a CUDA graph):
+-0.7 us a boundary, 3.7% off the fp16 step and 6.5% off the fp8 step.
+
+Every kiln kernel for such a target opens with that wait, before any load or store: it
+never reads what its predecessor has not finished writing nor overwrites what it still
+reads, and since every kiln kernel waits, a kernel's end implies every earlier kernel's
+end. Kernels do not release their dependents early (`griddepcontrol.launch_dependents`
+at the top): blocks of the next kernel then sat on SMs the running GEMVs needed and made
+the fp16 step 13% slower. torch's kernels (cuBLAS, copies) are launched without the
+attribute and keep the ordinary stream order. KILN_PDL=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import re
+
+from kiln.settings import pdl_enabled
+from kiln.target import Target
+
+_IMPORT = "from triton.language.extra.cuda import gdc_wait as _kiln_gdc_wait\n"
+_PROLOGUE = "    _kiln_gdc_wait()  # the previous kernel has finished (grid_dependency.py)\n"
+
+
+def applies(target: Target) -> bool:
+    """Are kernels for `target` launched as programmatic dependents (CUDA sm_90 and later,
+    KILN_PDL not 0)?"""
+    return (target.backend == "cuda" and isinstance(target.arch, int) and target.arch >= 90
+            and pdl_enabled())
+
+
+def with_grid_dependency(source: str, name: str) -> str | None:
+    """`source` with kernel `name`'s body opened by the grid-dependency wait;
+    None where `name`'s signature is not on one `def` line (the kernel is then launched
+    the ordinary way)."""
+    lines = source.splitlines(keepends=True)
+    head = re.compile(rf"^def {re.escape(name)}\(.*\):\s*(#.*)?$")
+    for i, line in enumerate(lines):
+        if head.match(line.rstrip("\n")):
+            body = lines[:i + 1] + [_PROLOGUE] + lines[i + 1:]
+            return _IMPORT + "".join(body)
+    return None

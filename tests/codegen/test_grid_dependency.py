@@ -1,0 +1,83 @@
+"""Programmatic dependent launch: on sm_90 every kiln kernel opens with the grid-dependency
+wait and is launched as a dependent; older GPUs, ROCm and KILN_PDL=0 keep the ordinary
+launch. A chain of dependent kernels reads its predecessors' results (gpu)."""
+
+import pytest
+import torch
+
+from kiln.codegen.build import grid_dependency
+from kiln.codegen.build.compiler import compile_binary
+from kiln.codegen.build.spec import Config
+from kiln.codegen.build.triton_kernel import TritonKernel
+from kiln.target import get_target
+from tests.codegen.test_triton_core import SOURCE, axpy_spec
+
+
+def test_wait_opens_the_kernel_body_before_any_load():
+    out = grid_dependency.with_grid_dependency(SOURCE, "axpy")
+    body = out.split("def axpy(", 1)[1].splitlines()[1:]
+    assert "_kiln_gdc_wait()" in body[0]
+    assert out.count("tl.load") == SOURCE.count("tl.load")
+
+
+def test_a_signature_over_several_lines_keeps_the_ordinary_launch():
+    split = SOURCE.replace("def axpy(x_ptr, y_ptr,", "def axpy(x_ptr,\n         y_ptr,")
+    assert grid_dependency.with_grid_dependency(split, "axpy") is None
+    assert grid_dependency.with_grid_dependency(SOURCE, "missing") is None
+
+
+def test_sm90_binary_waits_and_launches_as_dependent():
+    b = compile_binary(axpy_spec(), Config.make(4, 1, XBLOCK=1024), get_target("cuda:sm_90"))
+    assert b.metadata["launch_pdl"] is True
+    assert "griddepcontrol.wait" in b.asm["ptx"]
+    # no early release: the next kernel's blocks would sit on SMs this one needs
+    assert "griddepcontrol.launch_dependents" not in b.asm["ptx"]
+
+
+@pytest.mark.parametrize("target", ["cuda:sm_80", "rocm:gfx942"])
+def test_targets_without_it_launch_the_ordinary_way(target):
+    b = compile_binary(axpy_spec(), Config.make(4, 1, XBLOCK=1024), get_target(target))
+    assert not b.metadata.get("launch_pdl")
+    assert "griddepcontrol" not in b.asm.get("ptx", "")
+
+
+def test_setting_turns_it_off(monkeypatch):
+    monkeypatch.setenv("KILN_PDL", "0")
+    assert not grid_dependency.applies(get_target("cuda:sm_90"))
+    b = compile_binary(axpy_spec(), Config.make(4, 1, XBLOCK=1024), get_target("cuda:sm_90"))
+    assert not b.metadata["launch_pdl"] and "griddepcontrol" not in b.asm["ptx"]
+
+
+@pytest.mark.gpu
+def test_chained_dependents_read_and_overwrite_their_predecessors_buffers():
+    """Kernels launched back to back (and replayed in a CUDA graph), each reading the
+    buffer its predecessor wrote and overwriting the one its predecessor read (ping-pong):
+    with the launch as a dependent every kernel still sees finished results."""
+    tgt = get_target("cuda")
+    spec = axpy_spec()
+    cfg = Config.make(4, 1, XBLOCK=1024)
+    binary = compile_binary(spec, cfg, tgt)
+    assert binary.metadata["launch_pdl"] == (tgt.arch >= 90)
+    k = TritonKernel(None, spec, cfg, binary)
+    n = 1 << 20
+    x0, y = torch.randn(n, 3, device="cuda"), torch.randn(n, 3, device="cuda")
+    ping, pong = torch.empty_like(x0), torch.empty_like(x0)
+
+    def chain():
+        ping.copy_(x0)
+        for i in range(16):
+            a, b = (ping, pong) if i % 2 == 0 else (pong, ping)
+            k.run({"x": a, "y": y}, {"out": b}, {"s0": n})
+
+    want = x0.clone()
+    for _ in range(16):
+        want = 2 * want + y
+    chain()
+    torch.testing.assert_close(ping, want, rtol=1e-5, atol=1e-5)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    ping.fill_(float("nan"))
+    pong.fill_(float("nan"))
+    graph.replay()
+    torch.testing.assert_close(ping, want, rtol=1e-5, atol=1e-5)
