@@ -37,6 +37,7 @@ from kiln.dispatch.reinplace import reinplace
 from kiln.errors import ArgumentError
 from kiln.frontend.export import FALLBACK_MODES, capture, fallback_warning
 from kiln.frontend.import_pass import ModelSource, import_pass
+from kiln.frontend.module_identity import module_identity, module_state
 from kiln.graph import GRAPH_PASSES
 from kiln.parallel.assign_devices import assign_devices
 from kiln.parallel.config import parse_parallel
@@ -124,8 +125,16 @@ def compile(  # noqa: A001 - mirrors torch.compile
         join_world(cfg.tp, cfg.pp, tgt.torch_device, ctx.options.get("device_map"))
     ctx.options["example_leaves"] = pytree.tree_leaves((args, kwargs))
     src = ModelSource(model, args, kwargs, dynamic_shapes)
-    key = captured = None
+    key = captured = by_identity = None
     if compile_cache.usable(ctx.options, cfg, compile_to, dump_ir):
+        with recording(ctx.timings):
+            identity = module_identity(model)
+            if identity is not None:  # kiln's and torch's modules only: found before export
+                by_identity = compile_cache.identity_key(
+                    identity, tgt, ctx.options, ctx.options["example_leaves"], dynamic_shapes)
+                hit = compile_cache.get(by_identity, module_state(model), tgt)
+        if by_identity is not None and hit is not None:
+            return _cached_module(hit, tgt, ctx)
         with recording(ctx.timings), phase("import/export"):
             src.exported = capture(model, args, kwargs, dynamic_shapes, allow_train)
         captured = {**src.exported.state_dict, **src.exported.constants}
@@ -134,11 +143,9 @@ def compile(  # noqa: A001 - mirrors torch.compile
                                             ctx.options["example_leaves"], dynamic_shapes)
             hit = compile_cache.get(key, captured, tgt)
         if hit is not None:
-            program, state, sizes = hit
-            with recording(ctx.timings), phase("weights"):
-                state = state_for_target(program, state, tgt)
-            return CompiledModule(program, state, example_sizes=sizes,
-                                  compile_timings=ctx.timings)
+            if by_identity is not None:
+                compile_cache.alias(by_identity, key)
+            return _cached_module(hit, tgt, ctx)
     with warnings.catch_warnings(record=True) as seen:  # re-raised below, as they came
         result = build_pipeline(dump_ir).run(src, ctx, compile_to=compile_to)
     for w in seen:
@@ -151,12 +158,22 @@ def compile(  # noqa: A001 - mirrors torch.compile
         with recording(ctx.timings):
             compile_cache.put(key, result, ctx.options.get("example_env") or {}, captured,
                               ctx.options, warned=bool(seen))
+            if by_identity is not None:
+                compile_cache.alias(by_identity, key)
     with recording(ctx.timings), phase("weights"):  # onto the target's device
         state = state_for_target(result, ctx.options["state"], tgt)
     return CompiledModule(result, state, example_sizes=ctx.options.get("example_env"),
                           parallel=None if cfg.is_single else cfg,
                           weight_slices=ctx.options.get("weight_cuts"),
                           compile_timings=ctx.timings)
+
+
+def _cached_module(hit, tgt: Target, ctx: Context) -> CompiledModule:
+    """The CompiledModule of a compile cache hit: its program on the model's weights."""
+    program, state, sizes = hit
+    with recording(ctx.timings), phase("weights"):
+        state = state_for_target(program, state, tgt)
+    return CompiledModule(program, state, example_sizes=sizes, compile_timings=ctx.timings)
 
 
 def _world_rank() -> int | None:

@@ -24,6 +24,12 @@ kernel left to torch), or when it is one rank of a multi-device plan. Entries ar
 written under a temporary name and renamed into place; an entry that cannot be read
 is a miss, never an error, and a cache that cannot be written only logs.
 `options={"compile_cache": False}` or KILN_COMPILE_CACHE=0 turns it off.
+
+A model built only from kiln's and torch.nn's modules has a second key, made the same
+way from its module tree (frontend/module_identity.py) instead of its program: kiln's
+source digest and torch's version are in every key, so for such a model the tree decides
+the program. That key holds only an alias to the entry its compile wrote; a compile
+looks it up before export, so a warm compile of kiln.models' LLMs skips export too.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ log = logging.getLogger("kiln.artifact")
 
 KILN_ROOT = Path(__file__).resolve().parents[1]
 FORMAT = 1  # of an entry; a new layout gets new keys
+ALIAS_FILE = "alias"  # an identity key's directory: the name of the entry it stands for
 
 
 @functools.cache
@@ -81,11 +88,23 @@ def kiln_source_digest() -> str:
 def compile_key(ep: torch.export.ExportedProgram, target: Target, options: dict,
                 examples: list, dynamic_shapes) -> str:
     """What decides a compile: the captured program and everything else it reads."""
+    return _key(program_fingerprint(ep), target, options, examples, dynamic_shapes)
+
+
+def identity_key(identity: str, target: Target, options: dict, examples: list,
+                 dynamic_shapes) -> str:
+    """The key of a compile whose model has a module identity (frontend/module_identity.py):
+    found without export, through the alias a compile keyed after export left."""
+    return _key(f"module:{identity}", target, options, examples, dynamic_shapes)
+
+
+def _key(program: str, target: Target, options: dict, examples: list,
+         dynamic_shapes) -> str:
     user = {k: v for k, v in options.items()
             if k not in ("example_leaves", "parallel", "state", "imported_state")}
     parts = {
         "format": FORMAT,
-        "program": program_fingerprint(ep),
+        "program": program,
         "target": repr(target),
         "options": repr(sorted(user.items(), key=lambda kv: kv[0])),
         "tuning": [tune_mode(), tune_timing(), gpu_for(target), pdl_enabled()],
@@ -131,6 +150,11 @@ def get(key: str, state: dict[str, torch.Tensor], target: Target
     """(program, its state, example sizes) kept under `key`, the state bound from
     `state` (the captured program's parameters, buffers and constants); None on a miss."""
     entry = _root() / key
+    if (entry / ALIAS_FILE).is_file():  # an identity key: the entry its compile wrote
+        try:
+            entry = _root() / (entry / ALIAS_FILE).read_text().strip()
+        except OSError:
+            return None
     if not (entry / MANIFEST_FILE).is_file():
         return None
     try:
@@ -186,6 +210,22 @@ def put(key: str, program: Program, example_sizes: dict, captured: dict, ctx_opt
     except Exception as e:  # noqa: BLE001 - keeping a compile must never fail one
         log.info("compile not cached: %s: %s", type(e).__name__, e)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def alias(identity_key: str, key: str) -> None:
+    """Let `identity_key` find the entry kept under `key` (if it was kept)."""
+    root = _root()
+    if not (root / key / MANIFEST_FILE).is_file():
+        return
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{identity_key}.", dir=root))
+        (tmp / ALIAS_FILE).write_text(key + "\n")
+        final = root / identity_key
+        if final.exists():
+            shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    except OSError as e:
+        log.info("compile cache alias %s not written (%s)", identity_key, e)
 
 
 def _not_cacheable(program: Program, captured: dict, options: dict, warned: bool) -> str:

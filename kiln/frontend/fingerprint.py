@@ -46,12 +46,12 @@ def program_fingerprint(ep: torch.export.ExportedProgram) -> str:
     put("specs", str(ep.call_spec.in_spec), str(ep.call_spec.out_spec))
     groups: dict[tuple, int] = {}
     for name, t in sorted(ep.state_dict.items()):
-        put("state", name, _tensor(t), isinstance(t, torch.nn.Parameter),
-            groups.setdefault(_memory(t), len(groups)))
+        put("state", name, tensor_identity(t), isinstance(t, torch.nn.Parameter),
+            groups.setdefault(tied_memory(t), len(groups)))
     for name, c in sorted(ep.constants.items()):
         if isinstance(c, torch.Tensor):
-            put("constant", name, _tensor(c), groups.setdefault(_memory(c), len(groups)),
-                _digest(c))
+            put("constant", name, tensor_identity(c),
+                groups.setdefault(tied_memory(c), len(groups)), _digest(c))
         else:  # a script object: its type and text
             put("constant", name, type(c).__qualname__, repr(c))
     return h.hexdigest()
@@ -59,7 +59,7 @@ def program_fingerprint(ep: torch.export.ExportedProgram) -> str:
 
 def _value(v):
     if isinstance(v, torch.Tensor):
-        return _tensor(v)
+        return tensor_identity(v)
     if isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool):
         return ("sym", str(v.node.expr))
     if isinstance(v, list | tuple):
@@ -67,7 +67,7 @@ def _value(v):
     return repr(v)
 
 
-def _tensor(t: torch.Tensor) -> tuple:
+def tensor_identity(t: torch.Tensor) -> tuple:
     return ("T", tuple(_size(d) for d in t.shape), tuple(_size(s) for s in t.stride()),
             str(t.dtype), str(t.device), t.layout != torch.strided and str(t.layout))
 
@@ -83,7 +83,7 @@ def _module_stack(stack) -> tuple | None:
     return tuple((k, str(v[0]), str(v[1]) if len(v) > 1 else None) for k, v in stack.items())
 
 
-def _memory(t: torch.Tensor) -> tuple:
+def tied_memory(t: torch.Tensor) -> tuple:
     """The memory a tensor views, to tell tied tensors (one memory, two names) apart."""
     if t.device.type == "meta":
         return ("meta", id(t))  # no memory to share: identity stands in for it
