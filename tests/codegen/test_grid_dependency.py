@@ -1,6 +1,6 @@
-"""Programmatic dependent launch: on sm_90 every kiln kernel opens with the grid-dependency
-wait and is launched as a dependent; older GPUs, ROCm and KILN_PDL=0 keep the ordinary
-launch. A chain of dependent kernels reads its predecessors' results (gpu)."""
+"""Programmatic dependent launch: with KILN_PDL=1, on sm_90 every kiln kernel opens with the
+grid-dependency wait and is launched as a dependent; older GPUs, ROCm and the default
+keep the ordinary launch. A chain of dependent kernels reads its predecessors' results (gpu)."""
 
 import pytest
 import torch
@@ -26,7 +26,12 @@ def test_a_signature_over_several_lines_keeps_the_ordinary_launch():
     assert grid_dependency.with_grid_dependency(SOURCE, "missing") is None
 
 
-def test_sm90_binary_waits_and_launches_as_dependent():
+@pytest.fixture
+def pdl(monkeypatch):
+    monkeypatch.setenv("KILN_PDL", "1")
+
+
+def test_sm90_binary_waits_and_launches_as_dependent(pdl):
     b = compile_binary(axpy_spec(), Config.make(4, 1, XBLOCK=1024), get_target("cuda:sm_90"))
     assert b.metadata["launch_pdl"] is True
     assert "griddepcontrol.wait" in b.asm["ptx"]
@@ -35,21 +40,21 @@ def test_sm90_binary_waits_and_launches_as_dependent():
 
 
 @pytest.mark.parametrize("target", ["cuda:sm_80", "rocm:gfx942"])
-def test_targets_without_it_launch_the_ordinary_way(target):
+def test_targets_without_it_launch_the_ordinary_way(target, pdl):
     b = compile_binary(axpy_spec(), Config.make(4, 1, XBLOCK=1024), get_target(target))
     assert not b.metadata.get("launch_pdl")
     assert "griddepcontrol" not in b.asm.get("ptx", "")
 
 
-def test_setting_turns_it_off(monkeypatch):
-    monkeypatch.setenv("KILN_PDL", "0")
+def test_off_by_default(monkeypatch):
+    monkeypatch.delenv("KILN_PDL", raising=False)
     assert not grid_dependency.applies(get_target("cuda:sm_90"))
     b = compile_binary(axpy_spec(), Config.make(4, 1, XBLOCK=1024), get_target("cuda:sm_90"))
     assert not b.metadata["launch_pdl"] and "griddepcontrol" not in b.asm["ptx"]
 
 
 @pytest.mark.gpu
-def test_chained_dependents_read_and_overwrite_their_predecessors_buffers():
+def test_chained_dependents_read_and_overwrite_their_predecessors_buffers(pdl):
     """Kernels launched back to back (and replayed in a CUDA graph), each reading the
     buffer its predecessor wrote and overwriting the one its predecessor read (ping-pong):
     with the launch as a dependent every kernel still sees finished results."""
