@@ -135,6 +135,7 @@ def test_fp8_rows_beside_the_dtype_rows(fp8_smoke):
         assert r["rel_err"]["kiln"] < 1e-5  # kiln's fp8 model against the same run eagerly
     assert set(report.quantized_ratios(data)) == {"decode 20 b1 fp8"}
     assert "kiln fp8 / float32: decode 20 b1 fp8" in report.table(data)
+    assert report.FP8_ERR_NOTE in report.table(data)  # what its error column means
     # the baseline has no fp8 rows: they are reported, and the run passes
     assert code == 0, err
     assert "not in the baseline (not checked): decode 20 b1 fp8" in err
