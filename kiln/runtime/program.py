@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from kiln.codegen.build.launcher import current_stream
+from kiln.codegen.build.triton_kernel import BoundLaunch
 from kiln.codegen.kernel_plan import KernelPlan
 from kiln.codegen.torch_program import TorchProgram
 from kiln.errors import ArgumentError
@@ -116,6 +117,7 @@ class Program:
                      for o, state_value, v in outputs
                      if state_value is None and o not in planned]
             steps.append((kernel.bind(env, planned, self.device), aliases, fresh))
+        follows_kernel(steps)
         return _Bound(arena.storage, planned, steps)
 
     def _bound_for(self, env: dict[str, int], arena: Arena | None) -> _Bound:
@@ -162,3 +164,16 @@ class Program:
 
     def verify(self) -> list[str]:
         return self.kplan.verify()
+
+
+def follows_kernel(steps: list) -> None:
+    """Mark each Triton launch that comes right after another Triton kernel's launch as
+    a programmatic dependent (build/grid_dependency.py): only then is the work just
+    before it in the stream a kiln kernel, which waits for its own predecessor. The
+    first launch of a call (after the caller's copies) and one after a torch region
+    launch the ordinary way."""
+    before = None
+    for bound, _, _ in steps:
+        if isinstance(bound, BoundLaunch):
+            bound.dependent = isinstance(before, BoundLaunch) and before.launch is not None
+        before = bound

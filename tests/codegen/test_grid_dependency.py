@@ -2,13 +2,17 @@
 grid-dependency wait and is launched as a dependent; older GPUs, ROCm and the default
 keep the ordinary launch. A chain of dependent kernels reads its predecessors' results (gpu)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from kiln.codegen.build import grid_dependency
 from kiln.codegen.build.compiler import compile_binary
+from kiln.codegen.build.launcher import independent
 from kiln.codegen.build.spec import Config
-from kiln.codegen.build.triton_kernel import TritonKernel
+from kiln.codegen.build.triton_kernel import BoundLaunch, TritonKernel
+from kiln.runtime.program import follows_kernel
 from kiln.target import get_target
 from tests.codegen.test_triton_core import SOURCE, axpy_spec
 
@@ -53,6 +57,45 @@ def test_off_by_default(monkeypatch):
     assert not b.metadata["launch_pdl"] and "griddepcontrol" not in b.asm["ptx"]
 
 
+def _bound(launched=True, zeros=()):
+    return BoundLaunch((lambda *a: None) if launched else None, (1, 1, 1), [], [],
+                       list(zeros), [], plain=lambda *a: None)
+
+
+def test_only_a_launch_right_after_a_kiln_kernel_is_dependent():
+    torch_region = object()  # a TorchKernel's bound launch: torch ops in the stream
+    steps = [_bound(), _bound(), torch_region, _bound(), _bound(launched=False), _bound(),
+             _bound(zeros=["out"]), _bound()]
+    follows_kernel([(b, [], []) for b in steps])
+    got = [getattr(b, "dependent", None) for b in steps]
+    # first of a call; after a kernel; -; after torch; empty grid; after an empty grid
+    # (it only zeroed); zeroes its own output first (marked, launched plain); after it
+    assert got == [False, True, None, False, True, False, True, True]
+
+
+def test_zeroing_or_copying_an_input_launches_the_ordinary_way():
+    calls = []
+    b = BoundLaunch(lambda *a: calls.append("dependent"), (1, 1, 1), [None], [(0, "x", True)],
+                    [], [], plain=lambda *a: calls.append("plain"))
+    b.dependent = True
+    b({"x": torch.zeros(4)}, 0)
+    b({"x": torch.zeros(8)[::2]}, 0)  # not dense: copied by torch just before the launch
+    z = torch.ones(3)
+    b.zeros = [z]
+    b({"x": torch.zeros(4)}, 0)
+    assert calls == ["dependent", "plain", "plain"] and not z.any()
+
+
+def test_an_ordinary_launch_of_a_dependent_kernel_turns_the_flag_off_in_a_copy():
+    run = SimpleNamespace(launch_pdl=True)
+    ck = SimpleNamespace(metadata=SimpleNamespace(launch_pdl=True), run=run,
+                         _init_handles=lambda: None)
+    plain = independent(ck)
+    assert plain.run.launch_pdl is False and ck.run.launch_pdl is True
+    other = SimpleNamespace(metadata=SimpleNamespace(launch_pdl=False), run=run)
+    assert independent(other) is other
+
+
 @pytest.mark.gpu
 def test_chained_dependents_read_and_overwrite_their_predecessors_buffers(pdl):
     """Kernels launched back to back (and replayed in a CUDA graph), each reading the
@@ -68,11 +111,15 @@ def test_chained_dependents_read_and_overwrite_their_predecessors_buffers(pdl):
     x0, y = torch.randn(n, 3, device="cuda"), torch.randn(n, 3, device="cuda")
     ping, pong = torch.empty_like(x0), torch.empty_like(x0)
 
+    launch = k.bind({"s0": n}, {}, x0.device, frozenset({"out"}))
+    stream = torch.cuda.current_stream().cuda_stream
+
     def chain():
-        ping.copy_(x0)
+        ping.copy_(x0)  # torch's copy: the first launch after it is an ordinary one
         for i in range(16):
             a, b = (ping, pong) if i % 2 == 0 else (pong, ping)
-            k.run({"x": a, "y": y}, {"out": b}, {"s0": n})
+            launch.dependent = i > 0
+            launch({"x": a, "y": y, "out": b}, stream)
 
     want = x0.clone()
     for _ in range(16):

@@ -10,10 +10,15 @@ writes are visible. Measured on an H200 (8-layer Llama-3-8B decode in a CUDA gra
 Every kiln kernel for such a target opens with that wait, before any load or store: it
 never reads what its predecessor has not finished writing nor overwrites what it still
 reads, and since every kiln kernel waits, a kernel's end implies every earlier kernel's
-end. Kernels do not release their dependents early (`griddepcontrol.launch_dependents`
-at the top): blocks of the next kernel then sat on SMs the running GEMVs needed and made
-the fp16 step 13% slower. torch's kernels (cuBLAS, copies) are launched without the
-attribute and keep the ordinary stream order.
+end. It is launched as a dependent only where a Program knows the work just before it
+in the stream is another kiln kernel (runtime/program.py `follows_kernel`): the first
+kernel of a call (after the caller's copies), one after a torch region, and one whose
+launch zeroes or copies a tensor first launch the ordinary way, whatever CUDA makes of
+a copy or memset followed by a dependent launch. Kernels do not release their
+dependents early (`griddepcontrol.launch_dependents` at the top): blocks of the next
+kernel then sat on SMs the running GEMVs needed and made the fp16 step 13% slower.
+torch's kernels (cuBLAS, copies) are launched without the attribute and keep the
+ordinary stream order.
 
 KILN_PDL=1 turns it on; it is off by default until `pytest -m gpu` has run whole with
 it (the one run so far did not finish within its call and had failures not yet told

@@ -17,6 +17,7 @@ launches take the public path.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -63,11 +64,16 @@ def public_launch(ck) -> Launch:
     return launch
 
 
-def launch_for(ck) -> Launch:
+def launch_for(ck, dependent: bool = True) -> Launch:
     """The launch to use for CompiledKernel `ck`: direct where possible, else public.
 
     The direct launch checks for launch hooks at every launch (a profiler may be turned
-    on after the kernel was bound) and then takes the public path."""
+    on after the kernel was bound) and then takes the public path. A kernel compiled as
+    a programmatic dependent (build/grid_dependency.py) launches as one only when
+    `dependent`; otherwise as an ordinary kernel (its grid-dependency wait is then a
+    no-op)."""
+    if not dependent:
+        ck = independent(ck)
     entry = direct_entry(ck)
     public = public_launch(ck)
     if entry is None:
@@ -86,6 +92,27 @@ def launch_for(ck) -> Launch:
         run(gx, gy, gz, stream, function, packed, None, None, None, *args)
 
     return launch
+
+
+def independent(ck):
+    """`ck` launched the ordinary way: a shallow copy whose launcher has launch_pdl off
+    (Triton's launcher reads that flag at every launch); `ck` itself when it is not a
+    programmatic dependent or this Triton's launcher has no such flag."""
+    meta = getattr(ck, "metadata", None)
+    if not getattr(meta, "launch_pdl", False):
+        return ck
+    init = getattr(ck, "_init_handles", None)
+    if init is None:
+        return ck
+    init()
+    run = getattr(ck, "run", None)
+    if run is None or not hasattr(run, "launch_pdl"):
+        return ck
+    plain_run = copy.copy(run)
+    plain_run.launch_pdl = False
+    plain = copy.copy(ck)
+    plain.run = plain_run
+    return plain
 
 
 def current_stream(device: torch.device) -> int:

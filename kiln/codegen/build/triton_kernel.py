@@ -41,11 +41,16 @@ class BoundLaunch:
     """One kernel's launch bound to a set of sizes: call it with every value by name and
     the stream. Only the tensors not fixed at binding (`holes`) are looked up per call."""
 
-    __slots__ = ("launch", "grid", "template", "holes", "zeros", "kept")
+    __slots__ = ("launch", "plain", "dependent", "grid", "template", "holes", "zeros", "kept")
 
     def __init__(self, launch: Launch | None, grid: tuple[int, int, int], template: list,
-                 holes: list[tuple[int, str, bool]], zeros: list, kept: list):
+                 holes: list[tuple[int, str, bool]], zeros: list, kept: list,
+                 plain: Launch | None = None):
         self.launch = launch  # None: an empty grid, nothing to launch
+        # the ordinary launch; `launch` may start as a programmatic dependent of the
+        # kernel before it, which only a Program knows to be a kiln kernel (dependent)
+        self.plain = plain if plain is not None else launch
+        self.dependent = False
         self.grid = grid
         self.template = template  # the arguments, None where a hole is
         self.holes = holes  # (position, value name, is an input: make it dense)
@@ -57,16 +62,18 @@ class BoundLaunch:
             self._zero(values)
             return
         args = self.template
+        launch = self.launch if self.dependent and not self.zeros else self.plain
         if self.holes:
             args = args.copy()
             for pos, name, check in self.holes:
                 t = values[name]
                 if check and (not t.is_contiguous() or t.data_ptr() % 16):
                     t = t.contiguous().clone()  # kernels assume dense, 16-byte-aligned inputs
+                    launch = self.plain  # that copy, not a kiln kernel, comes just before
                 args[pos] = t
         self._zero(values)
         gx, gy, gz = self.grid
-        self.launch(gx, gy, gz, stream, args)
+        launch(gx, gy, gz, stream, args)
 
     def _zero(self, values) -> None:
         for z in self.zeros:  # the kernel adds partial results into these
@@ -89,6 +96,7 @@ class TritonKernel:
         if not interpret and binary is None:
             raise ValueError(f"kernel {spec.name} needs a compiled binary to run on a GPU")
         self._gpu = None  # the GPU launch, made on first use (it loads the module)
+        self._gpu_plain = None  # the same, never as a programmatic dependent
         self._last = (None, None)  # run()'s binding: (sizes and device, bound launch)
 
     def sizes(self, env: dict[str, int]) -> dict[str, int]:
@@ -129,10 +137,13 @@ class TritonKernel:
             outputs = frozenset(self.region.outputs if self.region is not None else ())
         sizes = self.sizes(env)
         grid, numels = self.spec.launch_sizes(sizes, self._params)
+        plain = None
         if 0 in grid:
             launch = None
+        elif self.interpret:
+            launch = self._interpreted
         else:
-            launch = self._interpreted if self.interpret else self._gpu_launch()
+            launch, plain = self._gpu_launch(), self._gpu_plain_launch()
         # On a GPU kiln's own memory (the arena's views, scratch) is passed as device
         # pointers: Triton's launcher then skips reading and checking each one.
         pointers = launch is not None and not self.interpret
@@ -157,7 +168,7 @@ class TritonKernel:
             template.append(t.data_ptr() if pointers else t)
         template += self._tunables
         zeros = [fixed.get(v, v) for v in self.spec.zero_outputs]
-        return BoundLaunch(launch, grid, template, holes, zeros, kept)
+        return BoundLaunch(launch, grid, template, holes, zeros, kept, plain)
 
     def _interpreted(self, gx, gy, gz, stream, args) -> None:
         self._fn[gx, gy, gz](*args, num_warps=self.config.num_warps,
@@ -167,6 +178,15 @@ class TritonKernel:
         if self._gpu is None:
             self._gpu = launch_for(self.binary.kernel(self.spec, self.config))
         return self._gpu
+
+    def _gpu_plain_launch(self):
+        if self._gpu_plain is None:
+            if getattr(self.binary, "metadata", {}).get("launch_pdl"):
+                self._gpu_plain = launch_for(self.binary.kernel(self.spec, self.config),
+                                             dependent=False)
+            else:  # an ordinary kernel: one launch serves both
+                self._gpu_plain = self._gpu_launch()
+        return self._gpu_plain
 
     def run(self, inputs: dict[str, torch.Tensor], outs: dict[str, torch.Tensor],
             env: dict[str, int]) -> None:
