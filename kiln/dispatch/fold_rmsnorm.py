@@ -11,10 +11,12 @@ its value leaves through no output, and every region that reads it is a matmul (
 addmm) that reads it only as its left operand through reshapes, with at most
 gemv_max_rows(dtype) rows (the GEMV form's). Each such matmul gets a copy of the
 norm's ops and reads the norm's inputs instead; the norm region goes. Several readers (HF
-Llama's separate q, k, v projections) each recompute it: x is a few KB. A norm any
-other region reads, a tiled (prefill) matmul, or a region that is not a plain norm
-stays as it is. Only targets that generate kernels fold: the CPU target runs torch
-ops, where a norm computed three times is three times the work.
+Llama's separate q, k, v projections) each recompute it: x is a few KB. A one-token
+fp8 linear (kiln::fp8_linear, its GEMV form) folds it the same way when it is the norm's
+only reader (several fp8 readers are siblings that group_fp8_siblings gives one launch
+reading x once). A norm any other region reads, a tiled (prefill) matmul, or a region
+that is not a plain norm stays as it is. Only targets that generate kernels fold: the
+CPU target runs torch ops, where a norm computed three times is three times the work.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from kiln.dispatch.rmsnorm_prologue import closure, match_row_norm, read_only_as_operand
 from kiln.ir.ops import IDENTITY_OPS, OpCategory, category
 from kiln.ir.plan import DispatchPlan, Region, RegionKind
-from kiln.ir.symbolic import bounds_of, same_dim
+from kiln.ir.symbolic import bounds_of, numel, same_dim
 from kiln.pipeline import as_pass
 
 log = logging.getLogger("kiln.dispatch")
@@ -41,12 +43,16 @@ log = logging.getLogger("kiln.dispatch")
 # GEMV wins, 4.34 ms).
 GEMV_MAX_M = 8
 HALF_GEMV_MAX_M = 1
+# tokens the fp8 linear takes its CUDA-core GEMV form for (codegen/.../fp8_matmul/gemv.py):
+# the fold below and group_fp8_siblings read it
+FP8_GEMV_MAX_M = 1
 
 
 def gemv_max_rows(dtype: torch.dtype) -> int:
     """Rows up to which a product in `dtype` takes the GEMV form."""
     return GEMV_MAX_M if dtype == torch.float32 else HALF_GEMV_MAX_M
 _LEFT = {"aten.mm.default": 0, "aten.addmm.default": 1}  # the left operand's position
+FP8_LINEAR = "kiln.fp8_linear.default"
 _INLINE = {OpCategory.POINTWISE, OpCategory.VIEW, OpCategory.CREATE, OpCategory.TUPLE}
 
 
@@ -65,6 +71,8 @@ def _plain_norm(region: Region):
 
 def _folds_into(reader: Region, norm, plan: DispatchPlan) -> bool:
     """May `reader` compute the norm `norm` as its prologue?"""
+    if reader.kind == RegionKind.EXTERN:
+        return _folds_into_fp8(reader, norm, plan)
     if reader.kind != RegionKind.MATMUL:
         return False
     anchor = reader.anchor()
@@ -77,6 +85,20 @@ def _folds_into(reader: Region, norm, plan: DispatchPlan) -> bool:
     rows = bounds_of(anchor.shape[0], plan.symbols).hi
     return (same_dim(k, norm.dim) and rows is not None
             and rows <= gemv_max_rows(anchor.dtype))
+
+
+def _folds_into_fp8(reader: Region, norm, plan: DispatchPlan) -> bool:
+    """An fp8 linear (kiln::fp8_linear) of one token reading the norm as its x: its GEMV
+    form quantises x * w and scales by the norm's row factor after the product
+    (templates/fp8_matmul/folded_norm.py)."""
+    anchor = reader.anchor()
+    if anchor.target != FP8_LINEAR or not read_only_as_operand(
+            reader.ops, reader.outputs, anchor, 0, norm.out):
+        return False
+    x = anchor.args[0]
+    shape = reader.op(x.name).shape if x.name != norm.out else plan.values[x.name].shape
+    rows = bounds_of(numel(shape[:-1]), plan.symbols).hi
+    return same_dim(shape[-1], norm.dim) and rows is not None and rows <= FP8_GEMV_MAX_M
 
 
 def fold_norms(plan: DispatchPlan) -> int:
@@ -94,6 +116,8 @@ def fold_norms(plan: DispatchPlan) -> int:
         users = readers.get(norm.out, [])
         if not users or not all(_folds_into(u, norm, plan) for u in users):
             continue
+        if len(users) > 1 and any(u.kind == RegionKind.EXTERN for u in users):
+            continue  # fp8 siblings (q, k, v apart): group_fp8_siblings reads x once
         inside = closure({o.name: o for o in region.ops}, norm.out)
         for u in users:
             u.ops = [copy.deepcopy(o) for o in region.ops if o.name in inside] + [

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 
+from kiln.dispatch.fold_rmsnorm import FP8_GEMV_MAX_M
 from kiln.dispatch.group_siblings import (
     FP8_LINEAR,
     _Sibling,
@@ -50,7 +51,6 @@ from kiln.pipeline import as_pass
 
 log = logging.getLogger("kiln.dispatch")
 
-FP8_GEMV_MAX_M = 1  # tokens fp8_matmul takes its GEMV form for (codegen/.../gemv.py)
 
 
 def _sibling(region: Region, plan: DispatchPlan) -> _Sibling | None:

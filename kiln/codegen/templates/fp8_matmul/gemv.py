@@ -127,7 +127,8 @@ def plain_weight(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target
 
 
 def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
-         columns: list[str] | None = None, weights=None, tile_id: str = "pid_n") -> list[str]:
+         columns: list[str] | None = None, weights=None, tile_id: str = "pid_n",
+         norm=None) -> list[str]:
     """The kernel's lines (template.generate wraps them): the K loop over steps of KB
     blocks, every token row's products, the split combine; the bias and store follow.
 
@@ -136,7 +137,9 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
     the (weight step load, step scales) code of each weight the program streams (by
     default plain_weight's), each into its own tile (`tile(j)`); and `tile_id`, the
     program's scratch slot when K is split. x is loaded and quantised once a step for
-    all of them."""
+    all of them. `norm`: an RMSNorm folded in (folded_norm.FoldedNorm): x * w is
+    quantised, x^2 summed beside (a [BM, BN] tile `ssq` combined with the parts), and
+    the sums scaled per row after the combine."""
     wide = ".to(tl.int64)" if p.needs_int64 else ""
     M = p.dim(s.m)
     dynamic = not (isinstance(s.m, int) and s.m == m_hi)
@@ -158,9 +161,14 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
         for m in range(m_hi):
             # a row past a dynamic M reads row M - 1 (valid memory); its products are skipped
             at = Lin.of(Opaque(f"row{m}", s.m)) if dynamic else Lin.of(m)
+            if norm is not None:
+                norm.mask = x_mask
             x = em.value(s.x, reshape_index((at, _v("kk", s.k)), (s.m, s.k), s.x_shape), x_mask)
             xf = (f"tl.where(kk < K, {x.code}.to(tl.float32), 0.0)" if tail else
                   f"tl.broadcast_to({x.code}.to(tl.float32), [1, KB, {BLOCK}])")
+            if norm is not None:
+                loop.append(norm.squares(f"ss{m}", "kk < K" if tail else None,
+                                         f"[1, KB, {BLOCK}]"))
             loop += [f"xf = {xf}",
                      *quantise_rows("xf", target, axis=2),
                      f"xq{m} = xq.to(tl.float32)", f"xs{m} = xs{fnuz_scale(target)}"]
@@ -181,6 +189,8 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
         loop += products
     L += [f"{_names(j)[0]}{m} = tl.zeros([BN, KB], tl.float32)"
           for j in range(len(streams)) for m in range(m_hi)]
+    if norm is not None:
+        L += [f"ss{m} = tl.zeros([1, KB], tl.float32)" for m in range(m_hi)]
     L += [f"for k0 in range(lo, hi, KB * {BLOCK}):", *["    " + x for x in loop],
           "rm = tl.arange(0, BM)", "om = rm[:, None]  # [BM, 1] tokens",
           "on = rn[None, :]  # [1, BN] output columns", f"m_ok = om < {M}", "n_ok = on < N"]
@@ -189,7 +199,13 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
               *[f"{tile(j)} = tl.where(om == {m}, tl.sum({_names(j)[0]}{m}, 1)[None, :], "
                 f"{tile(j)})" for m in range(m_hi)]]
     accs = [tile(j) for j in range(len(streams))]
-    return L + combine_splits(tile_id, "m_ok & n_ok", "n_ok = on < tl.where(last, N, 0)", accs)
+    if norm is None:
+        return L + combine_splits(tile_id, "m_ok & n_ok", "n_ok = on < tl.where(last, N, 0)",
+                                  accs)
+    L += ["ssq = tl.zeros([BM, BN], tl.float32)  # each row's sum of x^2, at every column",
+          *[f"ssq = tl.where(om == {m}, tl.sum(ss{m}, 1)[:, None], ssq)" for m in range(m_hi)]]
+    return (L + combine_splits(tile_id, "m_ok & n_ok", "n_ok = on < tl.where(last, N, 0)",
+                               accs + ["ssq"]) + norm.scale("ssq", accs))
 
 
 def _load_fp8(em: Emitter, p: SymbolicArgs, s: Fp8Shape) -> str:

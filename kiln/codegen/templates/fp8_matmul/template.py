@@ -58,6 +58,7 @@ from kiln.codegen.templates.fp8_matmul.common import (
     pow2,
     quantise_rows,
 )
+from kiln.codegen.templates.fp8_matmul.folded_norm import FoldedNorm, row_norm
 from kiln.ir.plan import DispatchPlan, Region
 from kiln.ir.symbolic import bounds_of
 from kiln.target import Target
@@ -150,6 +151,7 @@ def generate(region: Region, plan: DispatchPlan, target: Target,
     fp8_type(target)  # declines before any code is emitted
     p = SymbolicArgs(plan.symbols)
     em = Emitter(region, plan, p, target)
+    norm = row_norm(region, region.anchor(), shape.k)
     for name in list(region.inputs) + list(region.outputs):
         p.check_extent(plan.values[name].numel)
     m_hi = bounds_of(shape.m, plan.symbols).hi
@@ -157,10 +159,15 @@ def generate(region: Region, plan: DispatchPlan, target: Target,
                     else "swap" if takes_swap(target, m_hi) else "dot")
     if form == "swap" and m_hi is None:
         raise CodegenUnsupported("the swap form needs a bound on the tokens")
+    if norm is not None and form != "gemv":
+        raise CodegenUnsupported(f"a folded RMSNorm needs the GEMV form (at most "
+                                 f"{gemv.GEMV_MAX_M} tokens), not the {form} form")
+    parts = "2 * BM * BN" if norm is not None else "BM * BN"  # + each row's sum of x^2
     if form == "gemv":
         if m_hi is None:
             raise CodegenUnsupported("the GEMV form needs a bound on the tokens")
-        lines = gemv.body(em, p, shape, target, m_hi) + epilogue(em, shape)
+        folded = FoldedNorm(norm, em) if norm is not None else None
+        lines = gemv.body(em, p, shape, target, m_hi, norm=folded) + epilogue(em, shape)
         tunables, steps = ["BM", "BN", "SPLIT_K", "KB"], f"cdiv({shape.k}, KB * {BLOCK})"
         configs, default = gemv.config_space(shape, m_hi), gemv.heuristic(shape, target, m_hi)
     else:
@@ -170,7 +177,7 @@ def generate(region: Region, plan: DispatchPlan, target: Target,
         configs, default = ((swap_config_space(shape, m_hi), swap_heuristic(shape, target, m_hi))
                             if swap else (config_space(shape, m_hi),
                                           heuristic(shape, target, m_hi)))
-    name = kernel_name("fp8_matmul", region)
+    name = kernel_name("fp8_matmul" + ("_rmsnorm" if norm is not None else ""), region)
     params = p.names() + [split.PARTS, split.COUNTS] + [f"{t}: tl.constexpr" for t in tunables]
     source = module_source(name, params, lines, em.helpers, target, p.describe())
     tiles = f"cdiv({p.grid(shape.m)}, BM) * cdiv({shape.n}, BN)"
@@ -179,10 +186,10 @@ def generate(region: Region, plan: DispatchPlan, target: Target,
     if default not in configs:
         configs.insert(0, default)
     meta = {"dtype": str(shape.dtype).replace("torch.", ""), "m_hi": m_hi, "n": shape.n,
-            "k": shape.k, "form": form}
+            "k": shape.k, "form": form, "row_norm": norm is not None}
     return KernelSpec(name, source, p.args(), tunables, grid, configs, default,
                       "fp8_matmul", meta, 64 if p.needs_int64 else 32,
-                      scratch=split.scratch(tiles, n_split, "BM * BN"))
+                      scratch=split.scratch(tiles, n_split, parts))
 
 
 def _body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target,
