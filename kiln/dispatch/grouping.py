@@ -22,7 +22,10 @@ root) and the group's kind accepts it:
   rows are innermost and short enough to be held whole (ROW_EPILOGUE_MAX), where the
   reduction kernel computes per-row values anyway;
 - a matmul joins a group that so far holds only its pointwise epilogue;
-- attention, scatter, topk and extern ops start groups of their own.
+- attention, scatter, topk and extern ops start groups of their own, except that a
+  block-scaled fp8 linear (kiln::fp8_linear) joins a group of residual adds (and
+  casts) over its own output that read it directly: its kernel adds them before its
+  store, as a matmul's epilogue does.
 
 View ops never join a group: each consumer folds them into its index maps. CREATE
 ops (arange, full) are recomputed inside every region that reads them.
@@ -56,6 +59,8 @@ ANCHORS = {OpCategory.MATMUL, OpCategory.ATTENTION, OpCategory.REDUCTION,
 # PERSISTENT_MAX, PERSISTENT_MAX_STRIDED); longer rows of few outputs may take its split
 # form, which stores only the sums.
 ROW_EPILOGUE_MAX, ROW_EPILOGUE_MAX_STRIDED = 16384, 64
+FP8_LINEAR = "kiln.fp8_linear.default"
+_RESIDUAL_OPS = {"aten.add.Tensor", "aten._to_copy.default"}
 
 
 def cat_of(node: fx.Node) -> OpCategory | None:
@@ -168,7 +173,22 @@ def can_join(p: fx.Node, g: Group, consumers: set[fx.Node],
         return False
     if c == OpCategory.MATMUL:
         return anchor is None and all(cat_of(m) in POINTWISE_LIKE for m in g.members)
+    if c == OpCategory.EXTERN:
+        return anchor is None and _fp8_residual_epilogue(p, g)
     return False
+
+
+def _fp8_residual_epilogue(p: fx.Node, g: Group) -> bool:
+    """May fp8 linear `p` take anchorless group `g` as its epilogue: residual adds (and
+    casts) over p's own shape, reading p's value directly? Its kernel then adds the
+    residual before its one store (templates/fp8_matmul/template.py `epilogue`)."""
+    if op_name(p.target) != FP8_LINEAR or not g.members:
+        return False
+    if not all(op_name(m.target) in _RESIDUAL_OPS for m in g.members):
+        return False
+    out, root = shape_of(p), shape_of(g.root)
+    return (all(u in g.members for u in p.users) and len(out) == len(root)
+            and all(same_dim(a, b) for a, b in zip(out, root)))
 
 
 def _row_epilogue(p: fx.Node, g: Group) -> bool:

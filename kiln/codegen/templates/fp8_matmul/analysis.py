@@ -15,7 +15,7 @@ from kiln.codegen.expr.values import CodegenUnsupported
 from kiln.codegen.templates.op_operands import operand_dtype as _dtype
 from kiln.codegen.templates.op_operands import operand_shape as _shape
 from kiln.ir.plan import DispatchPlan, Op, Ref, Region
-from kiln.ir.symbolic import Dim, numel
+from kiln.ir.symbolic import Dim, numel, same_dim
 from kiln.ops.fp8_linear import BLOCK  # the quantisation block: K step and scale block
 
 OP = "kiln.fp8_linear.default"
@@ -39,6 +39,7 @@ class Fp8Shape:
     n: int
     k: int
     dtype: torch.dtype  # x's (and the output's)
+    stored: str | None = None  # the region's output when residual adds follow the product
 
     @property
     def k_blocks(self) -> int:
@@ -59,10 +60,30 @@ def _anchor(region: Region, op: str):
 def analyse(region: Region, plan: DispatchPlan) -> Fp8Shape:
     """The region's op; raises CodegenUnsupported (why) when the template cannot run it."""
     anchor = _anchor(region, OP)
+    shape = analyse_op(region, plan, anchor)
     if region.outputs != [anchor.name]:
-        raise CodegenUnsupported(f"the region outputs {region.outputs}, not only the op's "
-                                 "result")
-    return analyse_op(region, plan, anchor)
+        if len(region.outputs) != 1 or not _residual_epilogue(region, anchor):
+            raise CodegenUnsupported(f"the region outputs {region.outputs}, not the op's "
+                                     "result or residual adds over it")
+        shape.stored = region.outputs[0]
+    return shape
+
+
+_EPILOGUE_OPS = {"aten.add.Tensor", "aten._to_copy.default"}
+
+
+def _residual_epilogue(region: Region, anchor: Op) -> bool:
+    """Are the ops after the product residual adds and casts over its own shape
+    (dispatch/grouping.py's fp8 epilogue), the region's output the last of them?"""
+    after, names = [], {anchor.name}
+    for op in region.ops[region.ops.index(anchor) + 1:]:
+        if any(r in names for r in op.refs()):
+            after.append(op)
+            names.add(op.name)
+    out = region.op(region.outputs[0])
+    return (bool(after) and all(o.target in _EPILOGUE_OPS for o in after)
+            and out in after and len(out.shape) == len(anchor.shape)
+            and all(same_dim(a, b) for a, b in zip(out.shape, anchor.shape)))
 
 
 def analyse_op(region: Region, plan: DispatchPlan, anchor: Op) -> Fp8Shape:

@@ -248,9 +248,18 @@ def epilogue(em: Emitter, s: Fp8Shape) -> list[str]:
             b = em.value(s.bias, (_v("on", s.n),), mask_of(n_ok))
         L += lines + [f"acc += {b.code}.to(tl.float32)"]
     out_idx = reshape_index((_v("om", s.m), _v("on", s.n)), (s.m, s.n), s.out_shape)
+    mask = mask_of(m_ok, n_ok)
     with em.block() as store:
-        em.store(s.out, out_idx, em.let("acc", torch.float32, frozenset({"om", "on"})),
-                 mask_of(m_ok, n_ok), span=("om", "on"))
+        acc = em.let("acc", torch.float32, frozenset({"om", "on"}))
+        if s.stored is None:
+            em.store(s.out, out_idx, acc, mask, span=("om", "on"))
+        else:  # residual adds: to the product rounded to its dtype, as eager adds
+            product = em.cast(acc, s.dtype)
+            em.overrides[s.out] = lambda index: product if all(
+                d == 1 or Lin.of(a).equals(b) for a, b, d in
+                zip(index, out_idx, s.out_shape)) else None
+            em.store(s.stored, out_idx, em.value(s.stored, out_idx, mask), mask,
+                     span=("om", "on"))
     return L + store
 
 
