@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.codegen.build import grid_dependency
 from kiln.codegen.build.spec import Config
 from kiln.codegen.expr.emit import Emitter
 from kiln.codegen.expr.indexing import Lin, Opaque, Var, reshape_index
@@ -154,6 +155,9 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
          "lo = 0", "hi = K", "if SPLIT_K > 1:  # this split's whole steps",
          *["    " + x for x in split.program_range("K", f"KB * {BLOCK}")],
          *[f"row{m} = tl.minimum({m}, {M} - 1)" for m in range(m_hi) if dynamic]]
+    if weights is None:
+        L += _prefetch(p, s, target)
+    L.append(grid_dependency.WAIT_MARK)
     tail = k_tail(s)
     x_mask = mask_of(Cond("kk < K", frozenset({"kk"})) if tail else None)
     with em.block() as loop:
@@ -192,6 +196,7 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
     if norm is not None:
         L += [f"ss{m} = tl.zeros([1, KB], tl.float32)" for m in range(m_hi)]
     L += [f"for k0 in range(lo, hi, KB * {BLOCK}):", *["    " + x for x in loop],
+          grid_dependency.RELEASE_MARK,
           "rm = tl.arange(0, BM)", "om = rm[:, None]  # [BM, 1] tokens",
           "on = rn[None, :]  # [1, BN] output columns", f"m_ok = om < {M}", "n_ok = on < N"]
     for j in range(len(streams)):
@@ -206,6 +211,18 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
           *[f"ssq = tl.where(om == {m}, tl.sum(ss{m}, 1)[:, None], ssq)" for m in range(m_hi)]]
     return (L + combine_splits(tile_id, "m_ok & n_ok", "n_ok = on < tl.where(last, N, 0)",
                                accs + ["ssq"]) + norm.scale("ssq", accs))
+
+
+def _prefetch(p: SymbolicArgs, s: Fp8Shape, target: Target) -> list[str]:
+    """The `#pdl prefetch` line of a plain weight (build/grid_dependency.py): the first
+    bytes of each of the program's rows in its K range, asked of L2 before the wait."""
+    lines, per = grid_dependency.prefetch_lines(1)
+    if not lines or not grid_dependency.applies(target):
+        return []
+    ptr = p.tensor(s.weight, torch.float8_e4m3fn, (s.n, s.k))
+    row = "(rn % N).to(tl.int64)" if p.needs_int64 else "(rn % N)"
+    k = f"tl.minimum(lo + tl.arange(0, {lines})[None, :] * {per}, hi - 1)"
+    return [f"{grid_dependency.PREFETCH_MARK}{ptr} + ({row}[:, None] * K + {k})"]
 
 
 def _load_fp8(em: Emitter, p: SymbolicArgs, s: Fp8Shape) -> str:
