@@ -185,23 +185,26 @@ def test_a_load_before_the_mark_puts_the_wait_first_and_drops_the_prefetch(monke
     assert _opening(out)[0] == "_kiln_gdc_wait" and "_kiln_l2_prefetch" not in out
 
 
-@pytest.mark.parametrize("kind", ["fp16", "fp8"])
+@pytest.mark.parametrize("kind", ["fp16", "fp8", "fp8 pair"])
 def test_decode_gemv_prefetches_its_weight_rows_before_the_wait_on_sm90(kind, pdl,
                                                                          monkeypatch):
     import kiln
-    from kiln.codegen.templates.fp8_matmul import template as fp8_matmul
+    from kiln.codegen.templates.fp8_matmul import grouped as fp8_matmul
     from kiln.codegen.templates.matmul import template as matmul
     from kiln.ir.plan import RegionKind
     from tests.codegen.test_fp8_folded_norm import NormThenFp8
+    from tests.codegen.test_grouped_fp8_gemv import V3Siblings
 
     monkeypatch.setenv("KILN_PDL_PREFETCH", "512")
     monkeypatch.setenv("KILN_PDL_RELEASE", "loop")
     sm90 = get_target("cuda:sm_90")
     dtype = torch.float16 if kind == "fp16" else torch.bfloat16
-    m = torch.nn.Linear(1024, 768, bias=False, dtype=dtype) if kind == "fp16" else \
-        NormThenFp8(768, 1024)
-    plan = kiln.compile(m, (torch.randn(1, 1, 1024, dtype=dtype),), compile_to="dispatch",
-                        target="cuda:sm_90")
+    m = (torch.nn.Linear(1024, 768, bias=False, dtype=dtype) if kind == "fp16" else
+         NormThenFp8(768, 1024) if kind == "fp8" else V3Siblings((1024, 1024), True))
+    x = (torch.empty(1, 1, 7168, dtype=dtype, device="meta") if kind == "fp8 pair" else
+         torch.randn(1, 1, 1024, dtype=dtype))
+    plan = kiln.compile(m, (x,),
+                        compile_to="dispatch", target="cuda:sm_90")
     template = matmul if kind == "fp16" else fp8_matmul
     kinds = (RegionKind.MATMUL, RegionKind.EXTERN)
     (region,) = [r for r in plan.regions if r.kind in kinds]
@@ -211,3 +214,4 @@ def test_decode_gemv_prefetches_its_weight_rows_before_the_wait_on_sm90(kind, pd
     prefetch, wait = ptx.index("prefetch.global.L2"), ptx.index("griddepcontrol.wait")
     assert prefetch < wait < ptx.index("griddepcontrol.launch_dependents")
     assert ptx.index("ld.global") > wait  # nothing read before the predecessor is done
+    assert ptx.count("prefetch.global.L2") >= (2 if kind == "fp8 pair" else 1)

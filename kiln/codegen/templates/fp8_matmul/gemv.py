@@ -129,7 +129,7 @@ def plain_weight(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target
 
 def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
          columns: list[str] | None = None, weights=None, tile_id: str = "pid_n",
-         norm=None) -> list[str]:
+         norm=None, prefetch: list[str] | None = None) -> list[str]:
     """The kernel's lines (template.generate wraps them): the K loop over steps of KB
     blocks, every token row's products, the split combine; the bias and store follow.
 
@@ -140,7 +140,9 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
     program's scratch slot when K is split. x is loaded and quantised once a step for
     all of them. `norm`: an RMSNorm folded in (folded_norm.FoldedNorm): x * w is
     quantised, x^2 summed beside (a [BM, BN] tile `ssq` combined with the parts), and
-    the sums scaled per row after the combine."""
+    the sums scaled per row after the combine. `prefetch`: the [N, K] weights whose
+    program rows are asked of L2 before the grid-dependency wait (by default the plain
+    weight, none for other `weights`)."""
     wide = ".to(tl.int64)" if p.needs_int64 else ""
     M = p.dim(s.m)
     dynamic = not (isinstance(s.m, int) and s.m == m_hi)
@@ -155,8 +157,9 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
          "lo = 0", "hi = K", "if SPLIT_K > 1:  # this split's whole steps",
          *["    " + x for x in split.program_range("K", f"KB * {BLOCK}")],
          *[f"row{m} = tl.minimum({m}, {M} - 1)" for m in range(m_hi) if dynamic]]
-    if weights is None:
-        L += _prefetch(p, s, target)
+    if prefetch is None:
+        prefetch = [] if weights else [p.tensor(s.weight, torch.float8_e4m3fn, (s.n, s.k))]
+    L += _prefetch(p, prefetch, target)
     L.append(grid_dependency.WAIT_MARK)
     tail = k_tail(s)
     x_mask = mask_of(Cond("kk < K", frozenset({"kk"})) if tail else None)
@@ -213,16 +216,16 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
                                accs + ["ssq"]) + norm.scale("ssq", accs))
 
 
-def _prefetch(p: SymbolicArgs, s: Fp8Shape, target: Target) -> list[str]:
-    """The `#pdl prefetch` line of a plain weight (build/grid_dependency.py): the first
+def _prefetch(p: SymbolicArgs, weights: list[str], target: Target) -> list[str]:
+    """The `#pdl prefetch` lines of `weights` (build/grid_dependency.py): the first
     bytes of each of the program's rows in its K range, asked of L2 before the wait."""
     lines, per = grid_dependency.prefetch_lines(1)
     if not lines or not grid_dependency.applies(target):
         return []
-    ptr = p.tensor(s.weight, torch.float8_e4m3fn, (s.n, s.k))
     row = "(rn % N).to(tl.int64)" if p.needs_int64 else "(rn % N)"
     k = f"tl.minimum(lo + tl.arange(0, {lines})[None, :] * {per}, hi - 1)"
-    return [f"{grid_dependency.PREFETCH_MARK}{ptr} + ({row}[:, None] * K + {k})"]
+    return [f"{grid_dependency.PREFETCH_MARK}{w} + ({row}[:, None] * K + {k})"
+            for w in weights]
 
 
 def _load_fp8(em: Emitter, p: SymbolicArgs, s: Fp8Shape) -> str:
