@@ -215,3 +215,22 @@ def test_decode_gemv_prefetches_its_weight_rows_before_the_wait_on_sm90(kind, pd
     assert prefetch < wait < ptx.index("griddepcontrol.launch_dependents")
     assert ptx.index("ld.global") > wait  # nothing read before the predecessor is done
     assert ptx.count("prefetch.global.L2") >= (2 if kind == "fp8 pair" else 1)
+
+
+def test_the_ordinary_copy_of_a_kernel_whose_launcher_is_a_property():
+    """Triton 3.5+ keeps the launcher in `_run` behind a read-only `run` property."""
+    class Compiled:
+        def __init__(self):
+            self.metadata = SimpleNamespace(launch_pdl=True)
+            self._run = SimpleNamespace(launch_pdl=True)
+
+        def _init_handles(self):
+            pass
+
+        @property
+        def run(self):
+            return self._run
+
+    ck = Compiled()
+    plain = independent(ck)
+    assert plain.run.launch_pdl is False and ck.run.launch_pdl is True

@@ -111,7 +111,10 @@ def independent(ck):
     plain_run = copy.copy(run)
     plain_run.launch_pdl = False
     plain = copy.copy(ck)
-    plain.run = plain_run
+    if isinstance(getattr(type(ck), "run", None), property):  # Triton >= 3.5: over `_run`
+        plain._run = plain_run
+    else:
+        plain.run = plain_run
     return plain
 
 
