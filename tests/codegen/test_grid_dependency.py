@@ -127,9 +127,9 @@ def test_chained_dependents_read_and_overwrite_their_predecessors_buffers(early,
     ping, pong = torch.empty_like(x0), torch.empty_like(x0)
 
     launch = k.bind({"s0": n}, {}, x0.device, frozenset({"out"}))
-    stream = torch.cuda.current_stream().cuda_stream
 
     def chain():
+        stream = torch.cuda.current_stream().cuda_stream  # the capture's, in a graph
         ping.copy_(x0)  # torch's copy: the first launch after it is an ordinary one
         for i in range(16):
             a, b = (ping, pong) if i % 2 == 0 else (pong, ping)
