@@ -42,12 +42,6 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
                  "dependents: scheduled while their predecessor drains, they wait for its "
                  "results (3.7-6.5% off an 8B decode step on an H200; off by default until "
                  "the whole GPU test suite has passed with it)"),
-    "KILN_PDL_PREFETCH": ("0", "<bytes>: with KILN_PDL, a decode GEMV asks L2 for the first "
-                          "<bytes> of each weight row it streams before it waits for its "
-                          "predecessor (0: no prefetch)"),
-    "KILN_PDL_RELEASE": ("", "<kind>[,<kind>]: with KILN_PDL, which kernels let the next one "
-                         "launch early: `loop` (GEMVs, after their K loop) and template kinds "
-                         "(attention, pointwise, reduction, ...: right after their wait)"),
     "KILN_DIST_TIMEOUT": ("300", "seconds a rank waits on its peers (a collective, a "
                           "transfer) before a dead or stuck peer is a DistributedError"),
 }
@@ -133,18 +127,6 @@ def local_decompose() -> bool:
 def pdl_enabled() -> bool:
     """KILN_PDL: programmatic dependent launch on GPUs that have it (default off)."""
     return (_get("KILN_PDL") or "0").strip().lower() in ("1", "true", "yes")
-
-
-def pdl_prefetch_bytes() -> int:
-    """KILN_PDL_PREFETCH: bytes of each weight row a GEMV prefetches before its wait."""
-    return int(_get("KILN_PDL_PREFETCH") or SETTINGS["KILN_PDL_PREFETCH"][0])
-
-
-def pdl_release() -> frozenset[str]:
-    """KILN_PDL_RELEASE: where kernels release their dependents early (see SETTINGS)."""
-    raw = _get("KILN_PDL_RELEASE")
-    raw = SETTINGS["KILN_PDL_RELEASE"][0] if raw is None else raw
-    return frozenset(x.strip() for x in raw.split(",") if x.strip())
 
 
 def dist_timeout_s() -> float:

@@ -54,7 +54,6 @@ from kiln.artifact.manifest import encode_dtype
 from kiln.artifact.save import MANIFEST_FILE, build_manifest, dumps
 from kiln.artifact.weights import load_weights, save_weights
 from kiln.codegen.autotune.timing import gpu_for
-from kiln.codegen.build import grid_dependency
 from kiln.errors import KilnError
 from kiln.frontend.fingerprint import program_fingerprint
 from kiln.progress import phase
@@ -108,8 +107,7 @@ def _key(program: str, target: Target, options: dict, examples: list,
         "program": program,
         "target": repr(target),
         "options": repr(sorted(user.items(), key=lambda kv: kv[0])),
-        "tuning": [tune_mode(), tune_timing(), gpu_for(target), pdl_enabled()
-                   and grid_dependency.key()],
+        "tuning": [tune_mode(), tune_timing(), gpu_for(target), pdl_enabled()],
         # what Triton emits depends on its own settings
         "triton_env": sorted((k, v) for k, v in os.environ.items() if k.startswith("TRITON_")),
         "examples": [_leaf(x) for x in examples],

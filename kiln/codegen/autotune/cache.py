@@ -55,7 +55,7 @@ def choice_key(spec: KernelSpec, configs: list[Config], target: Target, mode: st
     parts = [spec.source_hash, [str(c) for c in configs], target_id(target),
              triton.__version__, mode, sizes, compile_fn]
     if grid_dependency.applies(target):  # binaries launched as programmatic dependents
-        parts.append(grid_dependency.key())
+        parts.append("pdl")
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
 

@@ -118,7 +118,7 @@ def compile_binary(spec: KernelSpec, config: Config, target: Target) -> Binary:
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     source = spec.source
     if grid_dependency.applies(target):
-        waiting = grid_dependency.with_grid_dependency(source, spec.name, spec.template)
+        waiting = grid_dependency.with_grid_dependency(source, spec.name)
         if waiting is not None:
             source, options["launch_pdl"] = waiting, True
     fn = load_kernel(source, spec.name)

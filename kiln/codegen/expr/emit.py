@@ -209,24 +209,6 @@ class Emitter:
         tail = f", mask={m}, other=0" if m else ""
         return self.let(f"tl.load({ptr} + ({self.code(off)}){tail})", dtype, used)
 
-    def address(self, name: str, index) -> str | None:
-        """The pointer code of value `name` at `index` where it is a region input read
-        through views only (a prefetch's addresses: nothing is loaded); else None."""
-        index = tuple(Lin.of(i) for i in index)
-        while name in self.ops and name not in self.overrides:
-            op = self.ops[name]
-            if op.target in IDENTITY_OPS:
-                name = op.args[0].name
-            elif is_view(op, self.ops):
-                name, index = source_index(op, index, self.shape, self.ops)
-            else:
-                return None
-        if name in self.overrides or name not in self.region.inputs:
-            return None
-        shape = self.shape(name)
-        ptr = self.args.tensor(name, self.dtype(name), shape)
-        return f"{ptr} + ({self.code(linearize(index, shape))})"
-
     def store(self, name: str, index, v: Val, mask: Mask | None, like: str | None = None,
               dest: str | None = None, atomic_add: bool = False, span: tuple = ()) -> None:
         """Write `v` as element `index` of region output `name` (or of value `dest`).

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import torch
 
-from kiln.codegen.build import grid_dependency
 from kiln.codegen.build.spec import Config
 from kiln.codegen.expr.emit import Emitter
 from kiln.codegen.expr.indexing import Lin, Opaque, Var, reshape_index
@@ -129,7 +128,7 @@ def plain_weight(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target
 
 def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
          columns: list[str] | None = None, weights=None, tile_id: str = "pid_n",
-         norm=None, prefetch: list[str] | None = None) -> list[str]:
+         norm=None) -> list[str]:
     """The kernel's lines (template.generate wraps them): the K loop over steps of KB
     blocks, every token row's products, the split combine; the bias and store follow.
 
@@ -140,9 +139,7 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
     program's scratch slot when K is split. x is loaded and quantised once a step for
     all of them. `norm`: an RMSNorm folded in (folded_norm.FoldedNorm): x * w is
     quantised, x^2 summed beside (a [BM, BN] tile `ssq` combined with the parts), and
-    the sums scaled per row after the combine. `prefetch`: the [N, K] weights whose
-    program rows are asked of L2 before the grid-dependency wait (by default the plain
-    weight, none for other `weights`)."""
+    the sums scaled per row after the combine."""
     wide = ".to(tl.int64)" if p.needs_int64 else ""
     M = p.dim(s.m)
     dynamic = not (isinstance(s.m, int) and s.m == m_hi)
@@ -157,10 +154,6 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
          "lo = 0", "hi = K", "if SPLIT_K > 1:  # this split's whole steps",
          *["    " + x for x in split.program_range("K", f"KB * {BLOCK}")],
          *[f"row{m} = tl.minimum({m}, {M} - 1)" for m in range(m_hi) if dynamic]]
-    if prefetch is None:
-        prefetch = [] if weights else [p.tensor(s.weight, torch.float8_e4m3fn, (s.n, s.k))]
-    L += _prefetch(p, prefetch, target)
-    L.append(grid_dependency.WAIT_MARK)
     tail = k_tail(s)
     x_mask = mask_of(Cond("kk < K", frozenset({"kk"})) if tail else None)
     with em.block() as loop:
@@ -199,7 +192,6 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
     if norm is not None:
         L += [f"ss{m} = tl.zeros([1, KB], tl.float32)" for m in range(m_hi)]
     L += [f"for k0 in range(lo, hi, KB * {BLOCK}):", *["    " + x for x in loop],
-          grid_dependency.RELEASE_MARK,
           "rm = tl.arange(0, BM)", "om = rm[:, None]  # [BM, 1] tokens",
           "on = rn[None, :]  # [1, BN] output columns", f"m_ok = om < {M}", "n_ok = on < N"]
     for j in range(len(streams)):
@@ -214,18 +206,6 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
           *[f"ssq = tl.where(om == {m}, tl.sum(ss{m}, 1)[:, None], ssq)" for m in range(m_hi)]]
     return (L + combine_splits(tile_id, "m_ok & n_ok", "n_ok = on < tl.where(last, N, 0)",
                                accs + ["ssq"]) + norm.scale("ssq", accs))
-
-
-def _prefetch(p: SymbolicArgs, weights: list[str], target: Target) -> list[str]:
-    """The `#pdl prefetch` lines of `weights` (build/grid_dependency.py): the first
-    bytes of each of the program's rows in its K range, asked of L2 before the wait."""
-    lines, per = grid_dependency.prefetch_lines(1)
-    if not lines or not grid_dependency.applies(target):
-        return []
-    row = "(rn % N).to(tl.int64)" if p.needs_int64 else "(rn % N)"
-    k = f"tl.minimum(lo + tl.arange(0, {lines})[None, :] * {per}, hi - 1)"
-    return [f"{grid_dependency.PREFETCH_MARK}{w} + ({row}[:, None] * K + {k})"
-            for w in weights]
 
 
 def _load_fp8(em: Emitter, p: SymbolicArgs, s: Fp8Shape) -> str:

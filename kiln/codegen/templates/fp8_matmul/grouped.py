@@ -179,8 +179,7 @@ class _Grouped(_Source):
             return [(gemv.weight_step("wb", self.p, self.s), gemv.scale_step("sb", "NB", self.s))]
 
         lines = gemv.body(self.em, self.p, self.s, self.target, self.m_hi,
-                          columns=self._columns(), weights=weights, tile_id="pid",
-                          prefetch=["wb"])
+                          columns=self._columns(), weights=weights, tile_id="pid")
         for j, sh in enumerate(self.shapes):
             lines += [f"if sib == {j}:", *indent(template.epilogue(self.em, sh))]
         return lines
@@ -219,8 +218,7 @@ class _Paired(_Source):
             return out
 
         em, s = self.em, self.s
-        lines = gemv.body(em, self.p, s, self.target, self.m_hi, weights=weights,
-                          prefetch=[self._pointers(sh)[0] for sh in self.shapes])
+        lines = gemv.body(em, self.p, s, self.target, self.m_hi, weights=weights)
         mask = mask_of(Cond("m_ok", frozenset({"om"})), Cond("n_ok", frozenset({"on"})))
         with em.block() as tail:
             for j, sh in enumerate(self.shapes):

@@ -119,15 +119,6 @@ class _GroupedGemv(plain._MatmulSource):
             name = ops[name].refs()[0]
         return name
 
-    def _prefetch(self) -> list[str]:
-        """The first wide sibling's prefetch with its pointer replaced by `wb`: each
-        program asks for its own sibling's rows."""
-        ref = next((sib for sib in self.siblings if not same_dim(sib.s.n, 1)),
-                   self.siblings[0])
-        ptr = re.escape(self._pointer(ref))
-        return [re.sub(rf"\b{ptr}\b", _WEIGHT, x)
-                for x in plain._MatmulSource._prefetch(ref)]
-
     def _weight_loads(self, kb_ok: Cond | None) -> list[str]:
         """Each sibling's weight tile written with its own pointer, which must then be the
         only difference: the loop reads `wb` with that code. A single-column sibling (a

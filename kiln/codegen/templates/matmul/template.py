@@ -45,7 +45,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.codegen.build import grid_dependency
 from kiln.codegen.build.spec import KernelSpec
 from kiln.codegen.expr.emit import Emitter, kernel_name, module_source
 from kiln.codegen.expr.indexing import (
@@ -566,8 +565,7 @@ class _MatmulSource:
                 head.append(f"row{mi} = {mi} % {m}")
             elif not static_rows:
                 head.append(f"row{mi} = tl.minimum({mi}, {m} - 1)")
-        head += [*self._k_range(k), *self._prefetch(), grid_dependency.WAIT_MARK,
-                 "for k0 in range(lo, hi, BLOCK_K):"]
+        head += [*self._k_range(k), "for k0 in range(lo, hi, BLOCK_K):"]
         kk_a = Var("kk", s.k)
         kb_ok = self._k_mask("kb_ok", "kb2")
         loop = [f"kk = k0 + tl.arange(0, BLOCK_K){wide}", "kb2 = kk[:, None]"]
@@ -591,8 +589,8 @@ class _MatmulSource:
             # products and cross-lane sum would cost as much as a real row's.
             skip = mi > 0 and not static_rows and not wrap
             loop += [f"if {mi} < {m}:", *["    " + x for x in work]] if skip else work
-        tail = [grid_dependency.RELEASE_MARK, "rm2 = rm[:, None]", "rn2 = rn[None, :]",
-                f"m_ok = rm2 < {rows}", f"n_ok = rn2 < {cols}"]
+        tail = ["rm2 = rm[:, None]", "rn2 = rn[None, :]", f"m_ok = rm2 < {rows}",
+                f"n_ok = rn2 < {cols}"]
         if s.norm is not None:
             tail += self._squares_total(mp)
         offs = f"tl.arange(0, {mp})[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]"
@@ -601,26 +599,6 @@ class _MatmulSource:
         if s.norm is not None:
             tail += self._row_scale()
         return head + ["    " + x for x in loop] + tail + self._finish()
-
-    def _prefetch(self) -> list[str]:
-        """`#pdl prefetch` lines (build/grid_dependency.py): the first bytes of each weight
-        row of this program's K range, asked of L2 before the program waits for its
-        predecessor; none where no prefetch is asked for or a weight is not an input
-        read through views."""
-        if not grid_dependency.applies(self.em.target):
-            return []
-        out = []
-        for _, rb, _, sh in self._accs():
-            lines, per = grid_dependency.prefetch_lines(self.em.dtype(sh.b).itemsize)
-            if not lines:
-                return []
-            k = Opaque(f"tl.minimum(lo + tl.arange(0, {lines})[:, None] * {per}, hi - 1)",
-                       sh.k, frozenset({"kpf"}))
-            at = self.em.address(sh.b, self._batch() + (Lin.of(k), Lin.of(Var(rb, sh.n))))
-            if at is None:
-                return []
-            out.append(grid_dependency.PREFETCH_MARK + at)
-        return out
 
     def _finish(self) -> list[str]:
         """addmm's alpha, beta and bias; rounding to the product's dtype; the epilogue."""
