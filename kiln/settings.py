@@ -40,7 +40,7 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
                        "take and older torch get the re-trace), or always by the re-trace"),
     "KILN_PDL": ("0", "1: on Hopper and later GPUs, launch kiln's kernels as programmatic "
                  "dependents: scheduled while their predecessor drains, they wait for its "
-                 "results (3.7-6.5% off an 8B decode step on an H200; off by default until "
+                 "results (2-4.5% off an 8B decode step on an H200; off by default until "
                  "the whole GPU test suite has passed with it)"),
     "KILN_DIST_TIMEOUT": ("300", "seconds a rank waits on its peers (a collective, a "
                           "transfer) before a dead or stuck peer is a DistributedError"),

@@ -5,7 +5,8 @@ next kernel after the previous one has completed. On Hopper and later a kernel l
 with programmatic stream serialization is scheduled as its predecessor's blocks exit;
 its blocks wait in `griddepcontrol.wait` until the predecessor has finished and its
 writes are visible. Measured on an H200 (8-layer Llama-3-8B decode in a CUDA graph):
--0.7 us a boundary, 3.7% off the fp16 step and 6.5% off the fp8 step.
+-0.7 us a boundary, 3.7% off the fp16 step and 6.5% off the fp8 step; at 32 layers
+(kiln bench) 4.2-4.4% off fp16 and 2.2-4.5% off fp8.
 
 Every kiln kernel for such a target opens with that wait, before any load or store: it
 never reads what its predecessor has not finished writing nor overwrites what it still
@@ -17,6 +18,9 @@ launch zeroes or copies a tensor first launch the ordinary way, whatever CUDA ma
 a copy or memset followed by a dependent launch. Kernels do not release their
 dependents early (`griddepcontrol.launch_dependents` at the top): blocks of the next
 kernel then sat on SMs the running GEMVs needed and made the fp16 step 13% slower.
+Giving the early blocks work to do before their wait (each GEMV asking L2 for its
+first weight bytes, released after its predecessor's K loop) was slower too: 764 ->
+785 us for 4 fp16 layers (benchmarks/NOTES.md).
 torch's kernels (cuBLAS, copies) are launched without the attribute and keep the
 ordinary stream order.
 
