@@ -42,6 +42,9 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
                  "dependents: scheduled while their predecessor drains, they wait for its "
                  "results (2-4.5% off an 8B decode step on an H200; off by default until "
                  "the whole GPU test suite has passed with it)"),
+    "KILN_FP8_GEMV_PACKED": ("1", "0: the one-token fp8 GEMV multiplies in fp32 as Triton "
+                             "writes it, not in packed fp16 through inline PTX (NVIDIA "
+                             "GPUs; for comparisons, or should a driver's PTX reject it)"),
     "KILN_DIST_TIMEOUT": ("300", "seconds a rank waits on its peers (a collective, a "
                           "transfer) before a dead or stuck peer is a DistributedError"),
 }
@@ -127,6 +130,11 @@ def local_decompose() -> bool:
 def pdl_enabled() -> bool:
     """KILN_PDL: programmatic dependent launch on GPUs that have it (default off)."""
     return (_get("KILN_PDL") or "0").strip().lower() in ("1", "true", "yes")
+
+
+def fp8_gemv_packed() -> bool:
+    """KILN_FP8_GEMV_PACKED: the fp8 GEMV's packed fp16 products (default on)."""
+    return (_get("KILN_FP8_GEMV_PACKED") or "1").strip().lower() not in ("0", "false", "no")
 
 
 def dist_timeout_s() -> float:

@@ -61,6 +61,7 @@ from kiln.runtime.program import Program
 from kiln.settings import (
     cache_dir,
     compile_cache_enabled,
+    fp8_gemv_packed,
     pdl_enabled,
     tune_mode,
     tune_timing,
@@ -107,7 +108,8 @@ def _key(program: str, target: Target, options: dict, examples: list,
         "program": program,
         "target": repr(target),
         "options": repr(sorted(user.items(), key=lambda kv: kv[0])),
-        "tuning": [tune_mode(), tune_timing(), gpu_for(target), pdl_enabled()],
+        "tuning": [tune_mode(), tune_timing(), gpu_for(target), pdl_enabled(),
+                   fp8_gemv_packed()],
         # what Triton emits depends on its own settings
         "triton_env": sorted((k, v) for k, v in os.environ.items() if k.startswith("TRITON_")),
         "examples": [_leaf(x) for x in examples],

@@ -432,7 +432,10 @@ def test_one_token_gets_the_gemv_and_it_streams_16_byte_vectors_on_sm90():
     assert real.spills == 0 and real.registers <= 128, real
     assert "ld.global.v4.b32" in binary.asm["ptx"]
     assert "convert_layout %wf" not in binary.asm["ttgir"]
-    assert "tensor<1x4x128xf32" in binary.asm["ttgir"]  # x is converted, a [1, KB, 128] step
+    # the packed fp16 product: x's f16 pairs are converted, [1, KB, 32] words a step
+    assert "tensor<1x4x32xi32" in binary.asm["ttgir"]
+    ptx = binary.asm["ptx"]
+    assert ptx.count("cvt.rn.f16x2.e4m3x2") >= 64 and "fma.rn.f16x2" in ptx
     interp = fp8_matmul.generate(region, plan, get_target("interpret"))
     assert interp.default == fp8_matmul.Config.make(4, 1, BM=1, BN=32, SPLIT_K=1, KB=1)
 
@@ -455,6 +458,36 @@ def test_interpreted_gemv_with_dynamic_tokens(most):
     for t in sorted({1, most - 1, most} - {0}):
         x = torch.randn(t, 300)
         assert rel_err(exe(x), m(x)) <= 1e-6, t
+
+
+def test_the_packed_product_is_nvidia_only_and_can_be_turned_off(monkeypatch):
+    """gfx942 and the interpreter keep the fp32 product; KILN_FP8_GEMV_PACKED=0 too."""
+    m = Fp8Linear(256, 1024)
+    plan, region = _regions(m, torch.randn(1, 1024, dtype=torch.bfloat16), "fp8_linear")
+    assert "fma.rn.f16x2" in fp8_matmul.generate(region, plan, SM90).source
+    for target in ("rocm:gfx942", "interpret"):
+        assert "inline_asm" not in fp8_matmul.generate(region, plan, get_target(target)).source
+    monkeypatch.setenv("KILN_FP8_GEMV_PACKED", "0")
+    assert "inline_asm" not in fp8_matmul.generate(region, plan, SM90).source
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K,dtype", [(4096, 14336, torch.float32), (6144, 4096, torch.bfloat16),
+                                       (576, 7168, torch.float16)])
+def test_packed_gemv_on_cuda_is_within_fp16_sums_of_the_op(N, K, dtype):
+    """One token through the packed fp16 product (packed_product.py): a wrong pairing of
+    x and weight bytes would be ~1 off; fp16 sums of four exact products stay ~1e-4
+    off the op's fp32 form (the fp32 product's figure is ~1e-6)."""
+    m = Fp8Linear(N, K, bias=True).cuda()
+    x = torch.randn(1, K, device="cuda", dtype=dtype)
+    exe = kiln.compile(m, (x,), target="cuda", options={"tune": "none"})
+    (k,) = _kernels(exe).values()
+    assert "fma.rn.f16x2" in k.spec.source
+    for seed in range(3):
+        x = torch.randn(1, K, device="cuda", dtype=dtype, generator=torch.Generator(
+            "cuda").manual_seed(seed)) * (seed + 1)
+        assert rel_err(exe(x).float(), m(x).float()) <= (2e-3 if dtype == torch.float32
+                                                         else 1e-2)
 
 
 @pytest.mark.gpu

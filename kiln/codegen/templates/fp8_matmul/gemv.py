@@ -16,7 +16,9 @@ of a step's loads issued before its arithmetic). Each of the M rows of x is quan
 per 128-block in registers exactly as kiln.ops.fp8_linear.quantize_activations does
 (common.quantise_rows), multiplied by the widened weight and summed over the block:
 (sum_k xq wq) * xs * ws, the op's per-block product, accumulated per (row, block
-column) in fp32 and summed over the step's blocks once, after the loop. Rows past a
+column) in fp32 and summed over the step's blocks once, after the loop. On NVIDIA
+GPUs the product itself is packed fp16 through inline PTX (packed_product.py: the weight
+read as 4-byte words, ~1.5 instructions a byte instead of ~3). Rows past a
 dynamic M are skipped. Few output tiles split K (split_k.py) down to one step a split:
 the small projections (kv_a: 576 rows) are latency-bound and want every SM.
 
@@ -37,6 +39,7 @@ from kiln.codegen.expr.indexing import Lin, Opaque, Var, reshape_index
 from kiln.codegen.expr.kernel_args import SymbolicArgs
 from kiln.codegen.expr.values import Cond, mask_of
 from kiln.codegen.templates import split_k as split
+from kiln.codegen.templates.fp8_matmul import packed_product as packed
 from kiln.codegen.templates.fp8_matmul.analysis import BLOCK, Fp8Shape
 from kiln.codegen.templates.fp8_matmul.common import (
     combine_splits,
@@ -123,7 +126,7 @@ def plain_weight(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target
     ok = f"(sn < {s.n_blocks}) & (kb < {s.k_blocks})" if k_tail(s) else f"sn < {s.n_blocks}"
     ws = em.value(s.scale, (_v("sn", s.n_blocks), _v("kb", s.k_blocks)),
                   mask_of(Cond(ok, frozenset({"sn", "kb"}))))
-    return [(_load_fp8(em, p, s), ws.code)]
+    return [(_load_fp8(em, p, s, target), ws.code)]
 
 
 def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
@@ -144,20 +147,23 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
     M = p.dim(s.m)
     dynamic = not (isinstance(s.m, int) and s.m == m_hi)
     columns = columns or [f"N = {s.n}", f"pid_n = tl.program_id(1){wide}"]
+    tail = k_tail(s)
+    pk = packed.packs(target, tail)
     L = [*columns, f"K = {s.k}",
          "rn = pid_n * BN + tl.arange(0, BN)",
          "wn = rn[:, None, None]  # [BN, 1, 1] weight rows",
          f"kx = tl.arange(0, KB)[None, :, None] * {BLOCK} + "
          f"tl.arange(0, {BLOCK})[None, None, :]  # [1, KB, 128] a step's K offsets",
+         *([packed.word_offsets()] if pk else []),
          f"sn = (rn // {BLOCK})[:, None]  # [BN, 1] scale rows",
          "pid_s = tl.program_id(2)", "n_split = tl.num_programs(2)",
          "lo = 0", "hi = K", "if SPLIT_K > 1:  # this split's whole steps",
          *["    " + x for x in split.program_range("K", f"KB * {BLOCK}")],
          *[f"row{m} = tl.minimum({m}, {M} - 1)" for m in range(m_hi) if dynamic]]
-    tail = k_tail(s)
     x_mask = mask_of(Cond("kk < K", frozenset({"kk"})) if tail else None)
     with em.block() as loop:
-        loop += ["kk = k0 + kx", f"kb = k0 // {BLOCK} + tl.arange(0, KB)[None, :]  # [1, KB]"]
+        loop += ["kk = k0 + kx", *(["kq = k0 // 4 + kw"] if pk else []),
+                 f"kb = k0 // {BLOCK} + tl.arange(0, KB)[None, :]  # [1, KB]"]
         for m in range(m_hi):
             # a row past a dynamic M reads row M - 1 (valid memory); its products are skipped
             at = Lin.of(Opaque(f"row{m}", s.m)) if dynamic else Lin.of(m)
@@ -169,6 +175,9 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
             if norm is not None:
                 loop.append(norm.squares(f"ss{m}", "kk < K" if tail else None,
                                          f"[1, KB, {BLOCK}]"))
+            if pk:
+                loop += [f"xf = {xf}", *packed.quantise_packed("xf", m)]
+                continue
             loop += [f"xf = {xf}",
                      *quantise_rows("xf", target, axis=2),
                      f"xq{m} = xq.to(tl.float32)", f"xs{m} = xs{fnuz_scale(target)}"]
@@ -177,7 +186,8 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
         for j in range(len(streams)):
             acc, wf, ws = _names(j)
             for m in range(m_hi):
-                step = f"{acc}{m} += tl.sum(xq{m} * {wf}, 2) * xs{m} * {ws}  # [BN, KB]"
+                prod = packed.product(wf, m) if pk else f"xq{m} * {wf}"
+                step = f"{acc}{m} += tl.sum({prod}, 2) * xs{m} * {ws}  # [BN, KB]"
                 products += [f"if {m} < {M}:", "    " + step] if dynamic and m else [step]
         # the weight's load after x's: Triton's layout propagation (a worklist) gives the
         # products the layout of the last anchor; were x's last, the weight tile would
@@ -185,7 +195,7 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
         for j, (w, scale) in enumerate(streams):
             _, wf, ws = _names(j)
             loop += [f"{ws} = {scale}{fnuz_scale(target)}",
-                     f"{wf} = {from_e4m3fn(w, target)}.to(tl.float32)"]
+                     f"{wf} = {w}" if pk else f"{wf} = {from_e4m3fn(w, target)}.to(tl.float32)"]
         loop += products
     L += [f"{_names(j)[0]}{m} = tl.zeros([BN, KB], tl.float32)"
           for j in range(len(streams)) for m in range(m_hi)]
@@ -208,15 +218,19 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
                                accs + ["ssq"]) + norm.scale("ssq", accs))
 
 
-def _load_fp8(em: Emitter, p: SymbolicArgs, s: Fp8Shape) -> str:
+def _load_fp8(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target) -> str:
     """A step's [BN, KB, 128] weight tile (e4m3fn bytes, 16 to a thread's vector)."""
     ptr = p.tensor(s.weight, torch.float8_e4m3fn, (s.n, s.k))
-    return weight_step(ptr, p, s)
+    return weight_step(ptr, p, s, target)
 
 
-def weight_step(ptr: str, p: SymbolicArgs, s: Fp8Shape) -> str:
-    """The step's weight tile at rows `wn`, columns `kk` of the [N, K] weight at `ptr`."""
+def weight_step(ptr: str, p: SymbolicArgs, s: Fp8Shape, target: Target) -> str:
+    """The step's weight tile at rows `wn`, columns `kk` of the [N, K] weight at `ptr`;
+    in the packed form its [BN, KB, 32] 4-byte words at word columns `kq`."""
     at = "wn.to(tl.int64)" if p.needs_int64 else "wn"
+    if packed.packs(target, k_tail(s)):
+        return (f"tl.load(({ptr}).to(tl.pointer_type(tl.int32)) + ({at} * (K // 4) + kq), "
+                "mask=wn < N, other=0)")
     ok = "(wn < N) & (kk < K)" if k_tail(s) else "wn < N"
     return f"tl.load({ptr} + ({at} * K + kk), mask={ok}, other=0.0)"
 

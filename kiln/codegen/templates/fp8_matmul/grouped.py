@@ -176,7 +176,8 @@ class _Grouped(_Source):
 
     def _lines(self) -> list[str]:
         def weights(em):
-            return [(gemv.weight_step("wb", self.p, self.s), gemv.scale_step("sb", "NB", self.s))]
+            return [(gemv.weight_step("wb", self.p, self.s, self.target),
+                     gemv.scale_step("sb", "NB", self.s))]
 
         lines = gemv.body(self.em, self.p, self.s, self.target, self.m_hi,
                           columns=self._columns(), weights=weights, tile_id="pid")
@@ -213,7 +214,7 @@ class _Paired(_Source):
             out = []
             for sh in self.shapes:
                 w, sc = self._pointers(sh)
-                out.append((gemv.weight_step(w, self.p, sh),
+                out.append((gemv.weight_step(w, self.p, sh, self.target),
                             gemv.scale_step(sc, str(-(-sh.n // BLOCK)), sh)))
             return out
 
