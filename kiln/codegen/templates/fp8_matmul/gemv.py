@@ -164,6 +164,10 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
     with em.block() as loop:
         loop += ["kk = k0 + kx", *(["kq = k0 // 4 + kw"] if pk else []),
                  f"kb = k0 // {BLOCK} + tl.arange(0, KB)[None, :]  # [1, KB]"]
+        n = len(loop)
+        streams = (weights or (lambda e: plain_weight(e, p, s, target)))(em)
+        # the packed form's scale loads and x's arithmetic: after its words' loads (below)
+        quantise, loop[n:] = (loop[n:], []) if pk else ([], loop[n:])
         for m in range(m_hi):
             # a row past a dynamic M reads row M - 1 (valid memory); its products are skipped
             at = Lin.of(Opaque(f"row{m}", s.m)) if dynamic else Lin.of(m)
@@ -172,16 +176,20 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
             x = em.value(s.x, reshape_index((at, _v("kk", s.k)), (s.m, s.k), s.x_shape), x_mask)
             xf = (f"tl.where(kk < K, {x.code}.to(tl.float32), 0.0)" if tail else
                   f"tl.broadcast_to({x.code}.to(tl.float32), [1, KB, {BLOCK}])")
-            if norm is not None:
-                loop.append(norm.squares(f"ss{m}", "kk < K" if tail else None,
-                                         f"[1, KB, {BLOCK}]"))
+            lines = [] if norm is None else [norm.squares(f"ss{m}", "kk < K" if tail else None,
+                                                          f"[1, KB, {BLOCK}]")]
             if pk:
-                loop += [f"xf = {xf}", *packed.quantise_packed("xf", m)]
+                quantise += [f"xf{m} = {xf}", *lines, *packed.quantise_packed(f"xf{m}", m)]
                 continue
-            loop += [f"xf = {xf}",
+            loop += [*lines, f"xf = {xf}",
                      *quantise_rows("xf", target, axis=2),
                      f"xq{m} = xq.to(tl.float32)", f"xs{m} = xs{fnuz_scale(target)}"]
-        streams = (weights or (lambda e: plain_weight(e, p, s, target)))(em)
+        if pk:
+            # the words' loads after x's (the last anchor's layout is the products': x's
+            # pairs go to it) and before x's arithmetic, whose reductions and conversion
+            # barriers would otherwise hold the loads back
+            loop += [f"{_names(j)[1]} = {w}" for j, (w, _) in enumerate(streams)] + quantise
+            # (a scale's conversion to the products' layout waits on its load: so after)
         products = []
         for j in range(len(streams)):
             acc, wf, ws = _names(j)
@@ -195,7 +203,7 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
         for j, (w, scale) in enumerate(streams):
             _, wf, ws = _names(j)
             loop += [f"{ws} = {scale}{fnuz_scale(target)}",
-                     f"{wf} = {w}" if pk else f"{wf} = {from_e4m3fn(w, target)}.to(tl.float32)"]
+                     *([] if pk else [f"{wf} = {from_e4m3fn(w, target)}.to(tl.float32)"])]
         loop += products
     L += [f"{_names(j)[0]}{m} = tl.zeros([BN, KB], tl.float32)"
           for j in range(len(streams)) for m in range(m_hi)]
