@@ -119,7 +119,7 @@ class _Source:
         source = module_source(name, params, lines, self.em.helpers, target, p.describe())
         tiles = f"cdiv({p.grid(s.m)}, BM) * {self._column_blocks()}"
         steps = f"cdiv({s.k}, KB * {BLOCK})"
-        n_split = split.count("SPLIT_K", tiles, template.SPLIT_FILL * target.multiprocessors,
+        n_split = split.count("SPLIT_K", tiles, gemv.SPLIT_FILL * target.multiprocessors,
                               steps)
         grid = (f"cdiv({p.grid(s.m)}, BM)", self._column_blocks(), n_split)
         shape = self._config_shape()

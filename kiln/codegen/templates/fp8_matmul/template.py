@@ -181,7 +181,8 @@ def generate(region: Region, plan: DispatchPlan, target: Target,
     params = p.names() + [split.PARTS, split.COUNTS] + [f"{t}: tl.constexpr" for t in tunables]
     source = module_source(name, params, lines, em.helpers, target, p.describe())
     tiles = f"cdiv({p.grid(shape.m)}, BM) * cdiv({shape.n}, BN)"
-    n_split = split.count("SPLIT_K", tiles, SPLIT_FILL * target.multiprocessors, steps)
+    fill = gemv.SPLIT_FILL if form == "gemv" else SPLIT_FILL
+    n_split = split.count("SPLIT_K", tiles, fill * target.multiprocessors, steps)
     grid = (f"cdiv({p.grid(shape.m)}, BM)", f"cdiv({shape.n}, BN)", n_split)
     if default not in configs:
         configs.insert(0, default)
