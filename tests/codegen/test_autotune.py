@@ -742,3 +742,22 @@ def test_timing_fill_chooses_distinct_values_per_row():
     ids = inputs["ids"]
     assert ids.shape == (5, 3) and ids.min() >= 0 and ids.max() < 8
     assert all(len(set(row)) == 3 for row in ids.tolist())
+
+
+def test_a_workers_reason_keeps_a_cuda_errors_cause_and_a_compilers_last_lines():
+    """torch's CUDA errors name the cause on their first line and end in three lines of
+    advice; a compiler's message ends with the failing line: the one-line reason a
+    quarantine records keeps both ends."""
+    from kiln.codegen.autotune.compile_worker import _reason
+
+    cuda = RuntimeError(
+        "CUDA error: an illegal memory access was encountered\n"
+        "CUDA kernel errors might be asynchronously reported at some other API call, so "
+        "the stacktrace below might be incorrect.\n"
+        "For debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
+        "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n")
+    assert _reason(cuda).startswith("RuntimeError: CUDA error: an illegal memory access")
+    compiler = ValueError("at 12:8:\n    acc += tl.dot(a, b)\n        ^\nshapes are incompatible")
+    why = _reason(compiler)
+    assert why.startswith("ValueError: at 12:8:") and why.endswith("^ shapes are incompatible")
+    assert _reason(KeyError()) == "KeyError" and _reason(ValueError("one")) == "ValueError: one"

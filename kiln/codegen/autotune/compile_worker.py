@@ -39,8 +39,12 @@ def _apply_env(env: dict[str, str]) -> None:
 
 
 def _reason(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    head = " ".join(line.strip() for line in text[-3:])[:500] if text else ""
+    """`e` in one line: its first line (torch's CUDA errors name the cause there, "CUDA
+    error: an illegal memory access was encountered", then three lines of advice) and
+    its last two (a compiler's message ends with the failing line)."""
+    text = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    kept = text[:1] + text[max(1, len(text) - 2):]
+    head = " ".join(kept)[:500]
     return f"{type(e).__name__}: {head}" if head else type(e).__name__
 
 
