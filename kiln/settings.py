@@ -38,10 +38,10 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
                        "ATen: node by node (torch >= 2.13; seconds for an 8B, where torch's "
                        "whole-program re-trace takes tens of seconds; programs it cannot "
                        "take and older torch get the re-trace), or always by the re-trace"),
-    "KILN_PDL": ("0", "1: on Hopper and later GPUs, launch kiln's kernels as programmatic "
-                 "dependents: scheduled while their predecessor drains, they wait for its "
-                 "results (2-4.5% off an 8B decode step on an H200; off by default until "
-                 "the whole GPU test suite has passed with it)"),
+    "KILN_PDL": ("1", "0: launch kiln's kernels the ordinary way, not as programmatic "
+                 "dependents (on Hopper and later GPUs, by default, each is scheduled while "
+                 "its predecessor drains and waits for its results: 2-4.5% off an 8B "
+                 "decode step on an H200)"),
     "KILN_FP8_GEMV_PACKED": ("1", "0: the one-token fp8 GEMV multiplies in fp32 as Triton "
                              "writes it, not in packed fp16 through inline PTX (NVIDIA "
                              "GPUs; for comparisons, or should a driver's PTX reject it)"),
@@ -128,8 +128,8 @@ def local_decompose() -> bool:
 
 
 def pdl_enabled() -> bool:
-    """KILN_PDL: programmatic dependent launch on GPUs that have it (default off)."""
-    return (_get("KILN_PDL") or "0").strip().lower() in ("1", "true", "yes")
+    """KILN_PDL: programmatic dependent launch on GPUs that have it (default on)."""
+    return (_get("KILN_PDL") or "1").strip().lower() not in ("0", "false", "no")
 
 
 def fp8_gemv_packed() -> bool:

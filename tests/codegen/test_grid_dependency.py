@@ -1,6 +1,7 @@
-"""Programmatic dependent launch: with KILN_PDL=1, on sm_90 every kiln kernel opens with the
-grid-dependency wait and is launched as a dependent; older GPUs, ROCm and the default
-keep the ordinary launch. A chain of dependent kernels reads its predecessors' results (gpu)."""
+"""Programmatic dependent launch: by default (KILN_PDL=0 turns it off), on sm_90 every
+kiln kernel opens with the grid-dependency wait and is launched as a dependent; older
+GPUs, ROCm and KILN_PDL=0 keep the ordinary launch. A chain of dependent kernels reads
+its predecessors' results (gpu)."""
 
 from types import SimpleNamespace
 
@@ -50,8 +51,10 @@ def test_targets_without_it_launch_the_ordinary_way(target, pdl):
     assert "griddepcontrol" not in b.asm.get("ptx", "")
 
 
-def test_off_by_default(monkeypatch):
+def test_on_by_default_and_off_with_0(monkeypatch):
     monkeypatch.delenv("KILN_PDL", raising=False)
+    assert grid_dependency.applies(get_target("cuda:sm_90"))
+    monkeypatch.setenv("KILN_PDL", "0")
     assert not grid_dependency.applies(get_target("cuda:sm_90"))
     b = compile_binary(axpy_spec(), Config.make(4, 1, XBLOCK=1024), get_target("cuda:sm_90"))
     assert not b.metadata["launch_pdl"] and "griddepcontrol" not in b.asm["ptx"]
