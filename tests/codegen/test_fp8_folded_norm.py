@@ -57,6 +57,20 @@ def test_one_token_folds_and_matches_the_norm_then_the_op(K, dtype):
     assert rel_err(exe(x)[0].float(), _eager(m, x)[0]) <= 2e-2
 
 
+def test_the_packed_product_folds_the_norm_too(monkeypatch):
+    """The GPUs' packed fp16 product (emulated on the interpreter) with the norm folded:
+    the sums of squares beside it, x * w quantised and paired."""
+    from kiln.codegen.templates.fp8_matmul import packed_product
+
+    monkeypatch.setattr(packed_product, "packs", lambda target, k_tail: not k_tail)
+    m = NormThenFp8(72, 1024)
+    x = (torch.randn(1, 1, 1024) * 3).to(torch.bfloat16)
+    exe = kiln.compile(m, (x,), target="interpret")
+    (kernel,) = [k for k in exe.program.kplan.kernels.values() if isinstance(k, TritonKernel)]
+    assert kernel.spec.meta["row_norm"] and "p_lo" in kernel.spec.source
+    assert rel_err(exe(x)[0].float(), _eager(m, x)[0]) <= 2e-2
+
+
 @pytest.mark.parametrize("K", [700, 512])
 def test_split_k_parts_carry_the_sums_of_squares(K):
     """K over several programs (a tail block in one): each part carries its rows' x^2,

@@ -156,6 +156,36 @@ def test_interpreted_split_k_matches_the_op(K, lead, bias, form):
     assert not scratch_buffer(spec.scratch[1], 1, 1, "cpu").any()  # counters back to 0
 
 
+@pytest.fixture
+def packed_on_the_interpreter(monkeypatch):
+    """The GPUs' packed fp16 product on the interpreter (its PTX emulated by core ops)."""
+    from kiln.codegen.templates.fp8_matmul import packed_product
+
+    monkeypatch.setattr(packed_product, "packs", lambda target, k_tail: not k_tail)
+
+
+@pytest.mark.parametrize("K,lead,config", [
+    (512, (1,), dict(BM=1, BN=32, SPLIT_K=1, KB=4)),  # one step of four blocks
+    (1024, (3,), dict(BM=4, BN=32, SPLIT_K=16, KB=2)),  # three rows, K split
+    (1536, (1, 1), dict(BM=1, BN=64, SPLIT_K=1, KB=1))])  # three steps of one block
+def test_interpreted_packed_product_matches_the_op(K, lead, config, packed_on_the_interpreter):
+    """The packed product's pairing (x's quantised values as f16 pairs against the right
+    bytes of each weight word, word by byte through reshape and split) on the
+    interpreter, its PTX emulated: within fp16 sums of the op's PyTorch form (a wrong
+    pairing is ~1 off); N with a tail, the bias."""
+    m = Fp8Linear(72, K, bias=True, seed=7)
+    x = torch.randn(*lead, K) * 2
+    plan, region = _regions(m, x, "fp8_linear")
+    spec = fp8_matmul.generate(region, plan, get_target("interpret"), form="gemv")
+    assert "p_lo" in spec.source and "inline_asm" not in spec.source
+    kernel = TritonKernel(region, spec, fp8_matmul.Config.make(4, 1, **config), interpret=True)
+    state = {"p_weight": m.weight, "b_weight_scale_inv": m.weight_scale_inv,
+             "p_bias": m.bias}
+    out = torch.full(tuple(region.op(region.outputs[0]).shape), float("nan"))
+    kernel.run({v: state.get(v, x) for v in region.inputs}, {region.outputs[0]: out}, {})
+    assert rel_err(out, m(x)) <= 2e-3
+
+
 @pytest.mark.parametrize("K,bias", [(700, True), (512, False)])
 def test_interpreted_gemm_split_k_matches_the_op(K, bias):
     """The prefill GEMM's split (a short prompt against a narrow weight leaves SMs

@@ -53,9 +53,10 @@ def test_blocks_at_one_token_match_eager(block, dtype, bias):
         assert_close_tree(exe(x), model(x), TOL[dtype])
 
 
-def _run_against_torch(model, dtype, config):
+def _run_against_torch(model, dtype, config, tol=None):
     """The grouped region's kernel at `config` (twice: the split counters must be zero
-    again) against the region's torch ops; returns the split count."""
+    again) against the region's torch ops, within `tol` (TOL[dtype]); returns the split
+    count."""
     model.norm.to(dtype)
     plan = kiln.compile(model, (torch.randn(1, 1, model.norm.weight.shape[0], dtype=dtype),),
                         target="interpret", compile_to="dispatch")
@@ -74,7 +75,7 @@ def _run_against_torch(model, dtype, config):
         got = {o: torch.full(s, float("nan"), dtype=d) for o, (s, d) in outs.items()}
         kernel.run(inputs, got, {})
         for o in region.outputs:
-            assert rel_err(got[o].float(), ref[o].float()) <= TOL[dtype], o
+            assert rel_err(got[o].float(), ref[o].float()) <= (tol or TOL[dtype]), o
     return spec.grid_for(kernel.sizes({}), config)[2]
 
 
@@ -85,6 +86,19 @@ def test_forced_k_splits(block, dim, dtype):
     block's slot; K = 512 takes the unmasked steps, 300 the K tail."""
     config = Config.make(4, 1, BM=1, BN=32, SPLIT_K=16, KB=1)
     assert _run_against_torch(block(dim=dim, bias=True), dtype, config) == -(-dim // 128)
+
+
+@pytest.mark.parametrize("block,dtype", [(LatentProjections, torch.float32),
+                                         (GatedMLP, torch.bfloat16)])
+def test_packed_product_in_groups_and_pairs(block, dtype, monkeypatch):
+    """The GPUs' packed fp16 product (emulated on the interpreter): each sibling's words
+    from its own pointer, a pair's two streams against one x's pairs."""
+    from kiln.codegen.templates.fp8_matmul import packed_product
+
+    monkeypatch.setattr(packed_product, "packs", lambda target, k_tail: not k_tail)
+    config = Config.make(4, 1, BM=1, BN=32, SPLIT_K=16, KB=2)
+    # fp16 sums of four exact products: ~1e-4 off the op's fp32 ones
+    assert _run_against_torch(block(dim=512, bias=True), dtype, config, 2e-3) == 2
 
 
 class ShiftedPair(GatedMLP):

@@ -185,7 +185,8 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
             lines = [] if norm is None else [norm.squares(f"ss{m}", "kk < K" if tail else None,
                                                           f"[1, KB, {BLOCK}]")]
             if pk:
-                quantise += [f"xf{m} = {xf}", *lines, *packed.quantise_packed(f"xf{m}", m)]
+                quantise += [f"xf{m} = {xf}", *lines,
+                             *packed.quantise_packed(f"xf{m}", m, target)]
                 continue
             loop += [*lines, f"xf = {xf}",
                      *quantise_rows("xf", target, axis=2),
@@ -200,9 +201,10 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
         for j in range(len(streams)):
             acc, wf, ws = _names(j)
             for m in range(m_hi):
-                prod = packed.product(wf, m) if pk else f"xq{m} * {wf}"
-                step = f"{acc}{m} += tl.sum({prod}, 2) * xs{m} * {ws}  # [BN, KB]"
-                products += [f"if {m} < {M}:", "    " + step] if dynamic and m else [step]
+                prod = packed.product(wf, m, target) if pk else [f"prod = xq{m} * {wf}"]
+                step = [*prod, f"{acc}{m} += tl.sum(prod, 2) * xs{m} * {ws}  # [BN, KB]"]
+                products += ([f"if {m} < {M}:", *["    " + x for x in step]] if dynamic and m
+                             else step)
         # the weight's load after x's: Triton's layout propagation (a worklist) gives the
         # products the layout of the last anchor; were x's last, the weight tile would
         # go through shared memory to reach it

@@ -23,7 +23,7 @@ byte and packed pairwise with `cvt.rn.f16x2.f32`, once a step for all the weight
 
 from __future__ import annotations
 
-from kiln.codegen.templates.fp8_matmul.common import E4M3FN
+from kiln.codegen.templates.fp8_matmul.common import E4M3FN, round_to_e4m3
 from kiln.ops.fp8_linear import AMAX_FLOOR, FP8_MAX
 from kiln.settings import fp8_gemv_packed
 from kiln.target import Target
@@ -57,7 +57,7 @@ cvt.f32.f16 $1, hi;
 PAIR_ASM = "cvt.rn.f16x2.f32 $0, $2, $1;"
 
 
-def packs(target: Target, k_tail: bool) -> bool:
+def packs(target: Target, k_tail: bool) -> bool:  # tests force it on the interpreter
     """Whether the GEMV takes this form: NVIDIA targets (the fp8 template has already
     declined those without e4m3, and with it these conversions: sm_89+), K a whole
     number of steps (no masked words), unless KILN_FP8_GEMV_PACKED=0. gfx942 and the
@@ -71,7 +71,7 @@ def word_offsets() -> str:
             f"tl.arange(0, {WORDS})[None, None, :]  # [1, KB, 32] a step's 4-byte words")
 
 
-def quantise_packed(x: str, m: int) -> list[str]:
+def quantise_packed(x: str, m: int, target: Target) -> list[str]:
     """Lines quantising row m's fp32 x `x` ([1, KB, 128]) per 128-block as
     common.quantise_rows does, setting `xa{m}`, `xb{m}` ([1, KB, 32]: bytes 0-1 and 2-3
     of each weight word as f16 pairs, times X_SCALE) and `xs{m}` (the block scale over
@@ -80,16 +80,41 @@ def quantise_packed(x: str, m: int) -> list[str]:
             f"xs{m} = amax * {1.0 / FP8_MAX!r} * {1.0 / X_SCALE!r}",
             f"q = {x} * (tl.math.div_rn(1.0, amax) * {FP8_MAX!r})[:, :, None]",
             f"q = tl.minimum(tl.maximum(q, {-FP8_MAX!r}), {FP8_MAX!r})",
+            *(round_to_e4m3("q") if target.backend == "interpret" else []),
             f"q = q.to({E4M3FN}).to(tl.float32) * {X_SCALE!r}",
             "# word by byte: [1, KB, 32, 4] as [.., pair, byte of the pair]",
             f"q_even, q_odd = tl.split(tl.reshape(q, [1, KB, {WORDS}, 2, 2]))",
-            f"pairs = tl.inline_asm_elementwise({PAIR_ASM!r}, '=r,r,r', [q_even, q_odd], "
-            "dtype=tl.int32, is_pure=True, pack=1)  # [1, KB, 32, 2]",
+            f"pairs = {_pair('q_even', 'q_odd', target)}  # [1, KB, 32, 2]",
             f"xa{m}, xb{m} = tl.split(pairs)"]
 
 
-def product(words: str, m: int) -> str:
-    """Row m's [BN, KB, 32] fp32 products (two a word pair, each a sum of four) of the
-    weight's words `words`, summed over the block by the caller."""
-    return (f"tl.inline_asm_elementwise({PRODUCT_ASM!r}, '=r,=r,r,r,r,r,r,r', "
-            f"[{words}, xa{m}, xb{m}], dtype=tl.float32, is_pure=True, pack=2)")
+def _pair(lo: str, hi: str, target: Target) -> str:
+    """fp32 `lo`, `hi` as one f16 pair (`hi` the upper half); on the interpreter, which
+    runs no PTX, the same bits from Triton's core ops."""
+    if target.backend == "interpret":
+        return (f"({_f16_bits(hi)} << 16) | {_f16_bits(lo)}")
+    return (f"tl.inline_asm_elementwise({PAIR_ASM!r}, '=r,r,r', [{lo}, {hi}], "
+            "dtype=tl.int32, is_pure=True, pack=1)")
+
+
+def _f16_bits(v: str) -> str:
+    return f"({v}.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF)"
+
+
+def product(words: str, m: int, target: Target) -> list[str]:
+    """Lines setting `prod`, row m's [BN, KB, 32] fp32 products of the weight's words `words`
+    (on the GPU two a word pair, each a sum of four), summed over the block by the
+    caller. The interpreter runs no PTX: there each word's four bytes are widened and
+    multiplied in fp16 by Triton's core ops, two fp16 sums of two products a word (the
+    GPU's grouping differs within fp16 rounding; the pairing of bytes and x's halves,
+    which a test holds against the op, is the same)."""
+    if target.backend != "interpret":
+        return [f"prod = tl.inline_asm_elementwise({PRODUCT_ASM!r}, '=r,=r,r,r,r,r,r,r', "
+                f"[{words}, xa{m}, xb{m}], dtype=tl.float32, is_pure=True, pack=2)"]
+    byte = [f"(({words} >> {8 * i}) & 0xFF).to(tl.uint8).to({E4M3FN}, bitcast=True)"
+            ".to(tl.float16)" for i in range(4)]
+    half = [f"(({x} >> {16 * i}) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)"
+            for x in (f"xa{m}", f"xb{m}") for i in range(2)]  # xa lo, xa hi, xb lo, xb hi
+    return [f"p_lo = {byte[0]} * {half[0]} + {byte[2]} * {half[2]}",
+            f"p_hi = {byte[1]} * {half[1]} + {byte[3]} * {half[3]}",
+            "prod = p_lo.to(tl.float32) + p_hi.to(tl.float32)"]
