@@ -115,6 +115,34 @@ def test_interpreted_gemv_with_skewed_routing_and_dynamic_tokens(config):
         assert not scratch_buffer(kernel.spec.scratch[0], 0, 1, "cpu").any()
 
 
+def test_interpreted_packed_gemv_with_dynamic_tokens(monkeypatch):
+    """The GPUs' packed fp16 product (fp8_matmul/packed_product.py, its PTX emulated on
+    the interpreter) in both K loops: dim and I whole 512-wide steps, each tile row's x
+    (and h) paired with the right bytes of each expert's weight words. A few 1e-3
+    off the op: fp16 sums move g and u by ~1e-4, and h's e4m3 quantisation turns that
+    into more (a 1e-4 change of x moves this op's output 1.8e-2); a wrong pairing is
+    ~1 off."""
+    from kiln.codegen.templates.fp8_matmul import packed_product
+
+    monkeypatch.setattr(packed_product, "packs", lambda target, k_tail: not k_tail)
+    args, _ = make_fp8(4, 512, 2, 512, 2, seed=8)
+    m = Fp8Experts(*args[3:])
+    T = kiln.Dim("T", min=1, max=8)
+    plan = kiln.compile(m, args[:3], dynamic_shapes=({0: T},) * 3, compile_to="dispatch")
+    region = _region(plan)
+    spec = moe.generate(region, plan, get_target("interpret"))
+    assert spec.meta["form"] == "gemv" and "p_lo" in spec.source
+    config = moe.Config.make(4, 1, BM=2, BN=16, BD=32, KB=4)  # two rows, four blocks
+    kernel = TritonKernel(region, spec, config, interpret=True)
+    weights = {f"p_w_{i}": t for i, t in enumerate(args[3:])}
+    for t in (4, 1):
+        named = {"x": args[0][:t], "weights": args[1][:t], "ids": args[2][:t], **weights}
+        out = {region.outputs[0]: torch.full((t, 512), float("nan"))}
+        kernel.run(named, out, {str(plan.values["x"].shape[0]): t})
+        want = m(args[0][:t], args[1][:t], args[2][:t])
+        assert rel_err(out[region.outputs[0]], want) <= 1e-2, t
+
+
 def _v3_spec(tokens: int, most: int, target=SM90, form=None):
     """The kernel at DeepSeek-V3's widths (dim 7168, I 2048, 256 experts, top 8) in bf16
     for `tokens` example tokens, dynamic up to `most` (weights on the meta device)."""

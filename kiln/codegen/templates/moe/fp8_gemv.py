@@ -10,7 +10,10 @@ bytes' copy time. This is kiln::fp8_linear's GEMV form (fp8_matmul/gemv.py) in t
 grouped kernel: a program streams steps of [BN, KB, 128] weight bytes as 16-byte
 loads, quantises each of its tile's rows of x (or h) per 128-block in registers
 exactly as the op does (common.quantise_rows) and accumulates (sum_k xq wq) * xs * ws
-per (row, block column) in fp32, summed over the step's blocks after the loop.
+per (row, block column) in fp32, summed over the step's blocks after the loop. On
+NVIDIA GPUs, where both K widths are whole 512-wide steps (V3's), the products are
+fp8_linear's packed fp16 ones (fp8_matmul/packed_product.py: the weights read as 4-byte
+words) and a step's weight and scale loads go out before any row's quantisation.
 
 Everything else is the tl.dot form's (body.py, fp8.py): the routers, the tiles of BM
 rows of one expert, all experts in one launch, gate and up in the same program (x
@@ -32,6 +35,7 @@ import torch
 from kiln.codegen.build.spec import Config
 from kiln.codegen.expr.indexing import Lin, Opaque
 from kiln.codegen.expr.values import Cond, mask_of
+from kiln.codegen.templates.fp8_matmul import packed_product as packed
 from kiln.codegen.templates.fp8_matmul.common import (
     fnuz_scale,
     from_e4m3fn,
@@ -109,7 +113,7 @@ class Fp8MoeGemvBody(Fp8MoeBody):
         return lines if m == 0 else [f"if BM > {m}:", *_indent(lines)]
 
     def _gate_up_products(self) -> list[str]:
-        s, target = self.s, self.em.target
+        s = self.s
         gs, us, _ = self.s.scales
         L = [*self._steps("nb * BN", "BN", s.inter)]
         for m in range(MAX_ROWS):
@@ -121,23 +125,24 @@ class Fp8MoeGemvBody(Fp8MoeBody):
                 f"acc_u{m} = tl.zeros([BN, KB], tl.float32)"])
         loop = self._k_offsets()
         k_ok = self._k_cond(s.dim)
+        reads = []
         for m in range(MAX_ROWS):
             tok = Lin.of(Opaque(f"tok{m}", s.tokens))
             with self.em.block() as load:
                 x = self.em.value(s.x, (tok, lin_var("kk", s.dim)), mask_of(k_ok))
-            loop += self._row(m, [*load, self._where(x.code, k_ok),
-                                  *self._quantised(m, target)])
-        loop += [f"gs = {self._step_scale(gs, s.inter, s.dim)}",
-                 f"us = {self._step_scale(us, s.inter, s.dim)}",
-                 f"gw = {self._step_weight(s.gate, s.inter, s.dim)}",
-                 f"uw = {self._step_weight(s.up, s.inter, s.dim)}"]
+            reads.append([*load, self._where(x.code, k_ok, m)])
+        loop += self._loads_then_quantised(reads, [
+            f"gs = {self._step_scale(gs, s.inter, s.dim)}",
+            f"us = {self._step_scale(us, s.inter, s.dim)}",
+            f"gw = {self._step_weight(s.gate, s.inter, s.dim)}",
+            f"uw = {self._step_weight(s.up, s.inter, s.dim)}"])
         for m in range(MAX_ROWS):
             loop += self._accumulate(m, [("acc_g", "gw", "gs"), ("acc_u", "uw", "us")])
         return (L + [f"for k0 in range(0, {s.dim}, KB * {BLOCK}):", *_indent(loop)]
                 + self._tile_sums(["acc_g", "acc_u"], "BN"))
 
     def _down_products(self) -> list[str]:
-        s, target = self.s, self.em.target
+        s = self.s
         L = [*self._steps("db * BD", "BD", s.dim)]
         for m in range(MAX_ROWS):
             L += self._row(m, [
@@ -146,17 +151,37 @@ class Fp8MoeGemvBody(Fp8MoeBody):
         loop = self._k_offsets()
         k_ok = self._k_cond(s.inter)
         mask = f", mask={k_ok.code}, other=0.0" if k_ok else ""
-        for m in range(MAX_ROWS):
-            h = f"tl.load(moe_h + h_row{m} * {s.inter} + kk{mask}, {CG})"
-            loop += self._row(m, [f"xf = {h}.to(tl.float32)", *self._quantised(m, target)])
-        loop += [f"ds = {self._step_scale(s.scales[2], s.dim, s.inter)}",
-                 f"dw = {self._step_weight(s.down, s.dim, s.inter)}"]
+        reads = [[f"xf{m} = tl.load(moe_h + h_row{m} * {s.inter} + kk{mask}, {CG})"
+                  ".to(tl.float32)"] for m in range(MAX_ROWS)]
+        loop += self._loads_then_quantised(reads, [
+            f"ds = {self._step_scale(s.scales[2], s.dim, s.inter)}",
+            f"dw = {self._step_weight(s.down, s.dim, s.inter)}"])
         for m in range(MAX_ROWS):
             loop += self._accumulate(m, [("acc", "dw", "ds")])
         return (L + [f"for k0 in range(0, {s.inter}, KB * {BLOCK}):", *_indent(loop)]
                 + self._tile_sums(["acc"], "BD"))
 
     # ---- pieces of both loops --------------------------------------------------------
+
+    def _packs(self) -> bool:
+        """The products in packed fp16 (fp8_matmul/packed_product.py): NVIDIA GPUs,
+        both K widths whole steps (V3's 7168 and 2048)."""
+        s = self.s
+        return packed.packs(self.em.target, bool(s.dim % MAX_STEP or s.inter % MAX_STEP))
+
+    def _loads_then_quantised(self, reads: list[list[str]], weights: list[str]) -> list[str]:
+        """A step's lines: each tile row's x read (`reads`, setting `xf{m}`), then the
+        scales' and weights' loads (`weights`: the last anchor, so x goes to the
+        weight step's layout, not the step to x's), then each row's quantisation.
+        Packed, the weights' loads go before any row's quantisation, whose reductions
+        and layout barriers would hold them back; otherwise each row is quantised right
+        after its read."""
+        if not self._packs():
+            return [*[x for m, r in enumerate(reads)
+                      for x in self._row(m, [*r, *self._quantised(m)])], *weights]
+        quantised = [x for m in range(len(reads)) for x in self._row(m, self._quantised(m))]
+        return [*[x for m, r in enumerate(reads) for x in self._row(m, r)], *weights,
+                *quantised]
 
     def _steps(self, first: str, width: str, n_rows: int) -> list[str]:
         """The program's weight rows `rw` [B] (from `first`), as the step tile's rows
@@ -166,8 +191,11 @@ class Fp8MoeGemvBody(Fp8MoeBody):
                 f"sr = (rw // {BLOCK})[:, None]  # [B, 1] their scale rows"]
 
     def _k_offsets(self) -> list[str]:
+        words = [f"kq = k0 // 4 + tl.arange(0, KB)[None, :, None] * {packed.WORDS} + "
+                 f"tl.arange(0, {packed.WORDS})[None, None, :]  # [1, KB, 32] 4-byte words"]
         return [f"kk = k0 + tl.arange(0, KB)[None, :, None] * {BLOCK} + "
                 f"tl.arange(0, {BLOCK})[None, None, :]  # [1, KB, 128]",
+                *(words if self._packs() else []),
                 f"kb = k0 // {BLOCK} + tl.arange(0, KB)[None, :]  # [1, KB] scale columns"]
 
     @staticmethod
@@ -175,16 +203,19 @@ class Fp8MoeGemvBody(Fp8MoeBody):
         """`kk < size` where a step of up to MAX_STEP may pass it."""
         return Cond(f"kk < {size}", frozenset({"kk"})) if size % MAX_STEP else None
 
-    def _where(self, code: str, k_ok: Cond | None) -> str:
-        """`xf` [1, KB, 128] fp32: a computed x may be nonzero past K."""
+    def _where(self, code: str, k_ok: Cond | None, m: int) -> str:
+        """`xf{m}` [1, KB, 128] fp32: a computed x may be nonzero past K."""
         if k_ok is None:
-            return f"xf = tl.broadcast_to({code}.to(tl.float32), [1, KB, {BLOCK}])"
-        return f"xf = tl.where({k_ok.code}, {code}.to(tl.float32), 0.0)"
+            return f"xf{m} = tl.broadcast_to({code}.to(tl.float32), [1, KB, {BLOCK}])"
+        return f"xf{m} = tl.where({k_ok.code}, {code}.to(tl.float32), 0.0)"
 
-    def _quantised(self, m: int, target: Target) -> list[str]:
-        """Row m's step quantised per 128-block as the op does: `xq{m}` (as fp32) and
-        `xs{m}` [1, KB]."""
-        return [*quantise_rows("xf", target, axis=2), f"xq{m} = xq.to(tl.float32)",
+    def _quantised(self, m: int) -> list[str]:
+        """Row m's step `xf{m}` quantised per 128-block as the op does: `xq{m}` (as
+        fp32) and `xs{m}` [1, KB]; packed, its f16 pairs `xa{m}`, `xb{m}` and `xs{m}`."""
+        target = self.em.target
+        if self._packs():
+            return packed.quantise_packed(f"xf{m}", m, target)
+        return [*quantise_rows(f"xf{m}", target, axis=2), f"xq{m} = xq.to(tl.float32)",
                 f"xs{m} = xs{fnuz_scale(target)}"]
 
     def _step_scale(self, name: str, n_rows: int, n_cols: int) -> str:
@@ -202,6 +233,11 @@ class Fp8MoeGemvBody(Fp8MoeBody):
         ptr = self.p.tensor(name, torch.float8_e4m3fn, (self.s.experts, n_rows, n_cols))
         ok = [c for c in (f"(wr < {n_rows})" if n_rows % MAX_ROWS_TILE else None,
                           f"(kk < {n_cols})" if n_cols % MAX_STEP else None) if c]
+        if self._packs():  # [B, KB, 32] 4-byte words (no K mask: whole steps)
+            masked = f", mask={' & '.join(ok)}, other=0" if ok else ""
+            words = n_cols // 4
+            return (f"tl.load(({ptr}).to(tl.pointer_type(tl.int32)) + e * {n_rows * words} "
+                    f"+ wr * {words} + kq{masked})")
         masked = f", mask={' & '.join(ok)}, other=0.0" if ok else ""
         tile = f"tl.load({ptr} + e * {n_rows * n_cols} + wr * {n_cols} + kk{masked})"
         return f"{from_e4m3fn(tile, self.em.target)}.to(tl.float32)"
@@ -209,8 +245,11 @@ class Fp8MoeGemvBody(Fp8MoeBody):
     def _accumulate(self, m: int, products: list[tuple[str, str, str]]) -> list[str]:
         """Row m's block products (sum_k xq w) * xs * ws into its accumulators; skipped
         past the expert's rows (row 0 always has one: the tile exists)."""
-        step = [f"{acc}{m} += tl.sum(xq{m} * {w}, 2) * xs{m} * {ws}"
-                for acc, w, ws in products]
+        step = []
+        for acc, w, ws in products:
+            prod = (packed.product(w, m, self.em.target) if self._packs()
+                    else [f"prod = xq{m} * {w}"])
+            step += [*prod, f"{acc}{m} += tl.sum(prod, 2) * xs{m} * {ws}"]
         return step if m == 0 else self._row(m, [f"if row0 + {m} < rows_e:", *_indent(step)])
 
     def _tile_sums(self, accs: list[str], width: str) -> list[str]:
