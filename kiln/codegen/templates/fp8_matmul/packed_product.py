@@ -13,7 +13,7 @@ widened to fp32 (12 instructions for 8 bytes, 1.5 a byte). Products of e4m3 valu
 exact in fp16 (4 + 4 significant bits) once x is scaled by 2^-4: |w|, |xq| <= 448 make
 a product at most 12544 and a sum of four at most 50176, under fp16's 65504; x's
 scaled values keep their bits (e4m3's smallest, 2^-9, becomes 2^-13, a normal fp16).
-Only products under 2^-14 (fp16's subnormals: some 2^20 below a block's largest) and
+Only products under 2^-14 (fp16's subnormals, 2^27 below the largest possible) and
 the three fp16 additions a lane round (~2^-11 relative each), against the 2^-4 of x's
 own e4m3 rounding. The block sums then go on in fp32 as before, the 2^4 folded
 into x's block scale.
