@@ -50,6 +50,17 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
 }
 
 
+# the settings that change the kernels kiln builds or how it launches them: a benchmark
+# records them (kiln bench's JSON) so that two runs say what they compared
+SPEED_SETTINGS = ("KILN_TUNE", "KILN_TUNE_TIMING", "KILN_DECOMPOSE", "KILN_PDL",
+                  "KILN_FP8_GEMV_PACKED")
+
+
+def effective(names=SPEED_SETTINGS) -> dict[str, str | None]:
+    """Each setting's value in this environment, its default where unset."""
+    return {n: (_get(n) or "").strip() or SETTINGS[n][0] for n in names}
+
+
 def _get(name: str) -> str | None:
     return os.environ.get(name)
 

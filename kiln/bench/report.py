@@ -19,12 +19,13 @@ from kiln.bench.sweep import Result
 PEERS = ("eager", "torch.compile")
 
 
-def to_json(result: Result) -> dict:
+def to_json(result: Result, settings: dict | None = None) -> dict:
+    """`settings`: the KILN_* settings the run was built and launched with (the CLI's)."""
     p, f = result.plan, result.floors
     return {
         "device": result.device_name, "torch": torch.__version__,
         "preset": p.preset, "layers": p.shape().layers, "dtype": str(p.dtype).split(".")[-1],
-        "quantize": p.quantize,
+        "quantize": p.quantize, "settings": settings or {},
         "floors": {"copy_GBps": f.copy_bytes_per_s / 1e9,
                    "matmul_TFLOPs": f.matmul_flops_per_s / 1e12,
                    "fp8_matmul_TFLOPs": (f.fp8_matmul_flops_per_s / 1e12
@@ -53,6 +54,8 @@ def table(data: dict) -> str:
              f"floors: copy {data['floors']['copy_GBps']:.0f} GB/s, matmul "
              f"{data['floors']['matmul_TFLOPs']:.1f} TFLOP/s"
              + (f", fp8 matmul {fp8_rate:.1f} TFLOP/s" if fp8_rate else ""),
+             *(["settings: " + " ".join(f"{k}={v}" for k, v in data["settings"].items())]
+               if data.get("settings") else []),
              f"{'row':<18}{'floor':>9}{'eager':>9}{'t.compile':>10}{'kiln':>9}"
              f"{'kiln/floor':>11}{'kiln/tc':>8}{'kiln/eager':>11}{'tok/s':>9}{'max err':>9}"]
     for r in data["rows"]:

@@ -11,6 +11,7 @@ import torch
 from kiln.bench import report, sweep
 from kiln.bench.runners import RUNNERS
 from kiln.errors import ArgumentError
+from kiln.settings import effective
 
 # What each preset measures unless told otherwise: the table for the 8B, and
 # sizes a CPU runs in seconds for the tiny one (CI's smoke test).
@@ -84,7 +85,7 @@ def cmd_bench(args) -> int:
     baseline = _read_baseline(args.check) if args.check else None
     plan = _plan(args)
     _check_out(Path(args.out))
-    data = report.to_json(sweep.run(plan))
+    data = report.to_json(sweep.run(plan), effective())
     print(report.table(data))
     out = Path(args.out)
     for note in report.save(data, out):
@@ -102,6 +103,12 @@ def cmd_bench(args) -> int:
     if baseline.get("device") != data["device"]:
         print(f"warning: the baseline ran on {baseline.get('device')}, this run on "
               f"{data['device']}", file=sys.stderr)
+    differ = {k: (v, data["settings"].get(k)) for k, v in baseline.get("settings", {}).items()
+              if data["settings"].get(k) != v}
+    if differ:
+        print("warning: settings differ from the baseline's: " + ", ".join(
+            f"{k} {was} there, {now} here" for k, (was, now) in differ.items()),
+            file=sys.stderr)
     slower = report.check(data, baseline, args.tolerance)
     for line in slower:
         print(f"slower: {line}", file=sys.stderr)

@@ -38,6 +38,10 @@ def test_smoke_run_measures_every_row_and_matches_eager(smoke):
     assert data["floors"]["copy_GBps"] > 0 and data["floors"]["matmul_TFLOPs"] > 0
     text = (out / "bench.txt").read_text()
     assert "kiln/floor" in text and "decode 20 b3" in text
+    # what the run was built and launched with, defaults filled in
+    assert set(data["settings"]) == {"KILN_TUNE", "KILN_TUNE_TIMING", "KILN_DECOMPOSE",
+                                     "KILN_PDL", "KILN_FP8_GEMV_PACKED"}
+    assert all(data["settings"].values()) and "settings: KILN_TUNE=" in text
 
 
 def test_check_passes_itself_and_fails_a_faster_baseline(smoke, tmp_path, capsys):
@@ -53,15 +57,19 @@ def test_check_passes_itself_and_fails_a_faster_baseline(smoke, tmp_path, capsys
     assert report.check(data, peers) == []
 
 
-def test_check_exits_nonzero_on_a_slowdown(tmp_path, capsys):
+def test_check_exits_nonzero_on_a_slowdown(tmp_path, capsys, monkeypatch):
+    """...and says where the baseline's settings differ from this run's."""
+    monkeypatch.setenv("KILN_PDL", "1")
     base = tmp_path / "base.json"
     rows = [{"key": "decode 20 b1", "ms": {"kiln": 1e-6}}]
-    base.write_text(json.dumps({"device": "cpu", "rows": rows}))
+    base.write_text(json.dumps({"device": "cpu", "rows": rows,
+                                "settings": {"KILN_PDL": "0"}}))
     argv = SMOKE[:] + ["--out", str(tmp_path / "o"), "--check", str(base), "--batches", "1",
                        "--sweep", "", "--prefill", "4"]
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "slower: decode 20 b1" in err and "1 slower" in err
+    assert "settings differ from the baseline's: KILN_PDL 0 there, 1 here" in err
 
 
 def test_prefill_only_run(tmp_path):
