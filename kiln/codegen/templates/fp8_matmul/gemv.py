@@ -172,7 +172,8 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
                  f"kb = k0 // {BLOCK} + tl.arange(0, KB)[None, :]  # [1, KB]"]
         n = len(loop)
         streams = (weights or (lambda e: plain_weight(e, p, s, target)))(em)
-        # the packed form's scale loads and x's arithmetic: after its words' loads (below)
+        # packed: the scales' loads (just emitted) and x's arithmetic go after the words'
+        # loads (below); only x's loads precede them
         quantise, loop[n:] = (loop[n:], []) if pk else ([], loop[n:])
         for m in range(m_hi):
             # a row past a dynamic M reads row M - 1 (valid memory); its products are skipped
@@ -193,10 +194,10 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
                      f"xq{m} = xq.to(tl.float32)", f"xs{m} = xs{fnuz_scale(target)}"]
         if pk:
             # the words' loads after x's (the last anchor's layout is the products': x's
-            # pairs go to it) and before x's arithmetic, whose reductions and conversion
-            # barriers would otherwise hold the loads back
+            # pairs go to it, not the words to x) and before the scales' (whose layout
+            # conversion waits on them) and x's arithmetic (whose reductions and layout
+            # barriers would hold the words' loads back: a load cannot pass bar.sync)
             loop += [f"{_names(j)[1]} = {w}" for j, (w, _) in enumerate(streams)] + quantise
-            # (a scale's conversion to the products' layout waits on its load: so after)
         products = []
         for j in range(len(streams)):
             acc, wf, ws = _names(j)
