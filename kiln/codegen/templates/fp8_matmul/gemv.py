@@ -194,9 +194,9 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
                      f"xq{m} = xq.to(tl.float32)", f"xs{m} = xs{fnuz_scale(target)}"]
         if pk:
             # the words' loads after x's (the last anchor's layout is the products': x's
-            # pairs go to it, not the words to x) and before the scales' (whose layout
-            # conversion waits on them) and x's arithmetic (whose reductions and layout
-            # barriers would hold the words' loads back: a load cannot pass bar.sync)
+            # pairs go to it, not the words to x), before the scales' and x's arithmetic:
+            # the scales' layout conversion and x's reductions wait on their loads at
+            # barriers, and a load cannot pass bar.sync
             loop += [f"{_names(j)[1]} = {w}" for j, (w, _) in enumerate(streams)] + quantise
         products = []
         for j in range(len(streams)):
