@@ -153,8 +153,7 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
     M = p.dim(s.m)
     dynamic = not (isinstance(s.m, int) and s.m == m_hi)
     columns = columns or [f"N = {s.n}", f"pid_n = tl.program_id(1){wide}"]
-    tail = k_tail(s)
-    pk = packed.packs(target, tail)
+    pk = packed.packs(target, k_tail(s))
     L = [*columns, f"K = {s.k}",
          "rn = pid_n * BN + tl.arange(0, BN)",
          "wn = rn[:, None, None]  # [BN, 1, 1] weight rows",
@@ -166,7 +165,6 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
          "lo = 0", "hi = K", "if SPLIT_K > 1:  # this split's whole steps",
          *["    " + x for x in split.program_range("K", f"KB * {BLOCK}")],
          *[f"row{m} = tl.minimum({m}, {M} - 1)" for m in range(m_hi) if dynamic]]
-    x_mask = mask_of(Cond("kk < K", frozenset({"kk"})) if tail else None)
     with em.block() as loop:
         loop += ["kk = k0 + kx", *(["kq = k0 // 4 + kw"] if pk else []),
                  f"kb = k0 // {BLOCK} + tl.arange(0, KB)[None, :]  # [1, KB]"]
@@ -174,38 +172,15 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
         streams = (weights or (lambda e: plain_weight(e, p, s, target)))(em)
         # packed: the scales' loads (just emitted) and x's arithmetic go after the words'
         # loads (below); only x's loads precede them
-        quantise, loop[n:] = (loop[n:], []) if pk else ([], loop[n:])
-        for m in range(m_hi):
-            # a row past a dynamic M reads row M - 1 (valid memory); its products are skipped
-            at = Lin.of(Opaque(f"row{m}", s.m)) if dynamic else Lin.of(m)
-            if norm is not None:
-                norm.mask = x_mask
-            x = em.value(s.x, reshape_index((at, _v("kk", s.k)), (s.m, s.k), s.x_shape), x_mask)
-            xf = (f"tl.where(kk < K, {x.code}.to(tl.float32), 0.0)" if tail else
-                  f"tl.broadcast_to({x.code}.to(tl.float32), [1, KB, {BLOCK}])")
-            lines = [] if norm is None else [norm.squares(f"ss{m}", "kk < K" if tail else None,
-                                                          f"[1, KB, {BLOCK}]")]
-            if pk:
-                quantise += [f"xf{m} = {xf}", *lines,
-                             *packed.quantise_packed(f"xf{m}", m, target)]
-                continue
-            loop += [*lines, f"xf = {xf}",
-                     *quantise_rows("xf", target, axis=2),
-                     f"xq{m} = xq.to(tl.float32)", f"xs{m} = xs{fnuz_scale(target)}"]
+        later, loop[n:] = (loop[n:], []) if pk else ([], loop[n:])
+        after_words = _rows_of_x(em, s, target, m_hi, dynamic, norm, pk)
         if pk:
             # the words' loads after x's (the last anchor's layout is the products': x's
             # pairs go to it, not the words to x), before the scales' and x's arithmetic:
             # the scales' layout conversion and x's reductions wait on their loads at
             # barriers, and a load cannot pass bar.sync
-            loop += [f"{_names(j)[1]} = {w}" for j, (w, _) in enumerate(streams)] + quantise
-        products = []
-        for j in range(len(streams)):
-            acc, wf, ws = _names(j)
-            for m in range(m_hi):
-                prod = packed.product(wf, m, target) if pk else [f"prod = xq{m} * {wf}"]
-                step = [*prod, f"{acc}{m} += tl.sum(prod, 2) * xs{m} * {ws}  # [BN, KB]"]
-                products += ([f"if {m} < {M}:", *["    " + x for x in step]] if dynamic and m
-                             else step)
+            loop += [f"{_names(j)[1]} = {w}" for j, (w, _) in enumerate(streams)]
+            loop += later + after_words
         # the weight's load after x's: Triton's layout propagation (a worklist) gives the
         # products the layout of the last anchor; were x's last, the weight tile would
         # go through shared memory to reach it
@@ -213,19 +188,66 @@ def body(em: Emitter, p: SymbolicArgs, s: Fp8Shape, target: Target, m_hi: int,
             _, wf, ws = _names(j)
             loop += [f"{ws} = {scale}{fnuz_scale(target)}",
                      *([] if pk else [f"{wf} = {from_e4m3fn(w, target)}.to(tl.float32)"])]
-        loop += products
+        loop += _products(len(streams), m_hi, M, dynamic, pk, target)
     L += [f"{_names(j)[0]}{m} = tl.zeros([BN, KB], tl.float32)"
           for j in range(len(streams)) for m in range(m_hi)]
     if norm is not None:
         L += [f"ss{m} = tl.zeros([1, KB], tl.float32)" for m in range(m_hi)]
-    L += [f"for k0 in range(lo, hi, KB * {BLOCK}):", *["    " + x for x in loop],
-          "rm = tl.arange(0, BM)", "om = rm[:, None]  # [BM, 1] tokens",
-          "on = rn[None, :]  # [1, BN] output columns", f"m_ok = om < {M}", "n_ok = on < N"]
-    for j in range(len(streams)):
+    L += [f"for k0 in range(lo, hi, KB * {BLOCK}):", *["    " + x for x in loop]]
+    return L + _tiles(len(streams), m_hi, M, tile_id, norm)
+
+
+def _rows_of_x(em: Emitter, s: Fp8Shape, target: Target, m_hi: int, dynamic: bool, norm,
+               pk: bool) -> list[str]:
+    """Each token row's x step read (and its squares summed for a folded norm) and
+    quantised, into the emitter's block, row after row; the packed form's arithmetic is
+    returned instead, to go after the weight words' loads. A row past a dynamic M reads
+    row M - 1 (valid memory); its products are skipped."""
+    tail = k_tail(s)
+    x_mask = mask_of(Cond("kk < K", frozenset({"kk"})) if tail else None)
+    after_words = []
+    for m in range(m_hi):
+        at = Lin.of(Opaque(f"row{m}", s.m)) if dynamic else Lin.of(m)
+        if norm is not None:
+            norm.mask = x_mask
+        x = em.value(s.x, reshape_index((at, _v("kk", s.k)), (s.m, s.k), s.x_shape), x_mask)
+        xf = (f"tl.where(kk < K, {x.code}.to(tl.float32), 0.0)" if tail else
+              f"tl.broadcast_to({x.code}.to(tl.float32), [1, KB, {BLOCK}])")
+        squares = [] if norm is None else [norm.squares(f"ss{m}", "kk < K" if tail else None,
+                                                        f"[1, KB, {BLOCK}]")]
+        if pk:
+            after_words += [f"xf{m} = {xf}", *squares,
+                            *packed.quantise_packed(f"xf{m}", m, target)]
+            continue
+        em.lines += [*squares, f"xf = {xf}", *quantise_rows("xf", target, axis=2),
+                     f"xq{m} = xq.to(tl.float32)", f"xs{m} = xs{fnuz_scale(target)}"]
+    return after_words
+
+
+def _products(streams: int, m_hi: int, M: str, dynamic: bool, pk: bool,
+              target: Target) -> list[str]:
+    """Each stream's block products with each row, into the row's [BN, KB] accumulator
+    (skipped for rows past a dynamic M)."""
+    out = []
+    for j in range(streams):
+        acc, wf, ws = _names(j)
+        for m in range(m_hi):
+            prod = packed.product(wf, m, target) if pk else [f"prod = xq{m} * {wf}"]
+            step = [*prod, f"{acc}{m} += tl.sum(prod, 2) * xs{m} * {ws}  # [BN, KB]"]
+            out += [f"if {m} < {M}:", *["    " + x for x in step]] if dynamic and m else step
+    return out
+
+
+def _tiles(streams: int, m_hi: int, M: str, tile_id: str, norm) -> list[str]:
+    """After the loop: each stream's [BM, BN] tile of row sums, the split combine, and a
+    folded norm's row scale."""
+    L = ["rm = tl.arange(0, BM)", "om = rm[:, None]  # [BM, 1] tokens",
+         "on = rn[None, :]  # [1, BN] output columns", f"m_ok = om < {M}", "n_ok = on < N"]
+    for j in range(streams):
         L += [f"{tile(j)} = tl.zeros([BM, BN], tl.float32)",
               *[f"{tile(j)} = tl.where(om == {m}, tl.sum({_names(j)[0]}{m}, 1)[None, :], "
                 f"{tile(j)})" for m in range(m_hi)]]
-    accs = [tile(j) for j in range(len(streams))]
+    accs = [tile(j) for j in range(streams)]
     if norm is None:
         return L + combine_splits(tile_id, "m_ok & n_ok", "n_ok = on < tl.where(last, N, 0)",
                                   accs)
