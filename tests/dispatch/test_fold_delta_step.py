@@ -4,6 +4,7 @@ templates/gated_delta/step_fusion.py): the plan holds one region for them, and u
 the `interpret` target the step's outputs and state match eager over several steps."""
 
 import copy
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -101,3 +102,25 @@ def test_the_cpu_target_keeps_the_regions_apart():
     exe = kiln.compile(model, (torch.randn(1, 1, DIM), torch.tensor([[2]])))
     step = _step_region(exe)
     assert not step.inplace and not any("prologue" in n for n in step.notes)
+
+
+def test_the_qwen3_next_step_takes_whole_heads_on_four_warps_and_spills_nothing(monkeypatch):
+    """At Qwen3-Next's widths (16 key heads, 32 value heads of 128) the step with its
+    gated RMSNorm epilogue holds a 128 x 128 fp32 state block a program: the default
+    puts it on 4 warps (128 values a thread: 7.8 us on an H200, against 12.7 on 8
+    warps), and that config compiles for sm_90 without spilling."""
+    from kiln.codegen.build.compiler import compile_binary
+    from kiln.codegen.templates.gated_delta import template as gated_delta
+    from kiln.target import get_target
+
+    mod = sys.modules[__name__]
+    for name, value in (("H", 16), ("HV", 32), ("K", 128), ("V", 128), ("DIM", 256)):
+        monkeypatch.setattr(mod, name, value)
+    torch.manual_seed(0)
+    model = Step(rows=1).to(torch.bfloat16)
+    x, pos = torch.randn(1, 1, 256, dtype=torch.bfloat16), torch.tensor([[3]])
+    exe = kiln.compile(model, (x, pos), target="interpret")
+    sm90 = get_target("cuda:sm_90")
+    spec = gated_delta.generate(_step_region(exe), exe.plan, sm90)
+    assert (spec.default["BV"], spec.default.num_warps) == (128, 4)
+    assert compile_binary(spec, spec.default, sm90).resources.spills == 0
