@@ -139,3 +139,30 @@ def test_half_precision_prefill_with_a_sliding_window():
     _bounded(exe, "interpret")
     ref = Masked()(*(x.float() if x.is_floating_point() else x for x in a))
     assert rel_err(exe(*a).float(), ref) <= 1e-2
+
+
+@pytest.mark.parametrize("name", ["random bool", "additive"])
+def test_dead_keys_inside_the_envelope_may_hold_nan(name):
+    """Inside the envelope the key loop reads every key (its loads wait on no mask); a
+    key no row lets through is kept out by its score and a zeroed V row, so NaN there
+    (a cache row never written) changes nothing, decode and prefill."""
+    b, h, hkv, make = MASKS[name]
+    S = torch.export.Dim("S", min=2, max=160)
+    first = (torch.randn(b, h, 40, 16), torch.randn(b, hkv, 140, 16),
+             torch.randn(b, hkv, 140, 16), make(40, 140))
+    n = first[3].dim()
+    exe = kiln.compile(Masked(), first, target="interpret",
+                       dynamic_shapes=({2: T}, {2: S}, {2: S}, {n - 2: T, n - 1: S}))
+    _bounded(exe, "interpret")
+    for t, s in ((1, 70), (7, 129)):
+        q, k, v, mask = (torch.randn(b, h, t, 16), torch.randn(b, hkv, s, 16),
+                         torch.randn(b, hkv, s, 16), make(t, s))
+        live = mask if mask.dtype == torch.bool else mask != float("-inf")
+        dead = ~live.expand(b, h, t, s).any(dim=(1, 2))  # [b, s]: dead for every row
+        assert dead.any()
+        kn, vn = k.clone(), v.clone()
+        kn.masked_fill_(dead[:, None, :, None], float("nan"))
+        vn.masked_fill_(dead[:, None, :, None], float("nan"))
+        out = exe(q, kn, vn, mask)
+        assert torch.isfinite(out).all(), (name, t, s)
+        assert rel_err(out, Masked()(q, k, v, mask)) <= 1e-5, (name, t, s)

@@ -42,6 +42,7 @@ from kiln.codegen.expr.emit import Emitter, kernel_name, module_source
 from kiln.codegen.expr.indexing import Lin, Var, floordiv, modidx
 from kiln.codegen.expr.kernel_args import SymbolicArgs
 from kiln.codegen.expr.values import CodegenUnsupported, Cond, Val, mask_of
+from kiln.codegen.templates import load_order
 from kiln.codegen.templates import split_k as split
 from kiln.codegen.templates.attention.repeated_heads import repeated_heads
 from kiln.codegen.templates.matmul.configs import can_split
@@ -372,13 +373,21 @@ class _AttentionSource:
         if s.key_bounds is not None:
             L += self._envelope(head, qpos, slen)
             kv_start = "kv_start"
+        # a loop-invariant load (the query position a causal mask compares with) is
+        # read once; a decode tile (16 rows at most: q's parts are small) issues every
+        # load of the prologue as early as it can
+        loops = [self._key_step(head, qpos, dp, dvp, ieee, wide, full) for full in (True, False)]
+        for i, body in enumerate(loops):
+            hoisted, loops[i] = load_order.invariant_loads(body, {"start_n"})
+            L += hoisted
+        rows_hi = bounds_of(s.group * s.tq, self.plan.symbols).hi
+        if rows_hi is not None and rows_hi <= 16:
+            L = load_order.loads_first(L)
         L += [f"lo = {kv_start}", "hi = kv_end", "if KV_SPLIT > 1:",
               *["    " + x for x in split.program_range("kv_end", "BLOCK_N", kv_start)],
               "mid = tl.minimum(hi, tl.maximum(lo, full_end))",
-              "for start_n in range(lo, mid, BLOCK_N):",
-              *["    " + x for x in self._key_step(head, qpos, dp, dvp, ieee, wide, True)],
-              "for start_n in range(mid, hi, BLOCK_N):",
-              *["    " + x for x in self._key_step(head, qpos, dp, dvp, ieee, wide, False)]]
+              "for start_n in range(lo, mid, BLOCK_N):", *["    " + x for x in loops[0]],
+              "for start_n in range(mid, hi, BLOCK_N):", *["    " + x for x in loops[1]]]
         L += self._combine(dvp, p.dim(s.group * s.tq))
         out_lines, out_code = self._cast("acc", {"rows2", "dv2"})
         L += [
@@ -538,10 +547,18 @@ class _AttentionSource:
             m_lines += [f"key_live = tl.max(tl.where(row_ok2, {lets}, False).to(tl.int32), 0) > 0",
                         "live_k = key_live[None, :]", "live_v = key_live[:, None]"]
             live = [Cond("live_k", frozenset({"nk"})), Cond("live_v", frozenset({"nv"}))]
-        k_lines, kt = self._load(s.k, k_idx, mask_of(nk_c, dk_c, *live[:1]),
+        # With the mask's envelope the loop's keys are already the live range's, so a
+        # dead key inside it is rare: its K and V are read (an unmasked load the
+        # pipeliner issues ahead, not one waiting on this step's mask), its score set
+        # to -inf and its V row to 0, so a never-written cache row (NaN) stays out
+        enveloped = bool(live) and s.key_bounds is not None
+        load_live = [] if enveloped else live
+        k_lines, kt = self._load(s.k, k_idx, mask_of(nk_c, dk_c, *load_live[:1]),
                                  tile=f"[{dp}, BLOCK_N]", pad=dk_c)
-        v_lines, vt = self._load(s.v, v_idx, mask_of(nv_c, dv_c, *live[1:]),
+        v_lines, vt = self._load(s.v, v_idx, mask_of(nv_c, dv_c, *load_live[1:]),
                                  tile=f"[BLOCK_N, {dvp}]", pad=dv_c)
+        if enveloped:
+            vt = f"tl.where(live_v, {vt}, 0.0)"
         self.loop_loads = sum("tl.load(" in x for x in k_lines + v_lines)
         p_lines, p_code = self._cast("pr", {"rows2", "nk"})
         L = [f"n = start_n + tl.arange(0, BLOCK_N){wide}", "nk = n[None, :]", "nv = n[:, None]"]
@@ -558,6 +575,8 @@ class _AttentionSource:
                 conds.append(f"({m} != 0)")
             else:
                 score = f"qk * qk_scale + {m}.to(tl.float32) * {LOG2E!r}"
+                if enveloped:  # a NaN key's score is not -inf + NaN
+                    conds.append("live_k")
         if conds:
             L.append(f'sc = tl.where({" & ".join(conds)}, {score}, float("-inf"))')
         else:
