@@ -139,20 +139,33 @@ class Experts(nn.Module):
         axes = (0, 0, 0) if self.expert_parallel else (1, 1, 2)
         return dict(zip(EXPERT_WEIGHTS, axes))
 
-    def gathered(self, x, weights, ids):
-        """x [N, dim], weights/ids [N, k]: only the chosen experts' weights are read.
+    def gathered(self, x, weights, ids, shared=None):
+        """x [..., dim], weights/ids [..., k]: only the chosen experts' weights are read.
 
         Each product is a multiply and a sum over the weight's rows read through the
         ids, in fp32, not a matmul of w[ids]: kiln fuses the gather into the sum's
         reduction kernel (every weight row read once, at its expert's offset), where a
         matmul would first copy the chosen experts' weights (read, write, read again).
-        Eager PyTorch materialises the gathered rows either way."""
-        xf = x.float()[:, None, None, :]  # [N, 1, 1, dim]
-        g = (xf * self.gate_proj[ids].float()).sum(-1)  # [N, k, I]
-        u = (xf * self.up_proj[ids].float()).sum(-1)
+        Eager PyTorch materialises the gathered rows either way.
+
+        `shared`: (a shared expert of the experts' widths (gate_proj, up_proj,
+        down_proj Linears), its weight [..., 1]), run as one more expert of every row:
+        its weights concatenated after the chosen ones, so the same two kernels read
+        them and no launch of its own (two small GEMVs) is left."""
+        xf = x.float()[..., None, None, :]  # [..., 1, 1, dim]
+        gate, up, down = self.gate_proj[ids], self.up_proj[ids], self.down_proj[ids]
+        if shared is not None:
+            mlp, scale = shared
+            lead = ids.shape[:-1]
+            gate, up, down = (torch.cat([w, lin.weight.expand(*lead, 1, *lin.weight.shape)], -3)
+                              for w, lin in ((gate, mlp.gate_proj), (up, mlp.up_proj),
+                                             (down, mlp.down_proj)))
+            weights = torch.cat([weights, scale.float()], -1)
+        g = (xf * gate.float()).sum(-1)  # [..., k, I]
+        u = (xf * up.float()).sum(-1)
         h = (F.silu(g) * u).to(x.dtype).float()  # rounded where a matmul's output would be
-        y = (h[:, :, None, :] * self.down_proj[ids].float()).sum(-1)  # [N, k, dim]
-        return (y * weights[:, :, None]).sum(1).to(x.dtype)
+        y = (h[..., None, :] * down.float()).sum(-1)  # [..., k, dim]
+        return (y * weights[..., None]).sum(-2).to(x.dtype)
 
     def grouped(self, x, weights, ids):
         """The pairs sorted by expert, each expert once over its rows (kiln.ops)."""

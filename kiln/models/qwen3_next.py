@@ -356,9 +356,21 @@ class SparseMoE(RoutedMoE):
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
         weights, ids = self.routing(flat)
+        scale = torch.sigmoid(self.shared_expert_gate(flat))
+        if self._shared_is_an_expert(B, T):  # [B, T] rows: the residual add joins its kernel
+            return self.experts.gathered(x, weights.view(B, T, -1), ids.view(B, T, -1),
+                                         shared=(self.shared_expert, scale.view(B, T, 1)))
         routed = self.run_experts(flat, weights, ids, B, T)
-        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        return (routed + shared).view(B, T, D)
+        return (routed + scale * self.shared_expert(flat)).view(B, T, D)
+
+    def _shared_is_an_expert(self, B, T) -> bool:
+        """Does the shared expert run as one more gathered expert (decode; its widths
+        the routed experts': Qwen3-Next-80B's 512 both)? Its two GEMVs cost two
+        launches a layer for a few MB of weights."""
+        mlp, experts = self.shared_expert, self.experts
+        return (isinstance(experts, Experts) and self.form_for(B, T) == "gathered"
+                and mlp.gate_proj.weight.shape == experts.gate_proj.shape[1:]
+                and mlp.down_proj.weight.shape == experts.down_proj.shape[1:])
 
 
 class DecoderLayer(nn.Module):

@@ -44,7 +44,13 @@ def checkpoints(tmp_path_factory):
             if "norm" in name:
                 p.normal_(1.0 if name.endswith("linear_attn.norm.weight") else 0.0, 0.1)
     qwen.save_pretrained(str(root / "qwen3_next"))
-    return {"deepseek_v3": str(root / "deepseek_v3"), "qwen3_next": str(root / "qwen3_next")}
+    # a shared expert as wide as a routed one (Qwen3-Next-80B's): one more gathered expert
+    torch.manual_seed(1)
+    shared = dict(CONFIG, shared_expert_intermediate_size=CONFIG["moe_intermediate_size"])
+    qwen = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**shared)).eval()
+    qwen.save_pretrained(str(root / "qwen3_next_shared"))
+    return {"deepseek_v3": str(root / "deepseek_v3"), "qwen3_next": str(root / "qwen3_next"),
+            "qwen3_next_shared": str(root / "qwen3_next_shared")}
 
 
 def _load(path):
@@ -100,13 +106,15 @@ def _ranks(rank, world, paths):
         err = max(rel_err(module(tokens[:, a:b], torch.arange(a, b)[None]),
                           eager(tokens[:, a:b], torch.arange(a, b)[None])) for a, b in steps)
     out["deepseek_v3"] = dict(err=err, **_held([module], eager))
-    llm = kiln.models.load(paths["qwen3_next"], dtype=torch.float32, max_seq_len=32,
-                           tensor_parallel_size=world)
-    eager = _load(paths["qwen3_next"])
-    with torch.no_grad():
-        err = max(rel_err(llm.forward(tokens[:, a:b], torch.arange(a, b)[None]),
-                          eager(tokens[:, a:b], torch.arange(a, b)[None])) for a, b in steps)
-    out["qwen3_next"] = dict(err=err, **_held([llm.prefill_module, llm.decode_module], eager))
+    for family in ("qwen3_next", "qwen3_next_shared"):
+        llm = kiln.models.load(paths[family], dtype=torch.float32, max_seq_len=32,
+                               tensor_parallel_size=world)
+        eager = _load(paths[family])
+        with torch.no_grad():
+            err = max(rel_err(llm.forward(tokens[:, a:b], torch.arange(a, b)[None]),
+                              eager(tokens[:, a:b], torch.arange(a, b)[None]))
+                      for a, b in steps)
+        out[family] = dict(err=err, **_held([llm.prefill_module, llm.decode_module], eager))
     mlp = _fp8_mlp()
     x = torch.randn(1, 80, 256)
     module = kiln.compile(mlp, (x,), dynamic_shapes=({1: torch.export.Dim("rows", max=128)},),
@@ -118,7 +126,7 @@ def _ranks(rank, world, paths):
 
 def test_deepseek_v3_qwen3_next_and_fp8_tp2_match_one_device(checkpoints):
     for out in run_spmd(_ranks, 2, checkpoints, timeout=400):
-        for family in ("deepseek_v3", "qwen3_next"):
+        for family in ("deepseek_v3", "qwen3_next", "qwen3_next_shared"):
             got = out[family]
             assert got["err"] <= 1e-5, (family, got["err"])
             assert got["held"] < 0.75 * got["whole"], got  # norms, router, caches whole
