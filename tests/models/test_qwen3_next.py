@@ -312,3 +312,34 @@ def test_a_rank_reads_its_parts_of_the_stacked_experts(checkpoint, llm):
     assert torch.equal(parts[experts + "up_proj"], full[experts + "up_proj"][1:3])
     assert torch.equal(parts[experts + "down_proj"], full[experts + "down_proj"])
     assert torch.equal(parts["lm_head.weight"], full["lm_head.weight"][:10])
+
+
+def test_a_shared_expert_of_the_experts_widths_runs_as_one_more_gathered_expert(tmp_path):
+    """Qwen3-Next-80B's shared expert is as wide as a routed one (512): at decode it is
+    read by the gathered experts' kernels as one more expert of every row, weighted by
+    its sigmoid gate, and its two GEMVs are gone (interpret target: the generated
+    kernels), the logits still transformers' over prefill and decode."""
+    import kiln.models
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(5)
+    config = dict(CONFIG, shared_expert_intermediate_size=CONFIG["moe_intermediate_size"])
+    hf_model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**config)).eval()
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0 if name.endswith("linear_attn.norm.weight") else 0.0, 0.1)
+    hf_model.save_pretrained(str(tmp_path))
+    llm = kiln.models.load(tmp_path, dtype=torch.float32, target="interpret", max_seq_len=32)
+    plan = llm.decode_module.program.plan
+    readers = {w: [r.kind for r in plan.regions if any(w in i for i in r.inputs)]
+               for w in ("shared_expert_gate_proj", "shared_expert_up_proj",
+                         "shared_expert_down_proj", "experts_down_proj")}
+    assert readers["shared_expert_down_proj"] == readers["experts_down_proj"] == ["reduction"]
+    assert all(k == ["reduction"] for k in readers.values()), readers
+    tokens = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ref = hf_model(tokens).logits
+    out = [llm.forward(tokens[:, :12], torch.arange(12))]
+    out += [llm.forward(tokens[:, p:p + 1], torch.tensor([p])) for p in range(12, 16)]
+    assert rel_err(torch.cat(out, dim=1), ref) <= 1e-4
