@@ -33,6 +33,18 @@ def _gpu_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("kiln-gpu-cache")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache(tmp_path_factory):
+    """Module- and session-scoped fixtures compile before the per-test fixture below
+    sets a test's cache: they get a cache of this session's own, never the user's
+    KILN_CACHE_DIR, so a warm machine runs them as a clean one does (a compiled module
+    kept by an earlier run had no decomposition to time: test_explain's phases)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KILN_CACHE_DIR", str(tmp_path_factory.mktemp("kiln-session-cache")))
+    yield
+    mp.undo()
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(request, tmp_path, monkeypatch, _gpu_cache):
     # CPU tests each get a fresh cache (quarantine and tuning results never leak between
