@@ -190,14 +190,15 @@ def config_space(shape: AttentionShape, rows_hi: int | None) -> list[Config]:
 
 
 def miscompiled(config: Config, value_pad: int, target: Target) -> bool:
-    """A config Triton 3.6 builds wrongly for sm_90: with a 16-wide value tile and no
-    pipelining (one stage), the wgmma P@V of a 128-row tile on 4 warps read shared
-    memory out of bounds on an H100 (compute-sanitizer memcheck over every fast-mode
-    candidate, benchmarks/attention_candidates_memcheck.py; tests/fuzz/FINDINGS.md) and
-    poisoned the process's CUDA context. The same tile with 2 or 3 stages was clean.
-    Every one-stage wgmma tile (64 rows and up) at that width is left out."""
+    """A config Triton 3.6 builds wrongly for sm_90: at a 16-wide value tile the wgmma
+    P@V (a tile of 64 rows and up: m64n16k16, V an MN-major B operand with a 32-byte
+    swizzle) read shared memory out of bounds and poisoned the process's CUDA context:
+    on an H100 with one stage (compute-sanitizer over every fast-mode candidate,
+    benchmarks/attention_candidates_memcheck.py), then on an H200 with two (the
+    default, 128 rows; tests/fuzz/FINDINGS.md). Every wgmma tile at that width is
+    left out: 16- and 32-row tiles take mma.sync, which never faulted."""
     return (target.backend == "cuda" and isinstance(target.arch, int) and target.arch >= 90
-            and value_pad == 16 and config.num_stages == 1 and config["BLOCK_M"] >= 64)
+            and value_pad == 16 and config["BLOCK_M"] >= 64)
 
 
 def heuristic(shape: AttentionShape, rows_hi: int | None, target: Target) -> Config:
@@ -212,6 +213,8 @@ def heuristic(shape: AttentionShape, rows_hi: int | None, target: Target) -> Con
         warps, stages, bm, bn = 8, 2, 128, 64
     else:
         warps, stages, bm, bn = 8, 1, 64, 32
+    if miscompiled(Config.make(warps, stages, BLOCK_M=bm), _pow2(shape.value_dim), target):
+        warps, stages, bm = 4, 2, 32  # mma.sync; only tiny test models have such values
     cap = SPLIT_CAP if can_split(bm * d, warps) else 1
     return Config.make(warps, stages, BLOCK_M=bm, BLOCK_N=bn, KV_SPLIT=cap)
 
