@@ -197,3 +197,17 @@ def test_split_count_balances_keys_against_the_merge(context, block_h, parts):
     config = next(c for c in spec.configs if c["BLOCK_H"] == block_h and c["BLOCK_N"] == 32
                   and c["KV_SPLIT"] == latent.SPLIT_CAP)
     assert spec.grid_for({}, config)[2] == parts  # static sizes: the grid is numbers
+
+
+@pytest.mark.parametrize("batch,queries,block_h", [(1, 1, 16), (2, 4, 16), (2, 8, 32)])
+def test_untuned_head_block_spreads_a_small_decode(batch, queries, block_h):
+    """V3's 128 heads at decode: 32-head tiles at batch 1 are 4 programs before the
+    split (an H200 took 16.5 us at context 128 and 46.5 at 2048 against 13.2 and 32.5 with
+    16-head tiles); from 16 rows (batch x queries) 32-head tiles are many enough and
+    read the cache less."""
+    model, args, _ = _case(B=batch, Sq=queries, H=128, R=512, P=64, S=256,
+                          dtype=torch.bfloat16)
+    plan = kiln.compile(model, args, compile_to="dispatch")
+    spec = latent.generate(_region(plan), plan, SM90)
+    assert spec.default["BLOCK_H"] == block_h
+    assert spec.default.num_warps == (4 if block_h == 16 else 8)

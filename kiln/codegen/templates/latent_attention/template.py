@@ -34,7 +34,7 @@ from kiln.codegen.templates import split_k as split
 from kiln.codegen.templates.latent_attention.analysis import OP, LatentShape, analyse, pow2
 from kiln.codegen.templates.latent_attention.body import LatentBody
 from kiln.ir.plan import DispatchPlan, Region
-from kiln.ir.symbolic import to_str
+from kiln.ir.symbolic import bounds_of, to_str
 from kiln.target import Target
 
 __all__ = ["OP", "config_space", "generate", "heuristic"]
@@ -90,15 +90,22 @@ def config_space(shape: LatentShape) -> list[Config]:
     return configs
 
 
-def heuristic(shape: LatentShape, target: Target) -> Config:
-    """The untuned choice: 32 heads per program (16 when there are no more), with the
-    warps that hold the accumulator in 64 registers a thread (8 at V3's 512: compiled
-    for sm_90 without spilling), so a 128-head decode reads each cache tile 4 times
-    (from L2) and its keys split enough to fill the GPU; [64, 512] key tiles (on an
-    H100 at V3's widths, bf16: 1.3-1.6x faster than [32, 512] from batch 1 to 32), two
+def heuristic(shape: LatentShape, target: Target, rows_hi: int | None = None) -> Config:
+    """The untuned choice: 16 heads per program on 4 warps where 32-head tiles would be
+    few (batch x queries x 32-head blocks, `rows_hi` rows at most, under a quarter of
+    the multiprocessors: decode at small batches), else 32 heads (16 when there are no
+    more); the warps that hold the accumulator in 64 registers a thread (8 at V3's 512
+    for 32 heads: compiled for sm_90 without spilling). Fewer heads a program read the
+    cache more often (from L2) but spread a small decode over more programs: on an
+    H200 at V3's widths, batch 1, 16 heads were 16.5 -> 13.2 us at context 128 and
+    46.5 -> 32.5 us at 2048 (both with their split counts, split_limit). [64, 512] key
+    tiles (on an H100, bf16: 1.3-1.6x faster than [32, 512] from batch 1 to 32), two
     stages. The interpreter runs one stage."""
     rp = pow2(shape.latent_dim)
     bh = 16 if shape.heads <= 16 else 32
+    few = target.multiprocessors // 4
+    if rows_hi is not None and rows_hi * -(-shape.heads // 32) < few:
+        bh = 16
     bn = 64 if 64 * rp <= MAX_KEY_TILE else 32
     stages = 1 if target.backend == "interpret" else 2
     return Config.make(_warps(shape, bh) or WARPS[-1], stages, BLOCK_H=bh, BLOCK_N=bn,
@@ -135,7 +142,7 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     n_split = split.count("KV_SPLIT", tiles, target.multiprocessors,
                           split_limit(shape, p.grid(shape.keys)))
     configs = config_space(shape)
-    default = heuristic(shape, target)
+    default = heuristic(shape, target, bounds_of(shape.batch * shape.tq, plan.symbols).hi)
     if default not in configs:
         configs.insert(0, default)
     rp = pow2(shape.latent_dim)
