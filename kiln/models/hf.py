@@ -107,6 +107,11 @@ def family(hf: dict, where: str) -> str:
         return ARCHITECTURES[arch]
     if arch is None and hf.get("model_type") in ARCHITECTURES.values():
         return hf["model_type"]
+    if arch == "DeepseekV3ForCausalLM" or hf.get("model_type") == "deepseek_v3":
+        raise CheckpointError(
+            "a DeepSeek-V3 config is not one of the Llama-like families this loader maps",
+            where=where, hint="load it with kiln.models.load (it picks "
+            "kiln.models.deepseek_v3_checkpoint), or call that module's config_from_hf")
     raise CheckpointError(
         f"architecture {arch or hf.get('model_type')!r} is not supported",
         where=where,

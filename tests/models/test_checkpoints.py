@@ -127,6 +127,13 @@ def test_unsupported_configs(ckpt, change, message):
         assert "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM" in str(e.value)
 
 
+def test_a_deepseek_config_given_to_the_llama_loader_says_where_it_loads():
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
+    with pytest.raises(CheckpointError, match="DeepSeek-V3") as e:
+        hf.config_from_hf(config)
+    assert "kiln.models.load" in str(e.value) and "not supported" not in str(e.value)
+
+
 def test_old_style_rope_config_maps_like_the_new_one():
     new = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
            "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 16,
