@@ -95,6 +95,7 @@ def _digest(t: torch.Tensor) -> str | None:
     """A lifted constant's values (plain tensor attributes, tensors made in forward)."""
     if t.device.type == "meta":
         return None
-    data = t.detach().contiguous().cpu()
+    # flat first: a 0-dim tensor (Gemma's embedding normaliser) has no bytes view
+    data = t.detach().contiguous().cpu().reshape(-1)
     return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()
                           if data.numel() else b"").hexdigest()

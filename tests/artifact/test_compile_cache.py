@@ -64,6 +64,30 @@ def test_second_compile_hits_and_reads_the_new_weights():
     assert b.explain().splitlines()[0] == a.explain().splitlines()[0]
 
 
+class ScalarConstant(torch.nn.Module):
+    """Gemma's way: a 0-dim tensor made in forward scales the embeddings (a lifted
+    constant the cache key hashes by value)."""
+
+    def __init__(self, factor=8.0):
+        super().__init__()
+        self.lin, self.factor = torch.nn.Linear(16, 16), factor
+
+    def forward(self, x):
+        return self.lin(x) * torch.tensor(self.factor ** 0.5, dtype=x.dtype)
+
+
+def test_a_zero_dim_constant_is_keyed_by_its_value():
+    x = torch.randn(6, 16)
+    a = _compile(ScalarConstant(), x)  # hashing it once raised "cannot view Float as Byte"
+    assert not _hit(a)
+    model = ScalarConstant()
+    assert _hit(_compile(model, x))
+    other = ScalarConstant(factor=3.0)
+    exe = _compile(other, x)
+    assert not _hit(exe)  # another constant: another program
+    _check(exe, other, x)
+
+
 def test_changed_code_config_or_helper_misses(monkeypatch):
     x = torch.randn(6, 16)
     assert not _hit(_compile(Mlp(), x))
