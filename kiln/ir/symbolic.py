@@ -46,12 +46,28 @@ def symbol(name: str) -> sympy.Symbol:
 
 
 def as_dim(x) -> Dim:
-    """A torch SymInt / sympy expr / int as a kiln Dim (an int whenever it is constant)."""
+    """A torch SymInt / sympy expr / int as a kiln Dim (an int whenever it is constant,
+    a SymInt's also where its symbols' ranges leave it one value: torch's slicing makes
+    `1 - Max(0, 1 - s)` for a slice of a size-1 dim, which is 1 for every s >= 1, and
+    a dim kiln took for s-sized would not broadcast)."""
     if hasattr(x, "node") and hasattr(x.node, "expr"):  # torch.SymInt
-        x = x.node.expr
+        x = _pinned(x.node.expr, getattr(x.node, "shape_env", None))
     if isinstance(x, sympy.Expr):
         return int(x) if x.is_Integer else x
     return int(x)
+
+
+def _pinned(expr, shape_env):
+    """`expr`, or the one integer its export-time ranges allow."""
+    if shape_env is None or not isinstance(expr, sympy.Expr) or expr.is_Integer \
+            or expr.is_Symbol:
+        return expr
+    try:
+        vr = shape_env.bound_sympy(expr)
+    except Exception:  # a shape env that cannot bound it: keep the expression
+        return expr
+    lo, hi = vr.lower, vr.upper
+    return int(lo) if lo == hi and getattr(lo, "is_Integer", False) else expr
 
 
 def same_dim(a, b) -> bool:

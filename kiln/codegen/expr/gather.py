@@ -218,7 +218,7 @@ def emit_scatter_select(em: OpEmitter, op: Op, index: Index, mask) -> Val:
         conds = [Cond(f"{em.code(index[d])} == {em.dim(k)}", index[d].var_names())]
         sub = index[:d] + index[d + 1:]
     else:
-        start, end, step = slice_bounds(a, shape[d])
+        start, end, step = slice_bounds(a, shape[d], em.shape(src)[d])
         rel = index[d] - start
         conds = _between(em, index[d], start, end)
         if not (isinstance(step, int) and step == 1):

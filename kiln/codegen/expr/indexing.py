@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import sympy
 
+from kiln.codegen.expr.unsupported import CodegenUnsupported
 from kiln.ir.symbolic import Bounds, Dim, as_dim, same_dim, upper_bound
 
 INT32_MAX = 2**31 - 1
@@ -519,9 +520,16 @@ def reshape_index(index: Index, shape: Sequence[Dim], source: Sequence[Dim]) -> 
 
 
 def broadcast_index(index: Index, shape: Sequence[Dim], operand: Sequence[Dim]) -> Index:
-    """Index into an operand broadcast (numpy rules: align right) to `shape`."""
+    """Index into an operand broadcast (numpy rules: align right) to `shape`. A dim
+    neither 1 nor the output's for every size declines: reading it at the output's
+    index would be wrong wherever it is 1 (a symbolic size torch knows is 1 that kiln
+    cannot prove so was read that way once: MPT's ALiBi bias with a dynamic length)."""
     lead = len(shape) - len(operand)
     assert lead >= 0, (shape, operand)
+    for k, s in enumerate(operand):
+        if not same_dim(s, 1) and not same_dim(s, shape[lead + k]):
+            raise CodegenUnsupported(f"an operand dim of size {s} broadcast to {shape[lead + k]}"
+                                     " is neither 1 nor that size for every size")
     return tuple(Lin() if same_dim(s, 1) else index[lead + k] for k, s in enumerate(operand))
 
 

@@ -13,12 +13,8 @@ from typing import Protocol
 import torch
 
 from kiln.codegen.expr.indexing import Index, Lin
+from kiln.codegen.expr.unsupported import CodegenUnsupported
 from kiln.ir.symbolic import Dim
-
-
-class CodegenUnsupported(Exception):
-    """This region (or this op in it) has no Triton form kiln can generate: the template
-    declines with this message, and the region runs extern with it as its note."""
 
 
 class EpilogueApart(CodegenUnsupported):

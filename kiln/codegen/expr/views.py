@@ -111,9 +111,10 @@ def select_index(i, size: Dim) -> Dim:
     return i
 
 
-def slice_bounds(a: dict, size: Dim) -> tuple[Dim, Dim, Dim]:
+def slice_bounds(a: dict, size: Dim, length: Dim | None = None) -> tuple[Dim, Dim, Dim]:
     """A slice's (start, end, step) from its bound arguments (`bind_args`), normalised
-    like Python's: None and negative ends."""
+    like Python's: None and negative ends; a symbolic start that may be negative
+    (`x[-t:]` with a dynamic t) through the slice's `length` (_symbolic_start)."""
     start, end, step = a["start"], a["end"], a["step"]
     out = []
     for v, default in ((start, 0), (end, size)):
@@ -126,16 +127,32 @@ def slice_bounds(a: dict, size: Dim) -> tuple[Dim, Dim, Dim]:
             elif isinstance(v, int) and v >= 2**62:  # "to the end" sentinel
                 v = size
         out.append(v)
-    return out[0], out[1], dim_value(step)
+    start = out[0]
+    if not isinstance(start, int) and not start.is_nonnegative:
+        start = _symbolic_start(a, size, length, dim_value(step))
+    return start, out[1], dim_value(step)
 
 
 def _slice(op: Op, index: Index, shape: tuple) -> Index:
     a = bind_args(op)
     d = norm_axis(a["dim"], len(shape))
-    start, _, step = slice_bounds(a, shape[d])
+    start, _, step = slice_bounds(a, shape[d], op.shape[d])
     res = list(index)
     res[d] = Lin.of(start) + index[d] * step
     return tuple(res)
+
+
+def _symbolic_start(a: dict, size: Dim, length: Dim | None, step) -> Dim:
+    """A symbolic start that may be negative (`x[-t:]` with a dynamic t) counts from the
+    end and clamps at 0, as Python's: for a step-1 slice to the end that is the size
+    less the slice's length (export's shapes already clamp); any other declines."""
+    end = a["end"]
+    to_end = end is None or (isinstance(end, int) and end >= 2**62) or \
+        same_dim(dim_value(end), size)
+    if step == 1 and to_end and length is not None:
+        return norm(size - length)
+    raise CodegenUnsupported(f"a slice from {a['start']} (a symbolic start that may be "
+                             "negative) with an end or step kiln cannot normalise")
 
 
 def _split_piece(tup: Op, k: int, index: Index, shape_of) -> tuple[str, Index]:

@@ -135,7 +135,7 @@ def _destination(em: Emitter, op: Op, u, update, mask):
         if t == "aten.select_scatter.default":
             k = select_index(b["index"], dest_shape[d])
             return u[:d] + (Lin.of(k),) + u[d:], src_at(b["src"], u), False
-        start, _, step = slice_bounds(b, dest_shape[d])
+        start, _, step = slice_bounds(b, dest_shape[d], em.shape(b["src"].name)[d])
         return u[:d] + (Lin.of(start) + u[d] * step,) + u[d + 1:], src_at(b["src"], u), False
     raise CodegenUnsupported(f"{t} is not generated")
 
