@@ -520,17 +520,24 @@ def reshape_index(index: Index, shape: Sequence[Dim], source: Sequence[Dim]) -> 
 
 
 def broadcast_index(index: Index, shape: Sequence[Dim], operand: Sequence[Dim]) -> Index:
-    """Index into an operand broadcast (numpy rules: align right) to `shape`. A dim
-    neither 1 nor the output's for every size declines: reading it at the output's
-    index would be wrong wherever it is 1 (a symbolic size torch knows is 1 that kiln
-    cannot prove so was read that way once: MPT's ALiBi bias with a dynamic length)."""
+    """Index into an operand broadcast (numpy rules: align right) to `shape`. Export
+    has decided each dim: 1 (broadcast) or the output's (guarded equal, though the two
+    may be different symbols). A piecewise size (Max / Min: what slicing makes) that
+    is neither provably declines: torch may know it is 1 where kiln cannot (MPT's ALiBi
+    bias with a dynamic length was read at the query index once)."""
     lead = len(shape) - len(operand)
     assert lead >= 0, (shape, operand)
     for k, s in enumerate(operand):
-        if not same_dim(s, 1) and not same_dim(s, shape[lead + k]):
+        if _piecewise(s) and not same_dim(s, 1) and not same_dim(s, shape[lead + k]):
             raise CodegenUnsupported(f"an operand dim of size {s} broadcast to {shape[lead + k]}"
                                      " is neither 1 nor that size for every size")
     return tuple(Lin() if same_dim(s, 1) else index[lead + k] for k, s in enumerate(operand))
+
+
+def _piecewise(d) -> bool:
+    """Does a size hold a max / min (sympy's or torch's own)?"""
+    return isinstance(d, sympy.Expr) and any(
+        type(f).__name__ in ("Max", "Min") for f in sympy.preorder_traversal(d))
 
 
 def index_vars(shape: Sequence[Dim], names: Sequence[str]) -> Index:
