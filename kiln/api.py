@@ -30,6 +30,7 @@ from kiln.dispatch.fold_delta_state import fold_delta_state
 from kiln.dispatch.fold_delta_step import fold_delta_step
 from kiln.dispatch.fold_rmsnorm import fold_rmsnorm
 from kiln.dispatch.form_regions import form_regions
+from kiln.dispatch.group_cache_writes import group_cache_writes
 from kiln.dispatch.group_fp8_siblings import group_fp8_siblings
 from kiln.dispatch.group_siblings import group_siblings
 from kiln.dispatch.mask_envelope import mask_envelope
@@ -62,7 +63,7 @@ def build_pipeline(dump_dir: str | None = None) -> PassManager:
             Stage("parallel", [pipeline_stages, tensor_parallel, assign_devices]),
             Stage("dispatch", [form_regions, fold_rmsnorm, fold_delta_step,
                                group_siblings, group_fp8_siblings, mask_envelope, reinplace,
-                               fold_delta_state, bind_example_sizes]),
+                               fold_delta_state, group_cache_writes, bind_example_sizes]),
             Stage("codegen", [select_kernels]),
             Stage("schedule", [schedule]),
         ],

@@ -27,7 +27,7 @@ from kiln.codegen.templates.pointwise import pointwise_configs, pointwise_spec
 from kiln.codegen.templates.reduction.row_kernel import RowKernel
 from kiln.ir.ops import SLICE_SCATTERS, OpCategory, bind_args, category, norm_axis
 from kiln.ir.plan import DispatchPlan, Op, Ref, Region
-from kiln.ir.symbolic import numel, upper_bound
+from kiln.ir.symbolic import numel, same_dim, upper_bound
 from kiln.target import Target
 
 ATOMIC_DTYPES = {torch.float32, torch.int32}
@@ -41,8 +41,12 @@ def generate_copy(region: Region, plan: DispatchPlan, target: Target) -> KernelS
             # a returned duplicate of a reduction's value is recomputed in a copy region
             return RowKernel(region, plan, target).spec()
         return pointwise_spec(region, plan, target, kind="copy")
-    if len(scatters) > 1 or region.outputs != [scatters[0].name]:
-        raise CodegenUnsupported("a copy region with several scatters")
+    if region.outputs != [op.name for op in scatters]:
+        raise CodegenUnsupported("a copy region whose outputs are not its scatters")
+    if len(scatters) > 1:  # cache writes side by side (dispatch/group_cache_writes.py)
+        if any(op.name not in region.inplace for op in scatters):
+            raise CodegenUnsupported("several scatters, not all written in place")
+        return scatter_spec(region, plan, target, *scatters)
     op = scatters[0]
     if op.name not in region.inplace:
         if op.target in SLICE_SCATTERS:
@@ -51,22 +55,29 @@ def generate_copy(region: Region, plan: DispatchPlan, target: Target) -> KernelS
     return scatter_spec(region, plan, target, op)
 
 
-def scatter_spec(region: Region, plan: DispatchPlan, target: Target, op: Op) -> KernelSpec:
+def scatter_spec(region: Region, plan: DispatchPlan, target: Target, *ops: Op) -> KernelSpec:
+    """One kernel walking the update of `ops` (several: each of the same update shape,
+    each stored at its own destination)."""
     args = KernelArgs()
     em = Emitter(region, plan, args, target)
-    update = _update_shape(em, op)
+    update = _update_shape(em, ops[0])
+    for other in ops[1:]:
+        shape = _update_shape(em, other)
+        if len(shape) != len(update) or not all(map(same_dim, shape, update)):
+            raise CodegenUnsupported(f"scatters of other update shapes ({update}, {shape})")
     n = numel(update)
     wide = needs_int64(region, plan, extra=[n])
     xmask = Cond("xmask", frozenset({"xindex"}))
     mask = mask_of(xmask)
     u = delinearize(Var("xindex", n), update)
-    dest, value, accumulate = _destination(em, op, u, update, mask)
-    out = op.name
-    dtype = plan.values[out].dtype
-    if accumulate:
-        _atomic_add(em, out, dest, em.cast(value, dtype), mask)
-    else:
-        em.store(out, dest, value, mask, like="xindex")
+    for op in ops:
+        dest, value, accumulate = _destination(em, op, u, update, mask)
+        out = op.name
+        dtype = plan.values[out].dtype
+        if accumulate:
+            _atomic_add(em, out, dest, em.cast(value, dtype), mask)
+        else:
+            em.store(out, dest, value, mask, like="xindex")
     n_code = args.dim(n)
     pid = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
     body = [f"xoffset = {pid} * XBLOCK", "xindex = xoffset + tl.arange(0, XBLOCK)",
