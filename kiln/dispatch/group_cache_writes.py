@@ -52,6 +52,13 @@ def _same_write(a, b) -> bool:
     return da == db and len(sa) == len(sb) and all(same_dim(x, y) for x, y in zip(sa, sb))
 
 
+def _crossed(first: Region, second: Region) -> bool:
+    """Does either write a state the other writes or reads? In one kernel a program
+    could then load what another program's store has already replaced."""
+    dest_a, dest_b = set(first.inplace.values()), set(second.inplace.values())
+    return bool(dest_a & dest_b or dest_a & set(second.inputs) or dest_b & set(first.inputs))
+
+
 def group_cache_writes_of(plan: DispatchPlan) -> int:
     """Merge each pair of adjacent matching cache writes; returns how many regions went."""
     merged, i = 0, 0
@@ -60,7 +67,7 @@ def group_cache_writes_of(plan: DispatchPlan) -> int:
         wa, wb = _cache_write(first), _cache_write(second)
         if wa is None or wb is None or not _same_write(wa, wb) \
                 or set(second.inputs) & set(first.outputs) \
-                or set(first.inplace.values()) & set(second.inplace.values()):
+                or _crossed(first, second):
             i += 1
             continue
         ops = merged_ops([first, second])
