@@ -177,3 +177,37 @@ def test_hf_lm_with_a_dynamic_length_on_generated_kernels(name):
         with torch.no_grad():
             ref = model(input_ids=ids, use_cache=False).logits
             assert _rel(exe(input_ids=ids, use_cache=False).logits, ref) < 1e-5, t
+
+
+MORE_LMS = {  # from the architecture sweep (tests/fuzz/FINDINGS.md), run on the generated kernels
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", {"pad_token_id": 0}),
+    "falcon": ("FalconForCausalLM", "FalconConfig", {"num_key_value_heads": None}),
+    "bloom_alibi": ("BloomForCausalLM", "BloomConfig", {}),
+    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", {}),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64}),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", {"head_dim": 16, "sliding_window": 4}),
+}
+
+
+def _more_config(cfg_cls, extra):
+    base = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+            "n_layer": 2, "n_head": 4}
+    kw = {k: v for k, v in {**base, **extra}.items() if v is not None}
+    return getattr(transformers, cfg_cls)(**kw)
+
+
+@pytest.mark.parametrize("name", list(MORE_LMS))
+def test_more_architectures_on_generated_kernels(name):
+    cls, cfg_cls, extra = MORE_LMS[name]
+    model = _hf(getattr(transformers, cls), _more_config(cfg_cls, extra))
+    ids = torch.randint(0, 100, (2, 9))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KilnWarning)
+        exe = kiln.compile(model, (ids,), {"use_cache": False}, target="interpret")
+    fresh = torch.randint(0, 100, (2, 9))
+    with torch.no_grad():
+        ref = model(fresh, use_cache=False).logits
+    assert _rel(exe(fresh, use_cache=False).logits, ref) < 1e-5
