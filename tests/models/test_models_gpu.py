@@ -46,8 +46,13 @@ def test_logits_match_transformers_on_cuda(family, dtype, checkpoints, gpu_llms)
     for p in range(13, 20):
         out.append(llm.forward(tokens[:, p:p + 1], torch.tensor([p])))
     out = torch.cat(out, dim=1).float().cpu()
+    # The sequence no worse than eager's own error (x1.5), each position within 3x: in
+    # bf16 kiln's error equals eager's (H200, 10-12 token sets a family: mean 1.07e-2
+    # against 1.06e-2, median ratio 1.00), yet a position alone passes the 1.5x rule
+    # only ~99% of the time, on a 96-word vocabulary (benchmarks/RESULTS.md, 11-29).
+    assert_lowp_close(out, ref_low, ref, 1e-2)
     for p in range(20):
-        assert_lowp_close(out[:, p], ref_low[:, p], ref[:, p], 1e-2)
+        assert_lowp_close(out[:, p], ref_low[:, p], ref[:, p], 1e-2, slack=3.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
