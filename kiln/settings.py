@@ -45,6 +45,9 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
     "KILN_FP8_GEMV_PACKED": ("1", "0: the one-token fp8 GEMV multiplies in fp32 as Triton "
                              "writes it, not in packed fp16 through inline PTX (NVIDIA "
                              "GPUs; for comparisons, or should a driver's PTX reject it)"),
+    "KILN_FP8_GEMM_TMA": ("1", "0: the block-scaled fp8 GEMM (prefill) loads its tiles with "
+                          "pointer loads, not the tensor memory accelerator's bulk loads "
+                          "(Hopper and later; for comparisons)"),
     "KILN_DIST_TIMEOUT": ("300", "seconds a rank waits on its peers (a collective, a "
                           "transfer) before a dead or stuck peer is a DistributedError"),
 }
@@ -53,7 +56,7 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
 # the settings that change the kernels kiln builds or how it launches them: a benchmark
 # records them (kiln bench's JSON) so that two runs say what they compared
 SPEED_SETTINGS = ("KILN_TUNE", "KILN_TUNE_TIMING", "KILN_DECOMPOSE", "KILN_PDL",
-                  "KILN_FP8_GEMV_PACKED")
+                  "KILN_FP8_GEMV_PACKED", "KILN_FP8_GEMM_TMA")
 
 
 def effective(names=SPEED_SETTINGS) -> dict[str, str | None]:
@@ -146,6 +149,11 @@ def pdl_enabled() -> bool:
 def fp8_gemv_packed() -> bool:
     """KILN_FP8_GEMV_PACKED: the fp8 GEMV's packed fp16 products (default on)."""
     return (_get("KILN_FP8_GEMV_PACKED") or "1").strip().lower() not in ("0", "false", "no")
+
+
+def fp8_gemm_tma() -> bool:
+    """KILN_FP8_GEMM_TMA: the fp8 GEMM's tiles through TMA on Hopper+ (default on)."""
+    return (_get("KILN_FP8_GEMM_TMA") or "1").strip().lower() not in ("0", "false", "no")
 
 
 def dist_timeout_s() -> float:

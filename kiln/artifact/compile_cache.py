@@ -61,6 +61,7 @@ from kiln.runtime.program import Program
 from kiln.settings import (
     cache_dir,
     compile_cache_enabled,
+    fp8_gemm_tma,
     fp8_gemv_packed,
     pdl_enabled,
     tune_mode,
@@ -109,7 +110,7 @@ def _key(program: str, target: Target, options: dict, examples: list,
         "target": repr(target),
         "options": repr(sorted(user.items(), key=lambda kv: kv[0])),
         "tuning": [tune_mode(), tune_timing(), gpu_for(target), pdl_enabled(),
-                   fp8_gemv_packed()],
+                   fp8_gemv_packed(), fp8_gemm_tma()],
         # what Triton emits depends on its own settings
         "triton_env": sorted((k, v) for k, v in os.environ.items() if k.startswith("TRITON_")),
         "examples": [_leaf(x) for x in examples],

@@ -213,6 +213,55 @@ def test_interpreted_gemm_split_k_matches_the_op(K, bias):
     assert not scratch_buffer(spec.scratch[1], 1, 1, "cpu").any()  # counters back to 0
 
 
+@pytest.fixture
+def tma_on_the_interpreter(monkeypatch):
+    """The GEMM's TMA form (Hopper's) on the interpreter, which runs descriptor loads."""
+    monkeypatch.setattr(gemm, "takes_tma", lambda target, k: k % 16 == 0)
+
+
+@pytest.mark.parametrize("N,K,bias,config", [
+    (72, 336, True, dict(BM=16, BN=32, SPLIT_K=16)),  # K 2 blocks + 80: zeros past K; split
+    (200, 512, False, dict(BM=32, BN=64, SPLIT_K=1)),  # rows past M, columns past N
+])
+def test_interpreted_tma_gemm_matches_the_op(N, K, bias, config, tma_on_the_interpreter):
+    """x and the weight as TMA descriptors (made at launch from the tensors): the
+    tiles past M, N and K read as zeros, no `% M` rows or K mask; against the op."""
+    m = Fp8Linear(N, K, bias, seed=7)
+    x = torch.randn(70, K)
+    plan, region = _regions(m, x, "fp8_scaled_mm")
+    spec = gemm.generate(region, plan, get_target("interpret"))
+    assert spec.meta["tma"] and "desc0.load([pid_m * BM" in spec.source
+    assert "a_ptrs" not in spec.source
+    cfg = gemm.Config.make(4, 1, **config)
+    kernel = TritonKernel(region, spec, cfg, interpret=True)
+    xq, xs, *_ = region.anchor().args
+    values = dict(zip((xq.name, xs.name), quantize_activations(x)))
+    state = {"p_weight": m.weight, "b_weight_scale_inv": m.weight_scale_inv,
+             "p_bias": m.bias}
+    inputs = {v: values.get(v, state.get(v)) for v in region.inputs}
+    out = torch.full((70, N), float("nan"))
+    kernel.run(inputs, {region.outputs[0]: out}, {})
+    assert rel_err(out, m(x)) <= 1e-6
+
+
+def test_interpreted_tma_gemm_in_a_module_with_dynamic_tokens(tma_on_the_interpreter, tmp_path):
+    """Through the runtime: the weight's descriptor made once at binding, x's (a new
+    length each call) at each launch; saved and loaded, the form is kept."""
+    m = Fp8Linear(150, 256, bias=True, seed=2)
+    T = kiln.Dim("T", min=1, max=4096)
+    exe = kiln.compile(m, (torch.randn(1, 80, 256),), dynamic_shapes=({1: T},),
+                       target="interpret")
+    gemm_kernel = _kernels(exe)["fp8_scaled_mm"]
+    assert [a.block for a in gemm_kernel.spec.args if a.block] == [("BM", 128), ("BN", 128)]
+    for t in (70, 133, 70):
+        x = torch.randn(1, t, 256)
+        assert rel_err(exe(x), m(x)) <= 1e-6, t
+    exe.save(tmp_path / "m.kiln")
+    loaded = kiln.load(tmp_path / "m.kiln")
+    x = torch.randn(1, 99, 256)
+    assert rel_err(loaded(x), m(x)) <= 1e-6
+
+
 _INTERPRETER_CAST = """
 import os
 os.environ["TRITON_INTERPRET"] = "1"
@@ -298,7 +347,11 @@ def test_prefill_gemm_config_space_and_its_extremes_on_sm90():
     specs = _deepseek_specs(torch.bfloat16, 4096)
     assert set(specs) == {"fp8_quantize", "fp8_scaled_mm"}
     spec = specs["fp8_scaled_mm"]
-    assert spec.default == gemm.Config.make(8, 4, BM=128, BN=128, SPLIT_K=16)
+    assert spec.default == gemm.Config.make(4, 4, BM=64, BN=128, SPLIT_K=16)
+    # x and the weight as TMA descriptors of [BM, 128] / [BN, 128] blocks
+    assert spec.meta["tma"] and [a.block for a in spec.args if a.block] == [
+        ("BM", 128), ("BN", 128)]
+    assert spec.signature(spec.default)["desc0"] == "tensordesc<fp8e4nv[64, 128]>"
     assert {(c["BM"], c["BN"], c.num_warps) for c in spec.configs} == {
         (64, 128, 4), (64, 128, 8), (128, 128, 8), (64, 256, 8)}
     assert {c.num_stages for c in spec.configs} == {3, 4, 5}
@@ -323,16 +376,33 @@ def _compile_exactly(spec, configs):
         assert real.spills == 0, (config, real.registers, real.spills)
 
 
-def test_the_prefill_gemm_is_pipelined_on_wgmma_for_sm90():
-    """The default config's K loop: tile loads staged with cp.async (16-byte
-    LDGSTS), fp8 warp-group MMA (QGMMA) on operands in shared memory."""
+def test_the_prefill_gemm_is_pipelined_on_wgmma_for_sm90(monkeypatch):
+    """The default config's K loop: tiles staged by TMA bulk copies (UTMALDG) behind
+    mbarriers, fp8 warp-group MMA (QGMMA) on operands in shared memory, no spills;
+    with KILN_FP8_GEMM_TMA=0 (or a K whose rows are not 16-byte multiples) by cp.async
+    (16-byte LDGSTS)."""
     spec = _deepseek_specs(torch.bfloat16, 4096)["fp8_scaled_mm"]
     binary = compile_binary(spec, spec.default, SM90)
     ttgir = binary.asm["ttgir"]
-    assert "ttng.warp_group_dot" in ttgir and "ttg.async_copy_global_to_local" in ttgir
+    assert "ttng.warp_group_dot" in ttgir and "ttng.async_tma_copy_global_to_local" in ttgir
+    assert binary.resources.spills == 0
     sass = disassemble(binary)
     if sass is not None:  # cuobjdump ships with Triton
+        assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass and "UTMALDG.2D" in sass
+    monkeypatch.setenv("KILN_FP8_GEMM_TMA", "0")
+    assert not gemm.takes_tma(SM90, 7168) and gemm.takes_tma(SM90, 7168 + 16) is False
+    spec = _deepseek_specs(torch.bfloat16, 4096)["fp8_scaled_mm"]
+    assert not spec.meta["tma"] and not any(a.block for a in spec.args)
+    binary = compile_binary(spec, spec.default, SM90)
+    assert "ttg.async_copy_global_to_local" in binary.asm["ttgir"]
+    sass = disassemble(binary)
+    if sass is not None:
         assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass and "LDGSTS.E.BYPASS.128" in sass
+    monkeypatch.delenv("KILN_FP8_GEMM_TMA")
+    assert gemm.takes_tma(SM90, 7168) and not gemm.takes_tma(SM90, 7000)  # 16-byte rows
+    assert not gemm.takes_tma(get_target("cuda:sm_89"), 7168)
+    assert not gemm.takes_tma(get_target("rocm:gfx942"), 7168)
+    assert not gemm.takes_tma(get_target("interpret"), 7168)
 
 
 def test_decode_config_space_and_its_extremes_on_sm90():

@@ -78,7 +78,7 @@ def test_only_a_launch_right_after_a_kiln_kernel_is_dependent():
 
 def test_zeroing_or_copying_an_input_launches_the_ordinary_way():
     calls = []
-    b = BoundLaunch(lambda *a: calls.append("dependent"), (1, 1, 1), [None], [(0, "x", True)],
+    b = BoundLaunch(lambda *a: calls.append("dependent"), (1, 1, 1), [None], [(0, "x", True, None)],
                     [], [], plain=lambda *a: calls.append("plain"))
     b.dependent = True
     b({"x": torch.zeros(4)}, 0)

@@ -88,7 +88,7 @@ class _LaunchSource:
     """What Triton's launcher reads from an ASTSource: signature, constants, arg names."""
 
     def __init__(self, spec: KernelSpec, config: Config):
-        self.signature = spec.signature()
+        self.signature = spec.signature(config)
         self.constants = spec.constexprs(config)
         self.fn = SimpleNamespace(arg_names=list(self.signature))
 
@@ -122,7 +122,7 @@ def compile_binary(spec: KernelSpec, config: Config, target: Target) -> Binary:
         if waiting is not None:
             source, options["launch_pdl"] = waiting, True
     fn = load_kernel(source, spec.name)
-    src = ASTSource(fn, spec.signature(), spec.constexprs(config), _attrs(spec))
+    src = ASTSource(fn, spec.signature(config), spec.constexprs(config), _attrs(spec))
     ck = triton.compile(src, target=target.triton_target(), options=options)
     meta = ck.metadata._asdict()
     tgt = meta["target"]

@@ -285,6 +285,8 @@ def _fp8_gemm(spec: KernelSpec, c: Config, target: Target, threads: int):
     shared = _staged(target, wgmma, c.num_stages) * (bm + bn) * bk
     if bn > bk:
         shared += 4 * bn
+    if spec.meta.get("tma"):  # an mbarrier a stage tells the loads' arrival
+        shared += 8 * c.num_stages
     regs = (2 * bm * bn + (bm + bn) * bk / 4) / threads
     return shared, _BASE_REGISTERS + regs
 

@@ -65,16 +65,28 @@ class Config:
 
 @dataclass
 class KernelArg:
-    """One runtime argument of the kernel, in parameter order."""
+    """One runtime argument of the kernel, in parameter order.
+
+    A tensor with a `block` is passed as a TMA descriptor (Hopper's bulk tensor loads)
+    of its [-1, last dim] view, loaded in blocks of that shape: ints, or the names of
+    tunables (the block is then per config, and so is the kernel's signature)."""
 
     name: str
     kind: str  # "tensor" | "size" | "constexpr"
     value: str | None = None  # tensor: the region input/output value it points at
     expr: Dim | float | bool | None = None  # size: dim expression; constexpr: the value
     dtype: torch.dtype | None = None  # tensor: element type
+    block: tuple[int | str, ...] | None = None  # tensor: a TMA descriptor's block
 
-    def triton_type(self, index_bits: int = 32) -> str:
+    def block_shape(self, params: dict[str, int]) -> list[int]:
+        """The descriptor's block at a config's tunables `params`."""
+        return [params[b] if isinstance(b, str) else b for b in self.block]
+
+    def triton_type(self, index_bits: int = 32, params: dict[str, int] | None = None) -> str:
         if self.kind == "tensor":
+            if self.block is not None:
+                dims = ", ".join(map(str, self.block_shape(params or {})))
+                return f"tensordesc<{TRITON_DTYPES[self.dtype]}[{dims}]>"
             return "*" + TRITON_DTYPES[self.dtype]
         if self.kind == "size":
             return "i64" if index_bits == 64 else "i32"
@@ -88,6 +100,8 @@ class KernelArg:
             d["dtype"] = str(self.dtype).replace("torch.", "")
         if self.expr is not None:
             d["expr"] = to_str(self.expr) if self.kind == "size" else self.expr
+        if self.block is not None:
+            d["block"] = list(self.block)
         return d
 
     @staticmethod
@@ -96,7 +110,8 @@ class KernelArg:
         if d["kind"] == "size" and expr is not None:
             expr = parse(expr)
         dtype = _DTYPE_NAMES[d["dtype"]] if "dtype" in d else None
-        return KernelArg(d["name"], d["kind"], d.get("value"), expr, dtype)
+        block = tuple(d["block"]) if "block" in d else None
+        return KernelArg(d["name"], d["kind"], d.get("value"), expr, dtype, block)
 
 
 @dataclass(frozen=True)
@@ -142,13 +157,15 @@ class KernelSpec:
     @property
     def source_hash(self) -> str:
         fixed = repr([(a.name, a.kind, a.expr if a.kind == "constexpr" else None,
-                       str(a.dtype)) for a in self.args])
+                       str(a.dtype)) + ((a.block,) if a.block else ()) for a in self.args])
         if self.scratch:  # their dtypes are part of the signature
             fixed += repr([(b.name, str(b.dtype)) for b in self.scratch])
         return hashlib.sha256((self.source + fixed).encode()).hexdigest()[:24]
 
-    def signature(self) -> dict[str, str]:
-        sig = {a.name: a.triton_type(self.index_bits) for a in self.args}
+    def signature(self, config: Config | None = None) -> dict[str, str]:
+        """Triton's signature; a kernel with TMA descriptors has one per `config`."""
+        params = config.as_dict() if config is not None else {}
+        sig = {a.name: a.triton_type(self.index_bits, params) for a in self.args}
         sig.update({b.name: "*" + TRITON_DTYPES[b.dtype] for b in self.scratch})
         sig.update({t: "constexpr" for t in self.tunables})
         return sig
@@ -159,7 +176,7 @@ class KernelSpec:
         return out
 
     def pointer_indices(self) -> list[int]:
-        tensors = [i for i, a in enumerate(self.args) if a.kind == "tensor"]
+        tensors = [i for i, a in enumerate(self.args) if a.kind == "tensor" and not a.block]
         return tensors + [len(self.args) + i for i in range(len(self.scratch))]
 
     def grid_for(self, sizes: dict[str, int], config: Config,

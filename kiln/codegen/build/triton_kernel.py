@@ -12,6 +12,11 @@ device's kernels one after another on one stream, and a kernel leaves its zeroed
 buffers zero again, so one set serves all (a model's 32 layers do not each hold
 their own). A launch that needs more allocates a larger buffer and keeps the old one
 alive: a CUDA graph captured earlier still points at it.
+
+A tensor argument with a block (spec.KernelArg) is passed as a TMA descriptor of the
+tensor, made once at binding for the arena's tensors and weights, per launch for the
+others (Triton's launcher encodes it on the host at each launch, ~1-2 us: templates
+use them only for kernels that long).
 """
 
 from __future__ import annotations
@@ -26,6 +31,13 @@ from kiln.ir.plan import Region
 from kiln.ir.symbolic import evaluate
 
 _SCRATCH: dict[tuple, list[torch.Tensor]] = {}
+
+
+def tensor_descriptor(t: torch.Tensor, block: list[int]):
+    """`t`'s [-1, last dim] view as a TMA descriptor read in `block`s (Triton >= 3.4)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), block)
 
 
 def scratch_buffer(b: Scratch, position: int, numel: int, device) -> torch.Tensor:
@@ -44,7 +56,7 @@ class BoundLaunch:
     __slots__ = ("launch", "plain", "dependent", "grid", "template", "holes", "zeros", "kept")
 
     def __init__(self, launch: Launch | None, grid: tuple[int, int, int], template: list,
-                 holes: list[tuple[int, str, bool]], zeros: list, kept: list,
+                 holes: list[tuple[int, str, bool, list | None]], zeros: list, kept: list,
                  plain: Launch | None = None):
         self.launch = launch  # None: an empty grid, nothing to launch
         # the ordinary launch; `launch` may start as a programmatic dependent of the
@@ -53,7 +65,8 @@ class BoundLaunch:
         self.dependent = False
         self.grid = grid
         self.template = template  # the arguments, None where a hole is
-        self.holes = holes  # (position, value name, is an input: make it dense)
+        # (position, value name, is an input: make it dense, a descriptor's block or None)
+        self.holes = holes
         self.zeros = zeros  # outputs zeroed before each launch (tensors, or value names)
         self.kept = kept  # the fixed tensors, whose pointers the template may hold as ints
 
@@ -65,12 +78,12 @@ class BoundLaunch:
         launch = self.launch if self.dependent and not self.zeros else self.plain
         if self.holes:
             args = args.copy()
-            for pos, name, check in self.holes:
+            for pos, name, check, block in self.holes:
                 t = values[name]
                 if check and (not t.is_contiguous() or t.data_ptr() % 16):
                     t = t.contiguous().clone()  # kernels assume dense, 16-byte-aligned inputs
                     launch = self.plain  # that copy, not a kiln kernel, comes just before
-                args[pos] = t
+                args[pos] = t if block is None else tensor_descriptor(t, block)
         self._zero(values)
         gx, gy, gz = self.grid
         launch(gx, gy, gz, stream, args)
@@ -115,6 +128,8 @@ class TritonKernel:
                 t = values[a.value]
                 if a.value not in outs and (not t.is_contiguous() or t.data_ptr() % 16):
                     t = t.contiguous().clone()
+                if a.block is not None and t is not None:
+                    t = tensor_descriptor(t, a.block_shape(self._params))
                 args.append(t)
             else:
                 args.append(sizes[a.name] if a.kind == "size" else a.expr)
@@ -153,11 +168,15 @@ class TritonKernel:
                 t = fixed.get(a.value)
                 if t is not None and (not t.is_contiguous() or t.data_ptr() % 16):
                     t = None  # kernels assume dense, 16-byte-aligned tensors
+                block = a.block_shape(self._params) if a.block is not None else None
                 if t is None:
                     template.append(None)
-                    holes.append((pos, a.value, a.value not in outputs))
+                    holes.append((pos, a.value, a.value not in outputs, block))
                 else:
-                    template.append(t.data_ptr() if pointers else t)
+                    if block is not None:
+                        template.append(tensor_descriptor(t, block))
+                    else:
+                        template.append(t.data_ptr() if pointers else t)
                     kept.append(t)
             elif a.kind == "size":
                 template.append(sizes[a.name])

@@ -27,6 +27,7 @@ class KernelArgs:
         self.tensors: dict[str, tuple[str, torch.dtype, tuple]] = {}  # value -> (param, ...)
         self.outputs: set[str] = set()
         self.sizes: dict[str, tuple[str, Dim]] = {}  # printed dim -> (param, dim)
+        self.blocks: dict[str, tuple] = {}  # value -> its TMA descriptor's block
 
     def tensor(self, value: str, dtype: torch.dtype, shape=(), output: bool = False) -> str:
         if value not in self.tensors:
@@ -55,7 +56,8 @@ class KernelArgs:
         return self.sizes[key][0]
 
     def kernel_args(self) -> list[KernelArg]:
-        out = [KernelArg(p, "tensor", value=v, dtype=dt) for v, (p, dt, _) in self.tensors.items()]
+        out = [KernelArg(p, "tensor", value=v, dtype=dt, block=self.blocks.get(v))
+               for v, (p, dt, _) in self.tensors.items()]
         out += [KernelArg(p, "size", expr=d) for p, d in self.sizes.values()]
         return out
 
@@ -118,6 +120,14 @@ class SymbolicArgs(KernelArgs):
             if output:
                 self.outputs.add(value)
         return self.tensors[value][0]
+
+    def descriptor(self, value: str, dtype: torch.dtype, shape, block: tuple) -> str:
+        """A TMA descriptor over input `value`'s [-1, last dim] view, loaded in `block`s
+        (ints or tunable names; spec.KernelArg): its parameter, for `.load([row, col])`."""
+        if value in self.tensors and self.blocks.get(value) != tuple(block):
+            raise ValueError(f"{value} is already a kernel argument of another form")
+        self.blocks[value] = tuple(block)
+        return self.tensor(value, dtype, shape, name=f"desc{len(self.blocks) - 1}")
 
     def dim(self, d: Dim) -> str:
         """`d` in kernel code: a literal, or arithmetic over the symbol arguments."""
