@@ -339,7 +339,12 @@ def _extremes(spec, configs):
     return list(dict.fromkeys([spec.default, by_shared[0], by_shared[-1]]))
 
 
-def test_prefill_gemm_config_space_and_its_extremes_on_sm90():
+@pytest.fixture
+def tma_on(monkeypatch):
+    monkeypatch.setenv("KILN_FP8_GEMM_TMA", "1")
+
+
+def test_prefill_gemm_config_space_and_its_extremes_on_sm90(tma_on):
     """Prefill (up to 4096 tokens): the quantisation and the GEMM. Its tiles, warps,
     stages and split caps; all fit sm_90; the default and the smallest and largest
     candidates compile to exactly the model's shared memory, without spilling (every
@@ -364,8 +369,11 @@ def test_prefill_gemm_config_space_and_its_extremes_on_sm90():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_every_prefill_gemm_candidate_compiles_for_sm90_as_estimated(dtype):
+@pytest.mark.parametrize("tma", ["1", "0"])
+def test_every_prefill_gemm_candidate_compiles_for_sm90_as_estimated(dtype, tma, monkeypatch):
+    monkeypatch.setenv("KILN_FP8_GEMM_TMA", tma)
     spec = _deepseek_specs(dtype, 4096)["fp8_scaled_mm"]
+    assert spec.meta["tma"] == (tma == "1")
     _compile_exactly(spec, spec.configs)
 
 
@@ -377,10 +385,11 @@ def _compile_exactly(spec, configs):
 
 
 def test_the_prefill_gemm_is_pipelined_on_wgmma_for_sm90(monkeypatch):
-    """The default config's K loop: tiles staged by TMA bulk copies (UTMALDG) behind
-    mbarriers, fp8 warp-group MMA (QGMMA) on operands in shared memory, no spills;
-    with KILN_FP8_GEMM_TMA=0 (or a K whose rows are not 16-byte multiples) by cp.async
-    (16-byte LDGSTS)."""
+    """The default config's K loop: with KILN_FP8_GEMM_TMA=1 tiles staged by TMA bulk
+    copies (UTMALDG) behind mbarriers, fp8 warp-group MMA (QGMMA) on operands in shared
+    memory, no spills; by default (or a K whose rows are not 16-byte multiples) by
+    cp.async (16-byte LDGSTS)."""
+    monkeypatch.setenv("KILN_FP8_GEMM_TMA", "1")
     spec = _deepseek_specs(torch.bfloat16, 4096)["fp8_scaled_mm"]
     binary = compile_binary(spec, spec.default, SM90)
     ttgir = binary.asm["ttgir"]
@@ -398,7 +407,7 @@ def test_the_prefill_gemm_is_pipelined_on_wgmma_for_sm90(monkeypatch):
     sass = disassemble(binary)
     if sass is not None:
         assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass and "LDGSTS.E.BYPASS.128" in sass
-    monkeypatch.delenv("KILN_FP8_GEMM_TMA")
+    monkeypatch.setenv("KILN_FP8_GEMM_TMA", "1")
     assert gemm.takes_tma(SM90, 7168) and not gemm.takes_tma(SM90, 7000)  # 16-byte rows
     assert not gemm.takes_tma(get_target("cuda:sm_89"), 7168)
     assert not gemm.takes_tma(get_target("rocm:gfx942"), 7168)
@@ -588,6 +597,25 @@ def test_packed_gemv_on_cuda_is_within_fp16_sums_of_the_op(N, K, dtype):
             "cuda").manual_seed(seed)) * (seed + 1)
         assert rel_err(exe(x).float(), m(x).float()) <= (2e-3 if dtype == torch.float32
                                                          else 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma", ["1", "0"])
+def test_prefill_gemm_forms_on_cuda_match_the_op(tma, monkeypatch):
+    """The GEMM's two ways to its tiles on a GPU (TMA descriptors on Hopper and later:
+    the weight's made once, x's at each call; pointer loads) with dynamic tokens, N and
+    K with tails (600 = 4 x 128 + 88, 2000 = 15 x 128 + 80), bias: against the op."""
+    monkeypatch.setenv("KILN_FP8_GEMM_TMA", tma)
+    m = Fp8Linear(600, 2000, bias=True).cuda()
+    T = kiln.Dim("T", min=1, max=4096)
+    x = torch.randn(1, 80, 2000, device="cuda", dtype=torch.bfloat16)
+    exe = kiln.compile(m, (x,), dynamic_shapes=({1: T},), target="cuda",
+                       options={"tune": "none"})
+    k = _kernels(exe)["fp8_scaled_mm"]
+    assert k.spec.meta["tma"] == (tma == "1" and torch.cuda.get_device_capability()[0] >= 9)
+    for t in (70, 300, 2048, 70):
+        x = torch.randn(1, t, 2000, device="cuda", dtype=torch.bfloat16)
+        assert rel_err(exe(x).float(), m(x).float()) <= 1e-2, t
 
 
 @pytest.mark.gpu

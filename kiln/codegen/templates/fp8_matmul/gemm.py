@@ -19,7 +19,8 @@ the SM (64 x 128 tiles on 4 warps: 168 registers, three CTAs an SM on sm_90). Th
 scale loads are issued before the product and used after it (loading them a step
 ahead cost that tile 20 registers: two CTAs an SM, not three).
 
-On Hopper and later the tiles come through TMA (`takes_tma`): the x and weight
+With KILN_FP8_GEMM_TMA=1 (default off until this kernel has run on a GPU), on Hopper
+and later the tiles come through TMA (`takes_tma`): the x and weight
 tensors are passed as descriptors (spec.KernelArg's block), each step's two tiles are
 one bulk copy each into shared memory, out-of-bounds rows and K's tail read as zeros,
 and the loop holds no address arithmetic: 151 registers against 178 at 64 x 128 on 4
@@ -109,7 +110,7 @@ def heuristic(target: Target) -> Config:
 def takes_tma(target: Target, k: int) -> bool:  # tests force it on the interpreter
     """Whether the tiles come through TMA descriptors: Hopper and later, rows of K
     bytes 16-byte aligned (TMA's stride rule), a Triton with host descriptors
-    (>= 3.4), unless KILN_FP8_GEMM_TMA=0."""
+    (>= 3.4), and KILN_FP8_GEMM_TMA=1."""
     return (_hopper(target) and k % 16 == 0 and fp8_gemm_tma()
             and importlib.util.find_spec("triton.tools.tensor_descriptor") is not None)
 
