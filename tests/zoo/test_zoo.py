@@ -188,6 +188,18 @@ MORE_LMS = {  # from the architecture sweep (tests/fuzz/FINDINGS.md), run on the
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "shared_expert_intermediate_size": 64}),
     "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", {"head_dim": 16, "sliding_window": 4}),
+    # the second sweep (2026-11-29, tenth session): attention sinks, sliding and full
+    # layers, MoE with a clamped SwiGLU; latent attention (MLA); a short causal conv
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", {
+        "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"]}),
+    "deepseek_v2_mla": ("DeepseekV2ForCausalLM", "DeepseekV2Config", {
+        "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "n_shared_experts": 1,
+        "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_intermediate_size": 32,
+        "n_group": 1, "topk_group": 1}),
+    "lfm2_conv": ("Lfm2ForCausalLM", "Lfm2Config", {
+        "layer_types": ["conv", "full_attention"], "block_ff_dim": 128}),
 }
 
 
