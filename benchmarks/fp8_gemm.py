@@ -52,6 +52,7 @@ from kiln.codegen.build.triton_kernel import TritonKernel
 from kiln.ir.plan import Role
 from kiln.ops import fp8_linear, quantize_weight
 from kiln.ops.fp8_linear import quantize_activations
+from kiln.settings import effective
 
 FP8_OPS = ("kiln.fp8_linear.default", "kiln.fp8_quantize.default",
            "kiln.fp8_scaled_mm.default")
@@ -348,7 +349,9 @@ def main(argv=None):
     target = "cuda" if a.device == "cuda" else "interpret"
     options = {"tune": a.tune} if a.tune else {}
     results = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
-               "torch": torch.__version__, "target": target, "options": options, "rows": []}
+               "torch": torch.__version__, "target": target, "options": options,
+               "settings": effective(), "rows": []}  # KILN_FP8_GEMM_TMA among them
+    print("settings: " + " ".join(f"{k}={v}" for k, v in results["settings"].items()))
     for name, (N, K) in shapes.items():
         for M in tokens:
             run_shape(name, N, K, M, a.device, target, options, results, a.sweep)
