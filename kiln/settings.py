@@ -45,10 +45,10 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
     "KILN_FP8_GEMV_PACKED": ("1", "0: the one-token fp8 GEMV multiplies in fp32 as Triton "
                              "writes it, not in packed fp16 through inline PTX (NVIDIA "
                              "GPUs; for comparisons, or should a driver's PTX reject it)"),
-    "KILN_FP8_GEMM_TMA": ("0", "1: the block-scaled fp8 GEMM (prefill) loads its tiles "
-                          "through the tensor memory accelerator (TMA descriptors, Hopper and "
-                          "later), not by pointer loads; off until kiln's kernel with it has "
-                          "run on a GPU (hand-written kernels of the form: 6-18% faster)"),
+    "KILN_FP8_GEMM_TMA": ("1", "0: the block-scaled fp8 GEMM (prefill) loads its tiles by "
+                          "pointer loads, not through the tensor memory accelerator (TMA "
+                          "descriptors, Hopper and later: by default; 8-50% faster a GEMM "
+                          "on an H200, Llama-3-8B fp8 prefill 2048 -8%)"),
     "KILN_DIST_TIMEOUT": ("300", "seconds a rank waits on its peers (a collective, a "
                           "transfer) before a dead or stuck peer is a DistributedError"),
 }
@@ -153,8 +153,8 @@ def fp8_gemv_packed() -> bool:
 
 
 def fp8_gemm_tma() -> bool:
-    """KILN_FP8_GEMM_TMA: the fp8 GEMM's tiles through TMA on Hopper+ (default off)."""
-    return (_get("KILN_FP8_GEMM_TMA") or "0").strip().lower() in ("1", "true", "yes")
+    """KILN_FP8_GEMM_TMA: the fp8 GEMM's tiles through TMA on Hopper+ (default on)."""
+    return (_get("KILN_FP8_GEMM_TMA") or "1").strip().lower() not in ("0", "false", "no")
 
 
 def dist_timeout_s() -> float:

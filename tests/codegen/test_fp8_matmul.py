@@ -407,6 +407,8 @@ def test_the_prefill_gemm_is_pipelined_on_wgmma_for_sm90(monkeypatch):
     sass = disassemble(binary)
     if sass is not None:
         assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass and "LDGSTS.E.BYPASS.128" in sass
+    monkeypatch.delenv("KILN_FP8_GEMM_TMA")
+    assert gemm.takes_tma(SM90, 7168)  # on by default
     monkeypatch.setenv("KILN_FP8_GEMM_TMA", "1")
     assert gemm.takes_tma(SM90, 7168) and not gemm.takes_tma(SM90, 7000)  # 16-byte rows
     assert not gemm.takes_tma(get_target("cuda:sm_89"), 7168)
