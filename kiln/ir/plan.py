@@ -102,9 +102,10 @@ class Region:
     notes: list[str] = field(default_factory=list)  # why it was split, fused, ...
     device: int = 0
     label: str | None = None  # the LLM pattern of its anchor ("rmsnorm", "attention", ...)
-    # attention: the values holding, per mask row, the first key the mask lets through
-    # and one past the last (dispatch/mask_envelope.py); the key loop stays inside them
-    key_bounds: tuple[str, str] | None = None
+    # attention: the values holding, per mask row, the first key the mask lets through,
+    # one past the last and how many keys it passes unchanged (dispatch/mask_envelope.py);
+    # the key loop stays inside them
+    key_bounds: tuple[str, str, str] | None = None
 
     def op(self, name: str) -> Op:
         for o in self.ops:

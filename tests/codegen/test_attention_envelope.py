@@ -1,7 +1,8 @@
 """Attention whose key loop is bounded by its mask's envelope (dispatch/mask_envelope.py),
 against eager on fresh random inputs: a causal mask sliced from a buffer over a static
 cache (prefill and decode, as kiln bench's model), a sliding window, a left-padded
-batch, random boolean and additive masks with fully masked rows; under Triton's
+batch, random boolean and additive masks with fully masked rows, masks whose envelope says
+all (causal, windows: the mask is never read) and ones that are nearly so; under Triton's
 interpreter (the envelope's and attention's kernels) and on the CPU target (no
 envelope: SDPA as torch ops)."""
 
@@ -97,11 +98,30 @@ def _additive(t, s):
     return mask
 
 
+def _causal_hole(t, s):
+    """Causal (the queries the last t positions) but one row misses one key inside its
+    span: the envelope is no longer plain, the mask tile must be read."""
+    mask = _sliding(t, s, s)
+    mask[t // 2, (s - t + t // 2) // 2] = False
+    return mask
+
+
+def _additive_causal(t, s, bias=0.0):
+    """A float causal mask (0 where live, -inf where not), as some models pass it; with
+    `bias` at one live key the mask says more than its envelope."""
+    mask = torch.zeros(1, 1, t, s).masked_fill(~_sliding(t, s, s), float("-inf"))
+    mask[..., t // 2, 0] = bias
+    return mask
+
+
 MASKS = {  # name -> (batch, heads, kv heads, query and key lengths -> mask)
     "sliding window": (1, 4, 2, lambda t, s: _sliding(t, s, 24)),
     "left padded": (3, 2, 2, lambda t, s: _left_padded(3, t, [0, 5, 70])),
     "random bool": (2, 4, 2, lambda t, s: _random_bool(2, 4, t, s)),
     "additive": (1, 2, 1, _additive),
+    "causal with a hole": (1, 4, 2, _causal_hole),
+    "additive causal": (1, 4, 1, _additive_causal),
+    "additive causal, one bias": (1, 4, 1, lambda t, s: _additive_causal(t, s, 0.5)),
 }
 
 
@@ -141,11 +161,12 @@ def test_half_precision_prefill_with_a_sliding_window():
     assert rel_err(exe(*a).float(), ref) <= 1e-2
 
 
-@pytest.mark.parametrize("name", ["random bool", "additive"])
+@pytest.mark.parametrize("name", ["random bool", "additive", "sliding window"])
 def test_dead_keys_inside_the_envelope_may_hold_nan(name):
     """Inside the envelope the key loop reads every key (its loads wait on no mask); a
     key no row lets through is kept out by its score and a zeroed V row, so NaN there
-    (a cache row never written) changes nothing, decode and prefill."""
+    (a cache row never written) changes nothing, decode and prefill; with the mask read
+    (random, additive) and without (a window: its rows' bounds)."""
     b, h, hkv, make = MASKS[name]
     S = torch.export.Dim("S", min=2, max=160)
     first = (torch.randn(b, h, 40, 16), torch.randn(b, hkv, 140, 16),
@@ -166,3 +187,67 @@ def test_dead_keys_inside_the_envelope_may_hold_nan(name):
         out = exe(q, kn, vn, mask)
         assert torch.isfinite(out).all(), (name, t, s)
         assert rel_err(out, Masked()(q, k, v, mask)) <= 1e-5, (name, t, s)
+
+
+def test_the_key_loops_cover_each_split_once_and_read_the_mask_only_where_it_matters():
+    """The kernel's five key loops (the mask read: in range / at the edge; a plain
+    envelope's: edges by the rows' bounds / inside unmasked) evaluated as Python over
+    every case of a split's [lo, hi) (hi < lo for a split past the keys), the span
+    inside every row's bounds and whether the envelope is plain: together they visit
+    each block of [lo, hi) once and nothing else, and the mask is read only where the
+    envelope is not plain. (A split past the keys once walked [hi, lo) with the mask
+    read: 3-4x a decode attention's time on an H200, right results.)"""
+    import itertools
+    import re
+    from types import SimpleNamespace
+
+    model = StaticCache()
+    args = (torch.randn(1, 4, 8, 16), torch.randn(1, 2, 150, 16),
+            torch.randn(1, 2, 150, 16), torch.arange(8))
+    exe = kiln.compile(model, args, dynamic_shapes=({2: T}, None, None, {0: T}),
+                       target="interpret")
+    lines = [x.strip() for x in _attention(exe)[1].spec.source.splitlines()]
+    first = lines.index("mid = tl.minimum(hi, tl.maximum(lo, full_end))")
+    loops = [re.fullmatch(r"for start_n in range\((\w+), (\w+), BLOCK_N\):", x)
+             for x in lines[first:]]
+    loops = [m.groups() for m in loops if m]
+    bounds = lines[first:lines.index(f"for start_n in range({', '.join(loops[0])}, BLOCK_N):")]
+    assert len(loops) == 5
+    tl = SimpleNamespace(where=lambda c, a, b: a if c else b, minimum=min, maximum=max)
+    n = 16
+    for lo, hi, in_lo, in_hi, full_end, plain in itertools.product(
+            range(0, 97, n), range(0, 100, 7), range(0, 97, n), range(0, 97, n),
+            (48, 96), (False, True)):
+        env = {"tl": tl, "lo": lo, "hi": hi, "in_lo": in_lo, "in_hi": in_hi,
+               "full_end": full_end, "plain": plain}
+        for line in bounds:
+            exec(line, env)
+        walked = {(a, b): list(range(env[a], env[b], n)) for a, b in loops}
+        seen = sorted(k for w in walked.values() for k in w)
+        assert seen == list(range(lo, hi, n)), (env, walked)
+        reads_mask = [w for (a, b), w in walked.items() if {"mid", "m_hi"} & {a, b}]
+        assert len(reads_mask) == 2
+        assert not any(reads_mask) if plain else seen == sorted(sum(reads_mask, [])), env
+        assert all(in_lo <= k < in_hi for k in walked["in_a", "in_b"]), (env, walked)
+
+
+def test_rows_whose_spans_share_no_key_read_the_mask():
+    """Two packed documents with dead keys between them: every row's keys are one run,
+    but the runs share no key, so the keys some row passes are not one run and the
+    envelope alone cannot keep the gap's V rows (NaN: never written) out; the mask is
+    read and the output stays exact."""
+    t, gap = 40, 3
+    p = torch.arange(t)
+    j = p[None, :]
+    doc_a = (p[:, None] < t // 2) & (j <= p[:, None]) & (j < t // 2 - gap)
+    doc_b = (p[:, None] >= t // 2) & (j <= p[:, None]) & (j >= t // 2)
+    mask = (doc_a | doc_b)[None, None]
+    q, k, v = (torch.randn(1, 2, t, 16) for _ in range(3))
+    exe = kiln.compile(Masked(), (q, k, v, mask), target="interpret")
+    _bounded(exe, "interpret")
+    kn, vn = k.clone(), v.clone()
+    kn[:, :, t // 2 - gap:t // 2] = float("nan")
+    vn[:, :, t // 2 - gap:t // 2] = float("nan")
+    out = exe(q, kn, vn, mask)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, Masked()(q, k, v, mask)) <= 1e-5

@@ -83,21 +83,26 @@ def test_no_envelope(model, target, options):
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
 def test_the_envelope_kernel_gives_first_and_one_past_last(dtype):
+    """... and how many keys each row passes unchanged (bool: True, float: exactly 0)."""
     mask = torch.rand(2, 1, 6, 70) > 0.9
     mask[0, 0, 2] = False  # no live key
     mask[1, 0, 3] = True
     given = mask if dtype == torch.bool else \
         torch.randn(mask.shape).to(dtype).masked_fill(~mask, float("-inf"))
+    if dtype != torch.bool:  # some live keys unbiased: they count, the biased ones not
+        given[..., ::3] = given[..., ::3].masked_fill(mask[..., ::3], 0.0)
     q, k, v = torch.randn(2, 2, 6, 8), torch.randn(2, 2, 70, 8), torch.randn(2, 2, 70, 8)
     exe = kiln.compile(Given(), (q, k, v, given), target="interpret")
     (attn,), (env,) = _regions(exe.plan)
     kernel = exe.program.kplan.kernels[env.name]
     assert isinstance(kernel, TritonKernel)
-    start, end = attn.key_bounds
-    outs = {v: torch.empty(2, 1, 6, dtype=torch.int32) for v in (start, end)}
+    start, end, plain = attn.key_bounds
+    outs = {v: torch.empty(2, 1, 6, dtype=torch.int32) for v in (start, end, plain)}
     kernel.run({env.inputs[0]: given}, outs, {})
     j = torch.arange(70)
     first = torch.where(mask, j, KEY_BOUND_NONE + j).amin(-1)
     last = torch.where(mask, j + 1, 0).amax(-1)
     assert torch.equal(outs[start], first.int()) and torch.equal(outs[end], last.int())
+    passed = mask if dtype == torch.bool else given == 0
+    assert torch.equal(outs[plain], passed.sum(-1).int())
     assert outs[start][0, 0, 2] >= KEY_BOUND_NONE and outs[end][0, 0, 2] == 0

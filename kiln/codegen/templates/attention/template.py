@@ -23,8 +23,12 @@ before every row's query need no key, row or causal mask; only the rest are mask
 Causal row blocks run longest first. An explicit mask's envelope (per mask row, the
 first key it lets through and one past the last: kiln.dispatch.mask_envelope, region
 inputs) bounds the loop to the span its tile's rows can see; the mask still applies
-inside it. The bounds are loop bounds, never an `if` around the loads (Triton does not
-pipeline loads inside an `if`). When the tiles are too few to fill the GPU
+inside it, unless every row of the tile passes exactly its envelope's keys, unbiased
+(the envelope's third value: a causal or sliding-window mask): then the mask is never
+loaded, keys are compared with the rows' bounds at the span's edges and the blocks
+inside every row's span run unmasked, as a causal tile's do (which loops run is
+decided by their bounds). The bounds are loop bounds, never an `if` around the loads
+(Triton does not pipeline loads inside an `if`). When the tiles are too few to fill the GPU
 (decode: one tile per KV head), the keys are split across programs
 (kiln.codegen.templates.split_k): each keeps its unnormalised output with its running max
 and sum, and the last program of a tile merges them by their maxima.
@@ -80,9 +84,10 @@ class AttentionShape:
     value_dim: int
     dtype: torch.dtype
     kv_repeat: int = 1  # K/V hold H heads, head h a repeat of kv head h // kv_repeat
-    # region inputs: per mask row, its first live key and one past its last
-    # (kiln.dispatch.mask_envelope); the key loop stays within its tile's rows' span
-    key_bounds: tuple[str, str] | None = None
+    # region inputs: per mask row, its first live key, one past its last and how many
+    # keys it passes unchanged (kiln.dispatch.mask_envelope); the key loop stays within
+    # its tile's rows' span
+    key_bounds: tuple[str, str, str] | None = None
 
     @property
     def group(self) -> int:
@@ -155,7 +160,8 @@ def analyse(region: Region, plan: DispatchPlan) -> AttentionShape:
 def _key_bounds(region: Region, plan: DispatchPlan, mask: str | None):
     """The region's mask envelope (region.key_bounds), if it has one for `mask`."""
     bounds = region.key_bounds
-    if mask is None or bounds is None or not all(b in region.inputs for b in bounds):
+    if mask is None or bounds is None or len(bounds) != 3 or \
+            not all(b in region.inputs for b in bounds):
         return None
     rows = _shape(region, plan, mask)[:-1]
     ok = all(len(plan.values[b].shape) == len(rows) and plan.values[b].dtype == torch.int32
@@ -231,7 +237,7 @@ class _AttentionSource:
         self.p = SymbolicArgs(plan.symbols)
         self.em = Emitter(region, plan, self.p, target)
         self.name = kernel_name("attention", region)
-        self.loop_loads = 0
+        self.loop_loads = 0  # the most [BLOCK_N, D] tiles a key step loads
         self.mask_loads = 0
         self.three_d = len(_shape(region, plan, shape.q)) == 3
 
@@ -319,7 +325,9 @@ class _AttentionSource:
                 "prologue_tiles": max(0, self.loop_loads - 2),
                 "mask_tiles": self.mask_loads, "key_bounds": s.key_bounds is not None}
         if s.key_bounds is not None:  # time (and check) the whole walk, not an empty one
-            meta["timing_fill"] = {s.key_bounds[0]: "0", s.key_bounds[1]: to_str(s.s)}
+            # every key live and plain: the mask-free walk a causal mask takes
+            meta["timing_fill"] = {s.key_bounds[0]: "0", s.key_bounds[1]: to_str(s.s),
+                                   s.key_bounds[2]: to_str(s.s)}
         return KernelSpec(self.name, source, p.args(), tunables, (tiles, heads, n_split),
                           configs, default, "attention", meta, 64 if p.needs_int64 else 32,
                           scratch=split.scratch(all_tiles, n_split, f"BLOCK_M * {dvp + 2}"))
@@ -379,7 +387,11 @@ class _AttentionSource:
         # a loop-invariant load (the query position a causal mask compares with) is
         # read once; a decode tile (16 rows at most: q's parts are small) issues every
         # load of the prologue as early as it can
-        loops = [self._key_step(head, qpos, dp, dvp, ieee, wide, full) for full in (True, False)]
+        steps = [(True, "mask"), (False, "mask")]
+        if s.key_bounds is not None:  # a plain envelope's edges and inside
+            steps += [(False, "bounds"), (True, "none")]
+        loops = [self._key_step(head, qpos, dp, dvp, ieee, wide, full, source)
+                 for full, source in steps]
         for i, body in enumerate(loops):
             hoisted, loops[i] = load_order.invariant_loads(body, {"start_n"})
             L += hoisted
@@ -388,9 +400,22 @@ class _AttentionSource:
             L = load_order.loads_first(L)
         L += [f"lo = {kv_start}", "hi = kv_end", "if KV_SPLIT > 1:",
               *["    " + x for x in split.program_range("kv_end", "BLOCK_N", kv_start)],
-              "mid = tl.minimum(hi, tl.maximum(lo, full_end))",
-              "for start_n in range(lo, mid, BLOCK_N):", *["    " + x for x in loops[0]],
-              "for start_n in range(mid, hi, BLOCK_N):", *["    " + x for x in loops[1]]]
+              "mid = tl.minimum(hi, tl.maximum(lo, full_end))"]
+        if s.key_bounds is None:
+            L += ["for start_n in range(lo, mid, BLOCK_N):", *["    " + x for x in loops[0]],
+                  "for start_n in range(mid, hi, BLOCK_N):", *["    " + x for x in loops[1]]]
+        else:  # the mask is read only where it says more than its envelope
+            # a split past the keys has hi < lo: every range below must be empty there
+            L += ["m_hi = tl.where(plain, tl.minimum(lo, hi), hi)",
+                  "mid = tl.minimum(mid, m_hi)",
+                  "in_a = tl.where(plain, tl.minimum(hi, tl.maximum(lo, in_lo)), lo)",
+                  "in_b = tl.where(plain, tl.minimum(hi, tl.maximum(in_a, in_hi)), lo)",
+                  "edge_b = tl.where(plain, in_b, hi)",
+                  "for start_n in range(lo, in_a, BLOCK_N):", *["    " + x for x in loops[2]],
+                  "for start_n in range(in_a, in_b, BLOCK_N):", *["    " + x for x in loops[3]],
+                  "for start_n in range(edge_b, hi, BLOCK_N):", *["    " + x for x in loops[2]],
+                  "for start_n in range(lo, mid, BLOCK_N):", *["    " + x for x in loops[0]],
+                  "for start_n in range(mid, m_hi, BLOCK_N):", *["    " + x for x in loops[1]]]
         L += self._combine(dvp, p.dim(s.group * s.tq))
         out_lines, out_code = self._cast("acc", {"rows2", "dv2"})
         L += [
@@ -403,10 +428,14 @@ class _AttentionSource:
 
     def _envelope(self, head: Lin, qpos: Lin, slen: str) -> list[str]:
         """Lines narrowing [kv_start, kv_end) to the keys the tile's rows' mask lets
-        through, read from the envelope (one int32 pair per mask row). kv_start is
+        through, read from the envelope (three int32 values per mask row). kv_start is
         block-aligned, so the blocks up to full_end stay wholly inside the keys. A tile
-        whose rows let nothing through gets an empty range: its rows give 0, as eager."""
-        start, end = self.s.key_bounds
+        whose rows let nothing through gets an empty range: its rows give 0, as eager.
+        `plain`: every row passes exactly its span's keys, unbiased, and the spans share
+        a key (a row that passes nothing shares none), so the keys some row passes are
+        one run, [hull_lo, hull_hi); then [in_lo, in_hi) (block-aligned) are the keys
+        inside every row's span."""
+        start, end, plain = self.s.key_bounds
         shape = _shape(self.region, self.plan, start)
         b = Lin.of(Var("b", self.s.batch, block=False))
         dims = (b, qpos) if self.three_d else (b, head, qpos)
@@ -416,10 +445,23 @@ class _AttentionSource:
         with self.em.block() as lines:
             first = self.em.value(start, index, mask_of(rows)).code
             last = self.em.value(end, index, mask_of(rows)).code
+            passed = self.em.value(plain, index, mask_of(rows)).code
         return lines + [
-            f"kv_end = tl.minimum(kv_end, tl.max(tl.where(row_ok2, {last}, 0)))",
-            f"kv_start = tl.minimum(tl.min(tl.where(row_ok2, {first}, {slen})), kv_end)"
+            f"key_lo = {first}",
+            f"key_hi = {last}",
+            "kv_end = tl.minimum(kv_end, tl.max(tl.where(row_ok2, key_hi, 0)))",
+            f"kv_start = tl.minimum(tl.min(tl.where(row_ok2, key_lo, {slen})), kv_end)"
             " // BLOCK_N * BLOCK_N",
+            # the keys in every row's span; the keys in some row's span (one run when
+            # every span holds the first: then a key's V row is read where it is live)
+            "span_lo = tl.max(tl.where(row_ok2, key_lo, 0))",
+            f"span_hi = tl.min(tl.where(row_ok2, key_hi, {slen}))",
+            f"hull_lo = tl.min(tl.where(row_ok2, key_lo, {slen}))",
+            "hull_hi = tl.max(tl.where(row_ok2, key_hi, 0))",
+            f"plain = (tl.min(tl.where(row_ok2, ({passed} >= key_hi - key_lo).to(tl.int32), 1))"
+            " > 0) & (span_lo <= span_hi)",
+            "in_lo = tl.cdiv(span_lo, BLOCK_N) * BLOCK_N",
+            "in_hi = span_hi // BLOCK_N * BLOCK_N",
         ]
 
     def _combine(self, dvp: int, rows: str) -> list[str]:
@@ -524,9 +566,13 @@ class _AttentionSource:
                             gate)
 
 
-    def _key_step(self, head, qpos, dp, dvp, ieee, wide, full: bool) -> list[str]:
+    def _key_step(self, head, qpos, dp, dvp, ieee, wide, full: bool,
+                  source: str = "mask") -> list[str]:
         """One BLOCK_N step of the key loop. A `full` step's keys are all in range and,
-        if causal, at or before every row's query: no key, row or causal masks."""
+        if causal, at or before every row's query: no key, row or causal masks.
+        `source`, where an explicit mask's verdict comes from: "mask" (its tile, loaded),
+        "bounds" (key j passes row r when key_lo[r] <= j < key_hi[r]: a plain
+        envelope's, `_envelope`) or "none" (keys every row passes: no mask)."""
         s, p = self.s, self.p
         d, dv, slen = s.head_dim, s.value_dim, p.dim(s.s)
         kvh = Lin.of(Var("kvh", s.kv_heads, block=False)) * s.kv_repeat  # K/V's head
@@ -540,7 +586,12 @@ class _AttentionSource:
         # keys no row of the mask lets through are not read: a decode step over a
         # static cache reads only the context's keys, whatever the cache's length
         m_lines, m, live = [], None, []
-        if s.mask is not None:
+        v_in = []  # a plain envelope's keys: V read only where some row passes the key
+        if s.mask is not None and source == "bounds":
+            m_lines = ["key_in = (nk >= key_lo) & (nk < key_hi)",
+                       "v_in = (nv >= hull_lo) & (nv < hull_hi)"]
+            v_in = [Cond("v_in", frozenset({"nv"}))]
+        elif s.mask is not None and source == "mask":
             idx = self._index(s.mask, "mask", head, qpos, Lin.of(Var("nk", s.s)), Lin())
             m_lines, m = self._load(s.mask, idx, mask_of(Cond("row_ok2", frozenset({"rows2"})),
                                                          nk_c))
@@ -562,7 +613,9 @@ class _AttentionSource:
                                  tile=f"[BLOCK_N, {dvp}]", pad=dv_c)
         if enveloped:
             vt = f"tl.where(live_v, {vt}, 0.0)"
-        self.loop_loads = sum("tl.load(" in x for x in k_lines + v_lines)
+        elif v_in:
+            vt = f"tl.where(v_in, {vt}, 0.0)"
+        self.loop_loads = max(self.loop_loads, sum("tl.load(" in x for x in k_lines + v_lines))
         p_lines, p_code = self._cast("pr", {"rows2", "nk"})
         L = [f"n = start_n + tl.arange(0, BLOCK_N){wide}", "nk = n[None, :]", "nv = n[:, None]"]
         if not full:
@@ -573,7 +626,9 @@ class _AttentionSource:
         if s.causal and not full:
             conds.append("(nk <= qi[:, None])")
         score = "qk * qk_scale"
-        if m is not None:
+        if source == "bounds":
+            conds.append("key_in")
+        elif m is not None:
             if s.mask_kind == "bool":
                 conds.append(f"({m} != 0)")
             else:
