@@ -46,6 +46,29 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
 
+def rotary(x, freqs):
+    """gpt-fast's apply_rotary_emb over [B, H, 1, D] (interleaved pairs; freqs [1, D/2, 2])."""
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)
+    f = freqs.view(1, 1, 1, xs.size(-2), 2)
+    out = torch.stack([xs[..., 0] * f[..., 0] - xs[..., 1] * f[..., 1],
+                       xs[..., 1] * f[..., 0] + xs[..., 0] * f[..., 1]], -1)
+    return out.flatten(3).type_as(x)
+
+
+class RopeAttention(Attention):
+    """The same with the query's and key's RoPE before it (freqs gathered by position),
+    as the model has it: kiln fuses q's into the attention's prologue, k's into the
+    cache write. The difference from `Attention` is the prologue's cost."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("freqs", torch.randn(MAX_LEN, D // 2, 2))
+
+    def forward(self, q, k, v, input_pos):
+        f = self.freqs[input_pos]
+        return super().forward(rotary(q, f), rotary(k, f), v, input_pos)
+
+
 def kernel_us(fn, match, calls=20):
     """Mean device time of the kernels whose name contains `match`, per call."""
     for _ in range(3):
@@ -70,6 +93,7 @@ VARIANTS = {
     "fill4x": {"fill": 4},
     "bn32_fill4x": {"BLOCK_N": 32, "fill": 4},
     "warps2": {"warps": 2},
+    "rope": {"rope": True},  # the default config, q's RoPE in the prologue
 }
 
 
@@ -87,7 +111,7 @@ def compiled(variant, dtype):
 
     template.heuristic, split_k.count = forced, more
     try:
-        m = Attention().to("cuda", dtype)
+        m = (RopeAttention if variant.get("rope") else Attention)().to("cuda", dtype)
         ex = (torch.randn(1, HEADS, 1, D, device="cuda", dtype=dtype),
               torch.randn(1, KV_HEADS, 1, D, device="cuda", dtype=dtype),
               torch.randn(1, KV_HEADS, 1, D, device="cuda", dtype=dtype),
