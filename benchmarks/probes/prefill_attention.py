@@ -20,8 +20,8 @@ import tempfile
 
 import torch
 import torch.nn.functional as F
+from decode_attention import kernel_us  # this folder's: run as a script
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 import kiln
 
@@ -51,18 +51,6 @@ class CausalExact(nn.Module):
         rep = HEADS // KV_HEADS
         k, v = (c[:, :, :t].repeat_interleave(rep, dim=1) for c in (k_cache, v_cache))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-def kernel_us(fn, match: str, calls: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    evs = [e for e in prof.events() if e.device_type.name == "CUDA" and match in e.name]
-    return sum(e.time_range.elapsed_us() for e in evs) / calls
 
 
 def main():
