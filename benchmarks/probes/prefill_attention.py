@@ -9,6 +9,11 @@ unmasked. Both compiled by kiln (tune none, one compile per T), kernel time by t
 T = 128 and 2048 from position 0; torch's SDPA (flash, causal, exact keys) as the peer.
 
 GPU: PYTHONPATH=. python benchmarks/probes/prefill_attention.py [--out f.json]
+        [--configs default nosplit bn128 ...] [--lengths 2048]
+
+--configs forces the attention template's default config (tune none uses it) to each
+named change: the next step is why kiln's causal kernel runs at ~60% of torch's flash
+at 2048 (an H200, 2026-11-29: 259 vs 420 TFLOP/s).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -24,9 +30,36 @@ from decode_attention import kernel_us  # this folder's: run as a script
 from torch import nn
 
 import kiln
+from kiln.codegen.templates.attention import template
 
 HEADS, KV_HEADS, D, CACHE = 32, 8, 128, 2304
 LENGTHS = (128, 2048)
+CONFIGS = {  # name -> changes to the template's default config
+    "default": {},
+    "nosplit": {"KV_SPLIT": 1},  # the split's code compiled out (sm_90: 224 registers, not 255)
+    "bn128": {"BLOCK_N": 128, "KV_SPLIT": 1},
+    "stages3": {"stages": 3, "KV_SPLIT": 1},
+    "bm64": {"BLOCK_M": 64, "KV_SPLIT": 1},
+    "bm64_warps4": {"BLOCK_M": 64, "warps": 4, "KV_SPLIT": 1},
+}
+
+
+@contextmanager
+def forced(change: dict):
+    """The attention template's default config with `change` applied, while inside."""
+    heuristic = template.heuristic
+
+    def pick(shape, rows_hi, target):
+        c = heuristic(shape, rows_hi, target)
+        tiles = {k: change.get(k, c[k]) for k in ("BLOCK_M", "BLOCK_N", "KV_SPLIT")}
+        return type(c).make(change.get("warps", c.num_warps),
+                            change.get("stages", c.num_stages), **tiles)
+
+    template.heuristic = pick
+    try:
+        yield
+    finally:
+        template.heuristic = heuristic
 
 
 class MaskedCache(nn.Module):
@@ -56,6 +89,8 @@ class CausalExact(nn.Module):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--configs", nargs="+", default=["default"], choices=list(CONFIGS))
+    ap.add_argument("--lengths", nargs="+", type=int, default=list(LENGTHS))
     args = ap.parse_args()
     os.environ["KILN_COMPILE_CACHE"] = "0"
     os.environ["KILN_CACHE_DIR"] = tempfile.mkdtemp()
@@ -64,13 +99,17 @@ def main():
     kc, vc = (torch.randn(1, KV_HEADS, CACHE, D, generator=g).to(dev, dt) for _ in range(2))
     rows = []
     mods = {}
-    for t in LENGTHS:  # one compile per length: a dynamic T meets a guard torch cannot prove
-        for name, cls in (("masked_cache", MaskedCache), ("causal_exact", CausalExact)):
+    variants = [(name, cls, c) for c in args.configs
+                for name, cls in (("masked_cache", MaskedCache), ("causal_exact", CausalExact))]
+    for t in args.lengths:  # one compile per length: a dynamic T meets a guard torch cannot prove
+        for name, cls, c in variants:
             m = cls().to(dev)
             ex = (torch.randn(1, HEADS, t, D, device=dev, dtype=dt), kc, vc,
                   torch.arange(t, device=dev))
-            mods[name, t] = (m, kiln.compile(m, ex, target="cuda", options={"tune": "none"}))
-    for t in LENGTHS:
+            with forced(CONFIGS[c]):
+                mods[name, c, t] = (m, kiln.compile(m, ex, target="cuda",
+                                                    options={"tune": "none"}))
+    for t in args.lengths:
         q = torch.randn(1, HEADS, t, D, generator=g).to(dev, dt)
         pos = torch.arange(t, device=dev)
         k, v = kc[:, :, :t], vc[:, :, :t]
@@ -78,14 +117,15 @@ def main():
             q, k, v, is_causal=True, enable_gqa=True), "")
         flops = 4 * HEADS * t * t * D / 2
         rows.append(dict(variant="torch_causal_exact", t=t, us=us, tflops=flops / us / 1e6))
-        for name in ("masked_cache", "causal_exact"):
-            m, mod = mods[name, t]
+        for name, _, c in variants:
+            m, mod = mods[name, c, t]
             out, ref = mod(q, kc, vc, pos), m(q, kc, vc, pos)
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             us = kernel_us(lambda mod=mod, q=q, pos=pos: mod(q, kc, vc, pos), "attention")
-            rows.append(dict(variant=name, t=t, us=us, err=err, tflops=flops / us / 1e6))
+            label = name if c == "default" else f"{name}[{c}]"
+            rows.append(dict(variant=label, t=t, us=us, err=err, tflops=flops / us / 1e6))
     for r in rows:
-        print(f"{r['variant']:20s} T {r['t']:5d} {r['us']:9.1f} us {r['tflops']:6.0f} TFLOP/s"
+        print(f"{r['variant']:32s} T {r['t']:5d} {r['us']:9.1f} us {r['tflops']:6.0f} TFLOP/s"
               + (f" err {r['err']:.1e}" if "err" in r else ""), flush=True)
     if args.out:
         with open(args.out, "w") as f:
