@@ -11,7 +11,7 @@ True; float: exactly 0). The attention template bounds its key loop by the envel
 its tile's rows (its loop bounds become loads, which keeps Triton's pipelining; a
 skipping `if` inside the loop lost it) and still applies the mask inside, so any mask
 stays exact. Where every row of a tile has `plain` >= end - start (a causal or sliding
-window mask: each row's live keys are one run, unbiased) and the rows' runs share a key,
+window mask: each row's live keys are one run, unbiased) and the rows' runs meet,
 the mask says nothing its envelope does not: the tile compares key indices with its
 rows' bounds and never loads the mask (an H200, prefill 2048: the mask tiles had taken
 kiln's attention from 133 us with `is_causal` to 297 us; without them 161 us).

@@ -233,7 +233,7 @@ def test_the_key_loops_cover_each_split_once_and_read_the_mask_only_where_it_mat
 
 def test_rows_whose_spans_share_no_key_read_the_mask():
     """Two packed documents with dead keys between them: every row's keys are one run,
-    but the runs share no key, so the keys some row passes are not one run and the
+    but the runs do not meet, so the keys some row passes are not one run and the
     envelope alone cannot keep the gap's V rows (NaN: never written) out; the mask is
     read and the output stays exact."""
     t, gap = 40, 3

@@ -405,7 +405,9 @@ class _AttentionSource:
             L += ["for start_n in range(lo, mid, BLOCK_N):", *["    " + x for x in loops[0]],
                   "for start_n in range(mid, hi, BLOCK_N):", *["    " + x for x in loops[1]]]
         else:  # the mask is read only where it says more than its envelope
-            # a split past the keys has hi < lo: every range below must be empty there
+            # a split past the keys has hi < lo: every range below must be empty there;
+            # the plain loops first (after the mask's they kept the rows' bounds live
+            # across them: spills at decode on sm_90)
             L += ["m_hi = tl.where(plain, tl.minimum(lo, hi), hi)",
                   "mid = tl.minimum(mid, m_hi)",
                   "in_a = tl.where(plain, tl.minimum(hi, tl.maximum(lo, in_lo)), lo)",
@@ -431,10 +433,10 @@ class _AttentionSource:
         through, read from the envelope (three int32 values per mask row). kv_start is
         block-aligned, so the blocks up to full_end stay wholly inside the keys. A tile
         whose rows let nothing through gets an empty range: its rows give 0, as eager.
-        `plain`: every row passes exactly its span's keys, unbiased, and the spans share
-        a key (a row that passes nothing shares none), so the keys some row passes are
-        one run, [hull_lo, hull_hi); then [in_lo, in_hi) (block-aligned) are the keys
-        inside every row's span."""
+        `plain`: every row passes exactly its span's keys, unbiased, and the spans meet
+        (none starts after another ends; a row that passes nothing meets none), so the
+        keys some row passes are one run, [hull_lo, hull_hi); then [in_lo, in_hi)
+        (block-aligned) are the keys inside every row's span."""
         start, end, plain = self.s.key_bounds
         shape = _shape(self.region, self.plan, start)
         b = Lin.of(Var("b", self.s.batch, block=False))
@@ -453,7 +455,7 @@ class _AttentionSource:
             f"kv_start = tl.minimum(tl.min(tl.where(row_ok2, key_lo, {slen})), kv_end)"
             " // BLOCK_N * BLOCK_N",
             # the keys in every row's span; the keys in some row's span (one run when
-            # every span holds the first: then a key's V row is read where it is live)
+            # the spans meet: then a key's V row is read where some row passes it)
             "span_lo = tl.max(tl.where(row_ok2, key_lo, 0))",
             f"span_hi = tl.min(tl.where(row_ok2, key_hi, {slen}))",
             f"hull_lo = tl.min(tl.where(row_ok2, key_lo, {slen}))",
