@@ -142,6 +142,8 @@ def _region(r: Region) -> dict:
     label = getattr(r, "label", None)
     if label:
         d["label"] = label
+    if r.key_bounds:  # an attention region's mask envelope (dispatch/mask_envelope.py)
+        d["key_bounds"] = list(r.key_bounds)
     return d
 
 
@@ -188,6 +190,8 @@ def plan_from_json(j: dict) -> DispatchPlan:
                         int(r.get("device", 0)))
         if "label" in r:
             region.label = r["label"]
+        if "key_bounds" in r:
+            region.key_bounds = tuple(r["key_bounds"])
         regions.append(region)
     return DispatchPlan(
         symbols={k: Bounds.from_json(b) for k, b in j["symbols"].items()},

@@ -92,6 +92,23 @@ def test_plan_round_trip_prints_identically():
     assert [r.where() for r in back.regions] == [r.where() for r in exe.plan.regions]
 
 
+def test_an_attention_regions_mask_envelope_round_trips():
+    """A loaded plan (an artifact, a compile-cache hit) keeps which values bound each
+    attention region's key loop: a kernel generated again from it reads them."""
+
+    class Masked(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    plan = kiln.compile(Masked(), (q, k, v, torch.rand(1, 1, 8, 8) > 0.5), target="interpret",
+                        compile_to="dispatch")
+    back = plan_from_json(json.loads(dumps(plan_to_json(plan))))
+    bounds = [r.key_bounds for r in plan.regions if r.key_bounds]
+    assert len(bounds) == 1 and len(bounds[0]) == 3
+    assert [r.key_bounds for r in back.regions] == [r.key_bounds for r in plan.regions]
+
+
 def test_dumps_is_json_and_indented():
     obj = {"a": [1, 2], "b": {"c": "x" * 120, "d": [[1, 2]] * 40}}
     text = dumps(obj)
