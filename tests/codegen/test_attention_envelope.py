@@ -251,3 +251,54 @@ def test_rows_whose_spans_share_no_key_read_the_mask():
     out = exe(q, kn, vn, mask)
     assert torch.isfinite(out).all()
     assert rel_err(out, Masked()(q, k, v, mask)) <= 1e-5
+
+
+def _spans(shape, s, kind, gen):
+    """A bool mask of `shape` + [s] whose each row passes one run of keys: runs that
+    meet (all hold one key), independent runs, or independent with the first row's
+    empty."""
+    if kind == "meet":
+        c = int(torch.randint(0, s, (), generator=gen))
+        lo = torch.randint(0, c + 1, shape, generator=gen)
+        hi = torch.randint(c + 1, s + 1, shape, generator=gen)
+    else:
+        lo = torch.randint(0, s, shape, generator=gen)
+        hi = torch.clamp(lo + torch.randint(0, s, shape, generator=gen), max=s)
+        if kind == "empty row":
+            hi[..., 0] = lo[..., 0]
+    j = torch.arange(s)
+    return (j >= lo[..., None]) & (j < hi[..., None])
+
+
+@pytest.mark.parametrize("dtype,heads,hkv,mask_heads", [(torch.bool, 4, 2, 4),
+                                                        (torch.float32, 2, 1, 1)])
+def test_random_runs_of_keys_match_eager(dtype, heads, hkv, mask_heads):
+    """Random per-row runs (plain or not by the draw; a float mask sometimes biased),
+    NaN in the keys no row passes: equal to eager on every row that passes a key."""
+    gen = torch.Generator().manual_seed(hash((dtype, heads)) % 1000)
+    S = torch.export.Dim("S", min=2, max=160)
+
+    def as_mask(m, biased):
+        if dtype == torch.bool:
+            return m
+        out = torch.zeros(m.shape).masked_fill(~m, float("-inf"))
+        return out + (torch.randn(m.shape, generator=gen) * m) if biased else out
+
+    first = (torch.randn(2, heads, 9, 16), torch.randn(2, hkv, 50, 16),
+             torch.randn(2, hkv, 50, 16), as_mask(torch.ones(2, mask_heads, 9, 50) > 0, False))
+    exe = kiln.compile(Masked(), first, target="interpret",
+                       dynamic_shapes=({2: T}, {2: S}, {2: S}, {2: T, 3: S}))
+    _bounded(exe, "interpret")
+    cases = [(1, 70, "meet"), (5, 40, "independent"), (33, 130, "meet"),
+             (9, 150, "empty row"), (20, 64, "meet")]
+    for i, (t, s, kind) in enumerate(cases):
+        m = _spans((2, mask_heads, t), s, kind, gen)
+        mask = as_mask(m, biased=i == 2)
+        q, k, v = (torch.randn(2, n, length, 16, generator=gen)
+                   for n, length in ((heads, t), (hkv, s), (hkv, s)))
+        dead = ~m.expand(2, heads, t, s).any(dim=(1, 2))  # [2, s]
+        kn, vn = (x.masked_fill(dead[:, None, :, None], float("nan")) for x in (k, v))
+        out, ref = exe(q, kn, vn, mask), Masked()(q, k, v, mask)
+        rows = m.expand(2, heads, t, s).any(-1)
+        assert torch.isfinite(out[rows]).all(), (t, s, kind)
+        assert rel_err(out[rows], ref[rows]) <= 1e-5, (t, s, kind)
