@@ -18,20 +18,20 @@ query i), and a mask the prologue builds from aranges is recognised as causal
 (causal_mask.py). Sizes may be symbolic: the key loop and every tile are masked, never
 padded.
 
-The key loop runs in two parts: blocks wholly inside the keys and (causal) at or
-before every row's query need no key, row or causal mask; only the rest are masked.
-Causal row blocks run longest first. An explicit mask's envelope (per mask row, the
-first key it lets through and one past the last: kiln.dispatch.mask_envelope, region
-inputs) bounds the loop to the span its tile's rows can see; the mask still applies
-inside it, unless every row of the tile passes exactly its envelope's keys, unbiased
-(the envelope's third value: a causal or sliding-window mask): then the mask is never
-loaded, keys are compared with the rows' bounds at the span's edges and the blocks
-inside every row's span run unmasked, as a causal tile's do (which loops run is
-decided by their bounds). The bounds are loop bounds, never an `if` around the loads
-(Triton does not pipeline loads inside an `if`). When the tiles are too few to fill the GPU
-(decode: one tile per KV head), the keys are split across programs
-(kiln.codegen.templates.split_k): each keeps its unnormalised output with its running max
-and sum, and the last program of a tile merges them by their maxima.
+The key loop runs in two parts: blocks wholly inside the keys and (causal) at or before
+every row's query need no key, row or causal mask; only the rest are masked. Causal row
+blocks run longest first, as do those of a mask with an envelope. An explicit mask's
+envelope (per mask row, the first key it lets through and one past the last:
+kiln.dispatch.mask_envelope, region inputs) bounds the loop to the span its tile's rows
+can see; the mask still applies inside it, unless every row of the tile passes exactly
+its envelope's keys, unbiased (the envelope's third value: a causal or sliding-window
+mask): then the mask is never loaded, keys are compared with the rows' bounds at the
+span's edges and the blocks inside every row's span run unmasked, as a causal tile's do
+(which loops run is decided by their bounds). The bounds are loop bounds, never an `if`
+around the loads (Triton does not pipeline loads inside an `if`). When the tiles are too
+few to fill the GPU (decode: one tile per KV head), the keys are split across programs
+(kiln.codegen.templates.split_k): each keeps its unnormalised output with its running
+max and sum, and the last program of a tile merges them by their maxima.
 """
 
 from __future__ import annotations
@@ -215,8 +215,10 @@ def heuristic(shape: AttentionShape, rows_hi: int | None, target: Target) -> Con
         warps, stages, bm, bn = 4, 1, 64, 64 if d <= 128 else 32
     elif d <= 64:
         warps, stages, bm, bn = 4, 2, 128, 64
-    elif d <= 128:
-        warps, stages, bm, bn = 8, 2, 128, 64
+    elif d <= 128:  # three stages on Hopper: causal prefill 2048 at the 8B widths on an
+        # H200 132 -> 113 us (benchmarks/probes/prefill_attention.py); Ampere unmeasured
+        hopper = target.backend == "cuda" and isinstance(target.arch, int) and target.arch >= 90
+        warps, stages, bm, bn = 8, 3 if hopper else 2, 128, 64
     else:
         warps, stages, bm, bn = 8, 1, 64, 32
     if miscompiled(Config.make(warps, stages, BLOCK_M=bm), _pow2(shape.value_dim), target):
@@ -342,8 +344,12 @@ class _AttentionSource:
         out = self.region.outputs[0]
         o = self.out_ptr = p.tensor(out, s.dtype, self.plan.values[out].shape, output=True,
                                     name="out_ptr")
-        # causal: the longest row blocks (the last) start first, so they do not trail
-        first = "tl.num_programs(0) - 1 - tl.program_id(0)" if s.causal else "tl.program_id(0)"
+        # causal, or a mask with an envelope (a causal mask read from a buffer, whose
+        # row spans grow with the row): the longest row blocks (the last) start first,
+        # so they do not trail
+        longest_last = s.causal or s.key_bounds is not None
+        first = "tl.num_programs(0) - 1 - tl.program_id(0)" if longest_last else \
+            "tl.program_id(0)"
         L = [
             f"pid_m = {first}",
             f"pid_z = tl.program_id(1){wide}",
