@@ -190,15 +190,15 @@ def test_dead_keys_inside_the_envelope_may_hold_nan(name):
 
 
 def test_the_key_loops_cover_each_split_once_and_read_the_mask_only_where_it_matters():
-    """The kernel's five key loops (the mask read: in range / at the edge; a plain
-    envelope's: edges by the rows' bounds / inside unmasked) evaluated as Python over
-    every case of a split's [lo, hi) (hi < lo for a split past the keys), the span
-    inside every row's bounds and whether the envelope is plain: together they visit
-    each block of [lo, hi) once and nothing else, and the mask is read only where the
-    envelope is not plain. (A split past the keys once walked [hi, lo) with the mask
-    read: 3-4x a decode attention's time on an H200, right results.)"""
+    """The kernel's key loops (a plain envelope's: edges by the rows' bounds, inside
+    unmasked; the mask's, under `if not plain`: in range / at the edge), their bounds
+    and branch run as Python over every case of a split's [lo, hi) (hi < lo for
+    a split past the keys), the span inside every row's bounds and whether the envelope
+    is plain: together they visit each block of [lo, hi) once and nothing else, and the
+    mask is read only where the envelope is not plain. (A split past the keys once
+    walked [hi, lo) with the mask read: 3-4x a decode attention's time on an H200,
+    right results.)"""
     import itertools
-    import re
     from types import SimpleNamespace
 
     model = StaticCache()
@@ -206,29 +206,55 @@ def test_the_key_loops_cover_each_split_once_and_read_the_mask_only_where_it_mat
             torch.randn(1, 2, 150, 16), torch.arange(8))
     exe = kiln.compile(model, args, dynamic_shapes=({2: T}, None, None, {0: T}),
                        target="interpret")
-    lines = [x.strip() for x in _attention(exe)[1].spec.source.splitlines()]
-    first = lines.index("mid = tl.minimum(hi, tl.maximum(lo, full_end))")
-    loops = [re.fullmatch(r"for start_n in range\((\w+), (\w+), BLOCK_N\):", x)
-             for x in lines[first:]]
-    loops = [m.groups() for m in loops if m]
-    bounds = lines[first:lines.index(f"for start_n in range({', '.join(loops[0])}, BLOCK_N):")]
-    assert len(loops) == 5
+    skeleton, loops = _loop_skeleton(_attention(exe)[1].spec.source)
+    assert sorted(loops) == sorted([("lo", "in_a"), ("in_a", "in_b"), ("edge_b", "hi"),
+                                    ("lo", "mid"), ("mid", "hi")]), loops
+    code = compile("\n".join(skeleton), "skeleton", "exec")
     tl = SimpleNamespace(where=lambda c, a, b: a if c else b, minimum=min, maximum=max)
     n = 16
     for lo, hi, in_lo, in_hi, full_end, plain in itertools.product(
             range(0, 97, n), range(0, 100, 7), range(0, 97, n), range(0, 97, n),
             (48, 96), (False, True)):
+        walked = {}
         env = {"tl": tl, "lo": lo, "hi": hi, "in_lo": in_lo, "in_hi": in_hi,
-               "full_end": full_end, "plain": plain}
-        for line in bounds:
-            exec(line, env)
-        walked = {(a, b): list(range(env[a], env[b], n)) for a, b in loops}
+               "full_end": full_end, "plain": plain,
+               "walk": lambda a, b, x, y, w=walked: w.setdefault((a, b), []).extend(
+                   range(x, y, n))}
+        exec(code, env)
         seen = sorted(k for w in walked.values() for k in w)
-        assert seen == list(range(lo, hi, n)), (env, walked)
-        reads_mask = [w for (a, b), w in walked.items() if {"mid", "m_hi"} & {a, b}]
-        assert len(reads_mask) == 2
-        assert not any(reads_mask) if plain else seen == sorted(sum(reads_mask, [])), env
-        assert all(in_lo <= k < in_hi for k in walked["in_a", "in_b"]), (env, walked)
+        assert seen == list(range(lo, hi, n)), (lo, hi, in_lo, in_hi, plain, walked)
+        reads_mask = sum((w for (a, b), w in walked.items() if "mid" in (a, b)), [])
+        assert not reads_mask if plain else sorted(reads_mask) == seen, walked
+        assert all(in_lo <= k < in_hi for k in walked.get(("in_a", "in_b"), [])), walked
+
+
+def _loop_skeleton(source: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """The attention kernel's key-loop control from `mid = ...` to the loops' end, as
+    Python: each loop becomes walk('start', 'end', start, end), its body dropped."""
+    import re
+
+    lines = source.splitlines()
+    first = next(i for i, x in enumerate(lines)
+                 if x.strip() == "mid = tl.minimum(hi, tl.maximum(lo, full_end))")
+    base = len(lines[first]) - len(lines[first].lstrip())
+    skeleton, loops, body_of = [], [], None
+    for line in lines[first:]:
+        text, ind = line.strip(), len(line) - len(line.lstrip())
+        if not text or (body_of is not None and ind > body_of):
+            continue
+        body_of = None
+        loop = re.fullmatch(r"for start_n in range\((\w+), (\w+), BLOCK_N\):", text)
+        if ind == base and loops and not loop and \
+                not text.startswith(("if plain", "if not plain", "else:")):
+            break  # past the key loops
+        pad = " " * (ind - base)
+        if loop:
+            loops.append(loop.groups())
+            skeleton.append(f"{pad}walk({loop[1]!r}, {loop[2]!r}, {loop[1]}, {loop[2]})")
+            body_of = ind
+        else:
+            skeleton.append(pad + text)
+    return skeleton, loops
 
 
 def test_rows_whose_spans_share_no_key_read_the_mask():

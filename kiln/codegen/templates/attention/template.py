@@ -27,11 +27,13 @@ can see; the mask still applies inside it, unless every row of the tile passes e
 its envelope's keys, unbiased (the envelope's third value: a causal or sliding-window
 mask): then the mask is never loaded, keys are compared with the rows' bounds at the
 span's edges and the blocks inside every row's span run unmasked, as a causal tile's do
-(which loops run is decided by their bounds). The bounds are loop bounds, never an `if`
-around the loads (Triton does not pipeline loads inside an `if`). When the tiles are too
-few to fill the GPU (decode: one tile per KV head), the keys are split across programs
-(kiln.codegen.templates.split_k): each keeps its unnormalised output with its running
-max and sum, and the last program of a tile merges them by their maxima.
+(the plain loops are empty in other tiles by their bounds; the mask's run under one `if
+not plain`). Key ranges are loop bounds and the `if` is around whole loops, never around
+the loads (Triton does not pipeline loads inside an `if`; a loop inside one pipelines).
+When the tiles are too few to fill the GPU (decode: one tile per KV head), the keys are
+split across programs (kiln.codegen.templates.split_k): each keeps its unnormalised
+output with its running max and sum, and the last program of a tile merges them by their
+maxima.
 """
 
 from __future__ import annotations
@@ -168,6 +170,13 @@ def _key_bounds(region: Region, plan: DispatchPlan, mask: str | None):
              and all(same_dim(x, y) for x, y in zip(plan.values[b].shape, rows))
              for b in bounds)
     return bounds if ok else None
+
+
+def _loop(start: str, end: str, body: list[str], depth: int = 0) -> list[str]:
+    """A key loop over [start, end), `depth` levels in."""
+    pad = "    " * depth
+    return [f"{pad}for start_n in range({start}, {end}, BLOCK_N):",
+            *[pad + "    " + x for x in body]]
 
 
 def _pow2(n: int) -> int:
@@ -408,22 +417,22 @@ class _AttentionSource:
               *["    " + x for x in split.program_range("kv_end", "BLOCK_N", kv_start)],
               "mid = tl.minimum(hi, tl.maximum(lo, full_end))"]
         if s.key_bounds is None:
-            L += ["for start_n in range(lo, mid, BLOCK_N):", *["    " + x for x in loops[0]],
-                  "for start_n in range(mid, hi, BLOCK_N):", *["    " + x for x in loops[1]]]
+            L += [*_loop("lo", "mid", loops[0]), *_loop("mid", "hi", loops[1])]
         else:  # the mask is read only where it says more than its envelope
-            # a split past the keys has hi < lo: every range below must be empty there;
-            # the plain loops first (after the mask's they kept the rows' bounds live
-            # across them: spills at decode on sm_90)
-            L += ["m_hi = tl.where(plain, tl.minimum(lo, hi), hi)",
-                  "mid = tl.minimum(mid, m_hi)",
-                  "in_a = tl.where(plain, tl.minimum(hi, tl.maximum(lo, in_lo)), lo)",
+            # the plain loops are empty in a tile that is not plain (by their bounds);
+            # the mask's loops run only in such a tile: an `if` around loops, not loads
+            # (each still pipelines), so a plain tile (causal, decode) skips their
+            # pipeline prologues. (As if / else branches both sets' pipeline buffers
+            # were held at once on sm_90: shared 147 -> 229 KB, 10 words spilled with
+            # q's RoPE in the prologue.) A split past the keys has hi < lo: every
+            # range is empty there.
+            L += ["in_a = tl.where(plain, tl.minimum(hi, tl.maximum(lo, in_lo)), lo)",
                   "in_b = tl.where(plain, tl.minimum(hi, tl.maximum(in_a, in_hi)), lo)",
                   "edge_b = tl.where(plain, in_b, hi)",
-                  "for start_n in range(lo, in_a, BLOCK_N):", *["    " + x for x in loops[2]],
-                  "for start_n in range(in_a, in_b, BLOCK_N):", *["    " + x for x in loops[3]],
-                  "for start_n in range(edge_b, hi, BLOCK_N):", *["    " + x for x in loops[2]],
-                  "for start_n in range(lo, mid, BLOCK_N):", *["    " + x for x in loops[0]],
-                  "for start_n in range(mid, m_hi, BLOCK_N):", *["    " + x for x in loops[1]]]
+                  *_loop("lo", "in_a", loops[2]), *_loop("in_a", "in_b", loops[3]),
+                  *_loop("edge_b", "hi", loops[2]),
+                  "if not plain:",
+                  *_loop("lo", "mid", loops[0], 1), *_loop("mid", "hi", loops[1], 1)]
         L += self._combine(dvp, p.dim(s.group * s.tq))
         out_lines, out_code = self._cast("acc", {"rows2", "dv2"})
         L += [
