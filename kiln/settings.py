@@ -27,6 +27,10 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
                       "is a terminal)"),
     "KILN_TUNE": ("fast", "none|fast|full: the autotuner's default mode (kiln.compile's "
                   "options={'tune': ...} and `kiln compile --tune` override it)"),
+    "KILN_TUNE_OVERLAP": ("0", "1: with a GPU to time on, the autotuner times each kernel "
+                          "as soon as its own candidates are compiled, while the others "
+                          "compile (cold compiles; off until measured on a GPU: the compile "
+                          "workers and the timing share the CPU)"),
     "KILN_TUNE_TIMING": ("worker", "worker|inprocess: where the autotuner times and checks "
                          "candidates on the GPU: in its run worker, whose CUDA context a "
                          "faulting candidate may poison, or in the compiling process "
@@ -56,8 +60,8 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
 
 # the settings that change the kernels kiln builds or how it launches them: a benchmark
 # records them (kiln bench's JSON) so that two runs say what they compared
-SPEED_SETTINGS = ("KILN_TUNE", "KILN_TUNE_TIMING", "KILN_DECOMPOSE", "KILN_PDL",
-                  "KILN_FP8_GEMV_PACKED", "KILN_FP8_GEMM_TMA")
+SPEED_SETTINGS = ("KILN_TUNE", "KILN_TUNE_TIMING", "KILN_TUNE_OVERLAP", "KILN_DECOMPOSE",
+                  "KILN_PDL", "KILN_FP8_GEMV_PACKED", "KILN_FP8_GEMM_TMA")
 
 
 def effective(names=SPEED_SETTINGS) -> dict[str, str | None]:
@@ -125,6 +129,11 @@ def tune_timing() -> str:
         raise KilnError(f"KILN_TUNE_TIMING={value!r} is not a timing place",
                         hint="set it to 'worker' (the default) or 'inprocess'")
     return value
+
+
+def tune_overlap() -> bool:
+    """KILN_TUNE_OVERLAP: time kernels while the rest compile (default off)."""
+    return (_get("KILN_TUNE_OVERLAP") or "0").strip().lower() in ("1", "true", "yes")
 
 
 def compile_cache_enabled() -> bool:

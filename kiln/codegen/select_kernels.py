@@ -178,11 +178,15 @@ def _select(plan: DispatchPlan, ctx, kp: KernelPlan, pending: list[Region]) -> N
     regions = {r.name: r for r in plan.regions}
     specs = [(regions[n], s) for n, s in chosen.items() if isinstance(s, KernelSpec)]
     tuner = precompile(specs, target, ctx, plan) if specs else None
-    for name, got in chosen.items():
-        kp.kernels[name] = choose(regions[name], got, target, ctx, plan, tuner) \
-            if isinstance(got, KernelSpec) else got
-        if tuner is not None and len(products(regions[name])) > 1:
-            _siblings_apart_if_faster(plan, regions[name], ctx, kp, tuner)
+    try:
+        for name, got in chosen.items():
+            kp.kernels[name] = choose(regions[name], got, target, ctx, plan, tuner) \
+                if isinstance(got, KernelSpec) else got
+            if tuner is not None and len(products(regions[name])) > 1:
+                _siblings_apart_if_faster(plan, regions[name], ctx, kp, tuner)
+    finally:
+        if tuner is not None:  # a background build (KILN_TUNE_OVERLAP) ends with the plan
+            tuner.finish()
 
 
 def _siblings_apart_if_faster(plan: DispatchPlan, region: Region, ctx, kp: KernelPlan,

@@ -47,6 +47,7 @@ import math
 import warnings
 
 from kiln.codegen.autotune import quarantine as q
+from kiln.codegen.autotune.background_build import BackgroundBuild, job_key
 from kiln.codegen.autotune.both_ends import (
     SWITCH_GAIN,
     low_sizes,
@@ -91,7 +92,7 @@ from kiln.codegen.torch_kernel import TorchKernel
 from kiln.errors import KilnError
 from kiln.ir.plan import DispatchPlan, Region
 from kiln.progress import phase, progress
-from kiln.settings import tune_mode, tune_timing
+from kiln.settings import tune_mode, tune_overlap, tune_timing
 from kiln.target import Target
 
 log = logging.getLogger("kiln.codegen")
@@ -131,7 +132,7 @@ class Tuner:
                  timeout: float = DEFAULT_TIMEOUT, workers: int | None = None,
                  example_env: dict[str, int] | None = None, estimator=None,
                  timing: str = "worker", runner: str = DEFAULT_RUNNER,
-                 run_timeout: float = DEFAULT_RUN_TIMEOUT):
+                 run_timeout: float = DEFAULT_RUN_TIMEOUT, overlap: bool | None = None):
         if mode not in MODES:
             raise KilnError(f"unknown tune mode {mode!r}", hint="choose one of: "
                             + ", ".join(MODES))
@@ -158,6 +159,9 @@ class Tuner:
         self.cache = ChoiceCache()
         # (source hash, config) -> Outcome, compiled ahead by precompile
         self._built: dict[tuple[str, Config], Outcome] = {}
+        # timed candidates compiled in a thread while the first are timed (KILN_TUNE_OVERLAP)
+        self.overlap = tune_overlap() if overlap is None else overlap
+        self._background: BackgroundBuild | None = None
         # region name -> its chosen kernel's median ms, when timed (select_kernels weighs
         # grouped sibling GEMVs against the siblings apart with it)
         self.times: dict[str, float] = {}
@@ -170,7 +174,8 @@ class Tuner:
                    options.get("tune_workers"), options.get("example_env"),
                    timing=options.get("tune_timing") or tune_timing(),
                    runner=options.get("tune_runner") or DEFAULT_RUNNER,
-                   run_timeout=options.get("tune_run_timeout") or DEFAULT_RUN_TIMEOUT)
+                   run_timeout=options.get("tune_run_timeout") or DEFAULT_RUN_TIMEOUT,
+                   overlap=options.get("tune_overlap"))
 
     def choose(self, region: Region, spec: KernelSpec, plan: DispatchPlan | None = None):
         configs = candidates(spec, self.mode)
@@ -239,15 +244,33 @@ class Tuner:
                     jobs.append(Job(spec, c, self.target, self.compile_fn))
         if not jobs:
             return
+        self.finish()  # one run of the pool at a time
         if timed and self.timing == "worker":
             get_run_pool().prestart()  # it imports torch while the compiles run
-        with phase("build"), progress(total=len(jobs), desc="compile kernels",
-                                      unit="config") as bar:
+        if timed and self.overlap:  # each kernel timed once its own candidates are built
+            self._background = BackgroundBuild(
+                jobs, lambda: self._build_run(jobs, "build (background)"), self._record)
+            return
+        for i, out in self._build_run(jobs, "build"):
+            self._record(jobs[i], out)
+
+    def _build_run(self, jobs: list[Job], name: str):
+        """The pool run compiling `jobs`: (index, Outcome) as each finishes."""
+        with phase(name), progress(total=len(jobs), desc="compile kernels",
+                                   unit="config") as bar:
             for i, out in get_pool(self.workers).run(jobs, self.timeout, lambda: True):
-                job = jobs[i]
-                self._built[(job.spec.source_hash, job.config)] = \
-                    self._checked(job.spec, job.config, out)
+                yield i, out
                 bar.update(1)
+
+    def _record(self, job: Job, out: Outcome) -> None:
+        self._built[job_key(job)] = self._checked(job.spec, job.config, out)
+
+    def finish(self) -> None:
+        """Wait for precompile's background build, if one runs (the pool is free after);
+        raise what it raised."""
+        if self._background is not None:
+            background, self._background = self._background, None
+            background.join()
 
     def _needs_compile(self, spec: KernelSpec, config: Config) -> bool:
         """Neither quarantined nor ruled out by the resource pre-check."""
@@ -278,6 +301,8 @@ class Tuner:
         outcomes: dict[Config, Outcome] = {}
         todo = []
         for c in configs:
+            if self._background is not None:  # built in the background: wait for it
+                self._background.wait((spec.source_hash, c))
             built = self._built.get((spec.source_hash, c))
             if built is not None:  # compiled ahead (precompile)
                 outcomes[c] = built
@@ -297,6 +322,7 @@ class Tuner:
         if not todo or not want_more():  # nothing to compile, or the winner is known
             return outcomes
 
+        self.finish()  # the background build's pool run ends before this one starts
         jobs = [Job(spec, c, self.target, self.compile_fn) for c in todo]
         with progress(total=len(jobs), desc=f"tune {region.name}", unit="config") as bar:
             for i, out in get_pool(self.workers).run(jobs, self.timeout, want_more):
