@@ -9,7 +9,7 @@ unmasked. Both compiled by kiln (tune none, one compile per T), kernel time by t
 T = 128 and 2048 from position 0; torch's SDPA (flash, causal, exact keys) as the peer.
 
 GPU: PYTHONPATH=. python benchmarks/probes/prefill_attention.py [--out f.json]
-        [--configs default nosplit bn128 ...] [--lengths 2048]
+        [--configs default nosplit bn128 ...] [--lengths 2048] [--rope]
 
 --configs forces the attention template's default config (tune none uses it) to each
 named change: the next step is why kiln's causal kernel runs at ~60% of torch's flash
@@ -76,6 +76,25 @@ class MaskedCache(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+class MaskedCacheRope(MaskedCache):
+    """MaskedCache with q's RoPE before it, as kiln bench's model has it (rotate-half
+    over the position's angles): kiln computes it in the attention's prologue."""
+
+    def __init__(self):
+        super().__init__()
+        half = D // 2
+        angles = torch.outer(torch.arange(CACHE).float(),
+                             1.0 / (500000.0 ** (torch.arange(half).float() / half)))
+        self.register_buffer("cos", angles.cos())
+        self.register_buffer("sin", angles.sin())
+
+    def forward(self, q, k_cache, v_cache, input_pos):
+        cos, sin = self.cos[input_pos].to(q.dtype), self.sin[input_pos].to(q.dtype)
+        q1, q2 = q[..., :D // 2], q[..., D // 2:]
+        q = torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1)
+        return super().forward(q, k_cache, v_cache, input_pos)
+
+
 class CausalExact(nn.Module):
     """The same attention over the first T keys with is_causal (no mask tensor)."""
 
@@ -91,6 +110,9 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--configs", nargs="+", default=["default"], choices=list(CONFIGS))
     ap.add_argument("--lengths", nargs="+", type=int, default=list(LENGTHS))
+    ap.add_argument("--rope", action="store_true",
+                    help="also gpt-fast's mask with q's RoPE fused into the prologue (the "
+                         "model's attention ran 143 us a layer against the probe's 122)")
     args = ap.parse_args()
     os.environ["KILN_COMPILE_CACHE"] = "0"
     os.environ["KILN_CACHE_DIR"] = tempfile.mkdtemp()
@@ -99,8 +121,10 @@ def main():
     kc, vc = (torch.randn(1, KV_HEADS, CACHE, D, generator=g).to(dev, dt) for _ in range(2))
     rows = []
     mods = {}
-    variants = [(name, cls, c) for c in args.configs
-                for name, cls in (("masked_cache", MaskedCache), ("causal_exact", CausalExact))]
+    modules = [("masked_cache", MaskedCache), ("causal_exact", CausalExact)]
+    if args.rope:
+        modules.append(("masked_cache_rope", MaskedCacheRope))
+    variants = [(name, cls, c) for c in args.configs for name, cls in modules]
     for t in args.lengths:  # one compile per length: a dynamic T meets a guard torch cannot prove
         for name, cls, c in variants:
             m = cls().to(dev)
