@@ -18,7 +18,6 @@ CPU: TRITON_INTERPRET=1 ... --check (tiny sizes, against eager; no timing)
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
@@ -165,6 +164,7 @@ def main():
     if args.check:
         return check()
     from decode_attention import kernel_us  # this folder's: run as a script
+    from prefill_attention import report
 
     dev, dt, heads, kv_heads, d, cache = "cuda", torch.float16, 32, 8, 128, 2304
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -186,15 +186,7 @@ def main():
                 rows.append(dict(variant=label, t=t, us=us, err=err, tflops=flops / us / 1e6))
             except Exception as e:  # a variant this Triton cannot build: say so, go on
                 rows.append(dict(variant=label, t=t, error=f"{type(e).__name__}: {e}"[:200]))
-    for r in rows:
-        if "error" in r:
-            print(f"{r['variant']:24s} T {r['t']:5d} {r['error']}")
-            continue
-        print(f"{r['variant']:24s} T {r['t']:5d} {r['us']:9.1f} us {r['tflops']:6.0f} TFLOP/s"
-              + (f" err {r['err']:.1e}" if "err" in r else ""), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    report(rows, args.out, 24)
 
 
 if __name__ == "__main__":

@@ -148,11 +148,20 @@ def main():
             us = kernel_us(lambda mod=mod, q=q, pos=pos: mod(q, kc, vc, pos), "attention")
             label = name if c == "default" else f"{name}[{c}]"
             rows.append(dict(variant=label, t=t, us=us, err=err, tflops=flops / us / 1e6))
+    report(rows, args.out, 32)
+
+
+def report(rows: list[dict], out: str | None, width: int) -> None:
+    """Print each row (variant, length, time, rate, error; or why it did not run) and
+    write them all to `out` as JSON."""
     for r in rows:
-        print(f"{r['variant']:32s} T {r['t']:5d} {r['us']:9.1f} us {r['tflops']:6.0f} TFLOP/s"
-              + (f" err {r['err']:.1e}" if "err" in r else ""), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
+        if "error" in r:
+            print(f"{r['variant']:{width}s} T {r['t']:5d} {r['error']}")
+            continue
+        print(f"{r['variant']:{width}s} T {r['t']:5d} {r['us']:9.1f} us {r['tflops']:6.0f} "
+              "TFLOP/s" + (f" err {r['err']:.1e}" if "err" in r else ""), flush=True)
+    if out:
+        with open(out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 
 
