@@ -39,8 +39,9 @@ def test_smoke_run_measures_every_row_and_matches_eager(smoke):
     text = (out / "bench.txt").read_text()
     assert "kiln/floor" in text and "decode 20 b3" in text
     # what the run was built and launched with, defaults filled in
-    assert set(data["settings"]) == {"KILN_TUNE", "KILN_TUNE_TIMING", "KILN_DECOMPOSE",
-                                     "KILN_PDL", "KILN_FP8_GEMV_PACKED", "KILN_FP8_GEMM_TMA"}
+    assert set(data["settings"]) == {"KILN_TUNE", "KILN_TUNE_TIMING", "KILN_TUNE_OVERLAP",
+                                     "KILN_DECOMPOSE", "KILN_PDL", "KILN_FP8_GEMV_PACKED",
+                                     "KILN_FP8_GEMM_TMA"}
     assert all(data["settings"].values()) and "settings: KILN_TUNE=" in text
 
 
