@@ -87,3 +87,53 @@ def test_a_background_build_that_fails_raises_in_the_compile(fake_gpu, compiles,
     tuner, region, plan, ctx, (add, _) = _kernels("compile_stand_in", overlap=True)
     with pytest.raises(RuntimeError, match="the pool broke"):
         choose(region, add, ctx.target, ctx, plan, tuner)
+
+
+def test_a_compile_ends_its_background_build_with_the_plan(fake_gpu, compiles, monkeypatch):
+    """kiln.compile with the overlap on: the regions' choices are those made without it,
+    and no build thread outlives the compile (the pool is the process's: a second
+    compile must find it free)."""
+    import torch
+
+    import kiln
+    from kiln.codegen import select_kernels
+    from kiln.ir.plan import RegionKind
+    from kiln.ir.symbolic import numel
+
+    times, _ = fake_gpu
+    times.update({FAST: 1.0, SLOW: 2.0, None: 3.0})
+
+    def generate_add(region, plan, target):  # the same-shape adds of the model below
+        out = plan.values[region.outputs[0]]
+        return add_spec(FAST, [FAST, SLOW], (*region.inputs, region.outputs[0]),
+                        numel(out.shape))
+
+    monkeypatch.setitem(select_kernels.TEMPLATES, RegionKind.POINTWISE, generate_add)
+
+    class Adds(torch.nn.Module):
+        def forward(self, x, y):
+            return x + y, (x + y) + x
+
+    from kiln.codegen.autotune import tuner as tune_module
+
+    started = []
+    real = tune_module.BackgroundBuild
+
+    def counted(*a, **k):
+        started.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(tune_module, "BackgroundBuild", counted)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    notes = {}
+    for overlap in (False, True):
+        forget_choices()
+        monkeypatch.setenv("KILN_TUNE_OVERLAP", str(int(overlap)))
+        exe = kiln.compile(Adds(), (x, y), target="cuda:sm_90",
+                           options={"tune_compiler": CRASHY + "compile_stand_in",
+                                    "tune": "full", "compile_cache": False})
+        assert not [t for t in threading.enumerate() if t.name == "kiln-background-build"]
+        assert len(started) == int(overlap)  # built in the background only when asked
+        notes[overlap] = [n for r in exe.program.kplan.plan.regions for n in r.notes
+                          if n.startswith("tuned")]
+    assert notes[True] == notes[False] and notes[True]
