@@ -105,6 +105,30 @@ def test_export_failure_carries_torchs_explanation(model, line, capfd):
     assert "def forward" not in capfd.readouterr().err  # torch's partial graph is not dumped
 
 
+class ChecksItsArguments(torch.nn.Module):
+    """Raises by itself, as transformers' Bamba does with its default config (its cache
+    has no attention layer to ask for a length): eager PyTorch raises the same."""
+
+    def forward(self, x, mode="fast"):
+        if mode not in ("slow",):
+            raise ValueError(f"mode {mode!r} needs a cache this model does not have")
+        return x * 2
+
+
+def test_an_error_the_model_raises_itself_is_called_the_models():
+    with pytest.raises(ValueError):
+        ChecksItsArguments()(torch.randn(3))
+    with pytest.raises(ExportError) as e:
+        kiln.compile(ChecksItsArguments(), (torch.randn(3),))
+    assert "the model's own code raised ValueError" in e.value.what
+    assert "needs a cache this model does not have" in e.value.what
+    assert f"{HERE}:{_line_of(ChecksItsArguments.forward, 'raise ValueError')}" in _where(e.value)
+    assert "model(*args, **kwargs)" in e.value.hint and "data-dependent" not in e.value.hint
+    exe = kiln.compile(ChecksItsArguments(), (torch.randn(3),), {"mode": "slow"})
+    x = torch.randn(3)
+    assert torch.equal(exe(x, mode="slow"), x * 2)
+
+
 class Reshaper(torch.nn.Module):
     def forward(self, x):
         return x.view(4, 2) * 2

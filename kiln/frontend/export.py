@@ -33,6 +33,7 @@ from kiln.errors import (
 from kiln.frontend.decompositions import DECOMPOSE, FALLBACKS, OVERRIDES
 from kiln.frontend.dim_names import dim_names
 from kiln.frontend.local_decompose import ShapesSpecialised, decompose_locally
+from kiln.frontend.raised_by_model import raised_by_model
 from kiln.frontend.reduction_shapes import fix_reduction_shapes
 from kiln.frontend.scalar_index import select_by_tensor_as_index
 from kiln.frontend.train_mode import check_inference_mode
@@ -184,6 +185,15 @@ def _export_error(e: Exception) -> KilnError:
             where=user_frame("".join(traceback.format_tb(e.__traceback__))),
             hint="return tensors, or tuples, lists, dicts, namedtuples or dataclasses of "
             "them; or register the type with torch.utils._pytree.register_pytree_node")
+    raised = raised_by_model(e)
+    if raised is not None:
+        return ExportError(
+            f"the model's own code raised {name} while torch.export ran its forward on the "
+            f"example arguments: {_first_line(text)}",
+            where=raised,
+            hint="this is the model's check, not a limit of torch.export or kiln: run the "
+            "model eagerly on the same arguments (model(*args, **kwargs)) to see it, and fix "
+            "the arguments or the model's config; kiln compiles a forward that runs.")
     return ExportError(
         f"torch.export could not capture the model ({name})",
         where=user_frame("".join(traceback.format_tb(e.__traceback__))) or _first_line(text),
