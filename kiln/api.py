@@ -35,6 +35,7 @@ from kiln.dispatch.group_fp8_siblings import group_fp8_siblings
 from kiln.dispatch.group_siblings import group_siblings
 from kiln.dispatch.mask_envelope import mask_envelope
 from kiln.dispatch.reinplace import reinplace
+from kiln.dispatch.split_query_prologue import split_query_prologue
 from kiln.errors import ArgumentError
 from kiln.frontend.export import FALLBACK_MODES, capture, fallback_warning
 from kiln.frontend.import_pass import ModelSource, import_pass
@@ -62,8 +63,9 @@ def build_pipeline(dump_dir: str | None = None) -> PassManager:
             Stage("graph", list(GRAPH_PASSES)),
             Stage("parallel", [pipeline_stages, tensor_parallel, assign_devices]),
             Stage("dispatch", [form_regions, fold_rmsnorm, fold_delta_step,
-                               group_siblings, group_fp8_siblings, mask_envelope, reinplace,
-                               fold_delta_state, group_cache_writes, bind_example_sizes]),
+                               group_siblings, group_fp8_siblings, mask_envelope,
+                               split_query_prologue, reinplace, fold_delta_state,
+                               group_cache_writes, bind_example_sizes]),
             Stage("codegen", [select_kernels]),
             Stage("schedule", [schedule]),
         ],

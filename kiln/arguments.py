@@ -17,7 +17,11 @@ from kiln.errors import ArgumentError
 # The options a user may pass (kiln.codegen.autotune.tuner reads them); the passes'
 # own entries in ctx.options (fallback, parallel, ...) are keyword arguments instead.
 OPTIONS = ("tune", "tune_compiler", "tune_timeout", "tune_workers", "compile_cache",
-           "mask_envelope")
+           "mask_envelope", "query_prologue_split")
+# On/off options for measuring a dispatch choice: what False does.
+_MEASURING = {"mask_envelope": "walks every key block of a masked attention",
+              "query_prologue_split": "keeps a prefill attention's query prologue (RoPE) "
+              "in its kernel"}
 _KEYWORDS = ("fallback", "allow_train", "parallel", "devices", "device_map", "pins")
 
 
@@ -56,11 +60,11 @@ def check_options(options) -> dict:
     cache = options.get("compile_cache")
     if cache is not None and not isinstance(cache, bool):
         raise ArgumentError(f"options['compile_cache'] must be True or False, got {cache!r}")
-    envelope = options.get("mask_envelope")
-    if envelope is not None and not isinstance(envelope, bool):
-        raise ArgumentError(f"options['mask_envelope'] must be True or False, got {envelope!r}",
-                            hint="False walks every key block of a masked attention (for "
-                            "measuring the envelope's gain)")
+    for key, off in _MEASURING.items():
+        value = options.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise ArgumentError(f"options[{key!r}] must be True or False, got {value!r}",
+                                hint=f"False {off} (for measuring what it gives)")
     compiler = options.get("tune_compiler")
     if compiler is not None and not isinstance(compiler, str):
         raise ArgumentError(f"options['tune_compiler'] must be an import path string "

@@ -195,6 +195,8 @@ def test_target_that_is_not_a_string():
     ({"tune_workers": 0}, "tune_workers'] must be a positive int, got 0", None),
     ({"mask_envelope": 1}, "options['mask_envelope'] must be True or False, got 1",
      "every key block"),
+    ({"query_prologue_split": "no"}, "options['query_prologue_split'] must be True or False",
+     "query prologue"),
 ])
 def test_bad_options_name_the_option(options, message, hint):
     with pytest.raises(ArgumentError) as e:

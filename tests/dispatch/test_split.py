@@ -97,3 +97,26 @@ def test_split_names_never_collide():
     new = split.split_prologue(plan, attn, q, "x")
     assert new.name == f"{attn.name}_query2"
     assert len({r.name for r in plan.regions}) == len(plan.regions)
+
+
+def test_a_split_keeps_the_mask_envelope_the_kernel_reads():
+    """kiln bench's tiny subject (gpt-fast's mask over a static cache): the attention reads
+    its mask's envelope as region inputs no op refers to; a prologue split out of it keeps
+    them (they were dropped once: the kernel then walked every key block, 3.6x slower on
+    an H200), and the verifier names a region that has lost them."""
+    from kiln.bench.subject import PRESETS, build
+
+    s = PRESETS["tiny"].with_(layers=1)
+    model = build(s, torch.float32, "cpu")
+    seq = kiln.Dim("seq", min=2, max=s.max_len)
+    plan = kiln.compile(model, (torch.zeros(1, 16, dtype=torch.long), torch.arange(16)),
+                        dynamic_shapes=({1: seq}, {0: seq}), target="interpret",
+                        compile_to="dispatch", options={"query_prologue_split": False})
+    attn = _attention(plan)
+    assert attn.key_bounds and set(attn.key_bounds) <= set(attn.inputs)
+    (query,) = [o for o in split.splittable_operands(attn)
+                if split.operand_role(attn.anchor(), o) == "query"]
+    assert split.split_prologue(plan, attn, query, "test") is not None
+    assert set(attn.key_bounds) <= set(attn.inputs) and verify_plan(plan) == []
+    attn.inputs.remove(attn.key_bounds[0])
+    assert any("key bounds" in p for p in verify_plan(plan))
