@@ -27,10 +27,10 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
                       "is a terminal)"),
     "KILN_TUNE": ("fast", "none|fast|full: the autotuner's default mode (kiln.compile's "
                   "options={'tune': ...} and `kiln compile --tune` override it)"),
-    "KILN_TUNE_OVERLAP": ("0", "1: with a GPU to time on, the autotuner times each kernel "
+    "KILN_TUNE_OVERLAP": ("1", "1: with a GPU to time on, the autotuner times each kernel "
                           "as soon as its own candidates are compiled, while the others "
-                          "compile (cold compiles; off until measured on a GPU: the compile "
-                          "workers and the timing share the CPU)"),
+                          "compile (a cold 8B LLM compile 106 -> 93 s on an H200); 0: all "
+                          "builds first, then all timing"),
     "KILN_TUNE_TIMING": ("worker", "worker|inprocess: where the autotuner times and checks "
                          "candidates on the GPU: in its run worker, whose CUDA context a "
                          "faulting candidate may poison, or in the compiling process "
@@ -132,8 +132,8 @@ def tune_timing() -> str:
 
 
 def tune_overlap() -> bool:
-    """KILN_TUNE_OVERLAP: time kernels while the rest compile (default off)."""
-    return (_get("KILN_TUNE_OVERLAP") or "0").strip().lower() in ("1", "true", "yes")
+    """KILN_TUNE_OVERLAP: time kernels while the rest compile (default on)."""
+    return (_get("KILN_TUNE_OVERLAP") or "1").strip().lower() in ("1", "true", "yes")
 
 
 def compile_cache_enabled() -> bool:
