@@ -17,6 +17,7 @@ from kiln.codegen.build.compiler import compile_binary
 from kiln.codegen.build.resources import estimate, fitting_configs
 from kiln.codegen.build.spec import Config
 from kiln.codegen.build.triton_kernel import TritonKernel
+from kiln.codegen.templates.latent_attention import merge
 from kiln.codegen.templates.latent_attention import template as latent
 from kiln.codegen.torch_kernel import TorchKernel
 from kiln.ir.plan import RegionKind
@@ -120,15 +121,21 @@ def _kernel_at(model, args, **params):
     return kernel, named, out
 
 
-@pytest.mark.parametrize("split", [1, 4])
-def test_keys_split_across_programs_or_not_give_the_same_output(split, monkeypatch):
+@pytest.mark.parametrize("split,R", [(1, 32), (4, 32), (4, 160), (2, 160)])
+def test_keys_split_across_programs_or_not_give_the_same_output(split, R, monkeypatch):
     """128 keys, 4 parts of 16 of each row's keys: row 0 (14 keys) has one part with keys,
-    row 1 (39) three (the merge's balance lifted: at these widths it allows 3 parts)."""
+    row 1 (39) three (the merge's balance lifted: at these widths it allows 3 parts).
+    The parts are merged by programs of their own, one per 64 output columns but never
+    more than the parts: one at R = 32; at 160 (padded to 256, the last chunk partly past
+    the latent) four; with 2 parts of 4 chunks (fewer than merge.SPREAD_MIN) by the last
+    part to arrive, alone."""
     monkeypatch.setattr(latent, "MERGE_BALANCE", 100.0)
-    model, args, ref = _case(S=128, block=4, seed=7)
+    model, args, ref = _case(R=R, S=128, block=4, seed=7)
     kernel, named, out = _kernel_at(model, args, BLOCK_H=16, BLOCK_N=16, KV_SPLIT=split)
     sizes = kernel.sizes({})
-    assert kernel.spec.grid_for(sizes, kernel.config)[2] == split
+    chunks = 1 if R == 32 else 4
+    merges = min(split, chunks) if split >= max(2, min(merge.SPREAD_MIN, chunks)) else 0
+    assert kernel.spec.grid_for(sizes, kernel.config)[2] == split + merges
     for _ in range(2):  # twice: the arrival counters are zero again for the next launch
         kernel.run(named, out, {})
         (got,) = out.values()
@@ -185,18 +192,23 @@ def test_v3_widths_on_cuda_match_the_einsum_form(heads, block):
     assert rel_err(out.cpu(), ref) <= 1e-2, rel_err(out.cpu(), ref)
 
 
-@pytest.mark.parametrize("context,block_h,parts", [(128, 32, 1), (2048, 32, 5), (8192, 32, 11),
-                                                   (2048, 16, 8), (65536, 16, 16)])
+@pytest.mark.parametrize("context,block_h,parts", [(128, 32, 2), (2048, 32, 16), (8192, 32, 33),
+                                                   (2048, 16, 16), (512, 16, 8),
+                                                   (65536, 16, 16)])
 def test_split_count_balances_keys_against_the_merge(context, block_h, parts):
-    """V3's widths in bf16 at batch 1: a part of 32 heads is 64 KB, as much as 57 cached rows,
-    so the keys split into about sqrt(rows / 57) parts (the merge reads them all), never
-    more than fill the GPU (132 SMs: 16 parts of 8 head blocks)."""
+    """V3's widths in bf16 at batch 1: a merge program reads its 64 columns of every part
+    (8 KB a part of 16 heads, as much as 7 cached rows; 14 of 32 heads), so the keys split
+    into about sqrt(rows / 7) parts (16 heads), never more than 2 blocks of 32 keys each
+    nor than fill the GPU (132 SMs: 16 parts of 8 head blocks, 33 of 4); a tile's merge
+    programs (8 chunks, at most one a part; none below merge.SPREAD_MIN parts) come
+    after the parts."""
     model, args, _ = _case(B=1, H=128, R=512, P=64, S=context, dtype=torch.bfloat16)
     plan = kiln.compile(model, args, compile_to="dispatch")
     spec = latent.generate(_region(plan), plan, SM90)
     config = next(c for c in spec.configs if c["BLOCK_H"] == block_h and c["BLOCK_N"] == 32
                   and c["KV_SPLIT"] == latent.SPLIT_CAP)
-    assert spec.grid_for({}, config)[2] == parts  # static sizes: the grid is numbers
+    merges = min(8, parts) if parts >= merge.SPREAD_MIN else 0
+    assert spec.grid_for({}, config)[2] == parts + merges  # static sizes: the grid is numbers
 
 
 @pytest.mark.parametrize("batch,queries,block_h", [(1, 1, 16), (2, 4, 16), (2, 8, 32)])

@@ -20,11 +20,11 @@ from kiln.codegen.expr.indexing import Lin, Var, floordiv, modidx
 from kiln.codegen.expr.kernel_args import SymbolicArgs
 from kiln.codegen.expr.values import Cond, Val, mask_code, mask_of
 from kiln.codegen.templates import split_k as split
+from kiln.codegen.templates.latent_attention import merge
 from kiln.codegen.templates.latent_attention.analysis import LatentShape, pow2
 from kiln.codegen.templates.matmul.template import dot_operand
 
 LOG2E = 1.4426950408889634
-DC = 64  # output columns the merge of a split takes at a time
 CHUNKS = 4  # latent column chunks (each at least 16 wide: a tl.dot's K)
 _TL = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32"}
 
@@ -58,10 +58,7 @@ class LatentBody:
     def lines(self) -> list[str]:
         s, p = self.s, self.p
         L = [
-            "pid_h = tl.program_id(0)",
-            f"pid_z = tl.program_id(1){self.wide}",
-            "pid_s = tl.program_id(2)",
-            "n_split = tl.num_programs(2)",
+            *merge.roles(self.wide, self.rp),
             f"bb = pid_z // {p.dim(s.tq)}",
             f"tq = pid_z % {p.dim(s.tq)}",
             "hr = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)",
@@ -93,6 +90,7 @@ class LatentBody:
             "per_split = kv_end",
             "if KV_SPLIT > 1:",
             *_indent(split.program_range("kv_end", "BLOCK_N")),
+            "    hi = tl.where(merging, lo, hi)  # a merge program reads no keys",
             "for start_n in range(lo, hi, BLOCK_N):",
             *_indent(self._key_step()),
         ]
@@ -168,15 +166,13 @@ class LatentBody:
         return L
 
     def _combine(self) -> list[str]:
-        """With the keys split: each part with keys stores its unnormalised acc, running
-        max and sum; the last program to arrive merges the parts that had keys (parts
-        past the row's keys are left unread) by their maxima and stores the output, DC
-        columns at a time: it never holds a part beside the whole accumulator, so a
-        wide latent (V3's 512) can split at any head block. The others store nothing."""
-        s, rp = self.s, self.rp
-        dc = min(DC, rp)
+        """With the keys split (merge.py): a part program with keys stores its
+        unnormalised acc, running max and sum; a merge program merges its chunks' DC
+        columns of every part that had keys (parts past the row's keys are left unread) by their
+        maxima, split.UNROLL parts a step, and stores them."""
+        s, rp, rc = self.s, self.rp, self.rc
+        dc = min(merge.DC, rp)
         numel = f"BLOCK_H * {rp + 2}"
-        rc = self.rc
         m_at, l_at = f"BLOCK_H * {rp} + ar", f"BLOCK_H * {rp + 1} + ar"
         store = ["ar = tl.arange(0, BLOCK_H)",
                  "if lo < hi:",
@@ -188,8 +184,7 @@ class LatentBody:
         part = split.part(numel, "s")
         used = "(s < n_used)"
         m_part = split.load_part(f"{part} + {m_at}", f"hr_ok & {used}", 'float("-inf")')
-        # every part's maximum and sum in one load each (a [KV_SPLIT, BLOCK_H] tile);
-        # then each column chunk, split.UNROLL parts a step (kiln.codegen.templates.split_k)
+        # every part's maximum and sum in one load each (a [KV_SPLIT, BLOCK_H] tile)
         sp = "tl.arange(0, KV_SPLIT)[:, None]"
         every = f"{split.PARTS} + (tile_id * n_split + {sp}) * ({numel})"
         on = f"({sp} < n_used) & hr_ok[None, :]"
@@ -201,14 +196,15 @@ class LatentBody:
             self.em.store(s.out, (self.b, self.t, self.h, _v("dc", s.latent_dim)),
                           self.em.let("o", torch.float32, frozenset({"hh", "dc"})),
                           mask_of(self.h_ok, Cond(f"dc < {s.latent_dim}", frozenset({"dc"}))))
-        combine = [
+        merged = [
+            "ar = tl.arange(0, BLOCK_H)",
             "n_used = tl.cdiv(kv_end, per_split)",
             f"m_all = {m_all}",
             "m_i = tl.max(m_all, 0)",
             'm_use = tl.where(m_i == float("-inf"), 0.0, m_i)',
             f"l_i = tl.sum({l_all} * tl.exp2(m_all - m_use[None, :]), 0)",
             "l_inv = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)",
-            f"for c0 in tl.static_range(0, {rp}, {dc}):",
+            f"for c0 in range(chunk0 * {dc}, {rp}, chunk_step * {dc}):  # the merger's chunks",
             *_indent([
                 f"dc = c0 + tl.arange(0, {dc})[None, :]",
                 f"o = tl.zeros([BLOCK_H, {dc}], tl.float32)",
@@ -218,9 +214,7 @@ class LatentBody:
                     count="n_used"),
                 *out_lines]),
         ]
-        gate = ["h_ok = h_ok & (n_split == 1)"]  # a split's output is stored by the merge
-        return split.arrive("KV_SPLIT", "pid_z * tl.num_programs(0) + pid_h", store, combine,
-                            gate)
+        return merge.combine(store, merged)
 
     def _store(self) -> list[str]:
         s, em = self.s, self.em

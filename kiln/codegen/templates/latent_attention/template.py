@@ -17,8 +17,8 @@ layer), so the kernel reads each cache block once for a block of heads:
 - when batch x queries x head blocks are too few to fill the GPU (decode at batch 1:
   V3's 128 heads are 2 to 8 programs), the keys are split across programs
   (kiln.codegen.templates.split_k, flash-decoding): each part stores its unnormalised
-  output with its max and sum, and the last to arrive merges the parts that had keys
-  and stores the output, a column block at a time.
+  output with its max and sum, and merge programs of the same launch, one per 64
+  output columns, each wait for the tile's parts and merge their columns (merge.py).
 
 Operands are read through the region's fused views by the expression emitter (the
 cache's two parts are slices of one buffer, read in place). Widths come from the
@@ -31,6 +31,7 @@ from kiln.codegen.build.spec import Config, KernelSpec
 from kiln.codegen.expr.emit import Emitter, kernel_name, module_source
 from kiln.codegen.expr.kernel_args import SymbolicArgs
 from kiln.codegen.templates import split_k as split
+from kiln.codegen.templates.latent_attention import merge
 from kiln.codegen.templates.latent_attention.analysis import OP, LatentShape, analyse, pow2
 from kiln.codegen.templates.latent_attention.body import LatentBody
 from kiln.ir.plan import DispatchPlan, Region
@@ -43,7 +44,7 @@ HEAD_BLOCKS = (64, 32, 16)
 KEY_BLOCKS = (64, 32, 16)
 MIN_SPLIT_BLOCKS = 2  # key blocks a split gets at least
 SPLIT_CAP = 64  # most parts the keys are split into
-MERGE_BALANCE = 1.0  # splits at most sqrt(MERGE_BALANCE * key bytes / part bytes): see
+MERGE_BALANCE = 1.0  # splits at most sqrt(MERGE_BALANCE * key bytes / chunk bytes): see
 # split_limit
 MAX_KEY_TILE = 32 * 1024  # BLOCK_N x R elements: [64, 512] compiled for sm_90 without
 # spilling at 32 heads (143 registers) once the latent is held in chunks (body.CHUNKS)
@@ -113,14 +114,14 @@ def heuristic(shape: LatentShape, target: Target, rows_hi: int | None = None) ->
 
 
 def split_limit(shape: LatentShape, keys: str) -> str:
-    """Grid expression: the most parts a tile's keys are split into. A part is a
-    [BLOCK_H, R] fp32 accumulator (64 KB for 32 heads at V3's 512), as large as 57 cached
-    rows, and the last program reads every part alone. With n parts it reads
-    keys / n rows, then n parts: n = sqrt(key bytes / part bytes) makes the two equal
-    and their sum least (B1 ctx 2048: 5 parts of 32 heads, not 32)."""
+    """Grid expression: the most parts a tile's keys are split into. A part program reads
+    keys / n cached rows; a merge program (merge.py) reads n parts of its DC columns
+    (BLOCK_H x DC fp32, as large as 7 cached rows at V3's widths for 16 heads). n =
+    sqrt(key bytes / chunk bytes) makes the two equal and their sum least (B1 ctx
+    2048: 24 parts of 16 heads, then capped at 16 by the blocks and the fill)."""
     row = (shape.latent_dim + shape.rope_dim) * shape.dtype.itemsize
-    part = (pow2(shape.latent_dim) + 2) * 4
-    balanced = f"int(({MERGE_BALANCE} * {keys} * {row} / (BLOCK_H * {part})) ** 0.5)"
+    chunk = min(merge.DC, pow2(shape.latent_dim)) * 4
+    balanced = f"int(({MERGE_BALANCE} * {keys} * {row} / (BLOCK_H * {chunk})) ** 0.5)"
     return f"max(1, min({balanced}, cdiv({keys}, {MIN_SPLIT_BLOCKS} * BLOCK_N)))"
 
 
@@ -153,7 +154,8 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
             # timed at the last position the cache holds: every key read, as decode at
             # a long context (zeros would time one key)
             "timing_fill": {shape.input_pos: to_str(shape.keys - 1)}}
-    return KernelSpec(name, source, p.args(), tunables, (head_blocks, queries, n_split),
+    return KernelSpec(name, source, p.args(), tunables,
+                      (head_blocks, queries, merge.grid_axis(n_split, rp)),
                       configs, default, "latent_attention", meta,
                       64 if p.needs_int64 else 32,
-                      scratch=split.scratch(tiles, n_split, f"BLOCK_H * {rp + 2}"))
+                      scratch=merge.scratch(tiles, n_split, f"BLOCK_H * {rp + 2}"))
