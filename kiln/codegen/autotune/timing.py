@@ -97,6 +97,34 @@ def low_env(region: Region, plan: DispatchPlan, env: dict[str, int]) -> dict[str
     return out if out != env else None
 
 
+# A prompt-length dim (dynamic, its range past SMALL_RANGE) of a matmul or attention
+# region is timed at TUNE_SIZE, and its finalists (within FINALIST_RATIO of the fastest
+# there, and the torch form) again at TOP_SIZE within its bounds: a tile chosen at 512
+# rows alone is not the one a 2048-token prompt wants (kiln bench's 8B prefill 2048 on
+# an H200, tune fast: 55.3-57.3 ms in some compiles, 65.6-66.8 in others, where tune
+# none ran 58.6; one winner at 512, within noise of the next, was far behind it at 2048).
+TOP_SIZE = 2048
+FINALIST_RATIO = 1.25
+_SIZED_KINDS = ("matmul", "attention")
+
+
+def top_env(region: Region, plan: DispatchPlan, env: dict[str, int]) -> dict[str, int] | None:
+    """`env` with each prompt-length dim of a matmul or attention region at TOP_SIZE
+    within its bounds, or None when the region has none (or is a decode batch's:
+    low_env)."""
+    if region.kind.value not in _SIZED_KINDS:
+        return None
+    out, names = dict(env), set(region_symbols(region, plan))
+    for name, b in plan.symbols.items():
+        if name not in names or name not in out or b.lo == b.hi:
+            continue
+        if b.hi is not None and b.hi <= SMALL_RANGE:
+            return None  # a decode batch: both ends, low_env's way
+        top = TOP_SIZE if b.hi is None else min(b.hi, TOP_SIZE)
+        out[name] = max(int(out[name]), top)
+    return out if out != env else None
+
+
 def sizes_bucket(region: Region, plan: DispatchPlan, env: dict[str, int]) -> str:
     """The example's sizes, each rounded up to a power of two: nearby sizes share a choice."""
     parts = []

@@ -67,6 +67,7 @@ from kiln.codegen.autotune.isolated_runs import (
 )
 from kiln.codegen.autotune.screen import SCREEN, screened_times
 from kiln.codegen.autotune.timing import (
+    FINALIST_RATIO,
     bench,
     buffer_specs,
     example_buffers,
@@ -74,6 +75,7 @@ from kiln.codegen.autotune.timing import (
     low_env,
     sizes_bucket,
     timing_env,
+    top_env,
 )
 from kiln.codegen.autotune.verify import mismatch, outputs
 from kiln.codegen.autotune.worker_pool import (
@@ -289,10 +291,15 @@ class Tuner:
             env = timing_env(plan, self.example_env)
             low = low_env(region, plan, env)
             bucket = sizes_bucket(region, plan, env)
-            if low is None:
+            if low is not None:
+                # both ends timed; the rule deciding one kernel or a switch is in the key
+                return f"{bucket}|{sizes_bucket(region, plan, low)}|switch>{SWITCH_GAIN}"
+            top = top_env(region, plan, env)
+            if top is None:
                 return bucket
-            # both ends timed; the rule deciding one kernel or a switch is in the key
-            return f"{bucket}|{sizes_bucket(region, plan, low)}|switch>{SWITCH_GAIN}"
+            # finalists timed at a long prompt too (_confirmed_at_top)
+            return (f"{bucket}|top {sizes_bucket(region, plan, top)}|"
+                    f"finalists<{FINALIST_RATIO}|switch>{SWITCH_GAIN}")
         except KeyError:
             return None
 
@@ -377,10 +384,15 @@ class Tuner:
             first = built[0]
             return Choice("triton", first, outcomes[first].binary, final=False,
                           note=f"[{first}] ({self.mode}, untimed: {e}){tail}")
-        tail += "".join(faults)
         note = f"timed ({self.mode}): {_summary(times)}"
         if low_times is None:
-            return self._winner(runs, spec, outcomes, times, times, note + tail)
+            top = top_env(region, plan, env)
+            if top is not None:
+                return self._confirmed_at_top(region, spec, outcomes, plan, (runs, times,
+                                              pruned), env, top, note, tail, faults)
+            return self._winner(runs, spec, outcomes, times, times, note + tail
+                                + "".join(faults))
+        tail += "".join(faults)
         note += f"; at the batch's low end: {_summary(low_times)}{tail}"
         # a decode batch's both ends: the candidate whose worse end is nearest the
         # fastest there wins (its score, a ratio, ranks like a time in _verified) ...
@@ -397,6 +409,37 @@ class Tuner:
             if c in at_pruned:
                 at_times[c] = self._full_ms(at, spec, c, outcomes, faults)
         return _per_end(bottom, top, low_times, times, low, env, note)
+
+    def _confirmed_at_top(self, region, spec, outcomes, plan, at_env, env, top, note,
+                          tail, faults) -> Choice:
+        """A prompt-length dim's choice: the candidates within FINALIST_RATIO of the
+        fastest at `env` (TUNE_SIZE rows) and the torch form timed again at `top`
+        (timing.TOP_SIZE); one that is within SWITCH_GAIN of the fastest at both wins,
+        else each size keeps its own winner, as a decode batch's ends do (both_ends.py):
+        the TUNE_SIZE winner below where their times cross, the top's above."""
+        runs, times, pruned = at_env
+        best = min(times.values())
+        finalists = [c for c in times if c is not None and not math.isinf(times[c])
+                     and times[c] <= FINALIST_RATIO * best]
+        top_runs = self._runs(region, spec, plan, top)
+        top_times, top_pruned = self._time_all(top_runs, region, spec, outcomes,
+                                               finalists, faults)
+        sizes = ", ".join(f"{k}={v}" for k, v in sorted(top.items()) if env.get(k) != v)
+        note += f"; finalists at {sizes}: {_summary(top_times)}"
+        top_times = {c: top_times.get(c, math.inf) for c in times}
+        tail += "".join(faults)
+        if all(math.isinf(t) for t in top_times.values()):  # none ran there: 512 decides
+            return self._winner(runs, spec, outcomes, times, times, note + tail)
+        scores = worst_ratio(top_times, times)
+        if one_serves_both(scores) or math.isinf(min(scores.values())):
+            return self._winner(runs, spec, outcomes, scores, times, note + tail)
+        low = self._winner(runs, spec, outcomes, times, times, "")
+        high = self._winner(top_runs, spec, outcomes, top_times, top_times, "")
+        for c, at, at_times, at_pruned in ((_key(low), top_runs, top_times, top_pruned),
+                                           (_key(high), runs, times, pruned)):
+            if c in at_pruned or math.isinf(at_times[c]):
+                at_times[c] = self._full_ms(at, spec, c, outcomes, faults)
+        return _per_end(low, high, times, top_times, env, top, note + tail)
 
     def _full_ms(self, runs, spec, c, outcomes, faults) -> float:
         ran = self._ran(runs, spec, c, outcomes[c].binary if c else None, faults)
