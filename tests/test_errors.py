@@ -154,6 +154,39 @@ def test_dynamic_shapes_of_the_wrong_structure():
     assert "2 elements" in e.value.where and "one entry per argument" in e.value.hint
 
 
+class Flagged(torch.nn.Module):
+    def forward(self, x, scale=True):
+        return x * 2 if scale else x
+
+
+@pytest.mark.parametrize("kwargs,spec", [
+    ({"scale": False}, ({0: kiln.Dim("B")}, {"scale": None})),  # a dict where None goes
+    ({}, {"x": {0: kiln.Dim("B")}, "scale": {0: kiln.Dim("B")}}),
+])
+def test_dynamic_dims_given_to_a_non_tensor_argument(kwargs, spec):
+    """torch.export said 'expected dynamic_shape to be None, int, or _DimHint for
+    _IntWrapper, got dict', which kiln passed on as the model not being capturable."""
+    x = torch.randn(4, 2)
+    args = (x,) if kwargs else (x, True)
+    with pytest.raises(ShapeError, match=r"gives (argument 1|scale) \(bool (False|True)\) "
+                       r"dims .*only a tensor has dims") as e:
+        kiln.compile(Flagged(), args, kwargs, dynamic_shapes=spec)
+    assert "give None for it" in e.value.hint
+
+
+class Pair(torch.nn.Module):
+    def forward(self, xs):
+        return xs[0] * xs[1]
+
+
+def test_dynamic_dims_given_to_a_number_inside_a_list():
+    """Nested, where kiln's check does not look: torch's own message, as a shape error."""
+    x = torch.randn(4, 2)
+    with pytest.raises(ShapeError, match="does not match the model's arguments") as e:
+        kiln.compile(Pair(), ([x, 3],), dynamic_shapes=([{0: kiln.Dim("B")}, {0: kiln.Dim("B")}],))
+    assert "_IntWrapper" in e.value.where and "one entry per argument" in e.value.hint
+
+
 @pytest.mark.parametrize("spec", [({5: kiln.Dim("B")}, None), {"x": {2: kiln.Dim("B")}}])
 def test_dynamic_dim_on_an_axis_the_tensor_lacks(spec):
     x = torch.randn(4, 2)

@@ -149,7 +149,8 @@ def _export_error(e: Exception) -> KilnError:
             hint="move one operand with .to(...) before the op, or create both on one "
             "device; kiln transfers a value only where the model says so." + said,
         )
-    if "structure of `inputs` and `dynamic_shapes`" in text:
+    if "structure of `inputs` and `dynamic_shapes`" in text or \
+            "expected dynamic_shape to be" in text:
         return ShapeError(
             "dynamic_shapes does not match the model's arguments", where=_first_line(text),
             hint="give one entry per argument (a tuple in argument order or a dict by argument "
@@ -216,6 +217,13 @@ def _check_dim_axes(model, args: tuple, kwargs: dict, dynamic_shapes) -> None:
     else:
         return
     for who, value, spec in pairs:
+        if isinstance(value, (bool, int, float, str, type(None))) and \
+                isinstance(spec, (dict, list, tuple)):
+            raise ShapeError(
+                f"dynamic_shapes gives {who} ({type(value).__name__} {value!r}) dims "
+                f"{spec!r}, but only a tensor has dims",
+                hint="give None for it; a tuple lists the positional arguments, then the "
+                "keyword arguments in the order given (a dict by argument name is clearer)")
         if not isinstance(value, torch.Tensor) or not isinstance(spec, dict):
             continue
         for axis in spec:
