@@ -174,6 +174,33 @@ def test_dynamic_dims_given_to_a_non_tensor_argument(kwargs, spec):
     assert "give None for it" in e.value.hint
 
 
+class Misfit(torch.nn.Module):
+    """A config whose sizes disagree, as transformers' CodeGen with rotary_dim 64 over
+    16-wide heads: it fails run eagerly too."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.proj = how, torch.nn.Linear(4, 8)
+
+    def forward(self, x):
+        if self.how == "broadcast":
+            return x * torch.ones(x.shape[0], 3)
+        if self.how == "matmul":
+            return self.proj(x)
+        return x.view(x.shape[0], 5, -1, 7)
+
+
+@pytest.mark.parametrize("how,said", [("broadcast", "broadcast a dimension of length 3"),
+                                      ("matmul", "must have same reduction dim"),
+                                      ("view", "is invalid for input of size")])
+def test_an_op_whose_operands_do_not_fit_is_the_models_error(how, said):
+    x = torch.randn(2, 6)
+    with pytest.raises(ExportError, match="operands whose shapes do not fit") as e:
+        kiln.compile(Misfit(how), (x,))
+    assert said in str(e.value) and "test_errors.py" in e.value.where
+    assert "run eagerly" in e.value.hint and "data-dependent" not in e.value.hint
+
+
 class Pair(torch.nn.Module):
     def forward(self, xs):
         return xs[0] * xs[1]

@@ -186,6 +186,15 @@ def _export_error(e: Exception) -> KilnError:
             where=user_frame("".join(traceback.format_tb(e.__traceback__))),
             hint="return tensors, or tuples, lists, dicts, namedtuples or dataclasses of "
             "them; or register the type with torch.utils._pytree.register_pytree_node")
+    if name == "RuntimeError" and _SHAPE_MISMATCH.search(text):
+        return ExportError(
+            f"an op in the model's forward got operands whose shapes do not fit: "
+            f"{_first_line(text)}",
+            where=user_frame("".join(traceback.format_tb(e.__traceback__))) or _first_line(text),
+            hint="the sizes are the example's, so the model fails the same way run eagerly "
+            "(model(*args, **kwargs)): a config whose sizes disagree (a head dim and a "
+            "rotary dim, hidden size and heads) or example arguments of the wrong shape; "
+            "kiln compiles a forward that runs.")
     raised = raised_by_model(e)
     if raised is not None:
         return ExportError(
@@ -201,6 +210,17 @@ def _export_error(e: Exception) -> KilnError:
         hint="kiln compiles what torch.export can capture: avoid data-dependent Python "
         "control flow and unsupported Python constructs." + said,
     )
+
+
+# torch's messages for ops whose operands' sizes (numbers: the example's, not symbols of
+# dynamic dims) do not fit: broadcasting, matmul, view / reshape
+_SHAPE_MISMATCH = re.compile(
+    r"size of tensor a \(\d+\) must match the size of tensor b \(\d+\)"
+    r"|mat1 and mat2 shapes cannot be multiplied \(\d+x\d+ and \d+x\d+\)"
+    r"|shape '\[[\d, -]+\]' is invalid for input of size \d+"
+    # the same under export's fake tensors
+    r"|Attempting to broadcast a dimension of length \d+"
+    r"|a and b must have same reduction dim, but got \[[\d, ]+\] X \[[\d, ]+\]")
 
 
 def _check_dim_axes(model, args: tuple, kwargs: dict, dynamic_shapes) -> None:
