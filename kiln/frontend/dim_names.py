@@ -38,7 +38,18 @@ def _pair_inputs(model, args, kwargs, dynamic_shapes):
             bound = inspect.signature(model.forward).bind(*args, **kwargs)
         except (TypeError, ValueError):
             return []
-        return [(v, dynamic_shapes.get(k)) for k, v in bound.arguments.items()]
+        params = bound.signature.parameters
+        pairs = []
+        for k, v in bound.arguments.items():
+            if params[k].kind != inspect.Parameter.VAR_KEYWORD:
+                pairs.append((v, dynamic_shapes.get(k)))
+                continue
+            # **kwargs: by name at the top level, or torch's way under the **kwargs name
+            # (frontend/named_kwargs.py)
+            inner = dynamic_shapes.get(k)
+            specs = inner if isinstance(inner, dict) else dynamic_shapes
+            pairs += [(vv, specs.get(kk)) for kk, vv in v.items()]
+        return pairs
     if isinstance(dynamic_shapes, (list, tuple)):
         return list(zip([*args, *kwargs.values()], dynamic_shapes))
     return []

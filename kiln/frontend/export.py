@@ -33,6 +33,7 @@ from kiln.errors import (
 from kiln.frontend.decompositions import DECOMPOSE, FALLBACKS, OVERRIDES
 from kiln.frontend.dim_names import dim_names
 from kiln.frontend.local_decompose import ShapesSpecialised, decompose_locally
+from kiln.frontend.named_kwargs import kwargs_by_name
 from kiln.frontend.raised_by_model import raised_by_model
 from kiln.frontend.reduction_shapes import fix_reduction_shapes
 from kiln.frontend.scalar_index import select_by_tensor_as_index
@@ -55,6 +56,11 @@ KEEP_WHOLE = [torch.ops.aten.scaled_dot_product_attention.default,
 
 def export_model(model: torch.nn.Module, args: tuple, kwargs=None, dynamic_shapes=None):
     """torch.export with kiln's error messages."""
+    with kwargs_by_name(model, kwargs or {}, dynamic_shapes) as shapes:
+        return _export(model, args, kwargs, shapes)
+
+
+def _export(model: torch.nn.Module, args: tuple, kwargs, dynamic_shapes):
     _check_dim_axes(model, args, kwargs or {}, dynamic_shapes)
     args, kwargs = _distinct_inputs(tuple(args), kwargs or {})
     registered: set[str] = set()
