@@ -201,6 +201,18 @@ def test_an_op_whose_operands_do_not_fit_is_the_models_error(how, said):
     assert "run eagerly" in e.value.hint and "data-dependent" not in e.value.hint
 
 
+def test_a_transformers_config_whose_sizes_disagree_is_named_at_the_library_line():
+    """GPT-J with a rotary dim (default 64) over 16-wide heads fails eagerly too: the
+    error points at transformers' line, where the sizes meet."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPTJConfig(n_embd=64, n_layer=1, n_head=4, vocab_size=100)
+    model = transformers.GPTJForCausalLM(cfg).eval()
+    with pytest.raises(ExportError, match="operands whose shapes do not fit") as e:
+        kiln.compile(model, (), {"input_ids": torch.randint(0, 100, (1, 5)),
+                                 "use_cache": False})
+    assert "modeling_gptj.py" in e.value.where
+
+
 class Pair(torch.nn.Module):
     def forward(self, xs):
         return xs[0] * xs[1]

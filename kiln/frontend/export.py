@@ -34,7 +34,7 @@ from kiln.frontend.decompositions import DECOMPOSE, FALLBACKS, OVERRIDES
 from kiln.frontend.dim_names import dim_names
 from kiln.frontend.local_decompose import ShapesSpecialised, decompose_locally
 from kiln.frontend.named_kwargs import kwargs_by_name
-from kiln.frontend.raised_by_model import raised_by_model
+from kiln.frontend.raised_by_model import model_frame, raised_by_model
 from kiln.frontend.reduction_shapes import fix_reduction_shapes
 from kiln.frontend.scalar_index import select_by_tensor_as_index
 from kiln.frontend.train_mode import check_inference_mode
@@ -196,7 +196,7 @@ def _export_error(e: Exception) -> KilnError:
         return ExportError(
             f"an op in the model's forward got operands whose shapes do not fit: "
             f"{_first_line(text)}",
-            where=user_frame("".join(traceback.format_tb(e.__traceback__))) or _first_line(text),
+            where=model_frame(e) or _first_line(text),
             hint="the sizes are the example's, so the model fails the same way run eagerly "
             "(model(*args, **kwargs)): a config whose sizes disagree (a head dim and a "
             "rotary dim, hidden size and heads) or example arguments of the wrong shape; "

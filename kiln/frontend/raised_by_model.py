@@ -30,6 +30,21 @@ def _not_the_model() -> tuple[str, ...]:
     return tuple(r.rstrip(os.sep) + os.sep for r in roots)
 
 
+def _where(frame) -> str:
+    where = f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return f"{where}: {frame.line.strip()}" if frame.line else where
+
+
+def model_frame(e: BaseException) -> str | None:
+    """'file:line in fn: code' of the innermost frame of `e`'s traceback that is neither
+    torch's nor kiln's (the model's line, in a library such as transformers too), or None."""
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+        path = os.path.abspath(frame.filename)
+        if not frame.filename.startswith("<") and not path.startswith(_not_the_model()):
+            return _where(frame)
+    return None
+
+
 def raised_by_model(e: BaseException) -> str | None:
     """'file:line in fn: code' where the model's code raised `e`, or None when `e` is not
     a plain Python error or was raised inside torch or kiln."""
@@ -42,5 +57,4 @@ def raised_by_model(e: BaseException) -> str | None:
     path = os.path.abspath(last.filename)
     if last.filename.startswith("<") or path.startswith(_not_the_model()):
         return None
-    where = f"{last.filename}:{last.lineno} in {last.name}"
-    return f"{where}: {last.line.strip()}" if last.line else where
+    return _where(last)
