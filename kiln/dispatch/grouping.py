@@ -5,7 +5,11 @@ one of its consumers is in that group (so a group has one value leaving it: its
 root) and the group's kind accepts it:
 
 - pointwise, gather, concat ops fuse into anything but extern; into a matmul only
-  after the product (epilogue: bias, activation, residual, cast), into attention and
+  after the product (epilogue: bias, activation, residual, cast), except a cast that
+  widens an operand the product alone reads (`F.linear(x.float(), w.float())`, a
+  router's: the kernel loads the narrow values and widens them in registers, where
+  apart a kernel wrote the wide copy, a weight's every step, and the product read it
+  back); into attention and
   copy (scatter) regions only before (prologue: RoPE, masks, values written), into a
   topk only before and only when kiln generates that topk (a router's sigmoid and
   bias: the kernel computes its row from them, as it computes reductions over the
@@ -60,7 +64,8 @@ ANCHORS = {OpCategory.MATMUL, OpCategory.ATTENTION, OpCategory.REDUCTION,
 # form, which stores only the sums.
 ROW_EPILOGUE_MAX, ROW_EPILOGUE_MAX_STRIDED = 16384, 64
 FP8_LINEAR = "kiln.fp8_linear.default"
-_RESIDUAL_OPS = {"aten.add.Tensor", "aten._to_copy.default"}
+CAST = "aten._to_copy.default"
+_RESIDUAL_OPS = {"aten.add.Tensor", CAST}
 
 
 def cat_of(node: fx.Node) -> OpCategory | None:
@@ -153,7 +158,7 @@ def can_join(p: fx.Node, g: Group, consumers: set[fx.Node],
         if anchor == OpCategory.EXTERN:
             return False
         if anchor == OpCategory.MATMUL:
-            return not feeds_anchor
+            return not feeds_anchor or _widened_operand(p, g, consumers)
         if anchor in (OpCategory.ATTENTION, OpCategory.SCATTER):
             return feeds_anchor
         if anchor == OpCategory.TOPK:
@@ -176,6 +181,22 @@ def can_join(p: fx.Node, g: Group, consumers: set[fx.Node],
     if c == OpCategory.EXTERN:
         return anchor is None and _fp8_residual_epilogue(p, g)
     return False
+
+
+def _widened_operand(p: fx.Node, g: Group, consumers: set[fx.Node]) -> bool:
+    """Is `p` a cast that widens a floating operand of matmul group `g`'s product, read
+    by the product alone? A narrowing cast stays apart: its producer would store the
+    wide value (an RMSNorm ending in `.to(bf16)` keeps it, and folds into decode GEMVs)."""
+    if op_name(p.target) != CAST or consumers != {g.anchor} or len(p.args) != 1:
+        return False
+    if set(p.kwargs) - {"dtype", "layout", "device"}:
+        return False
+    src, out = p.args[0].meta.get("val"), p.meta.get("val")
+    if not (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)):
+        return False
+    # fp8 sources stay apart: not every GPU converts them in registers
+    return (src.dtype.is_floating_point and out.dtype.is_floating_point
+            and src.device == out.device and 2 <= src.dtype.itemsize < out.dtype.itemsize)
 
 
 def _fp8_residual_epilogue(p: fx.Node, g: Group) -> bool:
