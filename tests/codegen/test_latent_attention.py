@@ -192,16 +192,17 @@ def test_v3_widths_on_cuda_match_the_einsum_form(heads, block):
     assert rel_err(out.cpu(), ref) <= 1e-2, rel_err(out.cpu(), ref)
 
 
-@pytest.mark.parametrize("context,block_h,parts", [(128, 32, 2), (2048, 32, 16), (8192, 32, 33),
-                                                   (2048, 16, 16), (512, 16, 8),
-                                                   (65536, 16, 16)])
+@pytest.mark.parametrize("context,block_h,parts", [(128, 32, 4), (2048, 32, 16), (8192, 32, 33),
+                                                   (2048, 16, 16), (512, 16, 12),
+                                                   (65536, 16, 16), (64, 16, 1)])
 def test_split_count_balances_keys_against_the_merge(context, block_h, parts):
     """V3's widths in bf16 at batch 1: a merge program reads its 64 columns of every part
     (8 KB a part of 16 heads, as much as 7 cached rows; 14 of 32 heads), so the keys split
-    into about sqrt(rows / 7) parts (16 heads), never more than 2 blocks of 32 keys each
+    into about sqrt(rows / 7) parts (16 heads), never more than the blocks of 32 keys
     nor than fill the GPU (132 SMs: 16 parts of 8 head blocks, 33 of 4); a tile's merge
     programs (8 chunks, at most one a part; none below merge.SPREAD_MIN parts) come
-    after the parts."""
+    after the parts. Context 64 (2 blocks) stays whole: 2 parts would be merged by
+    the last alone, which costs more than a block (SERIAL_MIN_BLOCKS)."""
     model, args, _ = _case(B=1, H=128, R=512, P=64, S=context, dtype=torch.bfloat16)
     plan = kiln.compile(model, args, compile_to="dispatch")
     spec = latent.generate(_region(plan), plan, SM90)
@@ -209,6 +210,19 @@ def test_split_count_balances_keys_against_the_merge(context, block_h, parts):
                   and c["KV_SPLIT"] == latent.SPLIT_CAP)
     merges = min(8, parts) if parts >= merge.SPREAD_MIN else 0
     assert spec.grid_for({}, config)[2] == parts + merges  # static sizes: the grid is numbers
+
+
+@pytest.mark.parametrize("context,parts", [(128, 1), (256, 2)])
+def test_a_few_parts_merged_by_the_last_need_long_parts(context, parts):
+    """8 query rows (2 x 4) of 16-head tiles fill the GPU at 2 parts (64 tiles, 132
+    SMs): with no merge programs (fewer than merge.SPREAD_MIN parts) each part keeps
+    at least SERIAL_MIN_BLOCKS blocks of 32 keys, else the tile stays whole."""
+    model, args, _ = _case(B=2, Sq=4, H=128, R=512, P=64, S=context, dtype=torch.bfloat16)
+    plan = kiln.compile(model, args, compile_to="dispatch")
+    spec = latent.generate(_region(plan), plan, SM90)
+    config = next(c for c in spec.configs if c["BLOCK_H"] == 16 and c["BLOCK_N"] == 32
+                  and c["KV_SPLIT"] == latent.SPLIT_CAP)
+    assert spec.grid_for({}, config)[2] == parts
 
 
 @pytest.mark.parametrize("batch,queries,block_h", [(1, 1, 16), (2, 4, 16), (2, 8, 32)])

@@ -42,7 +42,12 @@ __all__ = ["OP", "config_space", "generate", "heuristic"]
 
 HEAD_BLOCKS = (64, 32, 16)
 KEY_BLOCKS = (64, 32, 16)
-MIN_SPLIT_BLOCKS = 2  # key blocks a split gets at least
+MIN_SPLIT_BLOCKS = 1  # key blocks a part gets at least, its tile merged by merge programs
+# ... and a tile of fewer parts than merge.SPREAD_MIN, merged by its last part alone: that
+# merge costs more than a key block (an H200 at V3's widths, batch 1, tune none: context
+# 128 in 2 parts 18.1 us against 12.3 whole, context 256 in 2 parts 20.8 against 14.7 in
+# 4 with merge programs and 12.3 at 128 whole), so such a split needs longer parts
+SERIAL_MIN_BLOCKS = 4
 SPLIT_CAP = 64  # most parts the keys are split into
 MERGE_BALANCE = 1.0  # splits at most sqrt(MERGE_BALANCE * key bytes / chunk bytes): see
 # split_limit
@@ -125,6 +130,13 @@ def split_limit(shape: LatentShape, keys: str) -> str:
     return f"max(1, min({balanced}, cdiv({keys}, {MIN_SPLIT_BLOCKS} * BLOCK_N)))"
 
 
+def serial_split_or_none(n: str, keys: str, rp: int) -> str:
+    """Grid expression: `n` parts, or none when fewer parts than get merge programs
+    (merge.spread) would each hold fewer than SERIAL_MIN_BLOCKS key blocks."""
+    return (f"(({n}) if ({n}) >= {merge.spread(rp)} or cdiv({keys}, BLOCK_N) >= "
+            f"{SERIAL_MIN_BLOCKS} * ({n}) else 1)")
+
+
 def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     """The latent attention kernel of `region`; raises CodegenUnsupported saying why not."""
     shape = analyse(region, plan)
@@ -140,8 +152,10 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     head_blocks = f"cdiv({shape.heads}, BLOCK_H)"
     queries = p.grid(shape.batch * shape.tq)
     tiles = f"{head_blocks} * {queries}"
-    n_split = split.count("KV_SPLIT", tiles, target.multiprocessors,
-                          split_limit(shape, p.grid(shape.keys)))
+    keys = p.grid(shape.keys)
+    n_split = serial_split_or_none(split.count("KV_SPLIT", tiles, target.multiprocessors,
+                                               split_limit(shape, keys)),
+                                   keys, pow2(shape.latent_dim))
     configs = config_space(shape)
     default = heuristic(shape, target, bounds_of(shape.batch * shape.tq, plan.symbols).hi)
     if default not in configs:
