@@ -4,8 +4,9 @@ Why: a decode step's batch dim (bounded <= 64, every size captured as a CUDA gra
 its own) is timed at both its ends (autotune/both_ends.py), and one kernel cannot win
 at both: on the Llama-3-8B (H100) the config that won at 1 row cost 4 rows 12% of
 their replay (8.14 -> 9.14 ms). A prompt-length dim of a matmul or attention region
-is timed at 512 rows and its finalists at 2048 (autotune/timing.top_env): where the
-two sizes want different kernels, the same switch runs each. A launch is bound once
+is timed at 512 rows and its finalists at 2048 and 128 (autotune/timing.top_env,
+bottom_env): where short and long prompts want different kernels, the same switch runs
+each. A launch is bound once
 per set of sizes (Program binds one per size, a CUDA graph captures one binding), so
 choosing between two kernels costs nothing per call: `bind` asks the one chosen for
 the bound sizes.

@@ -99,19 +99,23 @@ def low_env(region: Region, plan: DispatchPlan, env: dict[str, int]) -> dict[str
 
 # A prompt-length dim (dynamic, its range past SMALL_RANGE) of a matmul or attention
 # region is timed at TUNE_SIZE, and its finalists (within FINALIST_RATIO of the fastest
-# there, and the torch form) again at TOP_SIZE within its bounds: a tile chosen at 512
-# rows alone is not the one a 2048-token prompt wants (kiln bench's 8B prefill 2048 on
-# an H200, tune fast: 55.3-57.3 ms in some compiles, 65.6-66.8 in others, where tune
-# none ran 58.6; one winner at 512, within noise of the next, was far behind it at 2048).
+# there, and the torch form) again at TOP_SIZE and at BOTTOM_SIZE within its bounds: a
+# tile chosen at 512 rows alone is not the one a 2048-token prompt wants (kiln bench's
+# 8B prefill 2048 on an H200, tune fast: 55.3-57.3 ms in some compiles, 65.6-66.8 in
+# others, where tune none ran 58.6; one winner at 512, within noise of the next, was
+# far behind it at 2048; with the top timed, 56.5 in two compiles), nor always the one
+# a short prompt wants (prefill 128 in those two compiles: 6.6 and 10.1 ms).
 TOP_SIZE = 2048
+BOTTOM_SIZE = 128
 FINALIST_RATIO = 1.25
 _SIZED_KINDS = ("matmul", "attention")
 
 
-def top_env(region: Region, plan: DispatchPlan, env: dict[str, int]) -> dict[str, int] | None:
-    """`env` with each prompt-length dim of a matmul or attention region at TOP_SIZE
-    within its bounds, or None when the region has none (or is a decode batch's:
-    low_env)."""
+def _prompt_env(region: Region, plan: DispatchPlan, env: dict[str, int],
+                size: int) -> dict[str, int] | None:
+    """`env` with each prompt-length dim of a matmul or attention region at `size`
+    within its bounds, or None when that changes nothing (or the region has a decode
+    batch's dim: low_env)."""
     if region.kind.value not in _SIZED_KINDS:
         return None
     out, names = dict(env), set(region_symbols(region, plan))
@@ -120,9 +124,28 @@ def top_env(region: Region, plan: DispatchPlan, env: dict[str, int]) -> dict[str
             continue
         if b.hi is not None and b.hi <= SMALL_RANGE:
             return None  # a decode batch: both ends, low_env's way
-        top = TOP_SIZE if b.hi is None else min(b.hi, TOP_SIZE)
-        out[name] = max(int(out[name]), top)
+        at = size if b.hi is None else min(b.hi, size)
+        out[name] = max(int(b.lo or 1), at)
     return out if out != env else None
+
+
+def top_env(region: Region, plan: DispatchPlan, env: dict[str, int]) -> dict[str, int] | None:
+    """`env` with each prompt-length dim of a matmul or attention region at TOP_SIZE
+    within its bounds (never below `env`'s), or None when the region has none."""
+    out = _prompt_env(region, plan, env, TOP_SIZE)
+    if out is None or any(out[k] < env[k] for k in out):
+        return None
+    return out
+
+
+def bottom_env(region: Region, plan: DispatchPlan,
+               env: dict[str, int]) -> dict[str, int] | None:
+    """`env` with each prompt-length dim at BOTTOM_SIZE within its bounds (never above
+    `env`'s), or None when the region has none below `env`."""
+    out = _prompt_env(region, plan, env, BOTTOM_SIZE)
+    if out is None or any(out[k] > env[k] for k in out):
+        return None
+    return out
 
 
 def sizes_bucket(region: Region, plan: DispatchPlan, env: dict[str, int]) -> str:

@@ -69,6 +69,7 @@ from kiln.codegen.autotune.screen import SCREEN, screened_times
 from kiln.codegen.autotune.timing import (
     FINALIST_RATIO,
     bench,
+    bottom_env,
     buffer_specs,
     example_buffers,
     gpu_for,
@@ -298,7 +299,9 @@ class Tuner:
             if top is None:
                 return bucket
             # finalists timed at a long prompt too (_confirmed_at_top)
-            return (f"{bucket}|top {sizes_bucket(region, plan, top)}|"
+            bottom = bottom_env(region, plan, env)
+            low = f"|bottom {sizes_bucket(region, plan, bottom)}" if bottom else ""
+            return (f"{bucket}|top {sizes_bucket(region, plan, top)}{low}|"
                     f"finalists<{FINALIST_RATIO}|switch>{SWITCH_GAIN}")
         except KeyError:
             return None
@@ -414,9 +417,10 @@ class Tuner:
                           tail, faults) -> Choice:
         """A prompt-length dim's choice: the candidates within FINALIST_RATIO of the
         fastest at `env` (TUNE_SIZE rows) and the torch form timed again at `top`
-        (timing.TOP_SIZE); one that is within SWITCH_GAIN of the fastest at both wins,
-        else each size keeps its own winner, as a decode batch's ends do (both_ends.py):
-        the TUNE_SIZE winner below where their times cross, the top's above."""
+        (timing.TOP_SIZE) and at timing.BOTTOM_SIZE; one that is within SWITCH_GAIN of
+        the fastest at every size wins, else each end keeps its own winner, as a decode
+        batch's ends do (both_ends.py): the best worst case over BOTTOM_SIZE and
+        TUNE_SIZE below where its time and the top winner's cross, the top's above."""
         runs, times, pruned = at_env
         best = min(times.values())
         finalists = [c for c in times if c is not None and not math.isinf(times[c])
@@ -424,22 +428,35 @@ class Tuner:
         top_runs = self._runs(region, spec, plan, top)
         top_times, top_pruned = self._time_all(top_runs, region, spec, outcomes,
                                                finalists, faults)
-        sizes = ", ".join(f"{k}={v}" for k, v in sorted(top.items()) if env.get(k) != v)
-        note += f"; finalists at {sizes}: {_summary(top_times)}"
+        note += f"; finalists at {_sizes(top, env)}: {_summary(top_times)}"
         top_times = {c: top_times.get(c, math.inf) for c in times}
+        low_scores, bottom_times = times, None
+        bottom = bottom_env(region, plan, env)
+        if bottom is not None:
+            bottom_times, _ = self._time_all(self._runs(region, spec, plan, bottom), region,
+                                             spec, outcomes, finalists, faults)
+            note += f"; at {_sizes(bottom, env)}: {_summary(bottom_times)}"
+            bottom_times = {c: bottom_times.get(c, math.inf) for c in times}
+            if all(math.isinf(t) for t in bottom_times.values()):
+                bottom_times = None  # none ran there: 512 speaks for short prompts
+            else:
+                low_scores = worst_ratio(times, bottom_times)
         tail += "".join(faults)
         if all(math.isinf(t) for t in top_times.values()):  # none ran there: 512 decides
-            return self._winner(runs, spec, outcomes, times, times, note + tail)
-        scores = worst_ratio(top_times, times)
+            return self._winner(runs, spec, outcomes, low_scores, times, note + tail)
+        scores = worst_ratio(top_times, times, *([bottom_times] if bottom_times else []))
         if one_serves_both(scores) or math.isinf(min(scores.values())):
             return self._winner(runs, spec, outcomes, scores, times, note + tail)
-        low = self._winner(runs, spec, outcomes, times, times, "")
+        low = self._winner(runs, spec, outcomes, low_scores, times, "")
         high = self._winner(top_runs, spec, outcomes, top_times, top_times, "")
         for c, at, at_times, at_pruned in ((_key(low), top_runs, top_times, top_pruned),
                                            (_key(high), runs, times, pruned)):
             if c in at_pruned or math.isinf(at_times[c]):
                 at_times[c] = self._full_ms(at, spec, c, outcomes, faults)
-        return _per_end(low, high, times, top_times, env, top, note + tail)
+        if bottom_times is None:
+            return _per_end(low, high, times, top_times, env, top, note + tail)
+        return _prompt_switch(low, high, (bottom_times, times, top_times), (bottom, env, top),
+                              note + tail)
 
     def _full_ms(self, runs, spec, c, outcomes, faults) -> float:
         ran = self._ran(runs, spec, c, outcomes[c].binary if c else None, faults)
@@ -602,6 +619,11 @@ def _all_permanent(outcomes: dict[Config, Outcome]) -> bool:
     return all(o.status in q.NEVER_RETRIED for o in outcomes.values())
 
 
+def _sizes(at: dict[str, int], env: dict[str, int]) -> str:
+    """The sizes of `at` that differ from `env`'s, as a note names them."""
+    return ", ".join(f"{k}={v}" for k, v in sorted(at.items()) if env.get(k) != v)
+
+
 def _summary(times: dict) -> str:
     return ", ".join(f"[{c}] {t:.4f} ms" if c else f"extern {t:.4f} ms"
                      for c, t in times.items())
@@ -619,11 +641,36 @@ def _per_end(bottom: Choice, top: Choice, low_times: dict, times: dict,
         one = top if scores[hi] <= scores[lo] else bottom
         return Choice(one.kind, one.config, one.binary, one.ms,
                       f"{one.note.rstrip('; ')}; {note}")
-    sizes = low_sizes(low, env, at)
+    return _switch(bottom, top, low_sizes(low, env, at), note)
+
+
+def _prompt_switch(low: Choice, high: Choice, times: tuple, envs: tuple, note: str) -> Choice:
+    """A prompt dim's two winners as one choice, from their times at three sizes
+    (BOTTOM_SIZE, TUNE_SIZE, TOP_SIZE; `envs` those sizes): where the low winner still
+    wins at TUNE_SIZE the switch falls between it and the top (as _per_end's); where
+    the top's winner is as fast at TUNE_SIZE, between BOTTOM_SIZE and TUNE_SIZE, if the
+    low winner wins at the bottom; else one of the two serves every size."""
+    (bt, t, tt), (bottom, env, top) = times, envs
+    lo, hi = _key(low), _key(high)
+    one = low
+    if lo != hi:
+        at = switch_point((t[lo], tt[lo]), (t[hi], tt[hi]))
+        if at is not None:
+            return _switch(low, high, low_sizes(env, top, at), note)
+        if tt[lo] > tt[hi] * (1 + SWITCH_GAIN):  # loses the top, ties at TUNE_SIZE
+            if bt[hi] > bt[lo] * (1 + SWITCH_GAIN):  # ... and wins the bottom
+                at = switch_point((bt[lo], t[lo]), (bt[hi], t[hi]))
+                return _switch(low, high, low_sizes(bottom, env, 1.0 if at is None else at),
+                               note)
+            one = high
+    return Choice(one.kind, one.config, one.binary, one.ms, f"{one.note.rstrip('; ')}; {note}")
+
+
+def _switch(low: Choice, high: Choice, sizes: dict[str, int], note: str) -> Choice:
     switch = ", ".join(f"{s} <= {n}" for s, n in sorted(sizes.items()))
-    return Choice("switch", ms=top.ms, low=bottom, high=top, low_sizes=sizes,
-                  note=f"switch on size: {switch} runs {_named(bottom)}, larger sizes "
-                  f"{_named(top)}; {note}")
+    return Choice("switch", ms=high.ms, low=low, high=high, low_sizes=sizes,
+                  note=f"switch on size: {switch} runs {_named(low)}, larger sizes "
+                  f"{_named(high)}; {note}")
 
 
 def _key(c: Choice):
