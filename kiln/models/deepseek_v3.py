@@ -205,12 +205,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 def absorbed_weights(kv_b: torch.Tensor, cfg: DeepseekV3Config
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W_UK [h, nope, r], W_UV [h, r, v]) of the heads whose kv_b_proj rows [h * (nope +
+    """(W_UK [h, r, nope], W_UV [h, v, r]) of the heads whose kv_b_proj rows [h * (nope +
     v), r] are `kv_b`: all of them, or one rank's (kiln.models.rank_weights reads only
-    those rows)."""
+    those rows). Each is laid out with its product's K contiguous, as a linear layer's
+    weight: decode reads them as GEMVs (the batch of heads times one token), which
+    stream such rows as the linear layers' (W_UV is kv_b_proj's own rows; W_UK their
+    transpose)."""
     w = kv_b.view(-1, cfg.qk_nope_head_dim + cfg.v_head_dim, kv_b.shape[-1])
-    return (w[:, :cfg.qk_nope_head_dim].contiguous(),
-            w[:, cfg.qk_nope_head_dim:].transpose(1, 2).contiguous())
+    return (w[:, :cfg.qk_nope_head_dim].transpose(1, 2).contiguous(),
+            w[:, cfg.qk_nope_head_dim:].contiguous())
 
 
 class LatentAttention(nn.Module):
@@ -231,9 +234,9 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(r, 1e-6)
         self.kv_b_proj = nn.Linear(r, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(H * cfg.v_head_dim, cfg.dim, bias=cfg.attention_bias)
-        # kv_b_proj split per head, for the absorbed form: [H, nope, r] and [H, r, v].
-        self.register_buffer("w_uk", torch.empty(H, cfg.qk_nope_head_dim, r), persistent=False)
-        self.register_buffer("w_uv", torch.empty(H, r, cfg.v_head_dim), persistent=False)
+        # kv_b_proj split per head, for the absorbed form: [H, r, nope] and [H, v, r].
+        self.register_buffer("w_uk", torch.empty(H, r, cfg.qk_nope_head_dim), persistent=False)
+        self.register_buffer("w_uv", torch.empty(H, cfg.v_head_dim, r), persistent=False)
         self.latent_cache: ContiguousLatentCache | PagedLatentCache | None = None
 
     def tensor_parallel_seeds(self) -> dict:
@@ -249,8 +252,9 @@ class LatentAttention(nn.Module):
     def absorb_weights(self) -> None:
         """Split kv_b_proj into W_UK and W_UV (call after its weights are loaded).
 
-        A copy, laid out for the einsums: V3's is 34 MB per layer in bf16, 0.15% of the
-        model; the expanded form could use it too and free kv_b_proj later. An fp8
+        A copy, laid out for decode's GEMVs (absorbed_weights): V3's is 34 MB per layer
+        in bf16, 0.15% of the model; the expanded form could use it too and free
+        kv_b_proj later. An fp8
         kv_b_proj (fp8.Fp8Linear) is dequantised for it, one layer at a time, into the
         model's dtype (its norms'): the einsums are not fp8 GEMMs."""
         w = self.kv_b_proj.weight
@@ -309,7 +313,7 @@ class LatentAttention(nn.Module):
         """
         cfg = self.cfg
         r = cfg.kv_lora_rank
-        q_latent = torch.einsum("bthn,hnr->bthr", q_nope, self.w_uk)
+        q_latent = torch.einsum("bthn,hrn->bthr", q_nope, self.w_uk)
         if self.latent_cache is None:  # the call's own tokens are the whole sequence
             cache, table, pos = latent, None, input_pos - input_pos[:, :1]
         else:
@@ -317,7 +321,7 @@ class LatentAttention(nn.Module):
             cache, table, pos = self.latent_cache.rows(), block_table, input_pos
         y = kiln.ops.latent_attention(q_latent, q_rope, cache[..., :r], cache[..., r:], pos,
                                       self.scale, table)  # [B, T, H, r]
-        return torch.einsum("bthr,hrv->bthv", y, self.w_uv)
+        return torch.einsum("bthr,hvr->bthv", y, self.w_uv)
 
 
 # ---- the model ------------------------------------------------------------------------

@@ -321,7 +321,7 @@ def test_random_model_from_a_config(checkpoint):
     attn = model.model.layers[0].self_attn
     assert attn.q_a_layernorm.weight.eq(1).all() and attn.w_uk.dtype == torch.bfloat16
     nope = cfg.qk_nope_head_dim
-    assert torch.equal(attn.w_uk[1], attn.kv_b_proj.weight[(nope + cfg.v_head_dim):][:nope])
+    assert torch.equal(attn.w_uk[1], attn.kv_b_proj.weight[(nope + cfg.v_head_dim):][:nope].T)
     bias = model.model.layers[MOE_LAYER].mlp.gate.e_score_correction_bias
     assert bias.dtype == torch.float32 and not bias.any()
     with torch.no_grad():

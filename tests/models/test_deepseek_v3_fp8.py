@@ -229,8 +229,8 @@ def test_kept_fp8_projections_hold_the_stored_bytes(fp8_checkpoint, monkeypatch)
     attn = model.model.layers[1].self_attn
     kv_b = reference["model.layers.1.self_attn.kv_b_proj.weight"].view(
         cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
-    assert torch.equal(attn.w_uk, kv_b[:, :cfg.qk_nope_head_dim])
-    assert torch.equal(attn.w_uv, kv_b[:, cfg.qk_nope_head_dim:].transpose(1, 2))
+    assert torch.equal(attn.w_uk, kv_b[:, :cfg.qk_nope_head_dim].transpose(1, 2))
+    assert torch.equal(attn.w_uv, kv_b[:, cfg.qk_nope_head_dim:])
 
     tokens = torch.randint(0, CONFIG["vocab_size"], (1, 9),
                            generator=torch.Generator().manual_seed(6))
@@ -399,7 +399,7 @@ def test_quantize_fp8_makes_the_fp8_checkpoint_s_projections(fp8_checkpoint):
     attn = model.model.layers[0].self_attn
     kv_b = dequantize_weight(attn.kv_b_proj.weight, attn.kv_b_proj.weight_scale_inv)
     assert torch.equal(attn.w_uk, kv_b.view(attn.w_uk.shape[0], -1, kv_b.shape[1])
-                       [:, :attn.w_uk.shape[1]])
+                       [:, :attn.w_uk.shape[2]].transpose(1, 2))
     tokens = torch.randint(0, CONFIG["vocab_size"], (1, 10),
                            generator=torch.Generator().manual_seed(9))
     got = [llm.forward(tokens[:, :7], torch.arange(7))]

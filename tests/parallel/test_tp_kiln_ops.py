@@ -132,7 +132,7 @@ def test_deepseek_v3_qwen3_next_and_fp8_tp2_match_one_device(checkpoints):
             assert got["held"] < 0.75 * got["whole"], got  # norms, router, caches whole
         ds = out["deepseek_v3"]["shapes"]
         attn, experts = "model.layers.1.self_attn.", "model.layers.1.mlp.experts."
-        assert ds[attn + "w_uk"] == (2, 16, 32) and ds[attn + "w_uv"] == (2, 32, 16)
+        assert ds[attn + "w_uk"] == (2, 32, 16) and ds[attn + "w_uv"] == (2, 16, 32)
         assert ds[attn + "q_b_proj.weight"] == (2 * 24, 48)
         assert ds[attn + "q_a_proj.weight"] == (48, 64)  # seeded whole
         assert ds[attn + "kv_a_proj_with_mqa.weight"] == (40, 64)
