@@ -60,6 +60,13 @@ class CompiledModule:
         n = len(self.plan.user_inputs)
         self._flat_in = not self.plan.const_args and self._in_spec == pytree.tree_structure(
             (tuple(range(n)), {}))
+        # ... or keyword tensors alone (LLM.forward's): the compiled keys, in their order
+        self._flat_kw = None
+        if not self.plan.const_args and self._in_spec.num_children == 2:
+            keys = _child(self._in_spec, 1).context
+            if keys is not None and len(keys) == n and self._in_spec == pytree.tree_structure(
+                    ((), dict.fromkeys(keys, 0))):
+                self._flat_kw = tuple(keys)
         self._out_leaf = self._out_spec.is_leaf()
 
     @property
@@ -114,6 +121,10 @@ class CompiledModule:
         if (self._flat_in and not kwargs and len(args) == len(self.plan.user_inputs)
                 and all(type(a) is torch.Tensor for a in args)):
             return list(args)
+        keys = self._flat_kw
+        if (keys is not None and not args and len(kwargs) == len(keys)
+                and all(type(kwargs.get(k)) is torch.Tensor for k in keys)):
+            return [kwargs[k] for k in keys]
         kw_spec = _child(self._in_spec, 1) if self._in_spec.num_children == 2 else None
         if kw_spec is not None and kw_spec.context is not None:
             keys = list(kw_spec.context)
