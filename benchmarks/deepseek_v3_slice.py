@@ -22,8 +22,10 @@ eager, DynamicCache holding the latents. It runs first and is freed before kiln 
 (--batch) and each case, both on the same tokens:
 - prefill T (--prefill): B prompts of T tokens, logits at the last one;
 - decode at context C (--contexts): a prefill of C tokens, then one token per row at
-  position C: kiln's decode module (its CUDA graph for B rows), transformers' step
-  with the cache cropped back after each timed call.
+  position C: kiln's decode module (its CUDA graph for B rows; 20 steps queued back to
+  back between two events, as generate runs them: decode_ahead.py; `kiln_synced_ms`
+  is one step on an idle GPU, the host's work before its graph included),
+  transformers' step with the cache cropped back after each timed call.
 kiln's logits are compared with transformers' (relative error: kiln's fp8 activations
 and fp8 projections against bf16 dequantised weights, so fp8's own error: a random
 router turns small differences into other experts; at --small widths kiln loaded with
@@ -339,7 +341,7 @@ def run_kiln(llm, cases: list[dict], a) -> None:
 
 
 def _kiln_case(llm, c: dict, a) -> None:
-    from kiln.bench.timing import median_ms
+    from kiln.bench.timing import back_to_back_ms, median_ms
 
     toks = c["tokens"]
     B, T = toks.shape
@@ -362,7 +364,10 @@ def _kiln_case(llm, c: dict, a) -> None:
 
     c["out"] = decode()[:, -1].float()
     _eager_check(c, lambda: llm.model(c["next"], at))
-    c["kiln_ms"] = median_ms(decode, a.device, warmup=5, iters=a.decode_iters)
+    # steps back to back, as generate runs them (decode_ahead.py); each step alone on an
+    # idle device also pays the host's work before its graph starts
+    c["kiln_ms"] = back_to_back_ms(decode, a.device, reps=max(3, a.decode_iters // 10))
+    c["kiln_synced_ms"] = median_ms(decode, a.device, warmup=5, iters=a.decode_iters)
 
 
 def _eager_check(c: dict, eager) -> None:
@@ -519,6 +524,11 @@ def table(r: dict) -> str:
             f"{_f(kiln / hf if kiln and hf else None, '.2f')} | "
             f"{_f(row.get('floor_kiln_dtypes_ms'))} | {_f(row.get('rel_err'), '.1e')} | "
             f"{_f(row.get('err_vs_eager'), '.1e')} |")
+    synced = [f"{row['key']} {row['kiln_synced_ms']:.3f}" for row in r["rows"]
+              if row.get("kiln_synced_ms")]
+    if synced:
+        lines.append("kiln decode ms above: steps back to back, as generate runs them; one "
+                     "step alone, from an idle device: " + ", ".join(synced))
     for row in r["rows"]:
         if "floor_parts" in row:
             parts = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in row["floor_parts"].items())
@@ -602,6 +612,7 @@ def main() -> None:
                 n = c["tokens"].shape[1]
                 row = {"key": f"{c['phase']} {n} b{B}", "phase": c["phase"], "batch": B,
                        "tokens": n, "kiln_ms": c["kiln_ms"], "hf_ms": c.get("hf_ms"),
+                       "kiln_synced_ms": c.get("kiln_synced_ms"),
                        "err_vs_eager": c["err_vs_eager"],
                        "chosen_experts": c.get("chosen_experts")}
                 if "ref" in c:

@@ -17,7 +17,10 @@ For each batch size in --batch (its own LLM: a decode module compiled for that m
 rows), CUDA events, median:
 - prefill: B prompts of --context tokens, logits at each row's last token;
 - decode: one token per row at position --context (the context before it: --context
-  tokens), the step `generate` takes (LLM.forward, CUDA graph replay);
+  tokens), the step `generate` takes (LLM.forward, CUDA graph replay), 20 steps queued
+  back to back between two events as generate runs them (decode_ahead.py: the host
+  prepares a step while the GPU runs the one before); `decode_synced_ms` is one step
+  on an idle GPU (the host's ~30-40 us before the graph starts is in it);
 - eager: the same model object, uncompiled, on the same inputs.
 kiln's logits are checked after a prefill and after one decode step against eager's
 (relative error, both bf16) and, at batch 1, against an fp32 copy of the model run
@@ -176,7 +179,7 @@ def fp32_reference(model, B: int, prompt, ppos, last, tok, dpos):
 
 def run_batch(model, B: int, a, floors, device: str, target: str) -> dict:
     """Compile an LLM for B rows, time its prefill and decode (and eager's), check them."""
-    from kiln.bench.timing import median_ms
+    from kiln.bench.timing import back_to_back_ms, median_ms
     from kiln.models.generate import LLM
 
     cfg, T = model.cfg, a.context
@@ -219,7 +222,10 @@ def run_batch(model, B: int, a, floors, device: str, target: str) -> dict:
 
         row["prefill_ms"] = median_ms(prefill, device, warmup=2, iters=a.prefill_iters)
         prefill()  # the decode steps below run at context T
-        row["decode_ms"] = median_ms(decode, device, warmup=5, iters=a.decode_iters)
+        # steps back to back, as generate runs them (decode_ahead.py); each step alone
+        # on an idle device also pays the host's work before its graph starts
+        row["decode_ms"] = back_to_back_ms(decode, device, reps=max(3, a.decode_iters // 10))
+        row["decode_synced_ms"] = median_ms(decode, device, warmup=5, iters=a.decode_iters)
         if not a.no_eager:
             row["eager_prefill_ms"] = median_ms(lambda: model(prompt, ppos, logits_at=last),
                                                 device, warmup=1, iters=3)
@@ -262,7 +268,8 @@ def table(results: dict) -> str:
         lines.append(f"   decode step:    kiln {r['decode_ms']:9.4f} ms"
                      + (f"  eager {eager:9.3f} ms ({eager / r['decode_ms']:.1f}x)"
                         if eager else "")
-                     + f"  {r['decode_tokens_per_s']:.0f} tok/s")
+                     + f"  {r['decode_tokens_per_s']:.0f} tok/s (steps back to back; one "
+                     f"step alone {r['decode_synced_ms']:.4f} ms)")
         if "decode_floor_ms" in r:
             planned = r.get("decode_planned_bytes")
             lines.append(f"   decode floor {r['decode_floor_ms']:.4f} ms "

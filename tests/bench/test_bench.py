@@ -198,3 +198,17 @@ def test_fp8_subject_runs_kilns_generated_fp8_kernel_in_every_projection():
         want = subject.quantize_fp8(subject.build(s, torch.float32, "cpu"))(*args)
         got = exe(*args)
     assert ((got - want).norm() / want.norm()).item() <= 1e-5
+
+
+def test_back_to_back_ms_is_the_time_a_call_of_many_queued():
+    """On the CPU: wall clock over the calls, a call's share (the figure the slices'
+    decode steps report, generate's way of running them)."""
+    import time
+
+    from kiln.bench.timing import back_to_back_ms
+
+    calls = []
+    ms = back_to_back_ms(lambda: (calls.append(1), time.sleep(0.002)), "cpu", calls=5,
+                         reps=3, warmup=1)
+    assert len(calls) == 1 + 5 * 3
+    assert 1.9 <= ms <= 20

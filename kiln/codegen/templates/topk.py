@@ -32,15 +32,18 @@ the region runs as torch ops.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 
 from kiln.codegen.build.spec import Config, KernelSpec
 from kiln.codegen.expr.emit import Emitter, kernel_name, module_source, needs_int64
-from kiln.codegen.expr.indexing import Var, delinearize
+from kiln.codegen.expr.indexing import Lin, Var, delinearize
 from kiln.codegen.expr.kernel_args import KernelArgs
 from kiln.codegen.expr.values import TL, CodegenUnsupported, Cond, Val, mask_of
 from kiln.codegen.templates.reduction.row_kernel import RowKernel
+from kiln.dispatch.fold_topk_sum import sums_picked_values
 from kiln.ir.ops import OpCategory, category, topk_args, topk_problem
 from kiln.ir.plan import DispatchPlan, Ref, Region
 from kiln.ir.symbolic import numel, same_dim, upper_bound
@@ -66,8 +69,11 @@ class _TopkKernel:
         if not isinstance(src, Ref):
             raise CodegenUnsupported("topk of a non-tensor")
         self.rows = None  # reductions over the topk's rows in its prologue
-        if any(category(o.target) == OpCategory.REDUCTION for o in region.ops):
-            self.rows = RowKernel(region, plan, target)
+        prologue = region.ops[:region.ops.index(self.op)]
+        if any(category(o.target) == OpCategory.REDUCTION for o in prologue):
+            # the row kernel sees the prologue's reductions, its emitter every op
+            self.rows = RowKernel(replace(region, ops=prologue), plan, target)
+            self.rows.em.ops = {o.name: o for o in region.ops}
             self.args, self.em = self.rows.args, self.rows.em
         else:
             self.args = KernelArgs()
@@ -94,14 +100,25 @@ class _TopkKernel:
                 or len(self.rows.src_shape) != len(self.shape)):
             raise CodegenUnsupported("a reduction in a topk's prologue over other rows")
 
-    def _parts(self) -> dict[str, int]:
-        """Region output -> which of topk's results it is (0 values, 1 indices)."""
+    def _parts(self) -> dict[str, int | str]:
+        """Region output -> which of topk's results it is: 0 values, 1 indices, "sum"
+        (the picked values summed over the topk's axis) or "epilogue" (a pointwise op
+        over the values' shape after it: dispatch/fold_topk_sum.py)."""
+        sums = [o for o in self.region.ops if sums_picked_values(o, self.region)]
+        self.sum_op = sums[0] if sums else None
+        after = {o.name for o in self.region.ops[self.region.ops.index(self.op) + 1:]}
         parts = {}
         for o in self.region.outputs:
             g = self.region.op(o)
-            if g.target != "getitem" or g.args[0] != Ref(self.op.name):
+            if g.target == "getitem" and g.args[0] == Ref(self.op.name):
+                parts[o] = g.args[1]
+            elif g is self.sum_op:
+                parts[o] = "sum"
+            elif self.sum_op is not None and o in after and \
+                    category(g.target) == OpCategory.POINTWISE:
+                parts[o] = "epilogue"
+            else:
                 raise CodegenUnsupported(f"output %{o} is not one of the topk's results")
-            parts[o] = g.args[1]
         return parts
 
     def spec(self) -> KernelSpec:
@@ -133,9 +150,18 @@ class _TopkKernel:
         em.lines.extend(self._picks())
         outs = {"xindex", "kindex"}
         out_index = _insert(outer_index, self.dim, kv)
+        values = Val("topk_values", self.dtype, frozenset(outs))
+        if self.sum_op is not None:
+            self._epilogue(values, kmask is not None)
         for o, part in self.parts.items():
-            val = Val("topk_values", self.dtype, frozenset(outs)) if part == 0 else \
-                Val("topk_indices", torch.int64, frozenset(outs))
+            if part == "sum":
+                keep = len(self.sum_op.shape) == len(self.shape)
+                at = _insert(outer_index, self.dim, Lin.of(0)) if keep else tuple(outer_index)
+                em.store(o, at, em.value(o, at), mask_of(xmask), span=("xindex",))
+                continue
+            val = values if part == 0 else Val("topk_indices", torch.int64, frozenset(outs))
+            if part == "epilogue":
+                val = em.value(o, out_index, mask_of(xmask, kmask))
             em.store(o, out_index, val, mask_of(xmask, kmask), span=("xindex", "kindex"))
         name = kernel_name("topk", self.region)
         params = args.names() + ["XBLOCK: tl.constexpr", "RBLOCK: tl.constexpr"]
@@ -148,6 +174,18 @@ class _TopkKernel:
                           {"k": self.k, "largest": self.largest, "width": str(self.width),
                            "outer": str(self.outer)},
                           index_bits=64 if wide else 32)
+
+    def _epilogue(self, values: Val, kmasked: bool) -> None:
+        """Make the sum of the picked values (fp32, as torch sums a float row) and the
+        values themselves what the epilogue's ops read (the emitter's overrides)."""
+        picked = "topk_values.to(tl.float32)"
+        if kmasked:  # the pick slots past k hold no value
+            picked = f"tl.where(kmask, {picked}, 0.0)"
+        total = self.em.let(f"tl.sum({picked}, axis=1)[:, None]", torch.float32,
+                            frozenset({"xindex"}))
+        total = self.em.cast(total, self.sum_op.dtype)
+        self.em.overrides[self.sum_op.name] = lambda index: total
+        self.em.overrides[self.sum_op.args[0].name] = lambda index: values
 
     def _keys(self, v: Val, w: str, masked: bool) -> list[str]:
         """Lines making `topk_keys` [XBLOCK, RBLOCK] int64 from the row's values `v`."""
