@@ -78,6 +78,12 @@ def test_interpret_target_runs_the_generated_gated_delta_kernel(checkpoint):
         kernels = [exe.program.kplan.kernels[r.name] for r in exe.program.plan.regions
                    if any(op.target == "kiln.gated_delta_rule.default" for op in r.ops)]
         assert kernels and all(isinstance(k, TritonKernel) for k in kernels)
+    # the decode step issues its operands' loads before its first reduction (l2norms)
+    (step,) = kernels
+    body = step.spec.source.split("\n")
+    first_sum = next(i for i, x in enumerate(body) if "tl.sum(" in x)
+    recurrence = next(i for i, x in enumerate(body) if x.strip().startswith("S = S *"))
+    assert not [x for x in body[first_sum:recurrence] if "tl.load(" in x]
     pre = llm.prefill_module.program  # the prefill's experts: the grouped MoE kernel
     moe = [pre.kplan.kernels[r.name] for r in pre.plan.regions
            if any(op.target == "kiln.moe_experts.default" for op in r.ops)]

@@ -21,6 +21,7 @@ from kiln.codegen.expr.emit import Emitter
 from kiln.codegen.expr.indexing import Lin, Var
 from kiln.codegen.expr.kernel_args import SymbolicArgs
 from kiln.codegen.expr.values import Cond, Val, mask_of
+from kiln.codegen.templates import load_order
 from kiln.codegen.templates.gated_delta.analysis import DeltaShape, pow2
 from kiln.codegen.templates.gated_delta.step_fusion import (
     StateReads,
@@ -63,7 +64,10 @@ def decode_body(em: Emitter, p: SymbolicArgs, s: DeltaShape) -> list[str]:
     reductions(em, {s.value_dim: ("vv", pow2(s.value_dim), _value_lanes(s))}, epilogue)
     L += _initial_state(em, s, kp)
     L += _decode(em, s, kp)
-    return L + _epilogue(em, s) + _final_state(em, s, reads)
+    # the operands' loads issued up front: emitted where first needed, the k, v and gate
+    # loads each waited behind the reductions (l2norms) before them; the epilogue's
+    # stay where they are (loaded early, they held registers across the recurrence)
+    return load_order.loads_first(L) + _epilogue(em, s) + _final_state(em, s, reads)
 
 
 def _value_lanes(s: DeltaShape) -> Cond:
