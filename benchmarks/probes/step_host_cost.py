@@ -14,21 +14,7 @@ import time
 
 import torch
 
-from kiln.bench.timing import median_ms
-
-
-def back_to_back_ms(fn, n: int = 20, reps: int = 10) -> float:
-    """Median over `reps` of (n calls between two events) / n."""
-    out = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        out.append(start.elapsed_time(end) / n)
-    return sorted(out)[len(out) // 2]
+from kiln.bench.timing import back_to_back_ms, median_ms
 
 
 def host_us(fn, n: int = 200) -> float:
@@ -83,8 +69,8 @@ def main() -> None:
             "LLM.forward, synced (the benchmark)": median_ms(step, "cuda", 5, 100),
             "module call, synced": median_ms(call, "cuda", 5, 100),
             "graph replay alone, synced": median_ms(cap.graph.replay, "cuda", 5, 100),
-            "LLM.forward, 20 back to back": back_to_back_ms(step),
-            "graph replay, 20 back to back": back_to_back_ms(cap.graph.replay),
+            "LLM.forward, 20 back to back": back_to_back_ms(step, "cuda", reps=10),
+            "graph replay, 20 back to back": back_to_back_ms(cap.graph.replay, "cuda", reps=10),
         }
         for name, ms in rows.items():
             print(f"{name:<40} {ms * 1e3:8.1f} us")

@@ -17,25 +17,8 @@ import torch
 
 
 def median_ms(fn: Callable[[], object], device: str, warmup: int = 3, iters: int = 20) -> float:
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(iters):
-        if device == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
+    """Milliseconds a call of `fn`, each call timed on its own: the median of `iters`."""
+    return back_to_back_ms(fn, device, calls=1, reps=iters, warmup=warmup)
 
 
 def back_to_back_ms(fn: Callable[[], object], device: str, calls: int = 20,
