@@ -28,6 +28,10 @@ What it returns, beside torch:
 - indices int64, values in the input's dtype (exact: read back from the key).
 Rows longer than TOPK_MAX_WIDTH, k over TOPK_MAX_K and 64-bit inputs decline (ir/ops.py):
 the region runs as torch ops.
+
+An epilogue (dispatch/fold_topk_sum.py): the picked values' sum over the topk's axis,
+in fp32 from the values the program holds, and pointwise ops over the values' shape
+reading them and the sum (a router's renormalisation), stored as further outputs.
 """
 
 from __future__ import annotations
