@@ -53,6 +53,36 @@ def test_the_renormalised_weights_come_from_the_topk_kernel(rows, width, k):
         assert rel_err(exe(x)[0].float(), w.float()) == 0
 
 
+class OverRows(torch.nn.Module):
+    """A topk down the columns (dim 0), its picks summed twice (keepdim and not)."""
+
+    def forward(self, x):
+        w, ids = torch.topk(x, 3, dim=0)
+        return w / w.sum(0, keepdim=True), ids, w.sum(0)
+
+
+class ManyPicks(torch.nn.Module):
+    """k 40: over kiln's topk limit, so the region (its sum folded in) runs as torch ops."""
+
+    def forward(self, x):
+        w, ids = torch.topk(x, 40, dim=-1)
+        return w / w.sum(-1, keepdim=True), ids
+
+
+@pytest.mark.parametrize("model,shape,generated", [(OverRows(), (12, 5), True),
+                                                   (ManyPicks(), (3, 100), False)])
+def test_other_axes_two_sums_and_a_torch_topk(model, shape, generated):
+    from kiln.codegen.build.triton_kernel import TritonKernel
+
+    x = torch.randn(*shape)
+    exe = kiln.compile(model, (x,), target="interpret")
+    assert _regions(exe) == [RegionKind.TOPK]
+    kernel = exe.program.kplan.kernels[exe.plan.regions[0].name]
+    assert isinstance(kernel, TritonKernel) == generated
+    for got, want in zip(exe(x), model(x)):
+        assert rel_err(got.float(), want.float()) <= 1e-6
+
+
 def test_a_sum_without_keepdim_is_stored_beside_the_values_it_sums():
     x = torch.randn(4, 20)
     exe = kiln.compile(Sums(), (x,), target="interpret")

@@ -108,17 +108,16 @@ class _TopkKernel:
         """Region output -> which of topk's results it is: 0 values, 1 indices, "sum"
         (the picked values summed over the topk's axis) or "epilogue" (a pointwise op
         over the values' shape after it: dispatch/fold_topk_sum.py)."""
-        sums = [o for o in self.region.ops if sums_picked_values(o, self.region)]
-        self.sum_op = sums[0] if sums else None
+        self.sums = [o for o in self.region.ops if sums_picked_values(o, self.region)]
         after = {o.name for o in self.region.ops[self.region.ops.index(self.op) + 1:]}
         parts = {}
         for o in self.region.outputs:
             g = self.region.op(o)
             if g.target == "getitem" and g.args[0] == Ref(self.op.name):
                 parts[o] = g.args[1]
-            elif g is self.sum_op:
+            elif any(g is x for x in self.sums):
                 parts[o] = "sum"
-            elif self.sum_op is not None and o in after and \
+            elif self.sums and o in after and \
                     category(g.target) == OpCategory.POINTWISE:
                 parts[o] = "epilogue"
             else:
@@ -155,11 +154,11 @@ class _TopkKernel:
         outs = {"xindex", "kindex"}
         out_index = _insert(outer_index, self.dim, kv)
         values = Val("topk_values", self.dtype, frozenset(outs))
-        if self.sum_op is not None:
+        if self.sums:
             self._epilogue(values, kmask is not None)
         for o, part in self.parts.items():
             if part == "sum":
-                keep = len(self.sum_op.shape) == len(self.shape)
+                keep = len(self.region.op(o).shape) == len(self.shape)
                 at = _insert(outer_index, self.dim, Lin.of(0)) if keep else tuple(outer_index)
                 em.store(o, at, em.value(o, at), mask_of(xmask), span=("xindex",))
                 continue
@@ -187,9 +186,10 @@ class _TopkKernel:
             picked = f"tl.where(kmask, {picked}, 0.0)"
         total = self.em.let(f"tl.sum({picked}, axis=1)[:, None]", torch.float32,
                             frozenset({"xindex"}))
-        total = self.em.cast(total, self.sum_op.dtype)
-        self.em.overrides[self.sum_op.name] = lambda index: total
-        self.em.overrides[self.sum_op.args[0].name] = lambda index: values
+        for op in self.sums:  # keepdim or not, in its own dtype: one sum of the picks
+            cast = self.em.cast(total, op.dtype)
+            self.em.overrides[op.name] = lambda index, cast=cast: cast
+            self.em.overrides[op.args[0].name] = lambda index: values
 
     def _keys(self, v: Val, w: str, masked: bool) -> list[str]:
         """Lines making `topk_keys` [XBLOCK, RBLOCK] int64 from the row's values `v`."""
