@@ -35,6 +35,7 @@ from kiln.dispatch.group_cache_writes import group_cache_writes
 from kiln.dispatch.group_fp8_siblings import group_fp8_siblings
 from kiln.dispatch.group_siblings import group_siblings
 from kiln.dispatch.mask_envelope import mask_envelope
+from kiln.dispatch.recompute_cheap import recompute_cheap
 from kiln.dispatch.reinplace import reinplace
 from kiln.dispatch.split_query_prologue import split_query_prologue
 from kiln.errors import ArgumentError
@@ -66,7 +67,7 @@ def build_pipeline(dump_dir: str | None = None) -> PassManager:
             Stage("dispatch", [form_regions, fold_rmsnorm, fold_topk_sum, fold_delta_step,
                                group_siblings, group_fp8_siblings, mask_envelope,
                                split_query_prologue, reinplace, fold_delta_state,
-                               group_cache_writes, bind_example_sizes]),
+                               group_cache_writes, recompute_cheap, bind_example_sizes]),
             Stage("codegen", [select_kernels]),
             Stage("schedule", [schedule]),
         ],

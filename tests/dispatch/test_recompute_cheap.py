@@ -1,0 +1,87 @@
+"""A small cheap value read by several regions is recomputed in each of them
+(dispatch/recompute_cheap.py): its own launch goes, the result is eager's under the
+interpreter; values some reader cannot recompute, large ones and views of a state
+written in place stay apart."""
+
+import pytest
+import torch
+
+import kiln
+from kiln.dispatch import recompute_cheap
+from kiln.ir.plan import RegionKind
+from tests.helpers import rel_err
+
+
+class TwoReaders(torch.nn.Module):
+    """A cast of a slice, plus one, read by two reductions over different axes."""
+
+    def forward(self, x):
+        v = x[:, :6].float() + 1.0
+        return v.sum(0), v.amax(1)
+
+
+class ReadByAMatmul(TwoReaders):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(6, 5))
+
+    def forward(self, x):
+        v = x[:, :6].float() + 1.0
+        return v.sum(1), v @ self.w
+
+
+class StateWritten(torch.nn.Module):
+    """A view of a cache read before and after the cache's in-place write."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(4, 8))
+
+    def forward(self, x, pos):
+        v = self.cache + 1.0
+        first = v.sum(1)
+        self.cache.index_copy_(0, pos, x)
+        return first, v.amax(0)
+
+
+def _kinds(exe):
+    return [r.kind for r in exe.plan.regions]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cast_read_by_two_regions_is_recomputed_in_each(dtype):
+    x = torch.randn(5, 9).to(dtype)
+    exe = kiln.compile(TwoReaders(), (x,), target="interpret")
+    assert _kinds(exe) == [RegionKind.REDUCTION, RegionKind.REDUCTION]
+    assert all(any("cheap) recomputed here" in n for n in r.notes) for r in exe.plan.regions)
+    for seed in (1, 2):
+        x = torch.randn(5, 9, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        for got, want in zip(exe(x), TwoReaders()(x)):
+            assert rel_err(got, want) <= 1e-6
+
+
+def test_values_a_reader_cannot_recompute_or_too_large_stay_apart(monkeypatch):
+    x = torch.randn(5, 9)
+    model = ReadByAMatmul()
+    exe = kiln.compile(model, (x,), target="interpret")  # a matmul reads it
+    assert RegionKind.POINTWISE in _kinds(exe)
+    for got, want in zip(exe(x), model(x)):
+        assert rel_err(got, want) <= 1e-6
+    monkeypatch.setattr(recompute_cheap, "MAX_ELEMENTS", 8)  # 30 elements: too many
+    exe = kiln.compile(TwoReaders(), (x,), target="interpret")
+    assert RegionKind.POINTWISE in _kinds(exe)
+
+
+def test_a_view_of_a_state_written_in_place_is_not_recomputed():
+    model = StateWritten()
+    x, pos = torch.randn(1, 8), torch.tensor([2])
+    exe = kiln.compile(StateWritten(), (x, pos), target="interpret")
+    assert not any(any("cheap) recomputed" in n for n in r.notes) for r in exe.plan.regions)
+    got, want = exe(x, pos), model(x, pos)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= 1e-6
+
+
+def test_the_cpu_target_keeps_the_region():
+    exe = kiln.compile(TwoReaders(), (torch.randn(5, 9),), target="cpu")
+    assert RegionKind.POINTWISE in _kinds(exe)
