@@ -21,11 +21,11 @@ CPU target runs torch ops, where a norm computed three times is three times the 
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch
 
+from kiln.dispatch.prologue_copy import copy_prologue
 from kiln.dispatch.rmsnorm_prologue import closure, match_row_norm, read_only_as_operand
 from kiln.ir.ops import IDENTITY_OPS, OpCategory, category
 from kiln.ir.plan import DispatchPlan, Region, RegionKind
@@ -120,12 +120,9 @@ def fold_norms(plan: DispatchPlan) -> int:
             continue  # fp8 siblings (q, k, v apart): group_fp8_siblings reads x once
         inside = closure({o.name: o for o in region.ops}, norm.out)
         for u in users:
-            u.ops = [copy.deepcopy(o) for o in region.ops if o.name in inside] + [
-                o for o in u.ops if o.name not in inside]
-            used = {r for o in u.ops for r in o.refs()} - {o.name for o in u.ops}
-            u.inputs = [v for v in dict.fromkeys(region.inputs + u.inputs) if v in used]
-            u.notes.append(f"prologue: the RMSNorm of region {region.name} (%{norm.out}) "
-                           "folded in: each row's rsqrt(mean(x^2) + eps) scales the product")
+            copy_prologue(u, region, [o for o in region.ops if o.name in inside],
+                          f"prologue: the RMSNorm of region {region.name} (%{norm.out}) "
+                          "folded in: each row's rsqrt(mean(x^2) + eps) scales the product")
         plan.regions.remove(region)
         del plan.values[norm.out]
         folded += 1

@@ -14,10 +14,10 @@ the output leaves the program, or when an input is a state some region writes in
 
 from __future__ import annotations
 
-import copy
 import logging
 
 from kiln.dispatch.fold_delta_step import DELTA_OP
+from kiln.dispatch.prologue_copy import copy_prologue
 from kiln.dispatch.recompute import CHEAP
 from kiln.ir.ops import OpCategory, category
 from kiln.ir.plan import DispatchPlan, Region, RegionKind
@@ -68,10 +68,8 @@ def recompute_cheap_values(plan: DispatchPlan) -> int:
                 or any(not _reads_per_element(u) or u.device != region.device for u in users)):
             continue
         for u in users:
-            u.ops = [copy.deepcopy(o) for o in region.ops] + u.ops
-            used = {r for o in u.ops for r in o.refs()} - {o.name for o in u.ops}
-            u.inputs = [v for v in dict.fromkeys(region.inputs + u.inputs) if v in used]
-            u.notes.append(f"prologue: region {region.name} (%{out}, cheap) recomputed here")
+            copy_prologue(u, region, region.ops,
+                          f"prologue: region {region.name} (%{out}, cheap) recomputed here")
             for v in region.inputs:
                 readers.setdefault(v, []).append(u)
         plan.regions.remove(region)
