@@ -6,8 +6,9 @@ cast of a slice: DeepSeek-V3's decode layer cast its [1, 512] latent (`kv.to(...
 a slice of kv_a's output) in a kernel of ~1.2 us, plus a graph gap, for its norm's
 reduction and its cache write to read. A pointwise region of views, creates and cheap
 ops (recompute.CHEAP: casts, adds, compares, selects) whose one output is small
-(MAX_ELEMENTS) and read only by pointwise, reduction and copy regions, which compute
-their prologue per element, is copied into each of them instead and goes. Not when
+(MAX_ELEMENTS) and read only by regions that compute their prologue per element
+(pointwise, reduction, copy, topk: V3's router bias read by its two topks), is copied
+into each of them instead and goes. Not when
 the output leaves the program, or when an input is a state some region writes in place
 (a later reader would see the new state). Only targets that generate kernels.
 """
@@ -27,14 +28,14 @@ from kiln.pipeline import as_pass
 log = logging.getLogger("kiln.dispatch")
 
 MAX_ELEMENTS = 1 << 16  # a recomputed value's size (each reader computes what it reads)
-_READERS = {RegionKind.POINTWISE, RegionKind.REDUCTION, RegionKind.COPY}
+_READERS = {RegionKind.POINTWISE, RegionKind.REDUCTION, RegionKind.COPY, RegionKind.TOPK}
 _FREE = {OpCategory.VIEW, OpCategory.CREATE}
 
 
 def _reads_per_element(region: Region) -> bool:
     """Does `region`'s kernel compute its prologue at each element it reads? Pointwise,
-    reduction and copy regions do, and so does a fused gated delta decode step (its
-    prologue is computed where it reads its operands: templates/gated_delta)."""
+    reduction, copy and topk regions do, and so does a fused gated delta decode step
+    (its prologue is computed where it reads its operands: templates/gated_delta)."""
     return region.kind in _READERS or (
         region.kind == RegionKind.EXTERN and region.anchor().target == DELTA_OP)
 

@@ -20,6 +20,19 @@ class TwoReaders(torch.nn.Module):
         return v.sum(0), v.amax(1)
 
 
+class TwoTopks(torch.nn.Module):
+    """DeepSeek-V3's routing shape: scores plus a bias, picked from twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("bias", torch.randn(16))
+
+    def forward(self, scores):
+        choice = scores + self.bias
+        groups = choice.view(-1, 4, 4).topk(2, dim=-1)[0]
+        return groups, choice.topk(3, dim=-1)[1]
+
+
 class ReadByAMatmul(TwoReaders):
     def __init__(self):
         super().__init__()
@@ -58,6 +71,14 @@ def test_a_cast_read_by_two_regions_is_recomputed_in_each(dtype):
         x = torch.randn(5, 9, generator=torch.Generator().manual_seed(seed)).to(dtype)
         for got, want in zip(exe(x), TwoReaders()(x)):
             assert rel_err(got, want) <= 1e-6
+
+
+def test_a_router_bias_is_recomputed_in_both_topks():
+    scores, model = torch.rand(1, 16), TwoTopks()
+    exe = kiln.compile(model, (scores,), target="interpret")
+    assert _kinds(exe) == [RegionKind.TOPK, RegionKind.TOPK]
+    got, want = exe(scores), model(scores)
+    assert rel_err(got[0], want[0]) <= 1e-6 and torch.equal(got[1], want[1])
 
 
 def test_values_a_reader_cannot_recompute_or_too_large_stay_apart(monkeypatch):
