@@ -49,9 +49,12 @@ def test_llama3_8b_layer_prefill_and_decode_match_eager(dtype, tune):
     kernels = exe.program.kplan.kernels
     for r in exe.plan.regions:
         if r.kind in (RegionKind.MATMUL, RegionKind.ATTENTION):
-            # Timed tuning may rightly pick cuBLAS/SDPA when it is faster; never by failure.
+            # Timed tuning may rightly pick cuBLAS/SDPA when it is faster, or a switch
+            # between two winners by the prompt's length (autotune: the finalists timed
+            # at 128, 512 and 2048 rows disagree); never the torch form by failure.
             timed_extern = any("extern is fastest" in n for n in r.notes)
-            assert kernels[r.name].kind == "triton" or timed_extern, (r.name, r.notes)
+            assert kernels[r.name].kind in ("triton", "switch") or timed_extern, \
+                (r.name, r.notes)
     pos = 0
     with torch.no_grad():
         for t in (512, 1, 1, 1):  # prefill, then decode steps against the cache
