@@ -7,6 +7,7 @@ config, timed per kernel with the profiler at several contexts; torch's SDPA on 
 exact keys (no mask: flash / cuDNN's decode) as the peer.
 
 GPU: PYTHONPATH=.:benchmarks python benchmarks/probes/decode_attention.py [--out f.json]
+        [--shape llama3-8b|qwen3-next] [--variants default fill2x ...]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kiln.codegen.templates import split_k
 from kiln.codegen.templates.attention import template
 
 HEADS, KV_HEADS, D, MAX_LEN = 32, 8, 128, 2304
+SHAPES = {"llama3-8b": (32, 8, 128), "qwen3-next": (16, 2, 256)}  # heads, kv heads, dim
 CONTEXTS = (128, 512, 2048)
 
 
@@ -127,7 +129,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--shape", choices=list(SHAPES), default="llama3-8b")
     args = ap.parse_args()
+    global HEADS, KV_HEADS, D
+    HEADS, KV_HEADS, D = SHAPES[args.shape]
     os.environ["KILN_COMPILE_CACHE"] = "0"
     os.environ["KILN_CACHE_DIR"] = tempfile.mkdtemp()
     dtype = torch.float16
