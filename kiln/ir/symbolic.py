@@ -63,9 +63,20 @@ def _pinned(expr, shape_env):
             or expr.is_Symbol:
         return expr
     try:
-        vr = shape_env.bound_sympy(expr)
+        ranges = tuple(sorted(((x, shape_env.var_to_range.get(x))
+                               for x in expr.free_symbols), key=lambda xr: xr[0].name))
+        return _pinned_in(expr, ranges)
     except Exception:  # a shape env that cannot bound it: keep the expression
         return expr
+
+
+@functools.lru_cache(maxsize=8192)
+def _pinned_in(expr, ranges):
+    """_pinned's answer from its symbols' ranges (what torch's ShapeEnv.bound_sympy
+    reads), cached: the passes and the verifier ask for the same few expressions of
+    every layer's shapes ~100K times a compile (an 8B LLM's compile-only build spent
+    ~2 s of its ~20 s bounding them again)."""
+    vr = bound_sympy(expr, dict(ranges))
     lo, hi = vr.lower, vr.upper
     return int(lo) if lo == hi and getattr(lo, "is_Integer", False) else expr
 
