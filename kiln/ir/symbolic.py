@@ -108,13 +108,17 @@ def bounds_of(expr: Dim, symbols: Mapping[str, Bounds]) -> Bounds:
     """Interval bounds of a dim expression given each symbol's bounds."""
     if isinstance(expr, int):
         return Bounds(expr, expr)
-    ranges = {}
-    for s in expr.free_symbols:
-        b = symbols.get(s.name)
-        if b is None:
-            ranges[s] = ValueRanges(0, sympy.oo)
-        else:
-            ranges[s] = ValueRanges(b.lo, sympy.oo if b.hi is None else b.hi)
+    known = sorted(((s, symbols.get(s.name)) for s in expr.free_symbols),
+                   key=lambda sb: sb[0].name)
+    return _bounds_in(expr, tuple(known))
+
+
+@functools.lru_cache(maxsize=8192)
+def _bounds_in(expr, bounds: tuple) -> Bounds:
+    """bounds_of from its symbols' Bounds (None: unknown), cached: templates ask for the
+    same few sizes of every layer's regions."""
+    ranges = {s: ValueRanges(0, sympy.oo) if b is None else
+              ValueRanges(b.lo, sympy.oo if b.hi is None else b.hi) for s, b in bounds}
     vr = bound_sympy(expr, ranges)
     lo = int(vr.lower) if vr.lower.is_Integer else 0
     hi = int(vr.upper) if vr.upper.is_Integer else None

@@ -1,5 +1,6 @@
 """as_dim pins a SymInt to the one integer its symbols' export-time ranges allow, and
-its cached answer follows those ranges when they narrow."""
+its cached answer follows those ranges when they narrow; bounds_of's cache follows the
+bounds it is given."""
 
 import sympy
 from torch._dynamo.source import ConstantSource
@@ -32,3 +33,14 @@ def test_the_answer_follows_narrowed_ranges():
     assert as_dim(dim) == 4
     other_env, s2 = _env_symbol("t")  # the same expression in another env, wider again
     assert as_dim(other_env.create_symintnode(sympy.Min(s2, 4), hint=4)) == sympy.Min(s2, 4)
+
+
+def test_bounds_of_follows_the_symbols_bounds_it_is_given():
+    """bounds_of's cached answer is keyed by its symbols' Bounds: the same expression
+    under other bounds (another compile's Dim) is bounded again."""
+    from kiln.ir.symbolic import Bounds, bounds_of, symbol
+
+    s = symbol("s0")
+    assert bounds_of(2 * s + 1, {"s0": Bounds(1, 64)}) == Bounds(3, 129)
+    assert bounds_of(2 * s + 1, {"s0": Bounds(4, None)}) == Bounds(9, None)
+    assert bounds_of(2 * s + 1, {}) == Bounds(1, None)  # an unknown symbol: [0, inf)
