@@ -20,12 +20,23 @@ from kiln.errors import KilnError
 
 
 def _rank_main(rank: int, world: int, port: int, argv: list[str]) -> None:
+    import torch.distributed as dist
+
     from kiln.cli import main
     from kiln.models.spawn import _rank_env
 
     _rank_env(rank, world, port)
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - rank 0 prints for every rank
-    raise SystemExit(main(argv))
+    try:
+        code = main(argv)
+    finally:
+        # leave the world before the interpreter ends, as torch asks: a rank whose
+        # group was left for interpreter shutdown to tear down once aborted at exit
+        # ("terminate called without an active exception", not reproduced since),
+        # failing a `kiln run` whose work had finished
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    raise SystemExit(code)
 
 
 def _watch(procs, done: threading.Event) -> None:
