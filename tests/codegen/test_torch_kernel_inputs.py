@@ -73,3 +73,70 @@ def test_index_past_the_dim_names_the_op_and_line():
         exe(torch.tensor([-1, 2]), torch.tensor([0, 5]))  # as eager: no negative ids here
     ok = (torch.tensor([9, 0]), torch.tensor([5, 0]))
     torch.testing.assert_close(exe(*ok), model(*ok))
+
+
+class Projection(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 6, bias=False)
+
+    def forward(self, x):
+        return self.proj(x).reshape(-1)
+
+
+def _matmul_region(model, x):
+    plan = kiln.compile(model, (x,), target="cpu", compile_to="dispatch")
+    (region,) = [r for r in plan.regions if any(o.target == "aten.mm.default" for o in r.ops)]
+    return plan, region
+
+
+def test_views_of_an_unchanged_input_are_kept_and_follow_a_new_one():
+    """The permuted weight and the viewed activation are made once while their sources
+    stay the same tensors; a new weight tensor, or one written in place, is used."""
+    from kiln.codegen.torch_kernel import TorchKernel
+
+    model, x = Projection().eval(), torch.randn(2, 3, 8)
+    plan, region = _matmul_region(model, x)
+    w_name = next(v for v in region.inputs if tuple(plan.values[v].shape) == (6, 8))
+    x_name = next(v for v in region.inputs if v != w_name)
+    kernel = TorchKernel(region)
+    (out,) = region.outputs
+    got = {out: torch.empty(tuple(plan.values[out].shape))}
+    w = torch.randn(6, 8)
+    inputs = {w_name: w, x_name: x}
+
+    def run():
+        kernel.run(inputs, got, {})
+        return got[out].clone()
+
+    first = run()
+    bound = kernel._last[1]
+    kept = [s[8][2] for s in bound.steps if s[6] == "view"]
+    assert kept and all(k is not None for k in kept)
+    torch.testing.assert_close(run(), first)
+    assert [s[8][2] for s in bound.steps if s[6] == "view"] == kept  # the same objects
+    torch.testing.assert_close(first.reshape(2, 3, 6), x @ w.t())
+    w.mul_(2)  # in place: the kept view sees it
+    torch.testing.assert_close(run().reshape(2, 3, 6), x @ w.t())
+    inputs[w_name] = torch.randn(6, 8)  # another tensor: viewed afresh
+    torch.testing.assert_close(run().reshape(2, 3, 6), x @ inputs[w_name].t())
+
+
+def test_a_reshape_that_copies_is_not_kept():
+    """A strided input whose view needs a copy is copied again on every call."""
+    from kiln.codegen.torch_kernel import TorchKernel
+
+    model, x = Projection().eval(), torch.randn(2, 3, 8)
+    plan, region = _matmul_region(model, x)
+    w_name = next(v for v in region.inputs if tuple(plan.values[v].shape) == (6, 8))
+    x_name = next(v for v in region.inputs if v != w_name)
+    kernel = TorchKernel(region)
+    (out,) = region.outputs
+    got = {out: torch.empty(tuple(plan.values[out].shape))}
+    w = torch.randn(6, 8)
+    strided = torch.randn(8, 3, 2).permute(2, 1, 0)  # [2, 3, 8], not contiguous
+    inputs = {w_name: w, x_name: strided}
+    kernel.run(inputs, got, {})
+    strided.mul_(-1)
+    kernel.run(inputs, got, {})
+    torch.testing.assert_close(got[out].reshape(2, 3, 6), strided @ w.t())
