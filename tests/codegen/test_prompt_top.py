@@ -5,6 +5,7 @@ times) and planted compiles, as in test_autotune.py."""
 
 import pytest
 
+from kiln.codegen.autotune import host_cost
 from kiln.codegen.autotune import tuner as tune_module
 from kiln.codegen.autotune.timing import BOTTOM_SIZE, TOP_SIZE, TUNE_SIZE, bottom_env, top_env
 from kiln.codegen.autotune.tuner import choose
@@ -23,11 +24,15 @@ compiles, fake_gpu = test_autotune.compiles, test_autotune.fake_gpu  # its fixtu
 SLOW = D256.__class__.make(4, 1, XBLOCK=1024)
 
 
-def prompt_tuning(monkeypatch, fake_gpu, table, kind=RegionKind.MATMUL):
+def prompt_tuning(monkeypatch, fake_gpu, table, kind=RegionKind.MATMUL, host=False):
     """Tune add_plan's region as a `kind` region whose s0 is a prompt's length (up to
     4096, example 16 rows): `table[config][s0]` is what bench says. Returns (kernel,
-    region, [(config, s0) benched])."""
+    region, [(config, s0) benched]). Without `host`, no host cost is added (the
+    tables are the scores; host_cost.py's own tests add it)."""
     benched = []
+    if not host:
+        monkeypatch.setattr(host_cost, "EXTERN_CALL_MS", 0.0)
+        monkeypatch.setattr(host_cost, "LAUNCH_MS", 0.0)
 
     def bench(kernel, inputs, outs, env):
         config = getattr(kernel, "config", None)

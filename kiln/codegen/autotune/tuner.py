@@ -46,6 +46,7 @@ import logging
 import math
 import warnings
 
+from kiln.codegen.autotune import host_cost
 from kiln.codegen.autotune import quarantine as q
 from kiln.codegen.autotune.background_build import BackgroundBuild, job_key
 from kiln.codegen.autotune.both_ends import (
@@ -58,6 +59,7 @@ from kiln.codegen.autotune.both_ends import (
 from kiln.codegen.autotune.cache import Choice, ChoiceCache, choice_key
 from kiln.codegen.autotune.candidates import MODES, candidates
 from kiln.codegen.autotune.compile_worker import resolve
+from kiln.codegen.autotune.host_cost import host_exposed, with_host_cost
 from kiln.codegen.autotune.isolated_runs import (
     DEFAULT_RUN_TIMEOUT,
     DEFAULT_RUNNER,
@@ -295,6 +297,8 @@ class Tuner:
             if low is not None:
                 # both ends timed; the rule deciding one kernel or a switch is in the key
                 return f"{bucket}|{sizes_bucket(region, plan, low)}|switch>{SWITCH_GAIN}"
+            if host_exposed(region, plan):  # scored with host cost: another key
+                bucket += f"|host {host_cost.EXTERN_CALL_MS}/{host_cost.LAUNCH_MS}"
             top = top_env(region, plan, env)
             if top is None:
                 return bucket
@@ -380,14 +384,16 @@ class Tuner:
         low_runs = None if low is None else self._runs(region, spec, plan, low)
         faults: list[str] = []
         try:
-            times, pruned = self._time_all(runs, region, spec, outcomes, built, faults)
+            times, pruned = self._time_all(runs, region, spec, outcomes, built, faults, plan)
             low_times, low_pruned = (None, set()) if low is None else self._time_all(
-                low_runs, region, spec, outcomes, built, faults)
+                low_runs, region, spec, outcomes, built, faults, plan)
         except NoRunWorker as e:  # nothing can be timed: decide as without a GPU
             first = built[0]
             return Choice("triton", first, outcomes[first].binary, final=False,
                           note=f"[{first}] ({self.mode}, untimed: {e}){tail}")
         note = f"timed ({self.mode}): {_summary(times)}"
+        if host_exposed(region, plan):
+            note += f" ({host_cost.describe(region)})"
         if low_times is None:
             top = top_env(region, plan, env)
             if top is not None:
@@ -427,14 +433,14 @@ class Tuner:
                      and times[c] <= FINALIST_RATIO * best]
         top_runs = self._runs(region, spec, plan, top)
         top_times, top_pruned = self._time_all(top_runs, region, spec, outcomes,
-                                               finalists, faults)
+                                               finalists, faults, plan)
         note += f"; finalists at {_sizes(top, env)}: {_summary(top_times)}"
         top_times = {c: top_times.get(c, math.inf) for c in times}
         low_scores, bottom_times = times, None
         bottom = bottom_env(region, plan, env)
         if bottom is not None:
             bottom_times, _ = self._time_all(self._runs(region, spec, plan, bottom), region,
-                                             spec, outcomes, finalists, faults)
+                                             spec, outcomes, finalists, faults, plan)
             note += f"; at {_sizes(bottom, env)}: {_summary(bottom_times)}"
             bottom_times = {c: bottom_times.get(c, math.inf) for c in times}
             if all(math.isinf(t) for t in bottom_times.values()):
@@ -453,6 +459,8 @@ class Tuner:
                                            (_key(high), runs, times, pruned)):
             if c in at_pruned or math.isinf(at_times[c]):
                 at_times[c] = self._full_ms(at, spec, c, outcomes, faults)
+                if host_exposed(region, plan):
+                    at_times[c] = with_host_cost({c: at_times[c]}, region)[c]
         if bottom_times is None:
             return _per_end(low, high, times, top_times, env, top, note + tail)
         return _prompt_switch(low, high, (bottom_times, times, top_times), (bottom, env, top),
@@ -480,9 +488,10 @@ class Tuner:
         return Choice("triton", best, outcomes[best].binary, times[best],
                       f"[{best}] {note}{verdict}")
 
-    def _time_all(self, runs, region, spec, outcomes, built, faults):
+    def _time_all(self, runs, region, spec, outcomes, built, faults, plan=None):
         """(each built candidate's median ms and the torch form's (key None), those
-        timed by a screen alone): screen.py; far slower than the fastest, they lose."""
+        timed by a screen alone): screen.py; far slower than the fastest, they lose.
+        With a prompt-length dim each gets its host cost added (host_cost.py)."""
         with progress(total=len(built) + 1, desc=f"time {region.name}", unit="config") as bar:
             def measure(c, budget):
                 ran = self._ran(runs, spec, c, outcomes[c].binary if c else None, faults,
@@ -491,7 +500,10 @@ class Tuner:
                     bar.update(1)
                 return (math.inf if ran.value is None else float(ran.value)), ran.samples
 
-            return screened_times(measure, [*built, None])
+            times, pruned = screened_times(measure, [*built, None])
+        if plan is not None and host_exposed(region, plan):
+            times = with_host_cost(times, region)
+        return times, pruned
 
     def _runs(self, region, spec, plan, env):
         """Where candidates run: the run worker, or (KILN_TUNE_TIMING=inprocess) here."""
