@@ -10,6 +10,7 @@ from kiln.codegen.autotune import tuner as tune_module
 from kiln.codegen.autotune.host_cost import extern_calls, host_exposed, with_host_cost
 from kiln.codegen.autotune.tuner import choose
 from kiln.codegen.build.triton_kernel import TritonKernel
+from kiln.codegen.size_switch import SizeSwitch
 from kiln.codegen.torch_kernel import TorchKernel
 from kiln.ir.plan import Op, Ref, Region, RegionKind
 from kiln.ir.symbolic import Bounds, symbol
@@ -22,8 +23,10 @@ from tests.codegen.test_prompt_top import SLOW
 compiles, fake_gpu = test_autotune.compiles, test_autotune.fake_gpu  # its fixtures
 
 
-def tuned(monkeypatch, table, bounds=Bounds(1, 4096), example=16,
-          kind=RegionKind.POINTWISE):
+PROMPT = Bounds(1, 4096)
+
+
+def tuned(monkeypatch, table, bounds=PROMPT, example=16, kind=RegionKind.POINTWISE):
     """add_plan's region (s0 in `bounds`) tuned on a fake GPU whose bench says
     `table[config][s0]`, host cost as host_cost.py sets it. Returns (kernel, region)."""
     def bench(kernel, inputs, outs, env):
@@ -83,3 +86,19 @@ def test_exposure_and_calls():
     scored = with_host_cost({D256: 0.1, None: 0.1}, matmul)
     assert scored[D256] == 0.1 + host_cost.LAUNCH_MS
     assert scored[None] == 0.1 + 2 * host_cost.EXTERN_CALL_MS
+
+
+def test_a_prompt_matmul_adds_host_cost_at_128_rows_only(monkeypatch, fake_gpu, compiles):
+    """A matmul's prompt dim is timed at 512, 2048 and 128 rows: the extern form leads by
+    5% at 512 and 2048 (GPU-bound sizes: no host cost there) and by 10% of GPU time at
+    128, where its ATen call's host time makes it the slower: short prompts run the kiln
+    kernel, long ones the extern form."""
+    from tests.codegen.test_prompt_top import prompt_tuning
+
+    table = {D256: {128: 0.020, 512: 1.05, 2048: 4.2}, D512: {128: 0.022, 512: 1.1, 2048: 4.4},
+             SLOW: {512: 2.0}, None: {128: 0.018, 512: 1.0, 2048: 4.0}}
+    kernel, region, _ = prompt_tuning(monkeypatch, fake_gpu, table, host=True)
+    assert isinstance(kernel, SizeSwitch), region.notes[-1]
+    assert isinstance(kernel.low, TritonKernel) and kernel.low.config == D256
+    assert isinstance(kernel.high, TorchKernel)
+    assert "host cost added" in region.notes[-1]

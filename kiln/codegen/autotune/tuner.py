@@ -384,15 +384,18 @@ class Tuner:
         low_runs = None if low is None else self._runs(region, spec, plan, low)
         faults: list[str] = []
         try:
-            times, pruned = self._time_all(runs, region, spec, outcomes, built, faults, plan)
+            # a prompt-length dim's matmul or attention adds host cost at 128 rows only
+            # (_confirmed_at_top): at 512 and 2048 a prefill is GPU-bound
+            host = host_exposed(region, plan) and top_env(region, plan, env) is None
+            times, pruned = self._time_all(runs, region, spec, outcomes, built, faults, host)
             low_times, low_pruned = (None, set()) if low is None else self._time_all(
-                low_runs, region, spec, outcomes, built, faults, plan)
+                low_runs, region, spec, outcomes, built, faults)
         except NoRunWorker as e:  # nothing can be timed: decide as without a GPU
             first = built[0]
             return Choice("triton", first, outcomes[first].binary, final=False,
                           note=f"[{first}] ({self.mode}, untimed: {e}){tail}")
         note = f"timed ({self.mode}): {_summary(times)}"
-        if host_exposed(region, plan):
+        if host:
             note += f" ({host_cost.describe(region)})"
         if low_times is None:
             top = top_env(region, plan, env)
@@ -433,15 +436,18 @@ class Tuner:
                      and times[c] <= FINALIST_RATIO * best]
         top_runs = self._runs(region, spec, plan, top)
         top_times, top_pruned = self._time_all(top_runs, region, spec, outcomes,
-                                               finalists, faults, plan)
+                                               finalists, faults)
         note += f"; finalists at {_sizes(top, env)}: {_summary(top_times)}"
         top_times = {c: top_times.get(c, math.inf) for c in times}
         low_scores, bottom_times = times, None
         bottom = bottom_env(region, plan, env)
         if bottom is not None:
+            host = host_exposed(region, plan)
             bottom_times, _ = self._time_all(self._runs(region, spec, plan, bottom), region,
-                                             spec, outcomes, finalists, faults, plan)
+                                             spec, outcomes, finalists, faults, host)
             note += f"; at {_sizes(bottom, env)}: {_summary(bottom_times)}"
+            if host:
+                note += f" ({host_cost.describe(region)})"
             bottom_times = {c: bottom_times.get(c, math.inf) for c in times}
             if all(math.isinf(t) for t in bottom_times.values()):
                 bottom_times = None  # none ran there: 512 speaks for short prompts
@@ -459,8 +465,6 @@ class Tuner:
                                            (_key(high), runs, times, pruned)):
             if c in at_pruned or math.isinf(at_times[c]):
                 at_times[c] = self._full_ms(at, spec, c, outcomes, faults)
-                if host_exposed(region, plan):
-                    at_times[c] = with_host_cost({c: at_times[c]}, region)[c]
         if bottom_times is None:
             return _per_end(low, high, times, top_times, env, top, note + tail)
         return _prompt_switch(low, high, (bottom_times, times, top_times), (bottom, env, top),
@@ -488,10 +492,10 @@ class Tuner:
         return Choice("triton", best, outcomes[best].binary, times[best],
                       f"[{best}] {note}{verdict}")
 
-    def _time_all(self, runs, region, spec, outcomes, built, faults, plan=None):
+    def _time_all(self, runs, region, spec, outcomes, built, faults, host=False):
         """(each built candidate's median ms and the torch form's (key None), those
         timed by a screen alone): screen.py; far slower than the fastest, they lose.
-        With a prompt-length dim each gets its host cost added (host_cost.py)."""
+        `host`: each gets its host cost added (host_cost.py)."""
         with progress(total=len(built) + 1, desc=f"time {region.name}", unit="config") as bar:
             def measure(c, budget):
                 ran = self._ran(runs, spec, c, outcomes[c].binary if c else None, faults,
@@ -501,7 +505,7 @@ class Tuner:
                 return (math.inf if ran.value is None else float(ran.value)), ran.samples
 
             times, pruned = screened_times(measure, [*built, None])
-        if plan is not None and host_exposed(region, plan):
+        if host:
             times = with_host_cost(times, region)
         return times, pruned
 
