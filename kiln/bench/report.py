@@ -33,7 +33,7 @@ def to_json(result: Result, settings: dict | None = None) -> dict:
         "compile_s": result.compile_s,
         "rows": [{"key": r.key, "phase": r.phase, "tokens": r.tokens, "batch": r.batch,
                   "quantize": r.quantize, "floor_ms": r.floor_ms, "ms": r.ms,
-                  "rel_err": r.rel_err}
+                  "rel_err": r.rel_err, "host_ms": r.host_ms}
                  for r in result.rows],
     }
 
@@ -71,6 +71,10 @@ def table(data: dict) -> str:
                      f"{cell(_ratio(kiln, ms.get('eager')), 11, '.2f')}"
                      f"{cell(toks / kiln * 1e3 if kiln else None, 9, '.0f')}"
                      f"{cell(err, 9, '.1e')}")
+    bound = host_bound(data)
+    if bound:
+        lines.append(f"host-bound (the host's enqueue >= {HOST_BOUND:.0%} of the call: "
+                     "faster kernels would not help): " + ", ".join(bound))
     ratios = quantized_ratios(data)
     if ratios:
         lines.append(f"kiln fp8 / {data['dtype']}: " + ", ".join(
@@ -81,6 +85,21 @@ def table(data: dict) -> str:
         lines.append("first call (compile) s: " + ", ".join(
             f"{k} {v:.1f}" for k, v in data["compile_s"].items()))
     return "\n".join(lines)
+
+
+HOST_BOUND = 0.9
+
+
+def host_bound(data: dict) -> list[str]:
+    """Each row and runner whose call's host enqueue time (GPUs) is at least HOST_BOUND
+    of its time, e.g. "prefill 128 b1 kiln (host 6.1 of 6.4 ms)"."""
+    out = []
+    for r in data["rows"]:
+        for name, host in (r.get("host_ms") or {}).items():
+            ms = r["ms"].get(name)
+            if ms and host >= HOST_BOUND * ms:
+                out.append(f"{r['key']} {name} (host {host:.1f} of {ms:.1f} ms)")
+    return out
 
 
 def quantized_ratios(data: dict) -> dict[str, float]:

@@ -13,13 +13,14 @@ import gc
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from kiln.bench import subject
 from kiln.bench.floors import Floors, measure
 from kiln.bench.runners import RUNNERS, Runner
-from kiln.bench.timing import median_ms
+from kiln.bench.timing import host_ms, median_ms
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Row:
     ms: dict[str, float] = field(default_factory=dict)
     rel_err: dict[str, float] = field(default_factory=dict)
     quantize: str | None = None  # "fp8": the model with fp8 projections
+    host_ms: dict[str, float] = field(default_factory=dict)  # GPUs: a call's enqueue time
 
     @property
     def key(self) -> str:
@@ -136,6 +138,9 @@ def _batch(result: Result, model, batch: int, names, prefill, contexts, log,
                     row.rel_err[r.name] = float((out.float() - ref).norm() / ref.norm())
                 if not (quantize and r.name == "eager"):
                     row.ms[r.name] = _time(r.step(phase), ids, pos, plan)
+                    host = host_ms(partial(r.step(phase), ids, pos), plan.device)
+                    if host is not None:
+                        row.host_ms[r.name] = host
         result.rows.append(row)
         log("  " + row.key + ": " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in row.ms.items())
             + f" (floor {floor:.3f} ms)")

@@ -48,6 +48,25 @@ def back_to_back_ms(fn: Callable[[], object], device: str, calls: int = 20,
     return times[len(times) // 2]
 
 
+def host_ms(fn: Callable[[], object], device: str, iters: int = 10) -> float | None:
+    """Milliseconds of host work a call takes to enqueue (its wall time, the device idle
+    at its start and not waited for): where this reaches the call's median_ms the call
+    is host-bound, and faster kernels would not make it faster (the 8B's prefill 128
+    was, for three sessions of unexplained spread: benchmarks/RESULTS.md, seventeenth
+    session). None off GPUs, where a call's wall time is its host time."""
+    if device != "cuda":
+        return None
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    times.sort()
+    return times[len(times) // 2]
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()

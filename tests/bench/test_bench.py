@@ -212,3 +212,23 @@ def test_back_to_back_ms_is_the_time_a_call_of_many_queued():
                          reps=3, warmup=1)
     assert len(calls) == 1 + 5 * 3
     assert 1.9 <= ms <= 20
+
+
+def test_host_bound_rows_are_named(smoke):
+    """A GPU run records each call's host enqueue time; a row whose host time reaches 90%
+    of its call is named host-bound under the table (the CPU smoke run records none)."""
+    _, data = smoke
+    assert all(r["host_ms"] == {} for r in data["rows"])
+    assert "host-bound" not in report.table(data)
+    gpu = json.loads(json.dumps(data))
+    gpu["rows"][0]["ms"] = {"eager": 20.0, "kiln": 6.4}
+    gpu["rows"][0]["host_ms"] = {"eager": 5.0, "kiln": 6.1}
+    gpu["rows"][1]["host_ms"] = {"kiln": 0.1}
+    assert report.host_bound(gpu) == ["prefill 12 b1 kiln (host 6.1 of 6.4 ms)"]
+    assert "host-bound (the host's enqueue >= 90% of the call" in report.table(gpu)
+
+
+def test_host_ms_is_none_off_gpus():
+    from kiln.bench.timing import host_ms
+
+    assert host_ms(lambda: None, "cpu") is None
