@@ -102,3 +102,37 @@ def test_a_prompt_matmul_adds_host_cost_at_128_rows_only(monkeypatch, fake_gpu, 
     assert isinstance(kernel.low, TritonKernel) and kernel.low.config == D256
     assert isinstance(kernel.high, TorchKernel)
     assert "host cost added" in region.notes[-1]
+
+
+def test_a_batched_prompt_scores_both_batch_ends_with_host_cost(monkeypatch, fake_gpu,
+                                                                compiles):
+    """A batched prefill: s0 a decode-sized batch (both ends timed) and s1 a prompt length.
+    Both ends are scored with host cost, so the extern form's 10% GPU lead loses at both
+    and one kiln kernel serves them (no switch from scoring the ends differently)."""
+    from kiln.ir.plan import DispatchPlan, Role, TensorValue
+
+    s0, s1 = symbol("s0"), symbol("s1")
+    shape = (s0, s1)
+    values = {n: TensorValue(n, shape, torch.float32, role)
+              for n, role in (("x", Role.INPUT), ("y", Role.INPUT), ("out", Role.OUTPUT))}
+    op = Op("out", "aten.add.Tensor", (Ref("x"), Ref("y")), {}, shape, torch.float32)
+    region = Region("r0", RegionKind.POINTWISE, [op], ["x", "y"], ["out"])
+    plan = DispatchPlan({"s0": Bounds(1, 8), "s1": Bounds(1, 4096)}, values, [region],
+                        ["x", "y"], ["out"])
+    gpu = {D256: 0.020, D512: 0.022, SLOW: 0.05, None: 0.018}
+    benched = []
+
+    def bench(kernel, inputs, outs, env):
+        config = getattr(kernel, "config", None)
+        benched.append(env["s0"])
+        return gpu[config]  # a small kernel: the same time at both ends
+
+    monkeypatch.setattr(tune_module, "bench", bench)
+    ctx = Context(get_target("cuda:sm_90"),
+                  {"tune_compiler": CRASHY + "compile_counting", "tune": "full",
+                   "example_env": {"s0": 8, "s1": 16}})
+    spec = add_spec(D256, [D512, SLOW], n=s0 * s1)
+    kernel = choose(region, spec, ctx.target, ctx, plan)
+    assert set(benched) == {1, 8}  # both ends of the batch
+    assert isinstance(kernel, TritonKernel) and kernel.config == D256, region.notes[-1]
+    assert "host cost added" in region.notes[-1]

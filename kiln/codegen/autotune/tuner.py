@@ -389,7 +389,7 @@ class Tuner:
             host = host_exposed(region, plan) and top_env(region, plan, env) is None
             times, pruned = self._time_all(runs, region, spec, outcomes, built, faults, host)
             low_times, low_pruned = (None, set()) if low is None else self._time_all(
-                low_runs, region, spec, outcomes, built, faults)
+                low_runs, region, spec, outcomes, built, faults, host)
         except NoRunWorker as e:  # nothing can be timed: decide as without a GPU
             first = built[0]
             return Choice("triton", first, outcomes[first].binary, final=False,
@@ -420,6 +420,8 @@ class Tuner:
                                            (_key(top), low_runs, low_times, low_pruned)):
             if c in at_pruned:
                 at_times[c] = self._full_ms(at, spec, c, outcomes, faults)
+                if host:  # scored as its peers are
+                    at_times[c] = with_host_cost({c: at_times[c]}, region)[c]
         return _per_end(bottom, top, low_times, times, low, env, note)
 
     def _confirmed_at_top(self, region, spec, outcomes, plan, at_env, env, top, note,
