@@ -84,59 +84,51 @@ class Projection(torch.nn.Module):
         return self.proj(x).reshape(-1)
 
 
-def _matmul_region(model, x):
-    plan = kiln.compile(model, (x,), target="cpu", compile_to="dispatch")
-    (region,) = [r for r in plan.regions if any(o.target == "aten.mm.default" for o in r.ops)]
-    return plan, region
+class ProjectionRegion:
+    """Projection's matmul region (permute the weight, view x, mm, view) as a TorchKernel
+    run on chosen inputs: `run(w, x)` gives the output, reshaped to x's rows."""
+
+    def __init__(self):
+        from kiln.codegen.torch_kernel import TorchKernel
+
+        plan = kiln.compile(Projection().eval(), (torch.randn(2, 3, 8),), target="cpu",
+                            compile_to="dispatch")
+        (region,) = [r for r in plan.regions
+                     if any(o.target == "aten.mm.default" for o in r.ops)]
+        self.w = next(v for v in region.inputs if tuple(plan.values[v].shape) == (6, 8))
+        self.x = next(v for v in region.inputs if v != self.w)
+        self.kernel = TorchKernel(region)
+        (self.out,) = region.outputs
+        self.got = {self.out: torch.empty(tuple(plan.values[self.out].shape))}
+
+    def run(self, w, x):
+        self.kernel.run({self.w: w, self.x: x}, self.got, {})
+        return self.got[self.out].clone().reshape(2, 3, 6)
+
+    def kept(self):
+        return [s[8][2] for s in self.kernel._last[1].steps if s[6] == "view"]
 
 
 def test_views_of_an_unchanged_input_are_kept_and_follow_a_new_one():
     """The permuted weight and the viewed activation are made once while their sources
     stay the same tensors; a new weight tensor, or one written in place, is used."""
-    from kiln.codegen.torch_kernel import TorchKernel
-
-    model, x = Projection().eval(), torch.randn(2, 3, 8)
-    plan, region = _matmul_region(model, x)
-    w_name = next(v for v in region.inputs if tuple(plan.values[v].shape) == (6, 8))
-    x_name = next(v for v in region.inputs if v != w_name)
-    kernel = TorchKernel(region)
-    (out,) = region.outputs
-    got = {out: torch.empty(tuple(plan.values[out].shape))}
-    w = torch.randn(6, 8)
-    inputs = {w_name: w, x_name: x}
-
-    def run():
-        kernel.run(inputs, got, {})
-        return got[out].clone()
-
-    first = run()
-    bound = kernel._last[1]
-    kept = [s[8][2] for s in bound.steps if s[6] == "view"]
+    proj, x, w = ProjectionRegion(), torch.randn(2, 3, 8), torch.randn(6, 8)
+    first = proj.run(w, x)
+    kept = proj.kept()
     assert kept and all(k is not None for k in kept)
-    torch.testing.assert_close(run(), first)
-    assert [s[8][2] for s in bound.steps if s[6] == "view"] == kept  # the same objects
-    torch.testing.assert_close(first.reshape(2, 3, 6), x @ w.t())
+    torch.testing.assert_close(proj.run(w, x), first)
+    assert proj.kept() == kept  # the same objects
+    torch.testing.assert_close(first, x @ w.t())
     w.mul_(2)  # in place: the kept view sees it
-    torch.testing.assert_close(run().reshape(2, 3, 6), x @ w.t())
-    inputs[w_name] = torch.randn(6, 8)  # another tensor: viewed afresh
-    torch.testing.assert_close(run().reshape(2, 3, 6), x @ inputs[w_name].t())
+    torch.testing.assert_close(proj.run(w, x), x @ w.t())
+    other = torch.randn(6, 8)  # another tensor: viewed afresh
+    torch.testing.assert_close(proj.run(other, x), x @ other.t())
 
 
 def test_a_reshape_that_copies_is_not_kept():
     """A strided input whose view needs a copy is copied again on every call."""
-    from kiln.codegen.torch_kernel import TorchKernel
-
-    model, x = Projection().eval(), torch.randn(2, 3, 8)
-    plan, region = _matmul_region(model, x)
-    w_name = next(v for v in region.inputs if tuple(plan.values[v].shape) == (6, 8))
-    x_name = next(v for v in region.inputs if v != w_name)
-    kernel = TorchKernel(region)
-    (out,) = region.outputs
-    got = {out: torch.empty(tuple(plan.values[out].shape))}
-    w = torch.randn(6, 8)
+    proj, w = ProjectionRegion(), torch.randn(6, 8)
     strided = torch.randn(8, 3, 2).permute(2, 1, 0)  # [2, 3, 8], not contiguous
-    inputs = {w_name: w, x_name: strided}
-    kernel.run(inputs, got, {})
+    proj.run(w, strided)
     strided.mul_(-1)
-    kernel.run(inputs, got, {})
-    torch.testing.assert_close(got[out].reshape(2, 3, 6), strided @ w.t())
+    torch.testing.assert_close(proj.run(w, strided), strided @ w.t())
