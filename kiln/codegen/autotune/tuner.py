@@ -46,7 +46,7 @@ import logging
 import math
 import warnings
 
-from kiln.codegen.autotune import host_cost
+from kiln.codegen.autotune import host_cost, power_cap
 from kiln.codegen.autotune import quarantine as q
 from kiln.codegen.autotune.background_build import BackgroundBuild, job_key
 from kiln.codegen.autotune.both_ends import (
@@ -67,6 +67,7 @@ from kiln.codegen.autotune.isolated_runs import (
     NoRunWorker,
     Ran,
 )
+from kiln.codegen.autotune.power_cap import sustained_times
 from kiln.codegen.autotune.screen import SCREEN, screened_times
 from kiln.codegen.autotune.timing import (
     FINALIST_RATIO,
@@ -305,7 +306,8 @@ class Tuner:
             # finalists timed at a long prompt too (_confirmed_at_top)
             bottom = bottom_env(region, plan, env)
             low = f"|bottom {sizes_bucket(region, plan, bottom)}" if bottom else ""
-            return (f"{bucket}|top {sizes_bucket(region, plan, top)}{low}|"
+            return (f"{bucket}|top {sizes_bucket(region, plan, top)} "
+                    f"sustained {power_cap.SUSTAIN_MS}{low}|"
                     f"finalists<{FINALIST_RATIO}|switch>{SWITCH_GAIN}")
         except KeyError:
             return None
@@ -438,8 +440,9 @@ class Tuner:
                      and times[c] <= FINALIST_RATIO * best]
         top_runs = self._runs(region, spec, plan, top)
         top_times, top_pruned = self._time_all(top_runs, region, spec, outcomes,
-                                               finalists, faults)
-        note += f"; finalists at {_sizes(top, env)}: {_summary(top_times)}"
+                                               finalists, faults, sustained=True)
+        note += (f"; finalists at {_sizes(top, env)} ({power_cap.describe()}): "
+                 f"{_summary(top_times)}")
         top_times = {c: top_times.get(c, math.inf) for c in times}
         low_scores, bottom_times = times, None
         bottom = bottom_env(region, plan, env)
@@ -463,17 +466,18 @@ class Tuner:
             return self._winner(runs, spec, outcomes, scores, times, note + tail)
         low = self._winner(runs, spec, outcomes, low_scores, times, "")
         high = self._winner(top_runs, spec, outcomes, top_times, top_times, "")
-        for c, at, at_times, at_pruned in ((_key(low), top_runs, top_times, top_pruned),
-                                           (_key(high), runs, times, pruned)):
+        for c, at, at_times, at_pruned, budget in (
+                (_key(low), top_runs, top_times, top_pruned, power_cap.SUSTAINED),
+                (_key(high), runs, times, pruned, None)):
             if c in at_pruned or math.isinf(at_times[c]):
-                at_times[c] = self._full_ms(at, spec, c, outcomes, faults)
+                at_times[c] = self._full_ms(at, spec, c, outcomes, faults, budget)
         if bottom_times is None:
             return _per_end(low, high, times, top_times, env, top, note + tail)
         return _prompt_switch(low, high, (bottom_times, times, top_times), (bottom, env, top),
                               note + tail)
 
-    def _full_ms(self, runs, spec, c, outcomes, faults) -> float:
-        ran = self._ran(runs, spec, c, outcomes[c].binary if c else None, faults)
+    def _full_ms(self, runs, spec, c, outcomes, faults, budget=None) -> float:
+        ran = self._ran(runs, spec, c, outcomes[c].binary if c else None, faults, budget)
         return math.inf if ran.value is None else float(ran.value)
 
     def _winner(self, runs, spec, outcomes, scores, times, note) -> Choice:
@@ -494,19 +498,22 @@ class Tuner:
         return Choice("triton", best, outcomes[best].binary, times[best],
                       f"[{best}] {note}{verdict}")
 
-    def _time_all(self, runs, region, spec, outcomes, built, faults, host=False):
+    def _time_all(self, runs, region, spec, outcomes, built, faults, host=False,
+                  sustained=False):
         """(each built candidate's median ms and the torch form's (key None), those
         timed by a screen alone): screen.py; far slower than the fastest, they lose.
-        `host`: each gets its host cost added (host_cost.py)."""
+        `host`: each gets its host cost added (host_cost.py). `sustained`: each timed
+        at the power cap, unscreened (power_cap.py)."""
         with progress(total=len(built) + 1, desc=f"time {region.name}", unit="config") as bar:
             def measure(c, budget):
                 ran = self._ran(runs, spec, c, outcomes[c].binary if c else None, faults,
                                 budget)
-                if budget == SCREEN:  # one step a candidate
+                if budget in (SCREEN, power_cap.SUSTAINED):  # one step a candidate
                     bar.update(1)
                 return (math.inf if ran.value is None else float(ran.value)), ran.samples
 
-            times, pruned = screened_times(measure, [*built, None])
+            timed = sustained_times if sustained else screened_times
+            times, pruned = timed(measure, [*built, None])
         if host:
             times = with_host_cost(times, region)
         return times, pruned
