@@ -25,7 +25,7 @@ import time
 import torch
 
 from kiln.bench import subject
-from kiln.bench.runners import _kiln_compiled
+from kiln.bench.runners import _kiln_compiled, _torch_compiled
 from kiln.bench.timing import back_to_back_ms, host_ms, median_ms
 from kiln.codegen import torch_kernel
 
@@ -35,7 +35,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def kernel_profile(call, top: int = 20) -> tuple[float, list[str]]:
+def kernel_profile(call, top: int = 40) -> tuple[float, list[str]]:
     """(us of kernels a call, the largest kernels) over 3 calls (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -117,6 +117,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--preset", default="llama3-8b", choices=sorted(subject.PRESETS))
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 2048])
+    ap.add_argument("--runner", default="kiln", choices=("kiln", "torch.compile"),
+                    help="whose prefill (--steps: kiln only)")
     ap.add_argument("--steps", action="store_true", help="host time of every launch")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -124,9 +126,11 @@ def main() -> None:
     shape = subject.PRESETS[a.preset]
     model = subject.build(shape, dtype, a.device)
     t0 = time.perf_counter()
-    module = _kiln_compiled(model, "prefill", a.device)
+    compiled = _kiln_compiled if a.runner == "kiln" else _torch_compiled
+    module = compiled(model, "prefill", a.device)
     result = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
-              "preset": a.preset, "compile_s": time.perf_counter() - t0, "rows": []}
+              "preset": a.preset, "runner": a.runner,
+              "compile_s": time.perf_counter() - t0, "rows": []}
     print(f"compiled in {result['compile_s']:.1f} s")
     for tokens in a.tokens:
         ids = torch.randint(0, shape.vocab, (1, tokens), device=a.device)
@@ -141,7 +145,7 @@ def main() -> None:
                    "host_ms": host_ms(call, a.device)}
             if a.device == "cuda":
                 row["kernel_us"], row["kernels"] = kernel_profile(call)
-            if a.steps:
+            if a.steps and a.runner == "kiln":
                 row["steps"] = step_host(module, call, a.device)
         result["rows"].append(row)
         host = "" if row["host_ms"] is None else f", host enqueue {row['host_ms']:.3f} ms"
