@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from kiln.bench.gpu_clock import CAPPED
 from kiln.bench.sweep import Result
 
 PEERS = ("eager", "torch.compile")
@@ -33,7 +34,7 @@ def to_json(result: Result, settings: dict | None = None) -> dict:
         "compile_s": result.compile_s,
         "rows": [{"key": r.key, "phase": r.phase, "tokens": r.tokens, "batch": r.batch,
                   "quantize": r.quantize, "floor_ms": r.floor_ms, "ms": r.ms,
-                  "rel_err": r.rel_err, "host_ms": r.host_ms}
+                  "rel_err": r.rel_err, "host_ms": r.host_ms, "gpu": r.gpu}
                  for r in result.rows],
     }
 
@@ -75,6 +76,10 @@ def table(data: dict) -> str:
     if bound:
         lines.append(f"host-bound (the host's enqueue >= {HOST_BOUND:.0%} of the call: "
                      "faster kernels would not help): " + ", ".join(bound))
+    capped = power_capped(data)
+    if capped:
+        lines.append("at the power cap (SW power cap in most samples, median SM MHz; the "
+                     "floors' matmul runs in bursts at boost clocks): " + ", ".join(capped))
     ratios = quantized_ratios(data)
     if ratios:
         lines.append(f"kiln fp8 / {data['dtype']}: " + ", ".join(
@@ -100,6 +105,13 @@ def host_bound(data: dict) -> list[str]:
             if ms and host >= HOST_BOUND * ms:
                 out.append(f"{r['key']} {name} (host {host:.1f} of {ms:.1f} ms)")
     return out
+
+
+def power_capped(data: dict) -> list[str]:
+    """Each row and runner whose GPU sat at its power cap while timed (gpu_clock.py),
+    e.g. "prefill 2048 b1 kiln (1450 MHz)"."""
+    return [f"{r['key']} {name} ({state['sm_mhz']:.0f} MHz)" for r in data["rows"]
+            for name, state in (r.get("gpu") or {}).items() if state["capped"] >= CAPPED]
 
 
 def quantized_ratios(data: dict) -> dict[str, float]:

@@ -19,6 +19,7 @@ import torch
 
 from kiln.bench import subject
 from kiln.bench.floors import Floors, measure
+from kiln.bench.gpu_clock import ClockWatch
 from kiln.bench.runners import RUNNERS, Runner
 from kiln.bench.timing import host_ms, median_ms
 
@@ -52,6 +53,7 @@ class Row:
     rel_err: dict[str, float] = field(default_factory=dict)
     quantize: str | None = None  # "fp8": the model with fp8 projections
     host_ms: dict[str, float] = field(default_factory=dict)  # GPUs: a call's enqueue time
+    gpu: dict[str, dict] = field(default_factory=dict)  # GPUs: SM clock, power cap (gpu_clock)
 
     @property
     def key(self) -> str:
@@ -137,7 +139,10 @@ def _batch(result: Result, model, batch: int, names, prefill, contexts, log,
                 elif ref is not None:
                     row.rel_err[r.name] = float((out.float() - ref).norm() / ref.norm())
                 if not (quantize and r.name == "eager"):
-                    row.ms[r.name] = _time(r.step(phase), ids, pos, plan)
+                    with ClockWatch(plan.device) as watch:
+                        row.ms[r.name] = _time(r.step(phase), ids, pos, plan)
+                    if watch.state is not None:
+                        row.gpu[r.name] = watch.state
                     host = host_ms(partial(r.step(phase), ids, pos), plan.device)
                     if host is not None:
                         row.host_ms[r.name] = host
