@@ -45,6 +45,22 @@ def test_the_top_finalists_are_timed_sustained_and_the_rest_as_before(monkeypatc
     assert isinstance(kernel, SizeSwitch) and isinstance(kernel.high, TorchKernel)
 
 
+def test_a_region_too_short_to_heat_the_card_is_timed_at_the_top_the_screened_way(
+        monkeypatch, fake_gpu, compiles):
+    """Its fastest form under power_cap.MIN_MS at 512 rows: sustaining it would cost
+    seconds of host time (do_bench's warm-up counted in runs) for nothing."""
+    asked = budgets_by_size(monkeypatch)
+    small = power_cap.MIN_MS / 2
+    table = {D256: {128: small / 4, 512: small, 2048: 4 * small},
+             D512: {128: small / 4, 512: 1.01 * small, 2048: 4.1 * small},
+             SLOW: {512: 2 * small}, None: {128: small, 512: 2 * small, 2048: 8 * small}}
+    kernel, region, _ = test_prompt_top.prompt_tuning(monkeypatch, fake_gpu, table)
+    top = [b for s0, _, b in asked if s0 == TOP_SIZE]
+    assert top and power_cap.SUSTAINED not in top and SCREEN in top
+    assert power_cap.describe() not in region.notes[-1]
+    assert kernel.config == D256
+
+
 def test_the_choice_cache_key_says_the_top_was_timed_sustained(monkeypatch, fake_gpu,
                                                                compiles):
     """Choices timed at boost clocks (before power_cap.py) are not reused."""
@@ -59,7 +75,7 @@ def test_the_choice_cache_key_says_the_top_was_timed_sustained(monkeypatch, fake
     table = {D256: {128: 0.3, 512: 1.0, 2048: 4.0}, D512: {128: 0.3, 512: 1.01, 2048: 4.1},
              SLOW: {512: 2.0}, None: {128: 0.4, 512: 1.2, 2048: 4.5}}
     test_prompt_top.prompt_tuning(monkeypatch, fake_gpu, table)
-    assert any(f"sustained {power_cap.SUSTAIN_MS}" in (k or "") for k in keys)
+    assert any(power_cap.key() in (k or "") for k in keys)
 
 
 def test_sustained_times_time_every_candidate_once_at_the_sustained_budget():

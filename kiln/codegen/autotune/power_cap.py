@@ -16,7 +16,11 @@ SUSTAIN_MS of their own back-to-back runs (do_bench's warm-up: no L2 clear betwe
 them), at the clock the card settles at under that kernel's load, as a long prompt
 runs it; every finalist is timed in full (they are within FINALIST_RATIO already, so
 there is no screen). The 512- and 128-row timings are left as they were: short prompts
-run in bursts, at boost clocks.
+run in bursts, at boost clocks. A region whose fastest form takes under MIN_MS at 512
+rows is timed at 2048 the screened way too: its runs are too short to heat the card
+alone (in a prefill its clock is set by the large products around it, which scales its
+candidates alike), and do_bench's warm-up, counted in runs from the kernel's GPU time,
+would spend seconds of host time on 300 ms of a few-microsecond kernel.
 """
 
 from __future__ import annotations
@@ -26,6 +30,14 @@ from kiln.codegen.autotune.timing import REP_MS
 
 SUSTAIN_MS = 300
 SUSTAINED = (SUSTAIN_MS, REP_MS)  # a timing's (warm-up ms, rep ms)
+MIN_MS = 0.02  # the fastest form's ms at 512 rows below which the top is not sustained
+
+
+def worth_sustaining(times: dict) -> bool:
+    """Whether a region whose forms took `times` (ms at 512 rows) is timed sustained at
+    the top: its fastest form is long enough to run GPU-bound back to back."""
+    finite = [t for t in times.values() if t != float("inf")]
+    return bool(finite) and min(finite) >= MIN_MS
 
 
 def sustained_times(measure: Measure, candidates: list) -> tuple[dict, set]:
@@ -37,3 +49,8 @@ def sustained_times(measure: Measure, candidates: list) -> tuple[dict, set]:
 def describe() -> str:
     """The note saying how the finalists were timed."""
     return f"sustained: each after {SUSTAIN_MS} ms back to back"
+
+
+def key() -> str:
+    """What the choice cache key adds for a region timed at the top."""
+    return f"sustained {SUSTAIN_MS}>={MIN_MS}"

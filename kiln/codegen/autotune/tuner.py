@@ -307,7 +307,7 @@ class Tuner:
             bottom = bottom_env(region, plan, env)
             low = f"|bottom {sizes_bucket(region, plan, bottom)}" if bottom else ""
             return (f"{bucket}|top {sizes_bucket(region, plan, top)} "
-                    f"sustained {power_cap.SUSTAIN_MS}{low}|"
+                    f"{power_cap.key()}{low}|"
                     f"finalists<{FINALIST_RATIO}|switch>{SWITCH_GAIN}")
         except KeyError:
             return None
@@ -439,10 +439,11 @@ class Tuner:
         finalists = [c for c in times if c is not None and not math.isinf(times[c])
                      and times[c] <= FINALIST_RATIO * best]
         top_runs = self._runs(region, spec, plan, top)
+        sustained = power_cap.worth_sustaining(times)
         top_times, top_pruned = self._time_all(top_runs, region, spec, outcomes,
-                                               finalists, faults, sustained=True)
-        note += (f"; finalists at {_sizes(top, env)} ({power_cap.describe()}): "
-                 f"{_summary(top_times)}")
+                                               finalists, faults, sustained=sustained)
+        how = f" ({power_cap.describe()})" if sustained else ""
+        note += f"; finalists at {_sizes(top, env)}{how}: {_summary(top_times)}"
         top_times = {c: top_times.get(c, math.inf) for c in times}
         low_scores, bottom_times = times, None
         bottom = bottom_env(region, plan, env)
@@ -467,7 +468,8 @@ class Tuner:
         low = self._winner(runs, spec, outcomes, low_scores, times, "")
         high = self._winner(top_runs, spec, outcomes, top_times, top_times, "")
         for c, at, at_times, at_pruned, budget in (
-                (_key(low), top_runs, top_times, top_pruned, power_cap.SUSTAINED),
+                (_key(low), top_runs, top_times, top_pruned,
+                 power_cap.SUSTAINED if sustained else None),
                 (_key(high), runs, times, pruned, None)):
             if c in at_pruned or math.isinf(at_times[c]):
                 at_times[c] = self._full_ms(at, spec, c, outcomes, faults, budget)
