@@ -15,6 +15,7 @@ nvidia-smi is missing (or on the CPU) the watch records nothing.
 from __future__ import annotations
 
 import shutil
+import signal
 import statistics
 import subprocess
 
@@ -62,12 +63,16 @@ class ClockWatch:
         smi = shutil.which("nvidia-smi")
         if self.device != "cuda" or smi is None:
             return self
-        cmd = [smi, f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
+        # line-buffered (a pipe would get nvidia-smi's output in 4 KB blocks, and a
+        # short row's samples could be lost with the process)
+        line_buffered = ["stdbuf", "-oL"] if shutil.which("stdbuf") else []
+        cmd = [*line_buffered, smi, f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
                f"--loop-ms={PERIOD_MS}"]
         uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()),
                        "uuid", None)
-        if uuid is not None:
-            cmd.append(f"--id=GPU-{uuid}")
+        if uuid is not None:  # torch prints it bare, nvidia-smi names it GPU-<uuid>
+            uuid = str(uuid)
+            cmd.append(f"--id={uuid if uuid.startswith('GPU-') else 'GPU-' + uuid}")
         try:
             self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
                                           stderr=subprocess.DEVNULL, text=True)
@@ -78,7 +83,7 @@ class ClockWatch:
     def __exit__(self, *exc) -> None:
         if self._proc is None:
             return
-        self._proc.terminate()
+        self._proc.send_signal(signal.SIGINT)  # as Ctrl-C ends its loop: output flushed
         try:
             text, _ = self._proc.communicate(timeout=5)
         except subprocess.TimeoutExpired:

@@ -42,7 +42,8 @@ def test_the_watch_records_nothing_on_the_cpu():
 def test_the_watch_reads_what_nvidia_smi_prints_while_it_runs(tmp_path, monkeypatch):
     """A stand-in nvidia-smi that prints the capped run, then waits to be stopped."""
     smi = tmp_path / "nvidia-smi"
-    smi.write_text("#!/bin/sh\ncat <<'EOF'\n" + CAPPED_RUN + "EOF\nexec sleep 30\n")
+    smi.write_text("#!/bin/sh\necho \"$@\" > " + str(tmp_path / "args") + "\ncat <<'EOF'\n"
+                   + CAPPED_RUN + "EOF\nexec sleep 30\n")
     smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
 
@@ -56,6 +57,7 @@ def test_the_watch_reads_what_nvidia_smi_prints_while_it_runs(tmp_path, monkeypa
 
         time.sleep(0.5)  # the samples are printed
     assert watch.state == {"sm_mhz": 1447.5, "capped": 0.75}
+    assert "--id=GPU-58f0b1f5-0000" in (tmp_path / "args").read_text()
 
 
 def test_capped_rows_are_named_under_the_table(tmp_path):
