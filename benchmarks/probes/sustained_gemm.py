@@ -35,7 +35,7 @@ from torch import nn
 
 import kiln
 from kiln.codegen.autotune import power_cap
-from kiln.codegen.autotune.timing import example_buffers, median, timed_samples
+from kiln.codegen.autotune.timing import REP_MS, example_buffers, median, timed_samples
 from kiln.codegen.torch_kernel import TorchKernel
 
 SHAPES = {  # name: (in features, out features, residual add)
@@ -103,6 +103,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=1.0)
     ap.add_argument("--tune", default="fast", choices=("none", "fast"))
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--warmups", nargs="+", type=int, default=[power_cap.SUSTAIN_MS],
+                    help="the tuner's way after each of these warm-ups (ms): is a shorter "
+                    "one as faithful?")
     ap.add_argument("--dynamic", action="store_true",
                     help="the token dim dynamic (as in a prefill module), not static")
     ap.add_argument("--out")
@@ -141,15 +144,16 @@ def main() -> None:
                 def call(kern=kern, inputs=inputs, outs=outs, env=env):
                     kern.run(inputs, outs, env)
                 if a.device == "cuda":  # the tuner's way at the top (power_cap.py)
-                    row.setdefault(f"{form}_tuner_sustained_ms", []).append(median(
-                        timed_samples(kern, inputs, outs, env, *power_cap.SUSTAINED)))
+                    for warm in a.warmups:  # power_cap.SUSTAIN_MS and cheaper ones
+                        row.setdefault(f"{form}_tuner_{warm}ms", []).append(median(
+                            timed_samples(kern, inputs, outs, env, warm, REP_MS)))
                 ms, state = sustained_ms(call, a.seconds, a.device)
                 row.setdefault(f"{form}_sustained_ms", []).append(ms)
                 row.setdefault(f"{form}_state", []).append(state)
                 print(f"{name} T {a.tokens} {form:6s} round {rnd}: sustained {ms:.4f} ms "
                       f"({gflop / ms:.0f} TFLOP/s) [{state}]", flush=True)
-        tuner = "".join(f" {f} {row[f + '_tuner_sustained_ms']}" for f in forms
-                        if f + "_tuner_sustained_ms" in row)
+        tuner = "".join(f" {f} after {w} ms {row[f'{f}_tuner_{w}ms']}" for f in forms
+                        for w in a.warmups if f"{f}_tuner_{w}ms" in row)
         print(f"{name}: chosen {row['chosen']} {row['config']}; tuner's timing (ms):"
               f"{tuner}", flush=True)
         rows.append(row)
