@@ -71,6 +71,39 @@ def test_data_dependent_size_names_the_op_and_line(model, op, line):
     assert "torch.where" in e.value.hint
 
 
+class SplitByCounts(torch.nn.Module):
+    """An MoE's experts split by counts read from the data (JetMoe's, in transformers)."""
+
+    def forward(self, x, counts):
+        parts = torch.split(x, counts.tolist())
+        return torch.cat([p * (i + 1) for i, p in enumerate(parts)])
+
+
+class RoutedBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = SplitByCounts()
+
+    def forward(self, x, counts):
+        return self.experts(x, counts) + 1
+
+
+def test_a_split_by_sizes_read_from_data_names_the_split_not_its_item(monkeypatch):
+    args = (torch.randn(6, 4), torch.tensor([2, 4]))
+    with pytest.raises(UnsupportedOpError) as e:
+        kiln.compile(RoutedBlock(), args)
+    assert e.value.what.startswith("aten.split_with_sizes.default produces a tensor")
+    assert "torch.split(x, counts.tolist())" in e.value.where
+    assert ".tolist()" in e.value.hint
+    # library code (no user line, as transformers' JetMoe): the module it ran in
+    from kiln.frontend import export
+
+    monkeypatch.setattr(export, "where", lambda node: None)
+    with pytest.raises(UnsupportedOpError) as e:
+        kiln.compile(RoutedBlock(), args)
+    assert e.value.where == "module model.experts"
+
+
 def test_op_kiln_does_not_know_names_the_op_and_line():
     with pytest.raises(UnsupportedOpError) as e:
         kiln.compile(Erfinv(), (torch.rand(4),), fallback="error")

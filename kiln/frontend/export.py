@@ -11,6 +11,7 @@ import contextlib
 import inspect
 import io
 import logging
+import operator
 import re
 import sys
 import traceback
@@ -433,11 +434,17 @@ def _pinned_data_size(node: fx.Node) -> bool:
 
 
 def _data_dependent(node: fx.Node):
+    # an item of a tuple (torch.split by sizes read from data) is named by the op that
+    # made it, and placed by the module it ran in where no user line made it (library
+    # code: JetMoe's experts split by `expert_size.tolist()`)
+    made_by = node.args[0] if node.target is operator.getitem and node.args else node
+    shown = made_by if isinstance(made_by, fx.Node) else node
     raise UnsupportedOpError(
-        f"{op_name(node.target)} produces a tensor whose size depends on its data",
-        where=where(node) or node.name,
+        f"{op_name(shown.target)} produces a tensor whose size depends on its data",
+        where=where(node) or where(shown) or location(node),
         hint="kiln plans memory from sizes known at call time; use a fixed-size "
-        "formulation (e.g. a mask with torch.where instead of nonzero/masked_select)",
+        "formulation (e.g. a mask with torch.where instead of nonzero/masked_select, "
+        "a gather of a fixed top-k instead of a split by counts read with .tolist())",
     )
 
 
