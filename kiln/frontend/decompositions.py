@@ -4,7 +4,8 @@ torch's own tables differ between versions and devices: on a GPU, torch 2.11 dec
 aten.rms_norm (what nn.RMSNorm calls) into aten._fused_rms_norm, a fused kernel with no
 Python decomposition there, so every model using nn.RMSNorm failed to import.
 OVERRIDES replace torch's entry (its result would be an op kiln cannot compile);
-FALLBACKS are used where torch has none. Both are written in ops kiln fuses.
+FALLBACKS are used where torch has none (fused_rms_norm; histc, which transformers'
+MoE layers count their experts' tokens with). Both are written in ops kiln fuses.
 
 DECOMPOSE lists ops export keeps whole whose torch decomposition is plain elementwise
 math and gathers: decomposed, they fuse with their neighbours instead of running as
@@ -12,6 +13,8 @@ PyTorch's own op. Not every decomposition qualifies (bucketize's loops over data
 """
 
 from __future__ import annotations
+
+import struct
 
 import torch
 
@@ -56,6 +59,37 @@ def eval_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Te
     return out.to(x.dtype), empty, empty.clone()
 
 
+def histc(x: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:  # noqa: A002
+    """torch.histc as a comparison of each element's bin with every bin, summed.
+
+    Why: transformers 5's MoE layers (OLMoE, Qwen2/3-MoE, GPT-OSS, DeepSeek-V2, ...)
+    count each expert's tokens with histc of the chosen expert ids (bins = experts),
+    and its ATen kernel was the one op of those models kiln ran as PyTorch's. The bin
+    of x is floor((x - min) * bins / (max - min)) as ATen computes it, x == max in the
+    last bin, elements outside [min, max] (and NaN) in none; min == max takes the
+    data's range, widened by 1 each way when that is empty too. [elements, bins]
+    comparisons: a router's counts are small; a large histogram is better left to ATen
+    (the user's choice of op)."""
+    flat = x.reshape(-1)
+    if min == max:  # the data's own range
+        lo, hi = flat.min(), flat.max()
+        empty = lo == hi
+        lo, hi = torch.where(empty, lo - 1, lo), torch.where(empty, hi + 1, hi)
+        width = hi - lo
+    else:  # the edges and their difference rounded to x's dtype first, as ATen has them
+        lo, hi = _rounded(min, x.dtype), _rounded(max, x.dtype)
+        width = _rounded(hi - lo, x.dtype)
+    inside = (flat >= lo) & (flat <= hi)
+    pos = ((flat - lo) * bins / width).floor().clamp(0, bins - 1).to(torch.int64)
+    hits = (pos[:, None] == torch.arange(bins, device=x.device)) & inside[:, None]
+    return hits.sum(0).to(x.dtype)
+
+
+def _rounded(v: float, dtype: torch.dtype) -> float:
+    """`v` rounded to fp32 where `dtype` is fp32 (Python's floats are fp64)."""
+    return struct.unpack("f", struct.pack("f", v))[0] if dtype == torch.float32 else v
+
+
 OVERRIDES = {
     aten.rms_norm.default: rms_norm,
     aten._native_batch_norm_legit_no_training.default: eval_batch_norm,
@@ -65,4 +99,4 @@ DECOMPOSE = {
     aten.upsample_nearest2d.default, aten.upsample_nearest1d.default,
     aten.upsample_nearest3d.default,
 }
-FALLBACKS = {aten._fused_rms_norm.default: fused_rms_norm}
+FALLBACKS = {aten._fused_rms_norm.default: fused_rms_norm, aten.histc.default: histc}
