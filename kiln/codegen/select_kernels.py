@@ -24,7 +24,7 @@ from kiln.codegen.build.resources import fitted_spec
 from kiln.codegen.build.spec import KernelSpec
 from kiln.codegen.expr.values import CodegenUnsupported, EpilogueApart
 from kiln.codegen.kernel_plan import KernelPlan
-from kiln.codegen.templates import copy, pointwise, topk
+from kiln.codegen.templates import copy, grouped_mm, pointwise, topk
 from kiln.codegen.templates.attention import template as attention
 from kiln.codegen.templates.fp8_matmul import gemm as fp8_gemm
 from kiln.codegen.templates.fp8_matmul import grouped as fp8_grouped
@@ -74,6 +74,7 @@ EXTERN_TEMPLATES: dict[str, Template] = {
     moe.FP8_OP: moe.generate,
     fp8_quantize.QUANTIZE_OP: fp8_quantize.generate,
     fp8_gemm.SCALED_MM_OP: fp8_gemm.generate,
+    **{op: grouped_mm.generate for op in grouped_mm.OPS},
 }
 
 

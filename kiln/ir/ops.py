@@ -90,7 +90,7 @@ _register(
         "arange.start_step", "arange.default", "arange.start", "full.default",
         "scalar_tensor.default", "zeros.default", "ones.default", "empty.memory_format",
         "full_like.default", "zeros_like.default", "ones_like.default",
-        "empty_like.default", "iota.default",
+        "empty_like.default", "iota.default", "empty_permuted.default",
     ),
 )
 _register(
@@ -146,6 +146,9 @@ _register(OpCategory.EXTERN, ["kiln.latent_attention.default"])
 _register(OpCategory.EXTERN, ["kiln.fp8_linear.default", "kiln.fp8_quantize.default",
                              "kiln.fp8_scaled_mm.default"])
 _register(OpCategory.EXTERN, ["kiln.moe_experts.default", "kiln.moe_experts_fp8.default"])
+# grouped GEMMs by offsets (codegen/templates/grouped_mm.py): transformers' MoE experts
+_register(OpCategory.EXTERN, ["transformers.grouped_mm_fallback.default",
+                             "aten._grouped_mm.default"])
 
 # Named sets of ops: each defined here once, named for exactly what it holds.
 
@@ -175,6 +178,7 @@ SLICE_SCATTERS = {"aten.slice_scatter.default", "aten.select_scatter.default"}
 IMPURE_OPS = {
     "aten.rand.default", "aten.randn.default", "aten.bernoulli.p", "aten.native_dropout.default",
     "aten.multinomial.default", "aten.empty.memory_format", "aten.empty_like.default",
+    "aten.empty_permuted.default",
 }
 
 # Frontend drops these: they assert facts kiln checks itself.

@@ -273,7 +273,7 @@ class Emitter:
         if t == "aten.scalar_tensor.default":
             return self._scalar(a[0], op.dtype)
         if t in ("aten.zeros.default", "aten.zeros_like.default", "aten.empty.memory_format",
-                 "aten.empty_like.default"):
+                 "aten.empty_like.default", "aten.empty_permuted.default"):
             return literal(0, op.dtype)
         if t in ("aten.ones.default", "aten.ones_like.default"):
             return literal(1, op.dtype)

@@ -1,0 +1,190 @@
+"""A grouped GEMM by offsets: rows sorted by expert, each multiplied by its expert's matrix.
+
+out[r] = x[r] @ w[e(r)] for x [S, K] whose rows are grouped by expert, w [E, K, N], and
+offs [E] the cumulative row counts (expert e owns rows offs[e-1] .. offs[e]); rows past
+offs[E-1] belong to no expert and are zero. It is what transformers 5's MoE layers
+(OLMoE, Qwen2/3-MoE, GPT-OSS, Mixtral, DeepSeek-V2, ...) run their experts through:
+`transformers::grouped_mm_fallback`, a Python loop over the experts behind an
+`offs.tolist()` host sync, or `aten._grouped_mm` (the same contract, in bf16 on a
+GPU); kiln had run both as PyTorch's ops.
+
+One program owns a BLOCK_M x BLOCK_N output tile. Its rows' experts are found from
+offs (how many experts end at or before the first and the last row), and for each of
+those experts the full K loop runs against that expert's matrix, its product kept for
+the rows that expert owns. Rows are sorted, so a tile meets one or two experts when
+experts have many rows (a prefill), and at most BLOCK_M when they have few (a decode
+step: each row a GEMV against its own expert's matrix, which it must read anyway).
+fp32 operands take exact ("ieee") products, as the matmul template's do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.codegen.build.spec import Config, KernelSpec
+from kiln.codegen.expr.emit import kernel_name, module_source
+from kiln.codegen.expr.kernel_args import SymbolicArgs
+from kiln.codegen.expr.values import CodegenUnsupported
+from kiln.codegen.templates.matmul.template import dot_operand
+from kiln.codegen.templates.op_operands import operand_dtype as _dtype
+from kiln.codegen.templates.op_operands import operand_shape as _shape
+from kiln.ir.plan import DispatchPlan, Ref, Region
+from kiln.ir.symbolic import bounds_of
+from kiln.target import Target
+
+OPS = ("transformers.grouped_mm_fallback.default", "aten._grouped_mm.default")
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_INTS = (torch.int32, torch.int64)
+_TL = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32"}
+MAX_EXPERTS = 1024  # offs is read as one block
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def analyse(region: Region, plan: DispatchPlan) -> tuple:
+    """(x, w, offs, out, S, K, N, E, dtype); raises CodegenUnsupported saying why not."""
+    anchor = region.anchor()
+    if anchor.target not in OPS:
+        raise CodegenUnsupported(f"{anchor.target} is not a grouped GEMM by offsets")
+    args = list(anchor.args) + [None] * 5
+    x, w, offs = args[:3]
+    extra = [a for a in args[3:5] if a is not None] + [
+        v for k, v in anchor.kwargs.items() if k in ("bias", "out_dtype") and v is not None]
+    if extra:
+        raise CodegenUnsupported("a grouped GEMM with a bias or an output dtype of its own")
+    w, transposed = _weight(region, w)
+    for what, a in (("input", x), ("weight", w), ("offs", offs)):
+        if not isinstance(a, Ref) or a.name not in region.inputs:
+            raise CodegenUnsupported(f"its {what} is not a stored tensor (the kernel reads "
+                                     "each operand in place)")
+    if any(op.name != anchor.name and (not transposed or op.target != _PERMUTE)
+           for op in region.ops):
+        raise CodegenUnsupported("ops besides the grouped GEMM and its weight's transpose")
+    if region.outputs != [anchor.name]:
+        raise CodegenUnsupported(f"the region outputs {region.outputs}, not only the op's")
+    xs, ws, os_ = (_shape(region, plan, a.name) for a in (x, w, offs))
+    if transposed:  # stored [E, N, K], as nn.Linear keeps a weight
+        ws = (ws[0], ws[2], ws[1]) if len(ws) == 3 else ws
+    if len(xs) != 2 or len(ws) != 3 or len(os_) != 1:
+        raise CodegenUnsupported(f"operands of shapes {xs}, {ws}, {os_}: not the 2D x 3D form")
+    E, K, N = ws
+    if not all(isinstance(d, int) for d in (E, K, N)) or xs[1] != K or os_[0] != E:
+        raise CodegenUnsupported(f"operands of shapes {xs}, {ws}, {os_} that do not agree")
+    if E > MAX_EXPERTS:
+        raise CodegenUnsupported(f"{E} experts (at most {MAX_EXPERTS})")
+    dtype = _dtype(region, plan, x.name)
+    if dtype not in _FLOATS or _dtype(region, plan, w.name) != dtype or \
+            _dtype(region, plan, offs.name) not in _INTS or anchor.dtype != dtype:
+        raise CodegenUnsupported("operands of other dtypes than one float dtype and "
+                                 "integer offsets")
+    return x.name, w.name, offs.name, anchor.name, xs[0], K, N, E, dtype, transposed
+
+
+_PERMUTE = "aten.permute.default"
+
+
+def _weight(region: Region, w) -> tuple:
+    """(the stored weight's Ref, whether the op reads it transposed): transformers'
+    experts keep [E, out, in] and pass `weight.transpose(1, 2)`, a permute in the
+    region that the kernel reads through (w[e, k, n] at e * N * K + n * K + k)."""
+    if not isinstance(w, Ref) or w.name in region.inputs:
+        return w, False
+    op = next((o for o in region.ops if o.name == w.name), None)
+    if op is None or op.target != _PERMUTE or list(op.args[1]) not in ([0, 2, 1], [0, -1, -2]):
+        return w, False
+    return op.args[0], True
+
+
+def config_space(rows_hi: int | None) -> list[Config]:
+    """Tiles of BLOCK_M rows (16 for a decode step's few rows) by BLOCK_N columns."""
+    ms = (16, 32) if rows_hi is not None and rows_hi <= 64 else (16, 32, 64, 128)
+    out = []
+    for bm in ms:
+        for bn in (32, 64, 128):
+            for bk in (32, 64):
+                for warps in (4, 8):
+                    if bm * bn // (32 * warps) > 64 or (warps == 8 and bm * bn < 4096):
+                        continue
+                    out += [Config.make(warps, st, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                            for st in (2, 3)]
+    return out
+
+
+def heuristic(target: Target, rows_hi: int | None) -> Config:
+    if target.backend == "interpret":
+        return Config.make(4, 1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
+    if rows_hi is not None and rows_hi <= 64:
+        return Config.make(4, 3, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
+    return Config.make(4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=32)
+
+
+def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
+    """The grouped GEMM kernel of `region`; raises CodegenUnsupported saying why not."""
+    x, w, offs, out, S, K, N, E, dtype, transposed = analyse(region, plan)
+    p = SymbolicArgs(plan.symbols)
+    for name in list(region.inputs) + list(region.outputs):
+        p.check_extent(plan.values[name].numel)
+    xp = p.tensor(x, dtype, (S, K))
+    wp = p.tensor(w, dtype, (E, N, K) if transposed else (E, K, N))
+    w_at = "rn[None, :] * K + kk[:, None]" if transposed else "kk[:, None] * N + rn[None, :]"
+    op = p.tensor(offs, plan.values[offs].dtype, (E,))
+    outp = p.tensor(out, dtype, (S, N), output=True)
+    rows = p.dim(S)
+    exact = ', input_precision="ieee"' if dtype == torch.float32 else ""
+    wide = ".to(tl.int64)" if p.needs_int64 else ""
+    body = [
+        f"S = {rows}", f"K: tl.constexpr = {K}", f"N: tl.constexpr = {N}",
+        f"E: tl.constexpr = {E}", f"EP: tl.constexpr = {_pow2(E)}",
+        f"pid = tl.program_id(0){wide}",
+        "tiles_n = tl.cdiv(N, BLOCK_N)",
+        "pid_m = pid // tiles_n", "pid_n = pid % tiles_n",
+        "rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
+        "rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)",
+        "rk = tl.arange(0, BLOCK_K)",
+        "m_ok = rm < S", "n_ok = rn < N",
+        "# the experts of this tile's rows: how many end at or before its first and last",
+        "eo = tl.arange(0, EP)",
+        f"ends = tl.load({op} + eo, mask=eo < E, other=0).to(tl.int64)",
+        "first = pid_m * BLOCK_M",
+        "last = tl.minimum(first + BLOCK_M, S) - 1",
+        "live = eo < E",
+        f"e_lo = tl.sum((live & (ends <= first)).to(tl.int32), axis=0){wide}",
+        f"e_hi = tl.minimum(tl.sum((live & (ends <= last)).to(tl.int32), axis=0), E - 1){wide}",
+        "out = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)",
+        "for e in range(e_lo, e_hi + 1):",
+        f"    start = tl.load({op} + tl.maximum(e - 1, 0)).to(tl.int64)",
+        "    start = tl.where(e > 0, start, 0)",
+        f"    end = tl.load({op} + e).to(tl.int64)",
+        "    if end > start:  # an expert with no rows is skipped",
+        "        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)",
+        f"        w_e = {wp} + e * (K * N)",
+        "        for k0 in range(0, K, BLOCK_K):",
+        "            kk = k0 + rk",
+        f"            a = tl.load({xp} + rm[:, None] * K + kk[None, :], "
+        "mask=m_ok[:, None] & (kk[None, :] < K), other=0.0)",
+        f"            b = tl.load(w_e + {w_at}, "
+        "mask=(kk[:, None] < K) & n_ok[None, :], other=0.0)",
+        f"            acc = tl.dot({dot_operand('a', dtype, target)}, "
+        f"{dot_operand('b', dtype, target)}, acc{exact})",
+        "        owned = (rm >= start) & (rm < end)",
+        "        out = tl.where(owned[:, None], acc, out)",
+        f"tl.store({outp} + rm[:, None] * N + rn[None, :], out.to({_TL[dtype]}), "
+        "mask=m_ok[:, None] & n_ok[None, :])",
+    ]
+    name = kernel_name("grouped_mm", region)
+    tunables = ["BLOCK_M", "BLOCK_N", "BLOCK_K"]
+    params = p.names() + [f"{t}: tl.constexpr" for t in tunables]
+    source = module_source(name, params, body, set(), target, p.describe())
+    rows_hi = bounds_of(S, plan.symbols).hi
+    configs = config_space(rows_hi)
+    default = heuristic(target, rows_hi)
+    if default not in configs:
+        configs.insert(0, default)
+    grid = (f"cdiv({p.grid(S)}, BLOCK_M) * cdiv({N}, BLOCK_N)",)
+    # the resource model of a tiled matmul with a second accumulator (the kept rows)
+    meta = {"form": "tiled", "dtype": str(dtype).replace("torch.", ""), "epilogue_loads": 1,
+            "timing_fill": {offs: str(S)}}  # timed as every row in expert 0: real work
+    return KernelSpec(name, source, p.args(), tunables, grid, configs, default, "matmul",
+                      meta, 64 if p.needs_int64 else 32)
