@@ -227,9 +227,9 @@ def is_fallback(name: str) -> bool:
 
 
 # Namespaces whose ops are not run blindly: prims are decomposition internals, and
-# higher-order ops carry subgraphs. A library's own custom op (torch.library, as
-# transformers registers `transformers::grouped_mm_fallback` for its MoE experts) is
-# run as it is, like an unlisted ATen op, when its schema says that is safe.
+# higher-order ops carry subgraphs. A library's own custom op (torch.library) is run
+# as it is, like an unlisted ATen op, when its schema says that is safe (transformers'
+# `grouped_mm_fallback` was, until templates/grouped_mm.py generated it).
 _NOT_OPERATORS = {"prims", "higher_order"}
 
 
