@@ -125,3 +125,22 @@ def test_a_transformers_moe_runs_no_op_as_pytorchs():
     with torch.no_grad():
         want = model(fresh, use_cache=False).logits
         assert _rel(exe(fresh, use_cache=False).logits, want) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [8, 1000])
+def test_on_the_gpu_it_matches_cublas_grouped_gemm(rows):
+    """bf16 against aten._grouped_mm on the GPU: a decode step's few rows and a prompt's
+    many, 16 experts (some empty), the weight transposed as transformers passes it."""
+    torch.manual_seed(0)
+    model = Grouped(16, 256, 384, True, torch.bfloat16).cuda()
+    counts = torch.randint(0, 3 * rows // 16 + 1, (16,))
+    counts[3], counts[0] = 0, counts[0] + 1
+    offs = (counts.cumsum(0) * rows // counts.sum()).to(torch.int32).cuda()
+    x = torch.randn(rows, 256, dtype=torch.bfloat16, device="cuda")
+    exe = kiln.compile(model, (x, offs), target="cuda")
+    assert [type(k) for k in _grouped_kernels(exe)] == [TritonKernel]
+    with torch.no_grad():
+        got, want = exe(x, offs), model(x, offs)
+    owned = int(offs[-1])
+    assert _rel(got[:owned], want[:owned]) < 1e-2
