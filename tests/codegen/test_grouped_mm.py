@@ -12,6 +12,7 @@ from torch import nn
 
 import kiln
 from kiln.codegen.build.triton_kernel import TritonKernel
+from kiln.codegen.templates.grouped_mm import SPREAD_ROWS
 from kiln.errors import KilnWarning
 
 
@@ -50,21 +51,28 @@ def _grouped_kernels(exe) -> list:
 @pytest.mark.parametrize("transposed", [True, False])
 @pytest.mark.parametrize("dtype,tol,op", [(torch.float32, 1e-5, "transformers"),
                                           (torch.bfloat16, 1e-2, "aten")])
-def test_generated_kernel_matches_the_op(transposed, dtype, tol, op):
-    """23 rows over 5 experts, one with no rows, the last 3 rows in none (zeros); rows
-    not a multiple of the tile; the generated kernel on the interpret target."""
+@pytest.mark.parametrize("scale", [1, 5])  # 23 rows: experts spread; 115: walked
+def test_generated_kernel_matches_the_op(transposed, dtype, tol, op, scale):
+    """Rows over 5 experts, one with no rows, the last rows in none (zeros); rows not a
+    multiple of the tile; the generated kernel on the interpret target, in both forms:
+    a decode step's rows (up to SPREAD_ROWS, each tile's experts in programs side by
+    side) and a prompt's (one program walks its tile's experts)."""
     torch.manual_seed(0)
     model = Grouped(5, 24, 40, transposed, dtype, op)
-    offs = torch.tensor([4, 4, 11, 18, 20], dtype=torch.int32)
-    x = torch.randn(23, 24, dtype=dtype)
+    offs = torch.tensor([4, 4, 11, 18, 20], dtype=torch.int32) * scale
+    rows = 23 * scale
+    x = torch.randn(rows, 24, dtype=dtype)
     exe = kiln.compile(model, (x, offs), target="interpret")
-    assert [type(k) for k in _grouped_kernels(exe)] == [TritonKernel]
-    fresh = torch.randn(23, 24, dtype=dtype)
+    (kernel,) = _grouped_kernels(exe)
+    assert isinstance(kernel, TritonKernel)
+    assert kernel.spec.grid[1] == ("1" if rows > SPREAD_ROWS else "min(5, BLOCK_M)")
+    fresh = torch.randn(rows, 24, dtype=dtype)
     with torch.no_grad():
         got, want = exe(fresh, offs), model(fresh, offs)
-    assert _rel(got[:20], want[:20]) < tol
+    owned = int(offs[-1])
+    assert _rel(got[:owned], want[:owned]) < tol
     # rows in no expert: zeros (transformers' op zeroes them; ATen leaves them unwritten)
-    assert torch.equal(got[20:], torch.zeros_like(got[20:]))
+    assert torch.equal(got[owned:], torch.zeros_like(got[owned:]))
 
 
 def test_a_dynamic_row_count_and_new_offsets_at_each_call():
@@ -95,11 +103,12 @@ def test_a_weight_read_through_other_views_runs_as_pytorchs_op_with_the_reason()
         assert _rel(exe(x, offs), model(x, offs)) < 1e-5
 
 
-def test_hopper_compiles_it_within_its_limits():
+@pytest.mark.parametrize("rows", [8, 512])  # a decode step's pairs, a prompt's
+def test_hopper_compiles_it_within_its_limits(rows):
     """A Qwen3-MoE-sized expert product (128 experts, 2048 -> 1536, bf16), compile-only."""
     model = Grouped(128, 2048, 1536, True, torch.bfloat16)
-    x = torch.randn(512, 2048, dtype=torch.bfloat16)
-    offs = torch.arange(4, 516, 4, dtype=torch.int32)
+    x = torch.randn(rows, 2048, dtype=torch.bfloat16)
+    offs = (torch.arange(1, 129) * rows // 128).to(torch.int32)
     exe = kiln.compile(model, (x, offs), target="cuda:sm_90", options={"tune": "none"})
     (kernel,) = _grouped_kernels(exe)
     assert isinstance(kernel, TritonKernel) and kernel.binary.resources.spills == 0

@@ -8,13 +8,14 @@ offs[E-1] belong to no expert and are zero. It is what transformers 5's MoE laye
 `offs.tolist()` host sync, or `aten._grouped_mm` (the same contract, in bf16 on a
 GPU); kiln had run both as PyTorch's ops.
 
-One program owns a BLOCK_M x BLOCK_N output tile. Its rows' experts are found from
-offs (how many experts end at or before the first and the last row), and for each of
-those experts the full K loop runs against that expert's matrix, its product kept for
-the rows that expert owns. Rows are sorted, so a tile meets one or two experts when
-experts have many rows (a prefill), and at most BLOCK_M when they have few (a decode
-step: each row a GEMV against its own expert's matrix, which it must read anyway).
-fp32 operands take exact ("ieee") products, as the matmul template's do.
+A BLOCK_M x BLOCK_N output tile's experts are found from offs (how many experts end at
+or before its first and its last row); for each of them the full K loop runs against
+that expert's matrix, its product kept for the rows the expert owns. Rows are sorted,
+so a prompt's tile meets one or two experts, walked by one program; a decode step's
+few rows (up to SPREAD_ROWS) may each be an expert of their own, so there the tile's
+experts go to programs side by side (grid axis 1), each storing its own rows, as many
+programs reading weights at once as the step has experts. fp32 operands take exact
+("ieee") products, as the matmul template's do.
 """
 
 from __future__ import annotations
@@ -132,7 +133,6 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     op = p.tensor(offs, plan.values[offs].dtype, (E,))
     outp = p.tensor(out, dtype, (S, N), output=True)
     rows = p.dim(S)
-    exact = ', input_precision="ieee"' if dtype == torch.float32 else ""
     wide = ".to(tl.int64)" if p.needs_int64 else ""
     body = [
         f"S = {rows}", f"K: tl.constexpr = {K}", f"N: tl.constexpr = {N}",
@@ -152,39 +152,89 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
         "live = eo < E",
         f"e_lo = tl.sum((live & (ends <= first)).to(tl.int32), axis=0){wide}",
         f"e_hi = tl.minimum(tl.sum((live & (ends <= last)).to(tl.int32), axis=0), E - 1){wide}",
-        "out = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)",
-        "for e in range(e_lo, e_hi + 1):",
-        f"    start = tl.load({op} + tl.maximum(e - 1, 0)).to(tl.int64)",
-        "    start = tl.where(e > 0, start, 0)",
-        f"    end = tl.load({op} + e).to(tl.int64)",
-        "    if end > start:  # an expert with no rows is skipped",
-        "        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)",
-        f"        w_e = {wp} + e * (K * N)",
-        "        for k0 in range(0, K, BLOCK_K):",
-        "            kk = k0 + rk",
-        f"            a = tl.load({xp} + rm[:, None] * K + kk[None, :], "
-        "mask=m_ok[:, None] & (kk[None, :] < K), other=0.0)",
-        f"            b = tl.load(w_e + {w_at}, "
-        "mask=(kk[:, None] < K) & n_ok[None, :], other=0.0)",
-        f"            acc = tl.dot({dot_operand('a', dtype, target)}, "
-        f"{dot_operand('b', dtype, target)}, acc{exact})",
-        "        owned = (rm >= start) & (rm < end)",
-        "        out = tl.where(owned[:, None], acc, out)",
-        f"tl.store({outp} + rm[:, None] * N + rn[None, :], out.to({_TL[dtype]}), "
-        "mask=m_ok[:, None] & n_ok[None, :])",
     ]
+    rows_hi = bounds_of(S, plan.symbols).hi
+    spread = rows_hi is not None and rows_hi <= SPREAD_ROWS
+    product = _product(xp, wp, w_at, dtype, target)
+    body += _spread(op, outp, product, dtype) if spread else _looped(op, outp, product, dtype)
     name = kernel_name("grouped_mm", region)
     tunables = ["BLOCK_M", "BLOCK_N", "BLOCK_K"]
     params = p.names() + [f"{t}: tl.constexpr" for t in tunables]
     source = module_source(name, params, body, set(), target, p.describe())
-    rows_hi = bounds_of(S, plan.symbols).hi
     configs = config_space(rows_hi)
     default = heuristic(target, rows_hi)
     if default not in configs:
         configs.insert(0, default)
-    grid = (f"cdiv({p.grid(S)}, BLOCK_M) * cdiv({N}, BLOCK_N)",)
+    grid = (f"cdiv({p.grid(S)}, BLOCK_M) * cdiv({N}, BLOCK_N)",
+            f"min({E}, BLOCK_M)" if spread else "1")
     # the resource model of a tiled matmul with a second accumulator (the kept rows)
     meta = {"form": "tiled", "dtype": str(dtype).replace("torch.", ""), "epilogue_loads": 1,
             "timing_fill": {offs: str(S)}}  # timed as every row in expert 0: real work
     return KernelSpec(name, source, p.args(), tunables, grid, configs, default, "matmul",
                       meta, 64 if p.needs_int64 else 32)
+
+
+SPREAD_ROWS = 64  # up to this many rows (a decode step's pairs) each expert a program
+
+
+def _product(xp: str, wp: str, w_at: str, dtype, target: Target) -> list[str]:
+    """Lines computing `acc`, this tile's rows times expert `e`'s matrix."""
+    exact = ', input_precision="ieee"' if dtype == torch.float32 else ""
+    return [
+        "acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)",
+        f"w_e = {wp} + e * (K * N)",
+        "for k0 in range(0, K, BLOCK_K):",
+        "    kk = k0 + rk",
+        f"    a = tl.load({xp} + rm[:, None] * K + kk[None, :], "
+        "mask=m_ok[:, None] & (kk[None, :] < K), other=0.0)",
+        f"    b = tl.load(w_e + {w_at}, mask=(kk[:, None] < K) & n_ok[None, :], other=0.0)",
+        f"    acc = tl.dot({dot_operand('a', dtype, target)}, "
+        f"{dot_operand('b', dtype, target)}, acc{exact})",
+    ]
+
+
+def _rows_of(op: str) -> list[str]:
+    """Lines setting `start`, `end`: the rows expert `e` owns."""
+    return [f"start = tl.load({op} + tl.maximum(e - 1, 0)).to(tl.int64)",
+            "start = tl.where(e > 0, start, 0)",
+            f"end = tl.load({op} + e).to(tl.int64)"]
+
+
+def _looped(op: str, outp: str, product: list[str], dtype) -> list[str]:
+    """A prompt's rows: one program walks the few experts its tile's rows belong to."""
+    return [
+        "out = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)",
+        "for e in range(e_lo, e_hi + 1):",
+        *_indent(_rows_of(op)),
+        "    if end > start:  # an expert with no rows is skipped",
+        *_indent(product, 2),
+        "        owned = (rm >= start) & (rm < end)",
+        "        out = tl.where(owned[:, None], acc, out)",
+        f"tl.store({outp} + rm[:, None] * N + rn[None, :], out.to({_TL[dtype]}), "
+        "mask=m_ok[:, None] & n_ok[None, :])",
+    ]
+
+
+def _spread(op: str, outp: str, product: list[str], dtype) -> list[str]:
+    """A decode step's few rows, each pair of a token and its expert often an expert of
+    its own: the tile's experts go to programs side by side (grid axis 1, the e_lo +
+    slot'th), each storing the rows it owns; slot 0 zeroes the rows in no expert."""
+    return [
+        "e = e_lo + tl.program_id(1)",
+        f"total = tl.load({op} + E - 1).to(tl.int64)",
+        "if tl.program_id(1) == 0:",
+        f"    tl.store({outp} + rm[:, None] * N + rn[None, :], "
+        f"tl.zeros([BLOCK_M, BLOCK_N], {_TL[dtype]}), "
+        "mask=(m_ok & (rm >= total))[:, None] & n_ok[None, :])",
+        "if e <= e_hi:",
+        *_indent(_rows_of(op)),
+        "    if end > start:",
+        *_indent(product, 2),
+        "        owned = m_ok & (rm >= start) & (rm < end)",
+        f"        tl.store({outp} + rm[:, None] * N + rn[None, :], acc.to({_TL[dtype]}), "
+        "mask=owned[:, None] & n_ok[None, :])",
+    ]
+
+
+def _indent(lines: list[str], n: int = 1) -> list[str]:
+    return ["    " * n + line for line in lines]
