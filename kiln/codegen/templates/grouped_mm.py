@@ -12,9 +12,10 @@ A BLOCK_M x BLOCK_N output tile's experts are found from offs (how many experts 
 or before its first and its last row); for each of them the full K loop runs against
 that expert's matrix, its product kept for the rows the expert owns. Rows are sorted,
 so a prompt's tile meets one or two experts, walked by one program; a decode step's
-few rows (up to SPREAD_ROWS) may each be an expert of their own, so there the tile's
-experts go to programs side by side (grid axis 1), each storing its own rows, as many
-programs reading weights at once as the step has experts. fp32 operands take exact
+few rows (up to SPREAD_ROWS) may each be an expert of their own, so there each expert
+whose rows start in the tile gets a program of its own (grid axis 1: one per row of
+the tile), storing its own rows: as many programs read weights at once as the step has
+experts. fp32 operands take exact
 ("ieee") products, as the matmul template's do.
 """
 
@@ -156,7 +157,8 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     rows_hi = bounds_of(S, plan.symbols).hi
     spread = rows_hi is not None and rows_hi <= SPREAD_ROWS
     product = _product(xp, wp, w_at, dtype, target)
-    body += _spread(op, outp, product, dtype) if spread else _looped(op, outp, product, dtype)
+    body += (_spread(op, outp, product, dtype, wide) if spread
+             else _looped(op, outp, product, dtype))
     name = kernel_name("grouped_mm", region)
     tunables = ["BLOCK_M", "BLOCK_N", "BLOCK_K"]
     params = p.names() + [f"{t}: tl.constexpr" for t in tunables]
@@ -166,7 +168,7 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     if default not in configs:
         configs.insert(0, default)
     grid = (f"cdiv({p.grid(S)}, BLOCK_M) * cdiv({N}, BLOCK_N)",
-            f"min({E}, BLOCK_M)" if spread else "1")
+            "BLOCK_M" if spread else "1")
     # the resource model of a tiled matmul with a second accumulator (the kept rows)
     meta = {"form": "tiled", "dtype": str(dtype).replace("torch.", ""), "epilogue_loads": 1,
             "timing_fill": {offs: str(S)}}  # timed as every row in expert 0: real work
@@ -215,20 +217,24 @@ def _looped(op: str, outp: str, product: list[str], dtype) -> list[str]:
     ]
 
 
-def _spread(op: str, outp: str, product: list[str], dtype) -> list[str]:
+def _spread(op: str, outp: str, product: list[str], dtype, wide: str) -> list[str]:
     """A decode step's few rows, each pair of a token and its expert often an expert of
-    its own: the tile's experts go to programs side by side (grid axis 1, the e_lo +
-    slot'th), each storing the rows it owns; slot 0 zeroes the rows in no expert."""
+    its own (and the experts between them empty): program j of grid axis 1 takes the
+    expert whose rows start at the tile's row j (or, for j = 0, the expert of the
+    tile's first row), so each expert with rows in the tile gets one program, side by
+    side, storing the rows it owns; program 0 also zeroes the rows in no expert."""
     return [
-        "e = e_lo + tl.program_id(1)",
+        "j = tl.program_id(1)",
+        "r = first + j",
         f"total = tl.load({op} + E - 1).to(tl.int64)",
-        "if tl.program_id(1) == 0:",
+        "if j == 0:",
         f"    tl.store({outp} + rm[:, None] * N + rn[None, :], "
         f"tl.zeros([BLOCK_M, BLOCK_N], {_TL[dtype]}), "
         "mask=(m_ok & (rm >= total))[:, None] & n_ok[None, :])",
-        "if e <= e_hi:",
+        f"e = tl.sum((live & (ends <= r)).to(tl.int32), axis=0){wide}",
+        "if (r < S) & (r < total):",
         *_indent(_rows_of(op)),
-        "    if end > start:",
+        "    if (j == 0) | (start == r):  # the tile's first row, or its expert's first",
         *_indent(product, 2),
         "        owned = m_ok & (rm >= start) & (rm < end)",
         f"        tl.store({outp} + rm[:, None] * N + rn[None, :], acc.to({_TL[dtype]}), "
