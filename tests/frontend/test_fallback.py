@@ -168,7 +168,7 @@ def _bump(x: torch.Tensor) -> None:
 
 class LibraryOp(torch.nn.Module):
     """A library's own torch.library op between ops kiln fuses (transformers 5 runs its
-    MoE experts through `transformers::grouped_mm_fallback`)."""
+    MoE experts through `transformers::grouped_mm_fallback`, one kiln now generates)."""
 
     def forward(self, x, y):
         return torch.ops.kiln_test_lib.twice_plus(x.sin(), y).cos()
