@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 import kiln
+from benchmarks.probes.extern_timing import graph_ms  # a CUDA graph's replay, per call
 
 SHAPES = {  # name: (experts, K, N, rows)
     "qwen3moe_gate_up_decode": (128, 2048, 1536, 8),
@@ -49,28 +50,6 @@ def _offsets(rows: int, experts: int, device: str) -> torch.Tensor:
         torch.rand(experts, generator=gen) < 0.75).float() * 4
     counts[0] += 1
     return (counts.cumsum(0) * rows / counts.sum()).round().to(torch.int32).to(device)
-
-
-def graph_ms(fn, reps: int = 20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 5 / reps
 
 
 def wall_ms(fn, device: str, reps: int = 10) -> float:
