@@ -744,6 +744,26 @@ def test_timing_fill_chooses_distinct_values_per_row():
     assert all(len(set(row)) == 3 for row in ids.tolist())
 
 
+def test_timing_fill_shares_rows_evenly_as_offsets():
+    """{"even_offsets": n}: cumulative row counts sharing n rows over the experts (a
+    grouped GEMM timed with every row in one expert would time one plain GEMM)."""
+    import kiln
+    from kiln.codegen.autotune.timing import example_buffers
+
+    class Pick(torch.nn.Module):
+        def forward(self, x, offs):
+            return x[offs]
+
+    T = torch.export.Dim("T", min=2, max=64)
+    exe = kiln.compile(Pick(), (torch.randn(8, 4), torch.zeros(5, dtype=torch.int32)),
+                       dynamic_shapes=({0: T}, None), target="cpu")
+    region = exe.plan.regions[0]
+    (sym,) = exe.plan.symbols
+    inputs, _ = example_buffers(region, exe.plan, {sym: 12}, "cpu",
+                                {"offs": {"even_offsets": f"{sym}"}})
+    assert inputs["offs"].tolist() == [2, 4, 7, 9, 12]
+
+
 def test_a_workers_reason_keeps_a_cuda_errors_cause_and_a_compilers_last_lines():
     """torch's CUDA errors name the cause on their first line and end in three lines of
     advice; a compiler's message ends with the failing line: the one-line reason a

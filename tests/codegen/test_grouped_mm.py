@@ -92,6 +92,28 @@ def test_a_decode_steps_rows_each_in_an_expert_of_its_own_among_many_empty_ones(
     assert _rel(got, torch.cat(rows)) < 1e-5
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_prompts_tiles_cut_per_expert_over_random_offsets(seed):
+    """A prompt's row tiles are cut per expert (16-row tiles on the interpret target):
+    40 experts of 0 to 20 rows, many empty, none a multiple of the tile, rows past the
+    last expert's (zeros); the grid's cdiv(S, 16) + 40 row tiles cover every layout."""
+    gen = torch.Generator().manual_seed(seed)
+    model = Grouped(40, 16, 24, True, op="transformers")
+    counts = torch.randint(0, 21, (40,), generator=gen) * (torch.rand(40, generator=gen) < 0.6)
+    offs = counts.cumsum(0).to(torch.int32)
+    rows = int(offs[-1]) + 7
+    exe = kiln.compile(model, (torch.randn(rows, 16), offs), target="interpret")
+    (kernel,) = _grouped_kernels(exe)
+    assert isinstance(kernel, TritonKernel) and "+ 40)" in kernel.spec.grid[0]
+    x = torch.randn(rows, 16, generator=gen)
+    with torch.no_grad():
+        got, want = exe(x, offs), model(x, offs)
+    owners = torch.repeat_interleave(torch.arange(40), counts)
+    ref = torch.einsum("rk,rnk->rn", x[: len(owners)], model.w[owners])
+    assert _rel(got[: len(owners)], ref) < 1e-5 and _rel(got, want) < 1e-5
+    assert torch.equal(got[len(owners):], torch.zeros(7, 24))
+
+
 def test_a_dynamic_row_count_and_new_offsets_at_each_call():
     torch.manual_seed(1)
     model = Grouped(4, 16, 24, True, op="transformers")

@@ -198,11 +198,13 @@ def buffer_specs(region: Region, plan: DispatchPlan, env: dict[str, int],
     and the values of its integer inputs.
 
     Integer inputs are zeros (always valid indices) unless `fill` (a template's
-    KernelSpec.meta["timing_fill"]: input -> size expression, or {"choose_from": size
-    expression} for distinct random values per row) gives them values: a decode
-    kernel's positions at zero would time a one-key attention, and a MoE kernel's
-    expert ids at zero one expert, and the tuner would pick the config that is fastest
-    at doing nothing."""
+    KernelSpec.meta["timing_fill"]: input -> size expression, {"choose_from": size
+    expression} for distinct random values per row, or {"even_offsets": size
+    expression} for cumulative row counts sharing that many rows evenly over the
+    input's length) gives them values: a decode kernel's positions at zero would time a
+    one-key attention, a MoE kernel's expert ids at zero one expert, a grouped GEMM's
+    offsets one expert's rows (or none), and the tuner would pick the config that is
+    fastest at doing nothing, or at work the model never does."""
     def meta(v):
         tv = plan.values.get(v)
         shape, dtype = (tv.shape, tv.dtype) if tv else (region.op(v).shape, region.op(v).dtype)
@@ -211,7 +213,7 @@ def buffer_specs(region: Region, plan: DispatchPlan, env: dict[str, int],
     values = {}
     for v, how in (fill or {}).items():
         if v in region.inputs:
-            values[v] = (("choose_from", int(evaluate(parse(how["choose_from"]), env)))
+            values[v] = (tuple((k, int(evaluate(parse(e), env))) for k, e in how.items())[0]
                          if isinstance(how, dict) else int(evaluate(parse(how), env)))
     return Buffers({v: meta(v) for v in region.inputs},
                    {o: meta(o) for o in region.outputs}, values)
@@ -223,7 +225,11 @@ def make_buffers(b: Buffers, device: str, seed: int = 0):
     gen.manual_seed(seed)
     inputs = {v: _random(shape, dtype, device, gen) for v, (shape, dtype) in b.inputs.items()}
     for v, how in b.fill.items():
-        if isinstance(how, tuple):  # ("choose_from", n): each row distinct values below n
+        if isinstance(how, tuple) and how[0] == "even_offsets":
+            n = inputs[v].numel()
+            ends = torch.arange(1, n + 1, device=device) * how[1] // max(1, n)
+            inputs[v].copy_(ends.reshape(inputs[v].shape))
+        elif isinstance(how, tuple):  # ("choose_from", n): each row distinct values below n
             inputs[v].copy_(_choices(inputs[v].shape, how[1], device, gen))
         else:
             inputs[v].fill_(how)
