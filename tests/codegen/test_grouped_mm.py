@@ -142,12 +142,14 @@ def test_a_weight_read_through_other_views_runs_as_pytorchs_op_with_the_reason()
         assert _rel(exe(x, offs), model(x, offs)) < 1e-5
 
 
-@pytest.mark.parametrize("rows", [8, 512])  # a decode step's pairs, a prompt's
-def test_hopper_compiles_it_within_its_limits(rows):
-    """A Qwen3-MoE-sized expert product (128 experts, 2048 -> 1536, bf16), compile-only."""
-    model = Grouped(128, 2048, 1536, True, torch.bfloat16)
+@pytest.mark.parametrize("experts,rows", [(128, 8), (128, 512), (8, 1024)])
+def test_hopper_compiles_it_within_its_limits(experts, rows):
+    """A Qwen3-MoE-sized expert product (128 experts, 2048 -> 1536, bf16) at a decode
+    step's pairs and a prompt's, and few experts (Mixtral's 8: the 128 x 256 tile on
+    8 warps), compile-only."""
+    model = Grouped(experts, 2048, 1536, True, torch.bfloat16)
     x = torch.randn(rows, 2048, dtype=torch.bfloat16)
-    offs = (torch.arange(1, 129) * rows // 128).to(torch.int32)
+    offs = (torch.arange(1, experts + 1) * rows // experts).to(torch.int32)
     exe = kiln.compile(model, (x, offs), target="cuda:sm_90", options={"tune": "none"})
     (kernel,) = _grouped_kernels(exe)
     assert isinstance(kernel, TritonKernel) and kernel.binary.resources.spills == 0

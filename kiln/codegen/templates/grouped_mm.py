@@ -30,6 +30,7 @@ from kiln.codegen.build.spec import Config, KernelSpec
 from kiln.codegen.expr.emit import kernel_name, module_source
 from kiln.codegen.expr.kernel_args import SymbolicArgs
 from kiln.codegen.expr.values import CodegenUnsupported
+from kiln.codegen.templates.matmul import configs as matmul_configs
 from kiln.codegen.templates.matmul.template import dot_operand
 from kiln.codegen.templates.op_operands import operand_dtype as _dtype
 from kiln.codegen.templates.op_operands import operand_shape as _shape
@@ -102,27 +103,41 @@ def _weight(region: Region, w) -> tuple:
     return op.args[0], True
 
 
-def config_space(rows_hi: int | None) -> list[Config]:
-    """Tiles of BLOCK_M rows (16 for a decode step's few rows) by BLOCK_N columns."""
-    ms = (16, 32) if rows_hi is not None and rows_hi <= 64 else (16, 32, 64, 128)
-    out = []
-    for bm in ms:
-        for bn in (32, 64, 128):
-            for bk in (32, 64):
-                for warps in (4, 8):
-                    if bm * bn // (32 * warps) > 64 or (warps == 8 and bm * bn < 4096):
-                        continue
-                    out += [Config.make(warps, st, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+def config_space(rows_hi: int | None, target: Target, dtype) -> list[Config]:
+    """A decode step's tiles of 16 or 32 rows (each program streams its expert's
+    columns, so deep K steps too); a prompt's the matmul template's tiles for the
+    target (its Hopper list: up to 128 x 256 on 8 warps, each tile's neighbours)."""
+    if rows_hi is not None and rows_hi <= SPREAD_ROWS:
+        out = []
+        for bm in (16, 32):
+            for bn in (32, 64, 128):
+                for bk in (32, 64, 128):
+                    out += [Config.make(4, st, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
                             for st in (2, 3)]
-    return out
+        return out
+    tiles = matmul_configs.HOPPER if _hopper(target, dtype) else matmul_configs.CLASSIC
+    return [Config.make(w, st, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+            for bm, bn, bk, w, st in tiles if bm >= 16 and bn >= 32]
 
 
-def heuristic(target: Target, rows_hi: int | None) -> Config:
+def _hopper(target: Target, dtype) -> bool:
+    return (target.backend in ("cuda", "interpret") and isinstance(target.arch, int)
+            and target.arch >= 90 and dtype != torch.float32)
+
+
+FEW_EXPERTS = 16  # Mixtral's 8: hundreds of a prompt's rows each, the largest tile
+
+
+def heuristic(target: Target, rows_hi: int | None, experts: int, dtype) -> Config:
     if target.backend == "interpret":
         return Config.make(4, 1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
-    if rows_hi is not None and rows_hi <= 64:
+    if rows_hi is not None and rows_hi <= SPREAD_ROWS:
         return Config.make(4, 3, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
-    return Config.make(4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=32)
+    if not _hopper(target, dtype):
+        return Config.make(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=32)
+    if experts <= FEW_EXPERTS:
+        return Config.make(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64)
+    return Config.make(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64)
 
 
 def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
@@ -160,8 +175,8 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     tunables = ["BLOCK_M", "BLOCK_N", "BLOCK_K"]
     params = p.names() + [f"{t}: tl.constexpr" for t in tunables]
     source = module_source(name, params, body, set(), target, p.describe())
-    configs = config_space(rows_hi)
-    default = heuristic(target, rows_hi)
+    configs = config_space(rows_hi, target, dtype)
+    default = heuristic(target, rows_hi, E, dtype)
     if default not in configs:
         configs.insert(0, default)
     grid = (f"cdiv({p.grid(S)}, BLOCK_M) * cdiv({N}, BLOCK_N)" if spread else

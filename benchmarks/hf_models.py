@@ -1,0 +1,132 @@
+"""Models people bring: transformers causal LMs that kiln's zoo does not have, compiled
+with `kiln.compile` as written (no kiln-specific code), against eager and torch.compile.
+
+Why: kiln is a compiler, not a model zoo. The CPU sweep (NOTES.md) shows 56 of 57
+transformers families match eager; this measures whether they are also fast on a GPU,
+where transformers 5's MoE layers run their experts through a grouped GEMM by offsets
+(aten._grouped_mm; kiln generates its own, templates/grouped_mm.py).
+
+Each model: a few layers at a real model's widths, random weights, bf16, one forward over
+`--tokens` tokens (`use_cache=False`); kiln and torch.compile each compile once (first
+call timed), then the median of timed calls; error = ||out - eager|| / ||eager|| over the
+logits.
+
+GPU:  PYTHONPATH=. python benchmarks/hf_models.py --out $OUT/hf_models.json
+CPU smoke: PYTHONPATH=. python benchmarks/hf_models.py --device cpu --small
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from measure import rel_err, sync, timed_ms
+
+import kiln
+
+# name: (transformers class prefix, config kwargs at the real widths, layers)
+MODELS = {
+    "qwen3-moe-30b-a3b": ("Qwen3Moe", dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, vocab_size=151936, norm_topk_prob=True), 4),
+    "qwen3-8b": ("Qwen3", dict(
+        hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936), 4),
+    "mixtral-8x7b": ("Mixtral", dict(
+        hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+        vocab_size=32000), 2),
+}
+SMALL = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+             num_local_experts=4, vocab_size=256)
+
+
+def build(name: str, small: bool, device: str, dtype):
+    import transformers
+
+    prefix, kw, layers = MODELS[name]
+    cls = getattr(transformers, f"{prefix}Config")
+    if small:
+        kw = {k: SMALL.get(k, v) for k, v in kw.items()}
+    torch.manual_seed(0)
+    cfg = cls(num_hidden_layers=layers, **kw)
+    cfg._attn_implementation = "sdpa"
+    model = getattr(transformers, f"{prefix}ForCausalLM")(cfg)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def first_call_s(fn, device) -> float:
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def run(name: str, args) -> dict:
+    dtype = getattr(torch, args.dtype)
+    model = build(name, args.small, args.device, dtype)
+    vocab = model.config.vocab_size
+    ids = torch.randint(3, vocab, (1, args.tokens), device=args.device)
+    row = {"model": name, "tokens": args.tokens, "dtype": args.dtype,
+           "layers": model.config.num_hidden_layers}
+    with torch.no_grad():
+        ref = model(ids, use_cache=False).logits
+        row["eager_ms"] = timed_ms(lambda: model(ids, use_cache=False), args.device)
+        forms = {"kiln": None, "torch.compile": None}
+        t0 = time.perf_counter()
+        target = "cuda" if args.device == "cuda" else "cpu"
+        forms["kiln"] = kiln.compile(model, (ids,), {"use_cache": False}, target=target)
+        row["kiln_compile_s"] = time.perf_counter() - t0 + first_call_s(
+            lambda: forms["kiln"](ids, use_cache=False), args.device)
+        fallbacks = [r for r in forms["kiln"].plan.regions
+                     if type(forms["kiln"].program.kplan.kernels[r.name]).__name__
+                     == "TorchKernel" and any(o.target.startswith(("aten._grouped", "transf"))
+                                              for o in r.ops)]
+        row["kiln_grouped_as_torch"] = len(fallbacks)  # the tuner's choice, or why not
+        row["kiln_grouped_notes"] = sorted({r.notes[-1][:300] for r in fallbacks if r.notes})
+        if not args.skip_torch_compile:
+            forms["torch.compile"] = torch.compile(model)
+            row["torch_compile_s"] = first_call_s(
+                lambda: forms["torch.compile"](ids, use_cache=False), args.device)
+        for form, fn in forms.items():
+            if fn is None:
+                continue
+            out = fn(ids, use_cache=False).logits
+            key = form.replace(".", "_")
+            row[f"{key}_rel_err"] = rel_err(out, ref)
+            row[f"{key}_ms"] = timed_ms(lambda f=fn: f(ids, use_cache=False), args.device)
+    if "torch_compile_ms" in row:
+        row["kiln_vs_torch_compile"] = row["kiln_ms"] / row["torch_compile_ms"]
+    row["kiln_vs_eager"] = row["kiln_ms"] / row["eager_ms"]
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--small", action="store_true", help="tiny widths (smoke test)")
+    ap.add_argument("--skip-torch-compile", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    rows = []
+    for name in args.models:
+        try:
+            rows.append(run(name, args))
+        except Exception as e:  # one model's failure is a result, not the end of the run
+            rows.append({"model": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+        print(json.dumps(rows[-1]), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if args.device == "cuda"
+                       else "cpu", "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
