@@ -11,8 +11,16 @@ Each model: a few layers at a real model's widths, random weights, bf16, one for
 call timed), then the median of timed calls; error = ||out - eager|| / ||eager|| over the
 logits.
 
-GPU:  PYTHONPATH=. python benchmarks/hf_models.py --out $OUT/hf_models.json
-CPU smoke: PYTHONPATH=. python benchmarks/hf_models.py --device cpu --small
+`--decode`: the model through transformers' own static-cache export recipe
+(TorchExportableModuleWithStaticCache: a KV cache of `--tokens` + 8 positions, its
+forward taking input_ids and cache_position), as someone exporting an HF model would
+write it: kiln compiles it twice, a prompt module (dynamic length) and a one-token module
+replayed as CUDA graphs, both writing the recipe module's cache; eager runs the recipe
+module, torch.compile the same module (mode "reduce-overhead": its CUDA graphs). Timed:
+one decode step at position `--tokens` after the prompt; error over that step's logits.
+
+GPU:  PYTHONPATH=. python benchmarks/hf_models.py [--decode] --out $OUT/hf_models.json
+CPU smoke: PYTHONPATH=. python benchmarks/hf_models.py --device cpu --small [--decode]
 """
 
 from __future__ import annotations
@@ -105,6 +113,62 @@ def run(name: str, args) -> dict:
     return row
 
 
+def run_decode(name: str, args) -> dict:
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    dtype = getattr(torch, args.dtype)
+    model = build(name, args.small, args.device, dtype)
+    model.generation_config.cache_implementation = "static"
+    cache_len = args.tokens + 8
+
+    def recipe():
+        return TorchExportableModuleWithStaticCache(model, batch_size=1,
+                                                    max_cache_len=cache_len,
+                                                    device=args.device)
+
+    vocab = model.config.vocab_size
+    prompt = torch.randint(3, vocab, (1, args.tokens), device=args.device)
+    pos0 = torch.arange(args.tokens, device=args.device)
+    tok = torch.randint(3, vocab, (1, 1), device=args.device)
+    pos = torch.tensor([args.tokens], device=args.device)
+    row = {"model": name, "mode": "decode", "context": args.tokens, "dtype": args.dtype,
+           "layers": model.config.num_hidden_layers}
+    target = "cuda" if args.device == "cuda" else "cpu"
+    with torch.no_grad():
+        eager = recipe()
+        eager(input_ids=prompt, cache_position=pos0)
+        ref = eager(input_ids=tok, cache_position=pos)
+        row["eager_ms"] = timed_ms(lambda: eager(input_ids=tok, cache_position=pos), args.device)
+        mod = recipe()
+        t0 = time.perf_counter()
+        T = kiln.Dim("T", min=2, max=cache_len)
+        fill = kiln.compile(mod, (), {"input_ids": prompt, "cache_position": pos0},
+                            dynamic_shapes={"input_ids": {1: T}, "cache_position": {0: T}},
+                            target=target)
+        step = kiln.compile(mod, (), {"input_ids": tok, "cache_position": pos}, target=target)
+        if args.device == "cuda":
+            step = step.cuda_graphs()
+        fill(input_ids=prompt, cache_position=pos0)
+        out = step(input_ids=tok, cache_position=pos)
+        sync(args.device)
+        row["kiln_compile_s"] = time.perf_counter() - t0
+        row["kiln_rel_err"] = rel_err(out, ref)
+        row["kiln_ms"] = timed_ms(lambda: step(input_ids=tok, cache_position=pos), args.device)
+        if not args.skip_torch_compile:
+            tc_mod = recipe()
+            tc = torch.compile(tc_mod, mode="reduce-overhead" if args.device == "cuda"
+                               else None)
+            tc_mod(input_ids=prompt, cache_position=pos0)
+            row["torch_compile_s"] = first_call_s(
+                lambda: tc(input_ids=tok, cache_position=pos), args.device)
+            row["torch_compile_rel_err"] = rel_err(tc(input_ids=tok, cache_position=pos), ref)
+            row["torch_compile_ms"] = timed_ms(lambda: tc(input_ids=tok, cache_position=pos),
+                                               args.device)
+            row["kiln_vs_torch_compile"] = row["kiln_ms"] / row["torch_compile_ms"]
+    row["kiln_vs_eager"] = row["kiln_ms"] / row["eager_ms"]
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -113,12 +177,14 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="tiny widths (smoke test)")
     ap.add_argument("--skip-torch-compile", action="store_true")
+    ap.add_argument("--decode", action="store_true",
+                    help="a decode step through transformers' static-cache export recipe")
     ap.add_argument("--out")
     args = ap.parse_args()
     rows = []
     for name in args.models:
         try:
-            rows.append(run(name, args))
+            rows.append((run_decode if args.decode else run)(name, args))
         except Exception as e:  # one model's failure is a result, not the end of the run
             rows.append({"model": name, "error": f"{type(e).__name__}: {e}"[:2000]})
         print(json.dumps(rows[-1]), flush=True)
