@@ -138,6 +138,21 @@ def test_export_failure_carries_torchs_explanation(model, line, capfd):
     assert "def forward" not in capfd.readouterr().err  # torch's partial graph is not dumped
 
 
+def test_a_data_dependent_guard_in_library_code_names_torchs_cause(monkeypatch):
+    """With no frame of the user's (transformers' BioGpt under a dynamic length: its
+    mask helper guards on a data-dependent size), the library line torch names."""
+    from kiln.frontend import export
+
+    monkeypatch.setattr(export, "user_frame", lambda text: None)
+    with pytest.raises(ExportError) as e:
+        kiln.compile(Branchy(), (torch.randn(3),))
+    assert e.value.where.endswith("(library code the model calls)")
+    assert export._caused_by("x\nCaused by: (transformers/masking_utils.py:229 in "
+                             "prepare_padding_mask)\n") == (
+        "transformers/masking_utils.py:229 in prepare_padding_mask "
+        "(library code the model calls)")
+
+
 class ChecksItsArguments(torch.nn.Module):
     """Raises by itself, as transformers' Bamba does with its default config (its cache
     has no attention layer to ask for a length): eager PyTorch raises the same."""

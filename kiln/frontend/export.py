@@ -130,6 +130,13 @@ def _quiet_failure():
     real_stderr.write(captured.getvalue())
 
 
+def _caused_by(text: str) -> str | None:
+    """The library line torch names as the guard's cause ('Caused by: (file:line in fn)'),
+    where no frame is the user's own (a transformers model's mask helper, say)."""
+    found = re.search(r"Caused by: \(([^()]*)\)", text)
+    return f"{found.group(1)} (library code the model calls)" if found else None
+
+
 def _export_error(e: Exception) -> KilnError:
     """The kiln error for a torch.export failure: what kind of problem, the user's line."""
     text = str(e).strip()
@@ -141,7 +148,7 @@ def _export_error(e: Exception) -> KilnError:
         return ExportError(
             "the model branches on, or sizes a tensor by, the value of a tensor "
             "(data-dependent), which torch.export cannot capture",
-            where=where or _first_line(text),
+            where=where or _caused_by(text) or _first_line(text),
             hint="compute with tensors instead of Python decisions on them (torch.where or "
             "masks; torch.cond for real branches) and avoid .item()/.tolist()/int(tensor) in "
             "forward." + said,
