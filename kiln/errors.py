@@ -121,6 +121,25 @@ def user_frame(stack_trace: str | None) -> str | None:
     return best
 
 
+def library_frame(stack_trace: str | None) -> str | None:
+    """The innermost frame of `stack_trace` in transformers (a model library's code the
+    user did not write), as user_frame gives it: where no frame is the user's own, the
+    library line that did it beats torch's message."""
+    spec = importlib.util.find_spec("transformers")
+    roots = [os.path.abspath(p) for p in (spec.submodule_search_locations or [])] \
+        if spec is not None else []
+    best = None
+    lines = (stack_trace or "").rstrip().splitlines()
+    for i, line in enumerate(lines):
+        m = _FRAME.search(line)
+        if m and any(_under(os.path.abspath(m.group("file")), r) for r in roots):
+            nxt = lines[i + 1] if i + 1 < len(lines) else ""
+            code = nxt.strip() if not _FRAME.search(nxt) else ""
+            best = f"{m.group('file')}:{m.group('line')} in {m.group('fn')}" + (
+                f": {code}" if code else "")
+    return best
+
+
 @functools.cache
 def _internal_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(directories whose frames are library code, kiln directories that are user code).

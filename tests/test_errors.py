@@ -153,6 +153,22 @@ def test_a_data_dependent_guard_in_library_code_names_torchs_cause(monkeypatch):
         "(library code the model calls)")
 
 
+def test_library_frame_is_the_innermost_transformers_line():
+    """Where no frame is the user's (transformers' OPT slicing its positions by a cached
+    length read from data), the transformers line, not torch's message."""
+    transformers = pytest.importorskip("transformers")
+    from kiln.errors import library_frame
+
+    root = transformers.__path__[0]
+    tb = (f'  File "/home/me/run.py", line 3, in <module>\n    kiln.compile(m, ())\n'
+          f'  File "{root}/models/opt/modeling_opt.py", line 361, in forward\n'
+          "    position_ids = position_ids[:, past_seen_tokens:]\n"
+          f'  File "{torch.__path__[0]}/_tensor.py", line 10, in __index__\n    x\n')
+    assert library_frame(tb) == (f"{root}/models/opt/modeling_opt.py:361 in forward: "
+                                 "position_ids = position_ids[:, past_seen_tokens:]")
+    assert library_frame('  File "/home/me/run.py", line 3, in <module>\n') is None
+
+
 class ChecksItsArguments(torch.nn.Module):
     """Raises by itself, as transformers' Bamba does with its default config (its cache
     has no attention layer to ask for a length): eager PyTorch raises the same."""

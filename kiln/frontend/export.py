@@ -29,6 +29,7 @@ from kiln.errors import (
     KilnWarning,
     ShapeError,
     UnsupportedOpError,
+    library_frame,
     user_frame,
 )
 from kiln.frontend.decompositions import DECOMPOSE, FALLBACKS, OVERRIDES
@@ -148,7 +149,8 @@ def _export_error(e: Exception) -> KilnError:
         return ExportError(
             "the model branches on, or sizes a tensor by, the value of a tensor "
             "(data-dependent), which torch.export cannot capture",
-            where=where or _caused_by(text) or _first_line(text),
+            where=where or _caused_by(text) or library_frame(
+                "".join(traceback.format_tb(e.__traceback__))) or _first_line(text),
             hint="compute with tensors instead of Python decisions on them (torch.where or "
             "masks; torch.cond for real branches) and avoid .item()/.tolist()/int(tensor) in "
             "forward." + said,
