@@ -195,7 +195,10 @@ def _export_error(e: Exception) -> KilnError:
             where=user_frame("".join(traceback.format_tb(e.__traceback__))),
             hint="pass use_cache=False (kiln.compile(model, args, kwargs={'use_cache': "
             "False}), or set model.config.use_cache = False) to compile the forward pass "
-            "without it; for generation with a KV cache use kiln.models.load(checkpoint)")
+            "without it; for generation with a KV cache use kiln.models.load(checkpoint) "
+            "(Llama, Mistral, Qwen2/3, Qwen3-Next, DeepSeek-V3) or compile transformers' "
+            "static-cache export recipe (transformers.integrations.executorch."
+            "TorchExportableModuleWithStaticCache; README, 'Models kiln does not know')")
     if unknown:
         return ExportError(
             f"the model's {unknown.group(2)} holds a {unknown.group(1)}, a type torch.export "

@@ -145,6 +145,7 @@ def test_hf_causal_lm_with_default_config(name):
     with pytest.raises(ExportError) as e:  # the default config returns a DynamicCache
         kiln.compile(model, (ids,))
     assert "DynamicCache" in str(e.value) and "use_cache=False" in str(e.value)
+    assert "TorchExportableModuleWithStaticCache" in e.value.hint  # decode: the recipe
     exe = kiln.compile(model, (ids,), {"use_cache": False})
     fresh = torch.randint(0, 100, (2, 9))
     with torch.no_grad():
