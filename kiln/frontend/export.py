@@ -117,17 +117,23 @@ def _unknown_dataclass(text: str) -> str | None:
 
 @contextlib.contextmanager
 def _quiet_failure():
-    """On a failed export torch logs a warning and prints the partial graph to stderr;
-    kiln's error (with torch's explanation) says it better, so on failure that output is
-    dropped. On success whatever torch printed is passed through."""
-    lg = logging.getLogger("torch.fx.experimental.symbolic_shapes")
-    old_level, real_stderr, captured = lg.level, sys.stderr, io.StringIO()
-    lg.setLevel(logging.ERROR)
+    """On a failed export torch logs a warning and prints the partial graph to stderr,
+    and its fake tensors log the failing op's whole traceback (an op whose shapes do
+    not fit); kiln's error (with torch's explanation) says it better, so on failure that
+    output is dropped. On success whatever torch printed is passed through."""
+    quiet = {"torch.fx.experimental.symbolic_shapes": logging.ERROR,
+             "torch._subclasses.fake_tensor": logging.CRITICAL}
+    loggers = {logging.getLogger(name): level for name, level in quiet.items()}
+    old_levels = {lg: lg.level for lg in loggers}
+    real_stderr, captured = sys.stderr, io.StringIO()
+    for lg, level in loggers.items():
+        lg.setLevel(level)
     try:
         with contextlib.redirect_stderr(captured):
             yield
     finally:
-        lg.setLevel(old_level)
+        for lg, level in old_levels.items():
+            lg.setLevel(level)
     real_stderr.write(captured.getvalue())
 
 
