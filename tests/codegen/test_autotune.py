@@ -330,7 +330,7 @@ def fake_gpu(monkeypatch):
         benched.append(config)
         return times[config]
 
-    def outputs(kernel, inputs, like, env):  # what each config computes: times["wrong"]
+    def outputs(kernel, inputs, like, env, inplace=None):  # each config's: times["wrong"]
         config = getattr(kernel, "config", None)
         return {"out": torch.full((4,), 2.0 if config in times.get("wrong", ()) else 1.0)}
 
@@ -614,6 +614,35 @@ def test_mismatch_compares_floating_outputs_where_the_reference_is_finite():
                                      "i": torch.tensor([1, 2])}, want)
     half = {"o": torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)}
     assert mismatch({"o": half["o"] * 1.02}, half) is None  # within 16-bit rounding
+
+
+def test_an_inplace_output_is_checked_over_a_copy_of_the_input_it_writes():
+    """A cache write's kernel stores only the rows it writes (its output is the cache
+    at run time): the tuner's check runs it, and the torch form, over a copy of the
+    cache passed as that output, not over an empty buffer whose other rows are garbage
+    (every such kernel was judged wrong, or right by the allocator's luck)."""
+    from kiln.codegen.autotune.timing import inplace_inputs
+    from kiln.codegen.autotune.verify import mismatch, outputs
+
+    class RowWrite:  # the kernel: row 2 stored in place, nothing else
+        def run(self, inputs, outs, env):
+            assert outs["o"].data_ptr() == inputs["cache"].data_ptr()
+            outs["o"][2] = inputs["rows"][0]
+
+    class Functional:  # the torch form: the whole written cache
+        def run(self, inputs, outs, env):
+            outs["o"].copy_(inputs["cache"].index_copy(0, torch.tensor([2]), inputs["rows"]))
+
+    cache = torch.full((64, 8), float("nan")).normal_()
+    ins = {"cache": cache, "rows": torch.randn(1, 8)}
+    kept = cache.clone()
+    region = Region("r", RegionKind.COPY, [], ["cache", "rows"], ["o"], inplace={"o": "cache"})
+    inplace = inplace_inputs(region)
+    assert inplace == {"o": "cache"}
+    want = outputs(Functional(), ins, {"o": cache}, {}, inplace)
+    got = outputs(RowWrite(), ins, {"o": cache}, {}, inplace)
+    assert mismatch(got, want) is None
+    assert torch.equal(ins["cache"], kept)  # each run wrote its own copy
 
 
 @pytest.mark.parametrize("options,named", [

@@ -65,8 +65,9 @@ def measure(task: dict) -> dict:
         return {"ms": median(samples), "samples": samples}
     if task["what"] == "time":
         return {"ms": timed_ms(kernel, inputs, outs, sizes)}
-    want = outputs(TorchKernel(task["region"], task["device"]), inputs, outs, sizes)
-    return {"mismatch": mismatch(outputs(kernel, inputs, outs, sizes), want)}
+    inplace = task["buffers"].inplace
+    want = outputs(TorchKernel(task["region"], task["device"]), inputs, outs, sizes, inplace)
+    return {"mismatch": mismatch(outputs(kernel, inputs, outs, sizes, inplace), want)}
 
 
 def fault_of(e: BaseException) -> str | None:

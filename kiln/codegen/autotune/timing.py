@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from statistics import median
 
 import torch
@@ -185,11 +185,18 @@ class Buffers:
     which makes the tensors in its own CUDA context (make_buffers).
 
     inputs / outputs: value name -> (shape, dtype); fill: input name -> an integer
-    value, or ("choose_from", n) for distinct random values below n per row."""
+    value, or ("choose_from", n) for distinct random values below n per row; inplace:
+    output -> the input it is written over (verify.outputs)."""
 
     inputs: dict[str, tuple[tuple[int, ...], torch.dtype]]
     outputs: dict[str, tuple[tuple[int, ...], torch.dtype]]
     fill: dict[str, int | tuple[str, int]]
+    inplace: dict[str, str] = field(default_factory=dict)
+
+
+def inplace_inputs(region: Region) -> dict[str, str]:
+    """The region's outputs written over one of its inputs: output -> that input."""
+    return {o: s for o, s in region.inplace.items() if o in region.outputs and s in region.inputs}
 
 
 def buffer_specs(region: Region, plan: DispatchPlan, env: dict[str, int],
@@ -216,7 +223,7 @@ def buffer_specs(region: Region, plan: DispatchPlan, env: dict[str, int],
             values[v] = (tuple((k, int(evaluate(parse(e), env))) for k, e in how.items())[0]
                          if isinstance(how, dict) else int(evaluate(parse(how), env)))
     return Buffers({v: meta(v) for v in region.inputs},
-                   {o: meta(o) for o in region.outputs}, values)
+                   {o: meta(o) for o in region.outputs}, values, inplace_inputs(region))
 
 
 def make_buffers(b: Buffers, device: str, seed: int = 0):

@@ -76,6 +76,7 @@ from kiln.codegen.autotune.timing import (
     buffer_specs,
     example_buffers,
     gpu_for,
+    inplace_inputs,
     low_env,
     sizes_bucket,
     timing_env,
@@ -607,9 +608,11 @@ class _InProcessRuns:
         return Ran(self._timed[config])
 
     def verify(self, config, binary) -> Ran:
+        inplace = inplace_inputs(self.region)
         if self._want is None:
-            self._want = outputs(self._kernel(None, None), self.inputs, self.outs, self.env)
-        got = outputs(self._kernel(config, binary), self.inputs, self.outs, self.env)
+            self._want = outputs(self._kernel(None, None), self.inputs, self.outs, self.env,
+                                 inplace)
+        got = outputs(self._kernel(config, binary), self.inputs, self.outs, self.env, inplace)
         return Ran(mismatch(got, self._want))
 
 

@@ -23,10 +23,20 @@ TOLERANCE = {torch.float32: 1e-2, torch.float64: 1e-6, torch.float16: 0.1,
              torch.bfloat16: 0.1}
 
 
-def outputs(kernel, inputs: dict, like: dict, env: dict) -> dict[str, torch.Tensor]:
-    """`kernel`'s outputs on `inputs`, in fresh buffers shaped as `like`."""
+def outputs(kernel, inputs: dict, like: dict, env: dict,
+            inplace: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """`kernel`'s outputs on `inputs`, in fresh buffers shaped as `like`.
+
+    An output the region writes in place over an input (`inplace`: output -> input, as
+    Region.inplace) starts as a copy of that input and is passed as it, as at run time:
+    a cache write's kernel stores only the rows it writes, and an empty buffer's other
+    rows would be judged as its (garbage) output. `inputs` stay unchanged."""
     outs = {name: torch.empty_like(t) for name, t in like.items()}
-    kernel.run(inputs, outs, env)
+    ins = dict(inputs)
+    for out, state in (inplace or {}).items():
+        outs[out] = inputs[state].clone()
+        ins[state] = outs[out]
+    kernel.run(ins, outs, env)
     return outs
 
 
