@@ -41,9 +41,11 @@ SHAPES = {"q_a": (1536, 7168), "kv_a": (576, 7168), "o": (7168, 16384),
           "l_gu": (14336, 4096), "l_down": (4096, 14336)}
 FORMS = ("ptr", "ptr_T", "ptr_delay", "tma", "dtma", "pers_host", "pers_host2", "pers_dev",
          "pers_dev2", "pers_ws")
-# (BM, BN, warps, stages); BN <= 128: one weight scale a tile
+# (BM, BN, warps, stages); BN <= 128: one weight scale a tile (the tma form takes 256 too)
 CONFIGS = [(128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3), (64, 128, 4, 4),
            (64, 128, 4, 5), (128, 64, 4, 4), (128, 128, 4, 3)]
+# 256-column tiles: two warp groups share each x tile (tma form only)
+WIDE = [(64, 128, 4, 3), (64, 256, 8, 3), (64, 256, 8, 4), (128, 256, 8, 3), (128, 128, 8, 3)]
 SMALL = [(128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 4, 3)]
 
 
@@ -100,13 +102,21 @@ def gemm_tma(xq, a_desc, xs, w, b_desc, ws, out, M, N, K, KB, XS_M, XS_K,
     off_m, off_n = pid_m * BM, pid_n * BN
     rm = off_m + tl.arange(0, BM)
     as_ptrs = xs + (rm % M) * XS_M
-    bs_ptrs = ws + (off_n // 128) * KB
+    if BN <= 128:  # one weight block a tile: one scale a step
+        bs_ptrs = ws + (off_n // 128) * KB
+    else:  # a scale per column
+        bs_ptrs = ws + (((off_n + tl.arange(0, BN)) % N) // 128) * KB
     acc = tl.zeros([BM, BN], tl.float32)
     for kb in range(0, KB):
         a = a_desc.load([off_m, kb * 128])
         b = b_desc.load([off_n, kb * 128])
-        scale = tl.load(as_ptrs + kb * XS_K) * tl.load(bs_ptrs + kb)
-        acc += tl.dot(a, b.T, out_dtype=tl.float32) * scale[:, None]
+        if BN <= 128:
+            scale = tl.load(as_ptrs + kb * XS_K) * tl.load(bs_ptrs + kb)
+            acc += tl.dot(a, b.T, out_dtype=tl.float32) * scale[:, None]
+        else:
+            a_s = tl.load(as_ptrs + kb * XS_K)
+            b_s = tl.load(bs_ptrs + kb)
+            acc += tl.dot(a, b.T, out_dtype=tl.float32) * (a_s[:, None] * b_s[None, :])
     om, on = rm[:, None], (off_n + tl.arange(0, BN))[None, :]
     tl.store(out + om * N + on, acc.to(tl.bfloat16), mask=(om < M) & (on < N))
 
@@ -252,10 +262,10 @@ def main(argv=None):
     ap.add_argument("--m", default="2048")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--forms", default=",".join(FORMS))
-    ap.add_argument("--configs", choices=["all", "small"], default="all")
+    ap.add_argument("--configs", choices=["all", "small", "wide"], default="all")
     a = ap.parse_args(argv)
     rows = run([int(m) for m in a.m.split(",")], a.shapes.split(","), a.forms.split(","),
-               SMALL if a.configs == "small" else CONFIGS)
+               {"small": SMALL, "wide": WIDE}.get(a.configs, CONFIGS))
     with open(a.out, "w") as f:
         json.dump(rows, f, indent=1)
 
