@@ -158,12 +158,7 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
         f"E: tl.constexpr = {E}", f"EP: tl.constexpr = {_pow2(E)}",
         f"pid = tl.program_id(0){wide}",
         "tiles_n = tl.cdiv(N, BLOCK_N)",
-    ]
-    rows_hi = bounds_of(S, plan.symbols).hi
-    spread = rows_hi is not None and rows_hi <= SPREAD_ROWS
-    body += (["pid_m = pid // tiles_n", "pid_n = pid % tiles_n"] if spread
-             else _grouped_order(E))
-    body += [
+        "pid_m = pid // tiles_n", "pid_n = pid % tiles_n",
         "rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)",
         "rk = tl.arange(0, BLOCK_K)",
         "n_ok = rn < N",
@@ -171,6 +166,8 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
         "live = eo < E",
         f"ends = tl.load({op} + eo, mask=live, other=0).to(tl.int64)",
     ]
+    rows_hi = bounds_of(S, plan.symbols).hi
+    spread = rows_hi is not None and rows_hi <= SPREAD_ROWS
     product = _product(xp, wp, w_at, dtype, target)
     body += (_spread(op, outp, product, dtype, wide) if spread
              else _expert_tiles(op, outp, product, dtype, wide))
@@ -216,23 +213,6 @@ def _rows_of(op: str) -> list[str]:
     return [f"start = tl.load({op} + tl.maximum(e - 1, 0)).to(tl.int64)",
             "start = tl.where(e > 0, start, 0)",
             f"end = tl.load({op} + e).to(tl.int64)"]
-
-
-GROUP_M = 8  # row tiles that take turns on each weight tile while it is in L2
-
-
-def _grouped_order(experts: int) -> list[str]:
-    """A prompt's programs in groups of GROUP_M row tiles, each group walking the
-    columns together: an expert's consecutive row tiles read each weight tile while it
-    is in L2. Row tile after row tile (each walking all of N) read an expert's whole
-    matrix once per row tile: Mixtral's 8 experts (4 row tiles of 128 each, 235 MB of
-    weight apiece) read ~7.5 GB for ~1.9 GB of weights."""
-    return [f"GROUP_M: tl.constexpr = {GROUP_M}",
-            f"tiles_m = tl.cdiv(S, BLOCK_M) + {experts}  # the grid's row tiles",
-            "in_group = GROUP_M * tiles_n", "first_m = (pid // in_group) * GROUP_M",
-            "group_m = tl.minimum(tiles_m - first_m, GROUP_M)",
-            "pid_m = first_m + (pid % in_group) % group_m",
-            "pid_n = (pid % in_group) // group_m"]
 
 
 def _expert_tiles(op: str, outp: str, product: list[str], dtype, wide: str) -> list[str]:
