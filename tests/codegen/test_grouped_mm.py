@@ -114,6 +114,26 @@ def test_a_prompts_tiles_cut_per_expert_over_random_offsets(seed):
     assert torch.equal(got[len(owners):], torch.zeros(7, 24))
 
 
+def test_a_prompts_experts_of_several_row_and_column_tiles():
+    """Few experts of several 16-row tiles each and several 32-column tiles: every
+    (row tile, column tile) program of the grid's cdiv(S, 16) + 3 row tiles finds its
+    expert and columns; the rows in no expert come out zero."""
+    model = Grouped(3, 16, 80, True, op="transformers")
+    counts = torch.tensor([70, 0, 57])
+    offs = counts.cumsum(0).to(torch.int32)
+    rows = int(offs[-1]) + 5
+    exe = kiln.compile(model, (torch.randn(rows, 16), offs), target="interpret")
+    (kernel,) = _grouped_kernels(exe)
+    assert isinstance(kernel, TritonKernel)
+    x = torch.randn(rows, 16)
+    with torch.no_grad():
+        got = exe(x, offs)
+    owners = torch.repeat_interleave(torch.arange(3), counts)
+    ref = torch.einsum("rk,rnk->rn", x[: len(owners)], model.w[owners])
+    assert _rel(got[: len(owners)], ref) < 1e-5
+    assert torch.equal(got[len(owners):], torch.zeros(5, 80))
+
+
 def test_a_dynamic_row_count_and_new_offsets_at_each_call():
     torch.manual_seed(1)
     model = Grouped(4, 16, 24, True, op="transformers")
