@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 from kiln.codegen.autotune.cache import ChoiceCache
-from kiln.codegen.autotune.quarantine import CRASH, FailureKey, Quarantine
+from kiln.codegen.autotune.quarantine import CRASH, WRONG, WRONG_CHECK, FailureKey, Quarantine
 from kiln.codegen.build.spec import Config
 from kiln.target import get_target
 from tests.codegen.test_autotune import W4, add_spec, tune
@@ -47,6 +47,19 @@ def test_unreadable_quarantine_records_block_nothing():
         assert q.get(key) is None and q.blocked(key) is None and q.all() == []
     choice, _ = tune(SPEC, tune="fast")
     assert choice.kind == "triton"
+
+
+def test_a_wrong_verdict_of_an_older_output_check_is_retried():
+    """`wrong` records written before the in-place check (WRONG_CHECK 2) had judged
+    correct KV-cache write kernels wrong: such a record blocks nothing; a new one does."""
+    q = Quarantine()
+    key = FailureKey.of(SPEC, W4, get_target("cuda:sm_90"))
+    q.record(key, WRONG, "planted", "add", "test")
+    assert q.blocked(key) is not None and q.get(key).check == WRONG_CHECK
+    old = json.loads(q._path(key).read_text())
+    del old["check"]  # as the first check wrote it
+    q._path(key).write_text(json.dumps(old))
+    assert q.get(key).kind == WRONG and q.blocked(key) is None
 
 
 def test_a_cache_directory_that_cannot_be_written(tmp_path, monkeypatch, caplog):

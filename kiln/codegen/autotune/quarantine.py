@@ -12,6 +12,7 @@ and, for the kinds that are facts about that key, never compiles it again:
                 Triton's OutOfResources)                              never retried
     wrong       compiled and ran, but its outputs differ from the torch
                 form where another config's agree (verify.py)          never retried
+                (unless judged by an older check: WRONG_CHECK)
     runtime_fault  compiled, but running it on the GPU faulted (illegal or
                 misaligned address, launch failure), crashed or hung
                 the run worker (run_worker.py)                          never retried
@@ -48,6 +49,10 @@ log = logging.getLogger("kiln.codegen")
 CRASH, HANG, OVER_LIMIT, WRONG, ERROR = "crash", "hang", "over_limit", "wrong", "error"
 RUNTIME_FAULT = "runtime_fault"
 NEVER_RETRIED = frozenset({CRASH, HANG, OVER_LIMIT, WRONG, RUNTIME_FAULT})
+# the output check's version: `wrong` verdicts of an older check are retried. 2: an
+# in-place region (a KV-cache write) is checked over a copy of its state; the first
+# check gave it an empty output buffer and judged correct kernels wrong
+WRONG_CHECK = 2
 
 
 def _read(path: Path) -> Failure | None:
@@ -100,9 +105,12 @@ class Failure:
     kernel: str  # the kernel's name, for people reading the records
     compile_fn: str
     when: float
+    check: int = 0  # WRONG_CHECK when kind is WRONG (records before it: 0)
 
     @property
     def never_retried(self) -> bool:
+        if self.kind == WRONG:
+            return self.check == WRONG_CHECK
         return self.kind in NEVER_RETRIED
 
 
@@ -123,7 +131,8 @@ class Quarantine:
 
     def record(self, key: FailureKey, kind: str, reason: str, kernel: str,
                compile_fn: str) -> Failure:
-        f = Failure(key, kind, reason, kernel, compile_fn, time.time())
+        f = Failure(key, kind, reason, kernel, compile_fn, time.time(),
+                    WRONG_CHECK if kind == WRONG else 0)
         path = self._path(key)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         try:
