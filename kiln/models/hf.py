@@ -134,7 +134,7 @@ def config_from_hf(hf: dict, where: str = "config.json",
     """Map a Hugging Face config.json (dict) onto LlamaConfig (or Qwen3NextConfig for a
     Qwen3-Next checkpoint); reject what kiln cannot run."""
     fam = family(hf, where)
-    check_config_values(hf, where)
+    check_config_values(hf, where, head_dim_from_hidden=fam != "qwen3_next")  # 256 there
     if fam == "qwen3_next":
         return Qwen3NextConfig.from_hf(hf, context_length(hf, where, max_seq_len), where)
     act = hf.get("hidden_act", "silu")

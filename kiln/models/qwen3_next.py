@@ -52,6 +52,14 @@ from kiln.models.llama import attention_mask, rotate_half
 from kiln.models.moe import Experts, RoutedMoE, set_decode_batch, use_expert_form
 
 LAYER_TYPES = ("linear_attention", "full_attention")
+# transformers' Qwen3NextConfig defaults for the keys a config.json may leave out (or
+# null): transformers builds the checkpoint's model from them, so kiln must too; its own
+# Llama-style fallbacks had built another model (num_experts_per_tok 1 for 10 routed
+# each token to fewer experts without a word; head_dim hidden / heads for 256 refused
+# the checkpoint's tensors)
+HF_DEFAULTS = {"num_key_value_heads": 2, "head_dim": 256, "num_experts": 512,
+               "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+               "shared_expert_intermediate_size": 512}
 
 
 @dataclass
@@ -106,6 +114,10 @@ class Qwen3NextConfig:
         if kind != "default":
             raise CheckpointError(f"RoPE type {kind!r} is not supported for Qwen3-Next",
                                   where=where, hint="kiln runs its default RoPE")
+
+        def opt(key):
+            return HF_DEFAULTS[key] if hf.get(key) is None else hf[key]
+
         try:
             n = hf["num_hidden_layers"]
             types = hf.get("layer_types") or [
@@ -119,8 +131,7 @@ class Qwen3NextConfig:
                 vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=n,
                 layer_types=tuple(types),
                 n_heads=hf["num_attention_heads"],
-                n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-                head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+                n_kv_heads=opt("num_key_value_heads"), head_dim=opt("head_dim"),
                 rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
                 partial_rotary_factor=rope.get("partial_rotary_factor",
                                                hf.get("partial_rotary_factor", 0.25)),
@@ -131,10 +142,9 @@ class Qwen3NextConfig:
                 linear_v_dim=hf["linear_value_head_dim"],
                 conv_kernel=hf.get("linear_conv_kernel_dim", 4),
                 intermediate_size=hf["intermediate_size"],
-                n_experts=hf.get("num_experts", 0),
-                experts_per_token=hf.get("num_experts_per_tok", 1),
-                moe_intermediate_size=hf.get("moe_intermediate_size", 0),
-                shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0),
+                n_experts=opt("num_experts"), experts_per_token=opt("num_experts_per_tok"),
+                moe_intermediate_size=opt("moe_intermediate_size"),
+                shared_expert_intermediate_size=opt("shared_expert_intermediate_size"),
                 norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
                 decoder_sparse_step=hf.get("decoder_sparse_step", 1),
                 mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),

@@ -268,6 +268,23 @@ def test_bad_config_and_paged_cache_are_refused(checkpoint, llm):
         llm.model.setup_cache(paged=True)
 
 
+def test_keys_config_json_leaves_out_take_transformers_defaults(checkpoint):
+    """transformers builds the checkpoint's model from its own defaults for a key the
+    config.json lacks; kiln's Llama-style ones (experts per token 1, head_dim hidden /
+    heads, KV heads = heads) built another model, one silently (top-1 routing for 10)."""
+    transformers = pytest.importorskip("transformers")
+    left_out = {"num_key_value_heads": "n_kv_heads", "head_dim": "head_dim",
+                "num_experts": "n_experts", "num_experts_per_tok": "experts_per_token",
+                "moe_intermediate_size": "moe_intermediate_size",
+                "shared_expert_intermediate_size": "shared_expert_intermediate_size"}
+    short = {k: v for k, v in read_json(checkpoint[0] / "config.json").items()
+             if k not in left_out}
+    ours, theirs = config_from_hf(short), transformers.Qwen3NextConfig.from_dict(short)
+    for hf_key, key in left_out.items():
+        assert getattr(ours, key) == getattr(theirs, hf_key), hf_key
+    assert config_from_hf({**short, "head_dim": None}).head_dim == theirs.head_dim
+
+
 def test_multi_token_prediction_weights_are_skipped_unknown_ones_refused(llm, tmp_path):
     from kiln.models.hf import check_tensors
 
