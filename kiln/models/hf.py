@@ -62,6 +62,8 @@ def read_json(path: Path) -> dict:
 # config.json entries that are sizes or counts: positive ints when present (null only
 # for NULLABLE ones, which then take their defaults)
 NULLABLE = ("num_key_value_heads", "head_dim", "sliding_window", "q_lora_rank")
+# counts that may be 0: Qwen3-Next with num_experts 0 has a dense MLP in every layer
+MAY_BE_ZERO = ("num_experts",)
 SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "intermediate_size", "head_dim",
              "max_position_embeddings", "sliding_window", "moe_intermediate_size",
@@ -72,9 +74,9 @@ SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_he
 
 
 def check_config_values(hf: dict, where: str, head_dim_from_hidden: bool = True) -> None:
-    """Every size in config.json is a positive int, the heads divide as attention needs
-    and the RoPE entry is an object; a 0, -1 or "x" used to fail deep inside torch
-    (negative dims, // by zero) or as a raw TypeError."""
+    """Every size in config.json is a positive int (MAY_BE_ZERO's counts may be 0), the
+    heads divide as attention needs and the RoPE entry is an object; a 0, -1 or "x"
+    used to fail deep inside torch (negative dims, // by zero) or as a raw TypeError."""
     for key in ("rope_parameters", "rope_scaling"):
         if hf.get(key) is not None and not isinstance(hf[key], dict):
             raise CheckpointError(f"config.json's {key} is {hf[key]!r}, not an object",
@@ -83,8 +85,10 @@ def check_config_values(hf: dict, where: str, head_dim_from_hidden: bool = True)
         v = hf.get(key)
         if key not in hf or (v is None and key in NULLABLE):
             continue
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise CheckpointError(f"config.json's {key} is {v!r}, not a positive int",
+        least = 0 if key in MAY_BE_ZERO else 1
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise CheckpointError(f"config.json's {key} is {v!r}, not a "
+                                  f"{'non-negative' if least == 0 else 'positive'} int",
                                   where=where)
     heads, kv = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
     if heads and kv and heads % kv:

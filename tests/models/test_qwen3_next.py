@@ -285,6 +285,27 @@ def test_keys_config_json_leaves_out_take_transformers_defaults(checkpoint):
     assert config_from_hf({**short, "head_dim": None}).head_dim == theirs.head_dim
 
 
+def test_a_checkpoint_without_experts_runs_a_dense_mlp_in_every_layer(tmp_path):
+    """num_experts 0 is transformers' dense Qwen3-Next; it was refused as "not a
+    positive int"."""
+    from kiln.models.hf import load_checkpoint
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(2)
+    config = dict(CONFIG, num_experts=0, mlp_only_layers=[], num_hidden_layers=1,
+                  layer_types=["linear_attention"])
+    hf_model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**config))
+    hf_model.eval().save_pretrained(str(tmp_path))
+    model, _ = load_checkpoint(tmp_path, torch.float32, max_seq_len=16)
+    assert model.cfg.n_experts == 0 and hasattr(model.model.layers[0].mlp, "up_proj")
+    tokens = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got, ref = model(tokens, torch.arange(9)), hf_model(tokens, use_cache=False).logits
+    assert rel_err(got, ref) <= 1e-5
+    with pytest.raises(CheckpointError, match="num_experts is -1, not a non-negative int"):
+        config_from_hf({**read_json(tmp_path / "config.json"), "num_experts": -1})
+
+
 def test_multi_token_prediction_weights_are_skipped_unknown_ones_refused(llm, tmp_path):
     from kiln.models.hf import check_tensors
 
