@@ -70,7 +70,8 @@ SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_he
              "n_routed_experts", "num_experts", "num_experts_per_tok", "q_lora_rank",
              "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
              "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-             "linear_value_head_dim", "linear_conv_kernel_dim")
+             "linear_value_head_dim", "linear_conv_kernel_dim", "decoder_sparse_step",
+             "full_attention_interval")
 
 
 def check_config_values(hf: dict, where: str, head_dim_from_hidden: bool = True) -> None:

@@ -118,6 +118,20 @@ class Qwen3NextConfig:
         def opt(key):
             return HF_DEFAULTS[key] if hf.get(key) is None else hf[key]
 
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rotary = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+        eps = hf.get("rms_norm_eps", 1e-6)
+        for key, v, ok, want in (("rope_theta", theta, lambda x: x > 0, "a positive number"),
+                                 ("partial_rotary_factor", rotary, lambda x: 0 <= x <= 1,
+                                  "a number in [0, 1]"),
+                                 ("rms_norm_eps", eps, lambda x: x >= 0, "a number >= 0")):
+            if not isinstance(v, int | float) or isinstance(v, bool) or not ok(v):
+                raise CheckpointError(f"config.json's {key} is {v!r}, not {want}", where=where)
+        mlp_only = hf.get("mlp_only_layers") or []
+        if not isinstance(mlp_only, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in mlp_only):
+            raise CheckpointError(f"config.json's mlp_only_layers is {mlp_only!r}, not a list "
+                                  "of layer indices", where=where)
         try:
             n = hf["num_hidden_layers"]
             types = hf.get("layer_types") or [
@@ -127,14 +141,12 @@ class Qwen3NextConfig:
             if bad or len(types) != n:
                 raise CheckpointError(f"layer_types {types} is not {n} entries of "
                                       f"{', '.join(LAYER_TYPES)}", where=where)
-            return cls(
+            cfg = cls(
                 vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=n,
                 layer_types=tuple(types),
                 n_heads=hf["num_attention_heads"],
                 n_kv_heads=opt("num_key_value_heads"), head_dim=opt("head_dim"),
-                rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-                partial_rotary_factor=rope.get("partial_rotary_factor",
-                                               hf.get("partial_rotary_factor", 0.25)),
+                rope_theta=float(theta), partial_rotary_factor=rotary,
                 attention_bias=bool(hf.get("attention_bias", False)),
                 linear_k_heads=hf["linear_num_key_heads"],
                 linear_v_heads=hf["linear_num_value_heads"],
@@ -147,13 +159,29 @@ class Qwen3NextConfig:
                 shared_expert_intermediate_size=opt("shared_expert_intermediate_size"),
                 norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
                 decoder_sparse_step=hf.get("decoder_sparse_step", 1),
-                mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
-                norm_eps=hf.get("rms_norm_eps", 1e-6),
+                mlp_only_layers=tuple(mlp_only), norm_eps=eps,
                 max_seq_len=max_seq_len,
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             )
         except KeyError as e:
             raise CheckpointError(f"config.json lacks {e.args[0]!r}", where=where) from None
+        cfg.check_heads_and_experts(where)
+        return cfg
+
+    def check_heads_and_experts(self, where: str) -> None:
+        """What transformers leaves to fail in its forward (a view, a topk), said at load."""
+        for what, n, of in (("linear_num_value_heads", self.linear_v_heads,
+                             ("linear_num_key_heads", self.linear_k_heads)),
+                            ("num_attention_heads", self.n_heads,
+                             ("num_key_value_heads", self.n_kv_heads))):
+            if n % of[1]:
+                raise CheckpointError(f"{what} {n} is not a multiple of {of[0]} {of[1]}",
+                                      where=where, hint="each key head serves a whole "
+                                      "number of query / value heads")
+        if self.n_experts and self.experts_per_token > self.n_experts:
+            raise CheckpointError(f"num_experts_per_tok {self.experts_per_token} exceeds "
+                                  f"num_experts {self.n_experts}", where=where,
+                                  hint="a token is routed to k of the experts")
 
 
 def rope_tables(cfg: Qwen3NextConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -306,6 +306,34 @@ def test_a_checkpoint_without_experts_runs_a_dense_mlp_in_every_layer(tmp_path):
         config_from_hf({**read_json(tmp_path / "config.json"), "num_experts": -1})
 
 
+BAD_VALUES = {  # each had been a raw ZeroDivisionError / TypeError / ValueError, or an
+    # export failure deep in the model (topk over too few experts, a rotary dim > head_dim)
+    "decoder_sparse_step": (0, "decoder_sparse_step is 0, not a positive int"),
+    "full_attention_interval": (0, "full_attention_interval is 0"),
+    "mlp_only_layers": (1, "mlp_only_layers is 1, not a list"),
+    "partial_rotary_factor": (1.5, "partial_rotary_factor is 1.5, not a number in"),
+    "rope_theta": ("x", "rope_theta is 'x', not a positive number"),
+    "rms_norm_eps": ("x", "rms_norm_eps is 'x'"),
+    "num_experts_per_tok": (5, "num_experts_per_tok 5 exceeds num_experts 4"),
+    "linear_num_value_heads": (3, "linear_num_value_heads 3 is not a multiple of "
+                               "linear_num_key_heads 2"),
+}
+
+
+@pytest.mark.parametrize("key", list(BAD_VALUES))
+def test_config_values_transformers_would_fail_on_are_refused_at_load(checkpoint, key):
+    value, match = BAD_VALUES[key]
+    hf = read_json(checkpoint[0] / "config.json")
+    if key in ("partial_rotary_factor", "rope_theta"):
+        hf = {**hf, "rope_parameters": {**hf["rope_parameters"], key: value}}
+    elif key == "full_attention_interval":  # read only without layer_types
+        hf = {k: v for k, v in hf.items() if k != "layer_types"} | {key: value}
+    else:
+        hf = {**hf, key: value}
+    with pytest.raises(CheckpointError, match=match):
+        config_from_hf(hf)
+
+
 def test_multi_token_prediction_weights_are_skipped_unknown_ones_refused(llm, tmp_path):
     from kiln.models.hf import check_tensors
 
