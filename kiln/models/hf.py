@@ -62,19 +62,22 @@ def read_json(path: Path) -> dict:
 # config.json entries that are sizes or counts: positive ints when present (null only
 # for NULLABLE ones, which then take their defaults)
 NULLABLE = ("num_key_value_heads", "head_dim", "sliding_window", "q_lora_rank")
+# counts that may be 0: Qwen3-Next with num_experts 0 has a dense MLP in every layer
+MAY_BE_ZERO = ("num_experts",)
 SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "intermediate_size", "head_dim",
              "max_position_embeddings", "sliding_window", "moe_intermediate_size",
              "n_routed_experts", "num_experts", "num_experts_per_tok", "q_lora_rank",
              "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
              "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-             "linear_value_head_dim", "linear_conv_kernel_dim")
+             "linear_value_head_dim", "linear_conv_kernel_dim", "decoder_sparse_step",
+             "full_attention_interval")
 
 
 def check_config_values(hf: dict, where: str, head_dim_from_hidden: bool = True) -> None:
-    """Every size in config.json is a positive int, the heads divide as attention needs
-    and the RoPE entry is an object; a 0, -1 or "x" used to fail deep inside torch
-    (negative dims, // by zero) or as a raw TypeError."""
+    """Every size in config.json is a positive int (MAY_BE_ZERO's counts may be 0), the
+    heads divide as attention needs and the RoPE entry is an object; a 0, -1 or "x"
+    used to fail deep inside torch (negative dims, // by zero) or as a raw TypeError."""
     for key in ("rope_parameters", "rope_scaling"):
         if hf.get(key) is not None and not isinstance(hf[key], dict):
             raise CheckpointError(f"config.json's {key} is {hf[key]!r}, not an object",
@@ -83,8 +86,10 @@ def check_config_values(hf: dict, where: str, head_dim_from_hidden: bool = True)
         v = hf.get(key)
         if key not in hf or (v is None and key in NULLABLE):
             continue
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise CheckpointError(f"config.json's {key} is {v!r}, not a positive int",
+        least = 0 if key in MAY_BE_ZERO else 1
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise CheckpointError(f"config.json's {key} is {v!r}, not a "
+                                  f"{'non-negative' if least == 0 else 'positive'} int",
                                   where=where)
     heads, kv = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
     if heads and kv and heads % kv:
@@ -134,7 +139,7 @@ def config_from_hf(hf: dict, where: str = "config.json",
     """Map a Hugging Face config.json (dict) onto LlamaConfig (or Qwen3NextConfig for a
     Qwen3-Next checkpoint); reject what kiln cannot run."""
     fam = family(hf, where)
-    check_config_values(hf, where)
+    check_config_values(hf, where, head_dim_from_hidden=fam != "qwen3_next")  # 256 there
     if fam == "qwen3_next":
         return Qwen3NextConfig.from_hf(hf, context_length(hf, where, max_seq_len), where)
     act = hf.get("hidden_act", "silu")

@@ -52,6 +52,14 @@ from kiln.models.llama import attention_mask, rotate_half
 from kiln.models.moe import Experts, RoutedMoE, set_decode_batch, use_expert_form
 
 LAYER_TYPES = ("linear_attention", "full_attention")
+# transformers' Qwen3NextConfig defaults for the keys a config.json may leave out (or
+# null): transformers builds the checkpoint's model from them, so kiln must too; its own
+# Llama-style fallbacks had built another model (num_experts_per_tok 1 for 10 routed
+# each token to fewer experts without a word; head_dim hidden / heads for 256 refused
+# the checkpoint's tensors)
+HF_DEFAULTS = {"num_key_value_heads": 2, "head_dim": 256, "num_experts": 512,
+               "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+               "shared_expert_intermediate_size": 512}
 
 
 @dataclass
@@ -106,6 +114,24 @@ class Qwen3NextConfig:
         if kind != "default":
             raise CheckpointError(f"RoPE type {kind!r} is not supported for Qwen3-Next",
                                   where=where, hint="kiln runs its default RoPE")
+
+        def opt(key):
+            return HF_DEFAULTS[key] if hf.get(key) is None else hf[key]
+
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rotary = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+        eps = hf.get("rms_norm_eps", 1e-6)
+        for key, v, ok, want in (("rope_theta", theta, lambda x: x > 0, "a positive number"),
+                                 ("partial_rotary_factor", rotary, lambda x: 0 <= x <= 1,
+                                  "a number in [0, 1]"),
+                                 ("rms_norm_eps", eps, lambda x: x >= 0, "a number >= 0")):
+            if not isinstance(v, int | float) or isinstance(v, bool) or not ok(v):
+                raise CheckpointError(f"config.json's {key} is {v!r}, not {want}", where=where)
+        mlp_only = hf.get("mlp_only_layers") or []
+        if not isinstance(mlp_only, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in mlp_only):
+            raise CheckpointError(f"config.json's mlp_only_layers is {mlp_only!r}, not a list "
+                                  "of layer indices", where=where)
         try:
             n = hf["num_hidden_layers"]
             types = hf.get("layer_types") or [
@@ -115,15 +141,12 @@ class Qwen3NextConfig:
             if bad or len(types) != n:
                 raise CheckpointError(f"layer_types {types} is not {n} entries of "
                                       f"{', '.join(LAYER_TYPES)}", where=where)
-            return cls(
+            cfg = cls(
                 vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=n,
                 layer_types=tuple(types),
                 n_heads=hf["num_attention_heads"],
-                n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-                head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-                rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-                partial_rotary_factor=rope.get("partial_rotary_factor",
-                                               hf.get("partial_rotary_factor", 0.25)),
+                n_kv_heads=opt("num_key_value_heads"), head_dim=opt("head_dim"),
+                rope_theta=float(theta), partial_rotary_factor=rotary,
                 attention_bias=bool(hf.get("attention_bias", False)),
                 linear_k_heads=hf["linear_num_key_heads"],
                 linear_v_heads=hf["linear_num_value_heads"],
@@ -131,19 +154,34 @@ class Qwen3NextConfig:
                 linear_v_dim=hf["linear_value_head_dim"],
                 conv_kernel=hf.get("linear_conv_kernel_dim", 4),
                 intermediate_size=hf["intermediate_size"],
-                n_experts=hf.get("num_experts", 0),
-                experts_per_token=hf.get("num_experts_per_tok", 1),
-                moe_intermediate_size=hf.get("moe_intermediate_size", 0),
-                shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0),
+                n_experts=opt("num_experts"), experts_per_token=opt("num_experts_per_tok"),
+                moe_intermediate_size=opt("moe_intermediate_size"),
+                shared_expert_intermediate_size=opt("shared_expert_intermediate_size"),
                 norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
                 decoder_sparse_step=hf.get("decoder_sparse_step", 1),
-                mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
-                norm_eps=hf.get("rms_norm_eps", 1e-6),
+                mlp_only_layers=tuple(mlp_only), norm_eps=eps,
                 max_seq_len=max_seq_len,
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             )
         except KeyError as e:
             raise CheckpointError(f"config.json lacks {e.args[0]!r}", where=where) from None
+        cfg.check_heads_and_experts(where)
+        return cfg
+
+    def check_heads_and_experts(self, where: str) -> None:
+        """What transformers leaves to fail in its forward (a view, a topk), said at load."""
+        for what, n, of in (("linear_num_value_heads", self.linear_v_heads,
+                             ("linear_num_key_heads", self.linear_k_heads)),
+                            ("num_attention_heads", self.n_heads,
+                             ("num_key_value_heads", self.n_kv_heads))):
+            if n % of[1]:
+                raise CheckpointError(f"{what} {n} is not a multiple of {of[0]} {of[1]}",
+                                      where=where, hint="each key head serves a whole "
+                                      "number of query / value heads")
+        if self.n_experts and self.experts_per_token > self.n_experts:
+            raise CheckpointError(f"num_experts_per_tok {self.experts_per_token} exceeds "
+                                  f"num_experts {self.n_experts}", where=where,
+                                  hint="a token is routed to k of the experts")
 
 
 def rope_tables(cfg: Qwen3NextConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:

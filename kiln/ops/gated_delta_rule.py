@@ -30,6 +30,8 @@ for every chunk at once; the loop over chunks is three small matmuls each.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from kiln.errors import ArgumentError, DTypeError, ShapeError
@@ -51,6 +53,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    elif not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+        raise ArgumentError(f"scale must be a number, got {type(scale).__name__} {scale!r}",
+                            where="kiln.ops.gated_delta_rule",
+                            hint="a Python float that multiplies q; None for K ** -0.5")
     o, state = torch.ops.kiln.gated_delta_rule(q, k, v, g, beta, float(scale),
                                                initial_state, cu_seqlens)
     return o, (state if output_final_state else None)
@@ -73,6 +79,9 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
     if tuple(v.shape[:2]) != (B, T):
         raise ShapeError(f"v has shape {list(v.shape)}; its batch and time must be q's "
                          f"{[B, T]}", where=where)
+    if 0 in (H, K, HV, V):  # nothing to attend with; K ** -0.5 and HV % H divide by it
+        raise ShapeError(f"q has shape {list(q.shape)} and v {list(v.shape)}: head counts "
+                         "and head dims must be at least 1", where=where)
     if HV % H != 0:
         raise ShapeError(f"v has {HV} heads, not a multiple of q and k's {H}", where=where,
                          hint="each key head serves HV // H value heads")
@@ -87,16 +96,27 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
                              where=where)
     N = B
     if cu_seqlens is not None:
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ArgumentError(f"cu_seqlens must be a 1-d int32/int64 tensor, got "
-                                f"{cu_seqlens.dtype} of shape {list(cu_seqlens.shape)}",
-                                where=where)
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 \
+                or cu_seqlens.dtype not in (torch.int32, torch.int64) \
+                or cu_seqlens.shape[0] < 1:  # [0] at least: the fake op makes N + 1 - 1 states
+            got = (f"{cu_seqlens.dtype} of shape {list(cu_seqlens.shape)}"
+                   if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__)
+            raise ArgumentError(f"cu_seqlens must be a non-empty 1-d int32/int64 tensor, got "
+                                f"{got}", where=where,
+                                hint="torch.tensor([0, len_1, len_1 + len_2, ..., T], "
+                                "dtype=torch.int32)")
         if B != 1:
             raise ShapeError(f"with cu_seqlens the batch must be 1 (sequences packed along "
                              f"T), got B = {B}", where=where,
                              hint="concatenate the sequences along T into one row")
         N = cu_seqlens.shape[0] - 1
     if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor) \
+                or not initial_state.dtype.is_floating_point:  # read as fp32: ints would pass
+            got = (initial_state.dtype if isinstance(initial_state, torch.Tensor)
+                   else type(initial_state).__name__)
+            raise DTypeError(f"initial_state must be a floating-point tensor, got {got}",
+                             where=where, hint="one fp32 [HV, K, V] state per sequence")
         want = (N, HV, K, V)
         if tuple(initial_state.shape) != want:
             raise ShapeError(f"initial_state has shape {list(initial_state.shape)}, expected "

@@ -268,6 +268,72 @@ def test_bad_config_and_paged_cache_are_refused(checkpoint, llm):
         llm.model.setup_cache(paged=True)
 
 
+def test_keys_config_json_leaves_out_take_transformers_defaults(checkpoint):
+    """transformers builds the checkpoint's model from its own defaults for a key the
+    config.json lacks; kiln's Llama-style ones (experts per token 1, head_dim hidden /
+    heads, KV heads = heads) built another model, one silently (top-1 routing for 10)."""
+    transformers = pytest.importorskip("transformers")
+    left_out = {"num_key_value_heads": "n_kv_heads", "head_dim": "head_dim",
+                "num_experts": "n_experts", "num_experts_per_tok": "experts_per_token",
+                "moe_intermediate_size": "moe_intermediate_size",
+                "shared_expert_intermediate_size": "shared_expert_intermediate_size"}
+    short = {k: v for k, v in read_json(checkpoint[0] / "config.json").items()
+             if k not in left_out}
+    ours, theirs = config_from_hf(short), transformers.Qwen3NextConfig.from_dict(short)
+    for hf_key, key in left_out.items():
+        assert getattr(ours, key) == getattr(theirs, hf_key), hf_key
+    assert config_from_hf({**short, "head_dim": None}).head_dim == theirs.head_dim
+
+
+def test_a_checkpoint_without_experts_runs_a_dense_mlp_in_every_layer(tmp_path):
+    """num_experts 0 is transformers' dense Qwen3-Next; it was refused as "not a
+    positive int"."""
+    from kiln.models.hf import load_checkpoint
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(2)
+    config = dict(CONFIG, num_experts=0, mlp_only_layers=[], num_hidden_layers=1,
+                  layer_types=["linear_attention"])
+    hf_model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**config))
+    hf_model.eval().save_pretrained(str(tmp_path))
+    model, _ = load_checkpoint(tmp_path, torch.float32, max_seq_len=16)
+    assert model.cfg.n_experts == 0 and hasattr(model.model.layers[0].mlp, "up_proj")
+    tokens = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got, ref = model(tokens, torch.arange(9)), hf_model(tokens, use_cache=False).logits
+    assert rel_err(got, ref) <= 1e-5
+    with pytest.raises(CheckpointError, match="num_experts is -1, not a non-negative int"):
+        config_from_hf({**read_json(tmp_path / "config.json"), "num_experts": -1})
+
+
+BAD_VALUES = {  # each had been a raw ZeroDivisionError / TypeError / ValueError, or an
+    # export failure deep in the model (topk over too few experts, a rotary dim > head_dim)
+    "decoder_sparse_step": (0, "decoder_sparse_step is 0, not a positive int"),
+    "full_attention_interval": (0, "full_attention_interval is 0"),
+    "mlp_only_layers": (1, "mlp_only_layers is 1, not a list"),
+    "partial_rotary_factor": (1.5, "partial_rotary_factor is 1.5, not a number in"),
+    "rope_theta": ("x", "rope_theta is 'x', not a positive number"),
+    "rms_norm_eps": ("x", "rms_norm_eps is 'x'"),
+    "num_experts_per_tok": (5, "num_experts_per_tok 5 exceeds num_experts 4"),
+    "linear_num_value_heads": (3, "linear_num_value_heads 3 is not a multiple of "
+                               "linear_num_key_heads 2"),
+}
+
+
+@pytest.mark.parametrize("key", list(BAD_VALUES))
+def test_config_values_transformers_would_fail_on_are_refused_at_load(checkpoint, key):
+    value, match = BAD_VALUES[key]
+    hf = read_json(checkpoint[0] / "config.json")
+    if key in ("partial_rotary_factor", "rope_theta"):
+        hf = {**hf, "rope_parameters": {**hf["rope_parameters"], key: value}}
+    elif key == "full_attention_interval":  # read only without layer_types
+        hf = {k: v for k, v in hf.items() if k != "layer_types"} | {key: value}
+    else:
+        hf = {**hf, key: value}
+    with pytest.raises(CheckpointError, match=match):
+        config_from_hf(hf)
+
+
 def test_multi_token_prediction_weights_are_skipped_unknown_ones_refused(llm, tmp_path):
     from kiln.models.hf import check_tensors
 

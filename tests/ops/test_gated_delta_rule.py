@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import kiln
-from kiln.errors import ArgumentError, KilnError, ShapeError
+from kiln.errors import ArgumentError, DTypeError, KilnError, ShapeError
 from kiln.ops import gated_delta_rule
 from tests.helpers import rel_err
 
@@ -176,3 +176,30 @@ def test_cu_seqlens_needs_a_batch_of_one_and_valid_bounds():
         gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 5]))
     with pytest.raises(ArgumentError, match="int32/int64"):
         gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0.0, 6.0]))
+
+
+def test_bad_scale_empty_heads_state_and_cu_seqlens_are_kiln_errors():
+    """Each had reached a raw ValueError / ZeroDivisionError / AttributeError, an export
+    failure (cu_seqlens [] made -1 states), or ran an int state as if it were a float."""
+    q, k, v, g, beta = inputs(1, 5, 1, 2, 4, 4)
+    cases = [
+        (dict(scale="0.5"), ArgumentError, "scale must be a number"),
+        (dict(initial_state=torch.zeros(1, 2, 4, 4, dtype=torch.int32)), DTypeError,
+         "floating-point"),
+        (dict(initial_state=[[0.0]]), DTypeError, "floating-point"),
+        (dict(cu_seqlens=[0, 2, 5]), ArgumentError, "non-empty 1-d"),
+        (dict(cu_seqlens=torch.tensor([], dtype=torch.int32)), ArgumentError, "non-empty"),
+    ]
+    for kw, error, match in cases:
+        with pytest.raises(error, match=match):
+            gated_delta_rule(q, k, v, g, beta, **kw)
+    empty = torch.randn(1, 5, 1, 0)  # K = 0
+    with pytest.raises(ShapeError, match="at least 1"):
+        gated_delta_rule(empty, empty, v, g, beta)
+
+    class Packed(torch.nn.Module):
+        def forward(self, q, k, v, g, beta, cu):
+            return gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)[0]
+
+    with pytest.raises(ArgumentError, match="non-empty"):  # not an ExportError
+        kiln.compile(Packed(), (q, k, v, g, beta, torch.tensor([], dtype=torch.int32)))
