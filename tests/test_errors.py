@@ -211,6 +211,18 @@ def test_dynamic_dim_the_model_specialises():
     assert "B = 4" in e.value.hint  # torch's suggested fix
 
 
+def test_a_dynamic_dim_whose_example_is_1_says_to_give_a_larger_example():
+    """torch.export fixes a dim whose example size is 0 or 1 ("specialized it to be a
+    constant (1)"): the error says so, and the larger example works, size 1 included."""
+    dims = ({1: kiln.Dim("T", min=1, max=64)},)
+    with pytest.raises(ShapeError) as e:
+        kiln.compile(Add(), (torch.randn(2, 1), torch.randn(2, 1)), dynamic_shapes=dims * 2)
+    assert "T was fixed to 1" in e.value.what and "at least 2" in e.value.hint
+    exe = kiln.compile(Add(), (torch.randn(2, 2), torch.randn(2, 2)), dynamic_shapes=dims * 2)
+    x = torch.randn(2, 1)
+    assert torch.equal(exe(x, x), x + x)
+
+
 def test_dynamic_shapes_of_the_wrong_structure():
     x = torch.randn(4, 2)
     with pytest.raises(ShapeError, match="does not match the model's arguments") as e:

@@ -137,6 +137,12 @@ def _quiet_failure():
     real_stderr.write(captured.getvalue())
 
 
+# torch.export's words when a dynamic dim came out a constant 0 or 1 (its examples of 0
+# and 1 are taken as fixed sizes): almost always an example of that size
+_SMALL_EXAMPLE = re.compile(r"You marked (\w+) as dynamic but your code specialized it to "
+                            r"be a constant \(([01])\)")
+
+
 def _caused_by(text: str) -> str | None:
     """The library line torch names as the guard's cause ('Caused by: (file:line in fn)'),
     where no frame is the user's own (a transformers model's mask helper, say)."""
@@ -185,6 +191,15 @@ def _export_error(e: Exception) -> KilnError:
             + _first_line(text),
             hint="make every example size lie inside its Dim(min=, max=)",
         )
+    small = _SMALL_EXAMPLE.search(text)
+    if small:
+        dim, size = small.group(1), small.group(2)
+        return ShapeError(
+            f"the dynamic dim {dim} was fixed to {size}: torch.export fixes a dim whose "
+            "example size is 0 or 1", where=_first_line(text),
+            hint=f"give an example argument whose {dim} is at least 2 (the compiled module "
+            "still takes every size its Dim allows, 1 included); if the example is 2 or more "
+            "already, the model's code fixes the dim (a view or an assert).\n" + _tail(text))
     if "Constraints violated" in text or "specializ" in text or name == "UserError":
         return ShapeError(
             "the dynamic dims declared in dynamic_shapes do not hold for this model",
