@@ -59,7 +59,9 @@ class _Pairs:
                             (r, insert(self.kg, at, f, (theta,), like=x)), like=x)
                      for f in (aten.cos.default, aten.sin.default)]
             return _stack(self.kg, at, parts, x)
-        src = x.args[0] if x.args else None
+        if len(x.args) < 2 or x.kwargs:  # the ops below, spelled with their dims
+            return None
+        src = x.args[0]
         pairs = self.of(src, at)
         if pairs is None:
             return None
