@@ -250,6 +250,33 @@ def test_dynamic_dims_given_to_a_non_tensor_argument(kwargs, spec):
     assert "give None for it" in e.value.hint
 
 
+class StartPos(torch.nn.Module):
+    """Meta's Llama writes its KV cache at an int `start_pos`: cache[:, start:start + T]."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(1, 16, 4))
+
+    def forward(self, x, start_pos):
+        start = start_pos if isinstance(start_pos, int) else start_pos[0]
+        self.cache[:, start:start + x.shape[1]] = x
+        return self.cache[:, :start + x.shape[1]].sum(1)
+
+
+@pytest.mark.parametrize("start,spec", [
+    (3, (None, torch.export.Dim.DYNAMIC)),
+    (3, {"x": None, "start_pos": torch.export.Dim.AUTO}),
+    ((3, 0), (None, (torch.export.Dim.DYNAMIC, None))),  # seen only after export
+])
+def test_an_int_argument_made_dynamic(start, spec):
+    """A dynamic int has no tensor dim to bind its size symbol from at call time: it
+    reached region formation as an unknown value (a VerifierError, 'a kiln bug')."""
+    with pytest.raises(ShapeError, match=r"makes (argument 1|start_pos|argument 'start_pos_0') "
+                       r"\(a Python int\) dynamic") as e:
+        kiln.compile(StartPos(), (torch.randn(1, 1, 4), start), dynamic_shapes=spec)
+    assert "give None for it" in e.value.hint and "index_copy_" in e.value.hint
+
+
 class Misfit(torch.nn.Module):
     """A config whose sizes disagree, as transformers' CodeGen with rotary_dim 64 over
     16-wide heads: it fails run eagerly too."""

@@ -49,7 +49,7 @@ def save_weights(state: dict[str, torch.Tensor], directory: Path) -> dict:
     tensors: dict[str, torch.Tensor] = {}
     entries: dict[str, dict] = {}
     for name in sorted(state):
-        t = state[name].detach()
+        t = _storable(name, state[name].detach())
         entry = {"shape": list(t.shape), "dtype": encode_dtype(t.dtype)}
         key = _identity(t)
         if key in first and t.numel() > 0:
@@ -83,7 +83,7 @@ def save_shared_weights(states: dict[str, dict[str, torch.Tensor]],
     for module, state in states.items():
         mine = entries[module] = {}
         for name in sorted(state):
-            t = state[name].detach()
+            t = _storable(name, state[name].detach())
             ident, sized = _identity(t), t.numel() > 0
             is_empty = sized and ident in empty_ids
             key = keys.get(ident) if sized else None
@@ -108,6 +108,17 @@ def save_shared_weights(states: dict[str, dict[str, torch.Tensor]],
             mine[name] = entry
     save_file(stored, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     return entries
+
+
+def _storable(name: str, t: torch.Tensor) -> torch.Tensor:
+    """`t`, when safetensors can write its dtype (it raised a bare KeyError for others)."""
+    if t.dtype not in _ST_DTYPES.values():
+        raise ArtifactError(f"tensor {name!r} is {encode_dtype(t.dtype)}, which a "
+                            "safetensors file cannot hold",
+                            hint="safetensors holds real, integer, bool, fp8 and complex64 "
+                            "tensors: keep a complex128 table as complex64 (or as "
+                            "torch.view_as_real's float64 pairs)")
+    return t
 
 
 def _own_storage(t: torch.Tensor, storages: set[int]) -> torch.Tensor:
@@ -243,11 +254,16 @@ def _check_same_as(expected: dict[str, dict], where: Path) -> None:
                                 where=str(where / "manifest.json"), hint=_RECOMPILE)
 
 
+# Every dtype safetensors writes for torch, so whatever a plan holds loads back: Meta's
+# Llama keeps its RoPE table as complex64 (freqs_cis), which a load had refused as "None".
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
+    "BOOL": torch.bool, "C64": torch.complex64,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "F8_E8M0": torch.float8_e8m0fnu,
 }
 
 

@@ -285,6 +285,8 @@ def _check_dim_axes(model, args: tuple, kwargs: dict, dynamic_shapes) -> None:
                 f"{spec!r}, but only a tensor has dims",
                 hint="give None for it; a tuple lists the positional arguments, then the "
                 "keyword arguments in the order given (a dict by argument name is clearer)")
+        if isinstance(value, int | float) and not isinstance(value, bool) and spec is not None:
+            raise _dynamic_scalar(who, type(value).__name__)  # a Dim, Dim.DYNAMIC or AUTO
         if not isinstance(value, torch.Tensor) or not isinstance(spec, dict):
             continue
         for axis in spec:
@@ -482,6 +484,29 @@ def _data_dependent(node: fx.Node):
     )
 
 
+def _specialised(name: str, val):
+    """The value export specialised a non-tensor argument on. One made dynamic (an int
+    given Dim.DYNAMIC, as Meta's Llama passes `start_pos`) is a size symbol with no
+    tensor dim to read it from at call time: kiln binds sizes from tensor shapes only,
+    and the symbol reached region formation as an unknown value (a VerifierError)."""
+    if not isinstance(val, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return val
+    expr = val.node.expr
+    if expr.is_number:
+        return {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(val)](expr)
+    raise _dynamic_scalar(f"argument {name!r}", type(val).__name__[3:].lower())
+
+
+def _dynamic_scalar(who: str, kind: str) -> ShapeError:
+    return ShapeError(
+        f"dynamic_shapes makes {who} (a Python {kind}) dynamic; kiln reads dynamic sizes "
+        "from tensor dims only", where=who,
+        hint="give None for it (the module then takes the example's value; calling with "
+        "another is an error), or pass positions as a tensor: gpt-fast writes its KV "
+        "cache with index_copy_(dim, input_pos, k) and slices its mask buffer with "
+        "input_pos, so one module serves every position")
+
+
 def to_kiln_graph(ep: torch.export.ExportedProgram) -> KilnGraph:
     sig = ep.graph_signature
     kinds = {
@@ -496,7 +521,8 @@ def to_kiln_graph(ep: torch.export.ExportedProgram) -> KilnGraph:
             raise UnsupportedOpError("the model uses side-effecting ops (effect tokens)")
         val = vals.get(spec.arg.name)
         if kind == "user" and not isinstance(val, torch.Tensor):
-            inputs.append(GraphInput(spec.arg.name, "user_const", None, val))
+            inputs.append(GraphInput(spec.arg.name, "user_const", None,
+                                     _specialised(spec.arg.name, val)))
             continue
         inputs.append(GraphInput(spec.arg.name, kind, spec.target))
     outputs = []

@@ -47,7 +47,17 @@ def constants_as_buffers(ep: torch.export.ExportedProgram,
         ep.graph_module.recompile()
     for spec in kept:
         if spec.kind == InputKind.CONSTANT_TENSOR and _written(placeholders[spec.arg.name]):
-            where, _, _ = spec.target.rpartition(".")
+            where, _, leaf = spec.target.rpartition(".")
+            if _is_attribute(model, spec.target, ep.constants.get(spec.target)):
+                raise ExportError(
+                    f"the model writes in place to {leaf!r}, a plain tensor attribute of "
+                    f"module {where or '(the top module)'} that is no registered buffer: "
+                    "torch.export lifts it as a constant, and a compiled module cannot "
+                    "keep a constant's new values",
+                    where=f"module {where or '(the top module)'}",
+                    hint=f"register it where the module sets it: self.register_buffer("
+                         f"{leaf!r}, tensor, persistent=False) in place of self.{leaf} = "
+                         "tensor (Meta's Llama keeps its KV cache as plain attributes)")
             raise ExportError(
                 f"the model writes in place to a tensor it holds outside any module "
                 f"attribute (torch.export lifted it as the constant {spec.target!r}); a "
@@ -57,6 +67,17 @@ def constants_as_buffers(ep: torch.export.ExportedProgram,
                      "(module.register_buffer(name, tensor, persistent=False)) and keep "
                      "reading it where it is: kiln then reads it as that buffer")
     return ep
+
+
+def _is_attribute(model: torch.nn.Module, target: str, tensor) -> bool:
+    """Whether `tensor`, lifted under `target`, is that attribute of a module of `model`
+    (a tensor reached through a plain object is lifted as `lifted_tensor_N`)."""
+    owner, _, leaf = target.rpartition(".")
+    try:
+        module = model.get_submodule(owner)
+    except AttributeError:
+        return False
+    return tensor is not None and getattr(module, leaf, None) is tensor
 
 
 def _written(node: torch.fx.Node) -> bool:

@@ -4,25 +4,29 @@
    permute) and no identity ops, so every later matcher sees a single form.
 2. cse: merge repeated computations first, so a weight cast written twice is folded
    (and stored) once, and later passes see shared values as one node.
-3. fold_conv_scale: (CPU target) a per-channel scale and shift after a convolution
+3. complex_products: a complex multiply of pairs (Meta's RoPE: view_as_complex times
+   a complex64 table) as real arithmetic on the pairs, its table's pairs a constant,
+   so no complex value is left to run unfused; before folding, which it feeds.
+4. fold_conv_scale: (CPU target) a per-channel scale and shift after a convolution
    (eval BatchNorm) move into its weight and bias, as weight-only compute...
-4. fold_constants: ...which, with all weight-only compute, becomes constants while the
+5. fold_constants: ...which, with all weight-only compute, becomes constants while the
    graph still holds the user's own views of them (folding sees through canonical views).
-5. propagate_reshapes: move permutes / reshapes down through elementwise ops so
+6. propagate_reshapes: move permutes / reshapes down through elementwise ops so
    inverse pairs cancel; it may leave reshape chains behind...
-6. collapse_dims: ...which this composes, so no reshape reads a reshape and no
+7. collapse_dims: ...which this composes, so no reshape reads a reshape and no
    collapse -> expand -> collapse round trip remains.
-7. split_fp8_linear: an fp8 linear over more than a decode step's tokens becomes
+8. split_fp8_linear: an fp8 linear over more than a decode step's tokens becomes
    quantise-once + the block-scaled GEMM (two kernels instead of one that requantises
    x per output tile).
-8. patterns: label RMSNorm / RoPE / SwiGLU / attention on the final structure (labels
+9. patterns: label RMSNorm / RoPE / SwiGLU / attention on the final structure (labels
    do not survive rewrites, so they come after every rewriting pass).
-9. dce: drop whatever the rewrites left unused; establishes no-dead-code last so the
+10. dce: drop whatever the rewrites left unused; establishes no-dead-code last so the
    earlier passes need not clean up after each other.
 """
 
 from kiln.graph.canonicalize import canonicalize
 from kiln.graph.collapse_dims import collapse_dims
+from kiln.graph.complex_products import complex_products
 from kiln.graph.cse import cse
 from kiln.graph.dce import dce
 from kiln.graph.fold_constants import fold_constants
@@ -31,5 +35,5 @@ from kiln.graph.patterns import patterns
 from kiln.graph.propagate_reshapes import propagate_reshapes
 from kiln.graph.split_fp8_linear import split_fp8_linear
 
-GRAPH_PASSES = [canonicalize, cse, fold_conv_scale, fold_constants, propagate_reshapes,
-                collapse_dims, split_fp8_linear, patterns, dce]
+GRAPH_PASSES = [canonicalize, cse, complex_products, fold_conv_scale, fold_constants,
+                propagate_reshapes, collapse_dims, split_fp8_linear, patterns, dce]

@@ -153,7 +153,7 @@ def evaluate(nodes: list[fx.Node], weights) -> dict[fx.Node, torch.Tensor]:
         return {n: run(n).contiguous() for n in nodes}
 
 
-def _add_constant(kg: KilnGraph, node: fx.Node, value: torch.Tensor) -> fx.Node:
+def add_constant(kg: KilnGraph, node: fx.Node, value: torch.Tensor) -> fx.Node:
     """A new "constant" placeholder for `value`, after the existing weights."""
     key = STATE_PREFIX + node.name
     kg.state[key] = value
@@ -183,15 +183,15 @@ def fold_graph(kg: KilnGraph) -> int:
         return 0
     values = evaluate(folds, weights)
     for node in folds:
-        ph = _add_constant(kg, node, values[node])
+        ph = add_constant(kg, node, values[node])
         node.replace_all_uses_with(ph)
         log.info("folded %%%s into constant %s %s", node.name, ph.name, list(values[node].shape))
     eliminate_dead_code(kg)
-    _drop_unread(kg, weights)
+    drop_unread(kg, weights)
     return len(folds)
 
 
-def _drop_unread(kg: KilnGraph, weights: dict[fx.Node, torch.Tensor]) -> None:
+def drop_unread(kg: KilnGraph, weights: dict[fx.Node, torch.Tensor]) -> None:
     """Weights only the folded subgraphs read leave the graph, so the plan (and a GPU)
     never holds them. Their state entries stay: the model still owns them."""
     for node in weights:

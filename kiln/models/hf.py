@@ -149,6 +149,14 @@ def config_from_hf(hf: dict, where: str = "config.json",
     theta, kind, rope = rope_from_hf(hf, where, ROPE_TYPES)
     if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise CheckpointError("partial rotary embeddings are not supported", where=where)
+    factor = rope.get("factor")
+    if kind in ("linear", "llama3") and (not isinstance(factor, int | float)
+                                         or isinstance(factor, bool) or not factor > 0):
+        # rope_inv_freq divides by it: a missing one was a raw KeyError at load, a 0 NaN logits
+        raise CheckpointError(f"config.json's {kind} RoPE scaling has factor {factor!r}, "
+                              "not a positive number", where=where,
+                              hint="its \"factor\" is how many times the context is "
+                              "stretched (8.0 for Llama 3.1)")
     if kind == "llama3" and "original_max_position_embeddings" not in rope:
         rope["original_max_position_embeddings"] = hf.get("max_position_embeddings", 8192)
     max_seq_len = context_length(hf, where, max_seq_len)

@@ -177,3 +177,42 @@ def test_manifest_from_before_the_plan_held_dim_names(llama, tmp_path):
     del manifest["dim_names"]
     path.write_text(json.dumps(manifest))
     assert kiln.load(tmp_path / "old.kiln").plan.dim_names == {}
+
+
+class Table(nn.Module):
+    """A table read at positions given by the call, as Meta's Llama reads its complex64
+    RoPE table (`freqs_cis[input_pos]`): the plan holds the table itself."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.register_buffer("table", table, persistent=False)
+
+    def forward(self, x, pos):
+        row = self.table[pos]
+        return x + (torch.view_as_real(row).sum(-1) if row.is_complex() else row.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.uint16, torch.uint32])
+def test_every_dtype_safetensors_writes_loads_back(dtype, tmp_path, request):
+    """The load checked the file's dtype codes against a table that lacked C64 and the
+    unsigned ints: such a module saved, then failed to load ('is None[4]')."""
+    table = torch.polar(torch.ones(4), torch.arange(4.0)) if dtype is torch.complex64 \
+        else torch.arange(4).to(dtype)
+    model = Table(table)
+    x, pos = torch.randn(2), torch.tensor([1, 2])
+    exe = kiln.compile(model, (x, pos))
+    exe.save(tmp_path / "t.kiln")
+    request.getfixturevalue("no_compiler")
+    loaded = kiln.load(tmp_path / "t.kiln")
+    assert loaded.state["table"].dtype == dtype
+    pos = torch.tensor([3, 0])
+    _assert_identical(loaded(x, pos), model(x, pos))
+
+
+def test_a_dtype_safetensors_cannot_write_is_named_at_save(tmp_path):
+    table = torch.polar(torch.ones(4, dtype=torch.float64), torch.arange(4.0).double())
+    exe = kiln.compile(Table(table), (torch.randn(2), torch.tensor([1, 2])))
+    with pytest.raises(kiln.errors.ArtifactError, match="'table' is complex128") as e:
+        exe.save(tmp_path / "t.kiln")
+    assert "complex64" in e.value.hint
+    assert not (tmp_path / "t.kiln").exists()

@@ -56,6 +56,37 @@ def test_a_written_tensor_that_is_no_buffer_is_refused_with_what_to_do():
     assert "register_buffer" in text
 
 
+class MetaCache(torch.nn.Module):
+    """Meta's Llama keeps its KV cache as plain tensor attributes (self.cache_k =
+    torch.zeros(...)), written with a slice assignment."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache_k = torch.zeros(1, 8, 4)
+
+    def forward(self, x, pos):
+        self.cache_k[:, pos] = x
+        return self.cache_k.sum(1)
+
+
+class MetaLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention = MetaCache()
+
+    def forward(self, x, pos):
+        return self.attention(x, pos)
+
+
+def test_a_written_plain_tensor_attribute_is_named_as_one():
+    """The refusal said the tensor was held 'outside any module attribute'."""
+    with pytest.raises(ExportError) as e:
+        kiln.compile(MetaLayer(), (torch.randn(1, 2, 4), torch.tensor([0, 1])), target="cpu")
+    assert "'cache_k', a plain tensor attribute of module attention" in e.value.what
+    assert e.value.where == "module attention"
+    assert "self.register_buffer('cache_k', tensor, persistent=False)" in e.value.hint
+
+
 def _static_cache_module(cls_prefix: str, **extra):
     transformers = pytest.importorskip("transformers")
     executorch = pytest.importorskip("transformers.integrations.executorch")

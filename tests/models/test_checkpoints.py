@@ -146,6 +146,21 @@ def test_old_style_rope_config_maps_like_the_new_one():
     assert hf.config_from_hf(new) == hf.config_from_hf(old)
 
 
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "linear"},
+    {"type": "linear", "factor": 0},
+    {"rope_type": "llama3", "factor": "8", "original_max_position_embeddings": 8192},
+    {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+])
+def test_a_scaled_rope_without_a_positive_factor(scaling):
+    """Without a factor the load raised a raw KeyError; a factor of 0 gave NaN logits."""
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 16,
+              "rope_scaling": scaling}
+    with pytest.raises(CheckpointError, match=r"RoPE scaling has factor .*not a positive"):
+        hf.config_from_hf(config)
+
+
 def _live_llamas() -> set[int]:
     gc.collect()
     return {id(o) for o in gc.get_objects() if isinstance(o, Llama)}
