@@ -315,6 +315,18 @@ def test_config_variants_match_transformers(tmp_path):
     assert rel_err(torch.cat(out, dim=1), ref) <= 1e-5
 
 
+def test_first_k_dense_replace_past_the_last_layer_makes_every_layer_dense(tmp_path):
+    """transformers' default first_k_dense_replace (3) over a 2-layer model: all dense,
+    as transformers builds it (kiln refused the config)."""
+    hf_model = make_hf_model(seed=4, first_k_dense_replace=3)
+    hf_model.save_pretrained(str(tmp_path))
+    model, _ = ds.load_checkpoint(tmp_path, torch.float32, max_seq_len=16)
+    assert not any(isinstance(layer.mlp, MoE) for layer in model.model.layers)
+    tokens = torch.tensor([[4, 80, 15, 9, 33, 2]])
+    with torch.no_grad():
+        assert rel_err(model(tokens, torch.arange(6)), hf_model(tokens).logits) <= 1e-5
+
+
 def test_random_model_from_a_config(checkpoint):
     cfg = ds.config_from_hf(checkpoint[1].config.to_dict(), max_seq_len=16)
     model = ds.random_model(cfg, torch.bfloat16, seed=1)
