@@ -156,6 +156,11 @@ def rope_parameters(cfg: DeepseekV3Config) -> tuple[torch.Tensor, float, float]:
     if kind != "yarn":
         raise KilnError(f"RoPE scaling {kind!r} is not supported for DeepSeek-V3",
                         hint=f"supported: {', '.join(ROPE_TYPES)}")
+    missing = [k for k in ("factor", "original_max_position_embeddings") if s.get(k) is None]
+    if missing:
+        raise KilnError(f"YaRN RoPE scaling without {' or '.join(missing)}",
+                        where="DeepseekV3Config.rope_scaling",
+                        hint="YaRN stretches the original context by factor")
     factor = s["factor"]
     old_len = s["original_max_position_embeddings"]
     mscale, mscale_all = s.get("mscale"), s.get("mscale_all_dim")

@@ -66,8 +66,12 @@ def config_from_hf(hf_cfg: dict, where: str = "config.json",
                               hint="DeepSeek-V3 routes with sigmoid scores")
     theta, kind, rope = hf.rope_from_hf(hf_cfg, where, ROPE_TYPES)
     max_pos = hf_cfg.get("max_position_embeddings", hf.DEFAULT_MAX_SEQ_LEN)
-    if kind == "yarn" and rope.get("factor") is None:  # the reference's default
-        rope["factor"] = max_pos / rope["original_max_position_embeddings"]
+    if kind == "yarn":
+        # left out (older configs' rope_scaling): the model's context, as transformers
+        # fills it in; indexing for it was a raw KeyError
+        rope.setdefault("original_max_position_embeddings", max_pos)
+        if rope.get("factor") is None:  # the reference's default
+            rope["factor"] = max_pos / rope["original_max_position_embeddings"]
     max_seq_len = hf.context_length(hf_cfg, where, max_seq_len)
     kv_heads = hf_cfg.get("num_key_value_heads")
     if kv_heads is not None and kv_heads != hf_cfg.get("num_attention_heads"):

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from kiln.errors import CheckpointError, ShapeError
+from kiln.errors import CheckpointError, KilnError, ShapeError
 from kiln.models import deepseek_v3_checkpoint as ds
 from kiln.models.deepseek_v3 import DeepseekV3Config, rope_parameters
 from kiln.models.moe import MoE
@@ -288,6 +288,28 @@ def test_yarn_rope_matches_transformers(checkpoint):
     assert attn_factor == pytest.approx(ref_factor) and attn_factor != 1.0
     assert scale == pytest.approx(hf_model.model.layers[0].self_attn.scaling)
     assert scale != pytest.approx(cfg.qk_head_dim ** -0.5)
+
+
+def test_yarn_without_original_max_position_embeddings_is_transformers_default():
+    """An older config.json's rope_scaling may leave out original_max_position_embeddings:
+    transformers takes max_position_embeddings (kiln raised a raw KeyError). Without a
+    factor as well, a KilnError."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = {**CONFIG, "rope_theta": 10000.0, "rope_parameters": None,
+              "rope_scaling": {"type": "yarn", "factor": 4.0, "mscale": 1.0,
+                               "mscale_all_dim": 0.8}}
+    inv_freq, attn_factor, scale = rope_parameters(ds.config_from_hf(config))
+    hf_config = transformers.DeepseekV3Config(**config)  # fills rope_scaling in place
+    assert hf_config.rope_parameters["original_max_position_embeddings"] == 128
+    ref_freq, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config)
+    torch.testing.assert_close(inv_freq, ref_freq, rtol=1e-6, atol=0)
+    assert attn_factor == pytest.approx(ref_factor)
+    hf_attention = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention
+    assert scale == pytest.approx(hf_attention(hf_config, 0).scaling)
+    with pytest.raises(KilnError, match="YaRN RoPE scaling without factor"):
+        rope_parameters(DeepseekV3Config(rope_scaling={"rope_type": "yarn",
+                                                       "original_max_position_embeddings": 8}))
 
 
 def test_config_variants_match_transformers(tmp_path):
