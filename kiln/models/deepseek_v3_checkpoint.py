@@ -175,6 +175,8 @@ def tensor_map(model: DeepseekV3, found: dict) -> dict[str, tuple[str, int | Non
         if name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in found \
                 and dest not in want:
             continue  # read with its weight, to dequantise it (no Fp8Linear/Experts holds it)
+        if dest not in want and 0 in shape:
+            continue  # empty: transformers' zero-width shared expert (moe.MoE has none)
         if dest not in want or (slot is not None and not 0 <= slot < want[dest][0]):
             extra.append(name)
             continue
