@@ -69,7 +69,8 @@ def config_from_hf(hf_cfg: dict, where: str = "config.json",
     if kind == "yarn":
         # left out (older configs' rope_scaling): the model's context, as transformers
         # fills it in; indexing for it was a raw KeyError
-        rope.setdefault("original_max_position_embeddings", max_pos)
+        if rope.get("original_max_position_embeddings") is None:
+            rope["original_max_position_embeddings"] = max_pos
         if rope.get("factor") is None:  # the reference's default
             rope["factor"] = max_pos / rope["original_max_position_embeddings"]
     max_seq_len = hf.context_length(hf_cfg, where, max_seq_len)
