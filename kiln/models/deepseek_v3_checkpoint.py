@@ -21,7 +21,9 @@ is particular to DeepSeek-V3:
   scales, as stored: 1 byte a weight, most of V3's 671B), run by the fp8 grouped MoE
   op; without it they are dequantised into the model's dtype like every projection;
 - the multi-token-prediction layer (model.layers.<num_hidden_layers>...) is skipped;
-- the router's e_score_correction_bias stays fp32.
+- the router's e_score_correction_bias stays fp32, and so does its weight when the
+  checkpoint stores it fp32 (transformers does: it keeps the router in fp32 whatever the
+  model's dtype, and rounding it to bf16 changes some tokens' experts).
 
 Under tensor parallelism (kiln.models.load(..., tensor_parallel_size=T)) the model is
 built and compiled on the meta device and each rank reads only its slices
@@ -50,6 +52,7 @@ log = logging.getLogger("kiln.models")
 
 SCALE_SUFFIX = "_scale_inv"
 FP32_SUFFIXES = ("e_score_correction_bias",)
+ROUTER_WEIGHT = ".mlp.gate.weight"  # kept fp32 when stored fp32
 
 
 def config_from_hf(hf_cfg: dict, where: str = "config.json",
@@ -229,7 +232,8 @@ def _place(model: nn.Module, name: str, slot: int | None, t: torch.Tensor,
     current = getattr(module, attr)
     if current.dtype == torch.float8_e4m3fn:  # an Fp8Linear's weight, as stored
         dtype = current.dtype
-    elif name.endswith(FP32_SUFFIXES) or name.endswith(SCALE_SUFFIX):
+    elif name.endswith(FP32_SUFFIXES) or name.endswith(SCALE_SUFFIX) or (
+            name.endswith(ROUTER_WEIGHT) and t.dtype == torch.float32):
         dtype = torch.float32
     t = t.to(device=device, dtype=dtype)
     if slot is None and not isinstance(current, nn.Parameter):
@@ -291,6 +295,14 @@ def load_weights(model: DeepseekV3, found: dict, dtype: torch.dtype, device,
     model.tie_weights()
 
 
+def _stored_dtype(found: dict, name: str) -> str | None:
+    """The safetensors dtype ("F32", "BF16", ...) `name` is stored in, from its header."""
+    if name not in found:
+        return None
+    with safe_open(str(found[name][0]), framework="pt") as f:
+        return f.get_slice(name).get_dtype()
+
+
 def fp8_expert_layers(found: dict, cfg: DeepseekV3Config) -> list[int]:
     """The decoder layers whose routed experts the checkpoint stores in fp8 (expert 0's
     gate_proj comes with its block scales; tensor_map requires the rest)."""
@@ -324,10 +336,12 @@ def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
         model = DeepseekV3(cfg)
     if not weights:
         model = model.to(dtype)
-        for layer in model.model.layers:  # the router's correction stays fp32
+        for i, layer in enumerate(model.model.layers):  # as _place keeps them
             gate = getattr(layer.mlp, "gate", None)
             if gate is not None:
                 gate.e_score_correction_bias = gate.e_score_correction_bias.float()
+                if _stored_dtype(found, f"model.layers.{i}{ROUTER_WEIGHT}") == "F32":
+                    gate.weight = nn.Parameter(gate.weight.float(), requires_grad=False)
     if keep:
         use_fp8_layout(model, hf_cfg, where, stored=found)
         use_fp8_experts_layout(model, fp8_expert_layers(found, cfg))

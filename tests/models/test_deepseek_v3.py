@@ -262,6 +262,25 @@ def test_bfloat16_matches_transformers_in_bfloat16(checkpoint):
     assert rel_err(torch.cat(out, dim=1).float(), ref) <= 2e-2
 
 
+def test_router_weight_stored_fp32_stays_fp32_in_a_bfloat16_model(checkpoint, tmp_path):
+    """transformers keeps the router's weight fp32 in a bf16 model, and saves it so; kiln
+    rounded it to bf16 (at V3's sizes about 1.5% of tokens then pick other experts). One
+    stored bf16 stays bf16: the router computes in fp32 either way."""
+    path, _ = checkpoint
+    reference = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    reference.save_pretrained(str(tmp_path / "bf16"))
+    stored = reference.model.layers[MOE_LAYER].mlp.gate.weight
+    assert stored.dtype == torch.float32
+    model, _ = ds.load_checkpoint(tmp_path / "bf16", max_seq_len=16)
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(model.model.layers[MOE_LAYER].mlp.gate.weight, stored)
+    meta, _ = ds.load_checkpoint(tmp_path / "bf16", weights=False)  # a multi-device load's
+    assert meta.model.layers[MOE_LAYER].mlp.gate.weight.dtype == torch.float32
+    reference.to(torch.bfloat16).save_pretrained(str(tmp_path / "all_bf16"))
+    model, _ = ds.load_checkpoint(tmp_path / "all_bf16", max_seq_len=16)
+    assert model.model.layers[MOE_LAYER].mlp.gate.weight.dtype == torch.bfloat16
+
+
 def test_paged_latent_cache_matches_the_contiguous_one(checkpoint):
     model, _ = ds.load_checkpoint(checkpoint[0], torch.float32, max_seq_len=32)
     tokens = torch.randint(0, CONFIG["vocab_size"], (1, 10),
