@@ -336,6 +336,10 @@ def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
         model = DeepseekV3(cfg)
     if not weights:
         model = model.to(dtype)
+        # RoPE tables in fp32, as init_rope makes them when the ranks' weights arrive: a
+        # plan exported over bf16 ones dropped the model's casts, and its first call put
+        # fp32 latents into the bf16 cache
+        model.init_rope("meta")
         for i, layer in enumerate(model.model.layers):  # as _place keeps them
             gate = getattr(layer.mlp, "gate", None)
             if gate is not None:

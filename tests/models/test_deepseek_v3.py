@@ -281,6 +281,18 @@ def test_router_weight_stored_fp32_stays_fp32_in_a_bfloat16_model(checkpoint, tm
     assert model.model.layers[MOE_LAYER].mlp.gate.weight.dtype == torch.bfloat16
 
 
+def test_a_multi_device_load_exports_over_the_fp32_rope_tables_its_ranks_run_with(
+        checkpoint):
+    """weights=False (tensor parallelism) in bf16: the meta model's RoPE tables are fp32,
+    as LLM._materialize's init_rope makes them. They were bf16, so the exported plan had
+    no cast of them, and a TP=2 bf16 load failed its first call with a raw index_put
+    dtype error (fp32 latents into the bf16 cache)."""
+    meta, _ = ds.load_checkpoint(checkpoint[0], torch.bfloat16, weights=False)
+    assert meta.lm_head.weight.dtype == torch.bfloat16
+    assert meta.rope_cos.dtype == meta.rope_sin.dtype == torch.float32
+    assert meta.rope_cos.is_meta
+
+
 def test_paged_latent_cache_matches_the_contiguous_one(checkpoint):
     model, _ = ds.load_checkpoint(checkpoint[0], torch.float32, max_seq_len=32)
     tokens = torch.randint(0, CONFIG["vocab_size"], (1, 10),
