@@ -327,6 +327,12 @@ def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
     where = str(path / "config.json")
     hf_cfg = hf.read_json(path / "config.json")
     cfg = config_from_hf(hf_cfg, where, max_seq_len)
+    method = (hf_cfg.get("quantization_config") or {}).get("quant_method")
+    if method not in (None, "fp8"):  # else their tensors were "tensors the model lacks"
+        raise CheckpointError(f"quantization_config.quant_method {method!r} is not "
+                              "supported", where=where, hint="kiln reads DeepSeek-V3 "
+                              "weights unquantised or in DeepSeek's block-scaled fp8 "
+                              "(quant_method 'fp8'): load such a copy, or quantize='fp8'")
     keep = keeps_fp8(keep_fp8, hf_cfg, torch.device(device).type == "cuda", where)
     files = hf.weight_files(path)
     dtype = dtype or hf.checkpoint_dtype(hf_cfg) or (

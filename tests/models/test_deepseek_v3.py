@@ -410,6 +410,23 @@ def test_experts_not_divisible_into_groups_is_a_clear_error(tmp_path):
         DeepseekV3Config(n_group=2, topk_group=3, n_routed_experts=8)
 
 
+@pytest.mark.parametrize("method", ["awq", "compressed-tensors"])
+def test_other_quantizations_are_refused_by_name(tmp_path, checkpoint, method):
+    """An AWQ or compressed-tensors copy of a DeepSeek-V3 checkpoint: refused before any
+    tensor is read, naming the method (its qweight / weight_scale tensors were reported
+    as tensors the model lacks, hinting at layers or experts)."""
+    import kiln.models
+
+    for f in checkpoint[0].iterdir():
+        if f.name != "config.json":
+            (tmp_path / f.name).symlink_to(f)
+    config = json.loads((checkpoint[0] / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=f"quant_method '{method}' is not supported"):
+        kiln.models.load(tmp_path)
+
+
 def test_a_missing_expert_is_a_checkpoint_error(tmp_path, checkpoint):
     path, hf_model = checkpoint
     cfg = ds.config_from_hf(hf_model.config.to_dict())
