@@ -23,7 +23,8 @@ Same calling convention as llama.py. What differs:
 - YaRN RoPE: stretched frequencies, cos/sin scaled by the attention factor, and the
   softmax scale multiplied by mscale(factor, mscale_all_dim)^2.
 - Mixture of experts (moe.py) in every layer from first_k_dense_replace on; the
-  first ones keep a dense SwiGLU MLP. The multi-token-prediction layer is not built.
+  first ones keep a dense SwiGLU MLP (every layer when it is n_layers or more). The
+  multi-token-prediction layer is not built.
 
 Module names mirror Hugging Face's except the routed experts, which are stacked per
 layer ([n_experts, ...] tensors, see moe.py); the loader (deepseek_v3_checkpoint.py)
@@ -106,9 +107,10 @@ class DeepseekV3Config:
         if self.n_experts_per_tok > self.topk_group * per_group:
             bad(f"num_experts_per_tok {self.n_experts_per_tok} exceeds the "
                 f"{self.topk_group * per_group} experts of the {self.topk_group} kept groups")
-        if not 0 <= self.first_k_dense_replace <= self.n_layers:
-            bad(f"first_k_dense_replace {self.first_k_dense_replace} is outside "
-                f"[0, {self.n_layers}]")
+        # n_layers or more: every layer dense, as transformers builds it (a checkpoint cut
+        # to its first layers keeps its config's first_k_dense_replace)
+        if self.first_k_dense_replace < 0:
+            bad(f"first_k_dense_replace {self.first_k_dense_replace} is negative")
 
     @property
     def qk_head_dim(self) -> int:
@@ -154,6 +156,11 @@ def rope_parameters(cfg: DeepseekV3Config) -> tuple[torch.Tensor, float, float]:
     if kind != "yarn":
         raise KilnError(f"RoPE scaling {kind!r} is not supported for DeepSeek-V3",
                         hint=f"supported: {', '.join(ROPE_TYPES)}")
+    missing = [k for k in ("factor", "original_max_position_embeddings") if s.get(k) is None]
+    if missing:
+        raise KilnError(f"YaRN RoPE scaling without {' or '.join(missing)}",
+                        where="DeepseekV3Config.rope_scaling",
+                        hint="YaRN stretches the original context by factor")
     factor = s["factor"]
     old_len = s["original_max_position_embeddings"]
     mscale, mscale_all = s.get("mscale"), s.get("mscale_all_dim")

@@ -21,7 +21,9 @@ is particular to DeepSeek-V3:
   scales, as stored: 1 byte a weight, most of V3's 671B), run by the fp8 grouped MoE
   op; without it they are dequantised into the model's dtype like every projection;
 - the multi-token-prediction layer (model.layers.<num_hidden_layers>...) is skipped;
-- the router's e_score_correction_bias stays fp32.
+- the router's e_score_correction_bias stays fp32, and so does its weight when the
+  checkpoint stores it fp32 (transformers does: it keeps the router in fp32 whatever the
+  model's dtype, and rounding it to bf16 changes some tokens' experts).
 
 Under tensor parallelism (kiln.models.load(..., tensor_parallel_size=T)) the model is
 built and compiled on the meta device and each rank reads only its slices
@@ -50,6 +52,7 @@ log = logging.getLogger("kiln.models")
 
 SCALE_SUFFIX = "_scale_inv"
 FP32_SUFFIXES = ("e_score_correction_bias",)
+ROUTER_WEIGHT = ".mlp.gate.weight"  # kept fp32 when stored fp32
 
 
 def config_from_hf(hf_cfg: dict, where: str = "config.json",
@@ -66,8 +69,13 @@ def config_from_hf(hf_cfg: dict, where: str = "config.json",
                               hint="DeepSeek-V3 routes with sigmoid scores")
     theta, kind, rope = hf.rope_from_hf(hf_cfg, where, ROPE_TYPES)
     max_pos = hf_cfg.get("max_position_embeddings", hf.DEFAULT_MAX_SEQ_LEN)
-    if kind == "yarn" and rope.get("factor") is None:  # the reference's default
-        rope["factor"] = max_pos / rope["original_max_position_embeddings"]
+    if kind == "yarn":
+        # left out (older configs' rope_scaling): the model's context, as transformers
+        # fills it in; indexing for it was a raw KeyError
+        if rope.get("original_max_position_embeddings") is None:
+            rope["original_max_position_embeddings"] = max_pos
+        if rope.get("factor") is None:  # the reference's default
+            rope["factor"] = max_pos / rope["original_max_position_embeddings"]
     max_seq_len = hf.context_length(hf_cfg, where, max_seq_len)
     kv_heads = hf_cfg.get("num_key_value_heads")
     if kv_heads is not None and kv_heads != hf_cfg.get("num_attention_heads"):
@@ -171,6 +179,8 @@ def tensor_map(model: DeepseekV3, found: dict) -> dict[str, tuple[str, int | Non
         if name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in found \
                 and dest not in want:
             continue  # read with its weight, to dequantise it (no Fp8Linear/Experts holds it)
+        if dest not in want and 0 in shape:
+            continue  # empty: transformers' zero-width shared expert (moe.MoE has none)
         if dest not in want or (slot is not None and not 0 <= slot < want[dest][0]):
             extra.append(name)
             continue
@@ -222,7 +232,8 @@ def _place(model: nn.Module, name: str, slot: int | None, t: torch.Tensor,
     current = getattr(module, attr)
     if current.dtype == torch.float8_e4m3fn:  # an Fp8Linear's weight, as stored
         dtype = current.dtype
-    elif name.endswith(FP32_SUFFIXES) or name.endswith(SCALE_SUFFIX):
+    elif name.endswith(FP32_SUFFIXES) or name.endswith(SCALE_SUFFIX) or (
+            name.endswith(ROUTER_WEIGHT) and t.dtype == torch.float32):
         dtype = torch.float32
     t = t.to(device=device, dtype=dtype)
     if slot is None and not isinstance(current, nn.Parameter):
@@ -284,6 +295,14 @@ def load_weights(model: DeepseekV3, found: dict, dtype: torch.dtype, device,
     model.tie_weights()
 
 
+def _stored_dtype(found: dict, name: str) -> str | None:
+    """The safetensors dtype ("F32", "BF16", ...) `name` is stored in, from its header."""
+    if name not in found:
+        return None
+    with safe_open(str(found[name][0]), framework="pt") as f:
+        return f.get_slice(name).get_dtype()
+
+
 def fp8_expert_layers(found: dict, cfg: DeepseekV3Config) -> list[int]:
     """The decoder layers whose routed experts the checkpoint stores in fp8 (expert 0's
     gate_proj comes with its block scales; tensor_map requires the rest)."""
@@ -308,6 +327,12 @@ def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
     where = str(path / "config.json")
     hf_cfg = hf.read_json(path / "config.json")
     cfg = config_from_hf(hf_cfg, where, max_seq_len)
+    method = (hf_cfg.get("quantization_config") or {}).get("quant_method")
+    if method not in (None, "fp8"):  # else their tensors were "tensors the model lacks"
+        raise CheckpointError(f"quantization_config.quant_method {method!r} is not "
+                              "supported", where=where, hint="kiln reads DeepSeek-V3 "
+                              "weights unquantised or in DeepSeek's block-scaled fp8 "
+                              "(quant_method 'fp8'): load such a copy, or quantize='fp8'")
     keep = keeps_fp8(keep_fp8, hf_cfg, torch.device(device).type == "cuda", where)
     files = hf.weight_files(path)
     dtype = dtype or hf.checkpoint_dtype(hf_cfg) or (
@@ -317,10 +342,16 @@ def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
         model = DeepseekV3(cfg)
     if not weights:
         model = model.to(dtype)
-        for layer in model.model.layers:  # the router's correction stays fp32
+        # RoPE tables in fp32, as init_rope makes them when the ranks' weights arrive: a
+        # plan exported over bf16 ones dropped the model's casts, and its first call put
+        # fp32 latents into the bf16 cache
+        model.init_rope("meta")
+        for i, layer in enumerate(model.model.layers):  # as _place keeps them
             gate = getattr(layer.mlp, "gate", None)
             if gate is not None:
                 gate.e_score_correction_bias = gate.e_score_correction_bias.float()
+                if _stored_dtype(found, f"model.layers.{i}{ROUTER_WEIGHT}") == "F32":
+                    gate.weight = nn.Parameter(gate.weight.float(), requires_grad=False)
     if keep:
         use_fp8_layout(model, hf_cfg, where, stored=found)
         use_fp8_experts_layout(model, fp8_expert_layers(found, cfg))

@@ -73,11 +73,23 @@ SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_he
              "linear_value_head_dim", "linear_conv_kernel_dim", "decoder_sparse_step",
              "full_attention_interval")
 
+# entries that are real numbers when present; RoPE parameters that are numbers when not
+# null. A string or null one failed later as a raw TypeError, or inside the compile.
+NUMBER_KEYS = ("rms_norm_eps", "routed_scaling_factor")
+ROPE_NUMBER_KEYS = ("factor", "original_max_position_embeddings", "attention_factor",
+                    "mscale", "mscale_all_dim", "beta_fast", "beta_slow", "low_freq_factor",
+                    "high_freq_factor")
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
 
 def check_config_values(hf: dict, where: str, head_dim_from_hidden: bool = True) -> None:
-    """Every size in config.json is a positive int (MAY_BE_ZERO's counts may be 0), the
-    heads divide as attention needs and the RoPE entry is an object; a 0, -1 or "x"
-    used to fail deep inside torch (negative dims, // by zero) or as a raw TypeError."""
+    """Every size in config.json is a positive int (MAY_BE_ZERO's counts may be 0), every
+    NUMBER_KEYS entry a number, the heads divide as attention needs and the RoPE entry is
+    an object of numbers; a 0, -1 or "x" used to fail deep inside torch (negative dims,
+    // by zero) or as a raw TypeError."""
     for key in ("rope_parameters", "rope_scaling"):
         if hf.get(key) is not None and not isinstance(hf[key], dict):
             raise CheckpointError(f"config.json's {key} is {hf[key]!r}, not an object",
@@ -90,6 +102,15 @@ def check_config_values(hf: dict, where: str, head_dim_from_hidden: bool = True)
         if not isinstance(v, int) or isinstance(v, bool) or v < least:
             raise CheckpointError(f"config.json's {key} is {v!r}, not a "
                                   f"{'non-negative' if least == 0 else 'positive'} int",
+                                  where=where)
+    for key in NUMBER_KEYS:
+        if key in hf and not _is_number(hf[key]):
+            raise CheckpointError(f"config.json's {key} is {hf[key]!r}, not a number",
+                                  where=where)
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    for key in ROPE_NUMBER_KEYS:
+        if rope.get(key) is not None and not _is_number(rope[key]):
+            raise CheckpointError(f"config.json's RoPE {key} is {rope[key]!r}, not a number",
                                   where=where)
     heads, kv = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
     if heads and kv and heads % kv:

@@ -311,17 +311,25 @@ def set_decode_batch(model: nn.Module, rows: int) -> None:
 
 
 class MoE(RoutedMoE):
-    """HF's DeepseekV3MoE: router, routed experts, shared experts."""
+    """HF's DeepseekV3MoE: router, routed experts, shared experts.
+
+    n_shared_experts 0 means no shared expert at all, where transformers builds one of
+    width 0 (its checkpoints store those empty weights; the loader skips them): a
+    zero-width MLP is three empty products each layer, and an fp8 one broke the fp8
+    linear's reshapes."""
 
     def __init__(self, cfg):
         super().__init__()
         self.gate = Router(cfg)
         self.experts = Experts(cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.dim)
-        self.shared_experts = MLP(MLPSizes(cfg.dim,
-                                            cfg.moe_intermediate_size * cfg.n_shared_experts))
+        self.shared_experts = None
+        if cfg.n_shared_experts:
+            self.shared_experts = MLP(MLPSizes(cfg.dim,
+                                               cfg.moe_intermediate_size * cfg.n_shared_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
         weights, ids = self.gate(flat)
-        return self.run_experts(flat, weights, ids, B, T).view(B, T, D) + self.shared_experts(x)
+        y = self.run_experts(flat, weights, ids, B, T).view(B, T, D)
+        return y if self.shared_experts is None else y + self.shared_experts(x)

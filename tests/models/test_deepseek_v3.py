@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from kiln.errors import CheckpointError, ShapeError
+from kiln.errors import CheckpointError, KilnError, ShapeError
 from kiln.models import deepseek_v3_checkpoint as ds
 from kiln.models.deepseek_v3 import DeepseekV3Config, rope_parameters
 from kiln.models.moe import MoE
@@ -262,6 +262,37 @@ def test_bfloat16_matches_transformers_in_bfloat16(checkpoint):
     assert rel_err(torch.cat(out, dim=1).float(), ref) <= 2e-2
 
 
+def test_router_weight_stored_fp32_stays_fp32_in_a_bfloat16_model(checkpoint, tmp_path):
+    """transformers keeps the router's weight fp32 in a bf16 model, and saves it so; kiln
+    rounded it to bf16 (at V3's sizes about 1.5% of tokens then pick other experts). One
+    stored bf16 stays bf16: the router computes in fp32 either way."""
+    path, _ = checkpoint
+    reference = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    reference.save_pretrained(str(tmp_path / "bf16"))
+    stored = reference.model.layers[MOE_LAYER].mlp.gate.weight
+    assert stored.dtype == torch.float32
+    model, _ = ds.load_checkpoint(tmp_path / "bf16", max_seq_len=16)
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(model.model.layers[MOE_LAYER].mlp.gate.weight, stored)
+    meta, _ = ds.load_checkpoint(tmp_path / "bf16", weights=False)  # a multi-device load's
+    assert meta.model.layers[MOE_LAYER].mlp.gate.weight.dtype == torch.float32
+    reference.to(torch.bfloat16).save_pretrained(str(tmp_path / "all_bf16"))
+    model, _ = ds.load_checkpoint(tmp_path / "all_bf16", max_seq_len=16)
+    assert model.model.layers[MOE_LAYER].mlp.gate.weight.dtype == torch.bfloat16
+
+
+def test_a_multi_device_load_exports_over_the_fp32_rope_tables_its_ranks_run_with(
+        checkpoint):
+    """weights=False (tensor parallelism) in bf16: the meta model's RoPE tables are fp32,
+    as LLM._materialize's init_rope makes them. They were bf16, so the exported plan had
+    no cast of them, and a TP=2 bf16 load failed its first call with a raw index_put
+    dtype error (fp32 latents into the bf16 cache)."""
+    meta, _ = ds.load_checkpoint(checkpoint[0], torch.bfloat16, weights=False)
+    assert meta.lm_head.weight.dtype == torch.bfloat16
+    assert meta.rope_cos.dtype == meta.rope_sin.dtype == torch.float32
+    assert meta.rope_cos.is_meta
+
+
 def test_paged_latent_cache_matches_the_contiguous_one(checkpoint):
     model, _ = ds.load_checkpoint(checkpoint[0], torch.float32, max_seq_len=32)
     tokens = torch.randint(0, CONFIG["vocab_size"], (1, 10),
@@ -290,6 +321,28 @@ def test_yarn_rope_matches_transformers(checkpoint):
     assert scale != pytest.approx(cfg.qk_head_dim ** -0.5)
 
 
+def test_yarn_without_original_max_position_embeddings_is_transformers_default():
+    """An older config.json's rope_scaling may leave out original_max_position_embeddings:
+    transformers takes max_position_embeddings (kiln raised a raw KeyError). Without a
+    factor as well, a KilnError."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = {**CONFIG, "rope_theta": 10000.0, "rope_parameters": None,
+              "rope_scaling": {"type": "yarn", "factor": 4.0, "mscale": 1.0,
+                               "mscale_all_dim": 0.8}}
+    inv_freq, attn_factor, scale = rope_parameters(ds.config_from_hf(config))
+    hf_config = transformers.DeepseekV3Config(**config)  # fills rope_scaling in place
+    assert hf_config.rope_parameters["original_max_position_embeddings"] == 128
+    ref_freq, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config)
+    torch.testing.assert_close(inv_freq, ref_freq, rtol=1e-6, atol=0)
+    assert attn_factor == pytest.approx(ref_factor)
+    hf_attention = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention
+    assert scale == pytest.approx(hf_attention(hf_config, 0).scaling)
+    with pytest.raises(KilnError, match="YaRN RoPE scaling without factor"):
+        rope_parameters(DeepseekV3Config(rope_scaling={"rope_type": "yarn",
+                                                       "original_max_position_embeddings": 8}))
+
+
 def test_config_variants_match_transformers(tmp_path):
     """No query LoRA, attention biases, plain (halves) RoPE without scaling, unnormalised
     expert weights, two shared experts, no dense layer: eager, against transformers."""
@@ -313,6 +366,18 @@ def test_config_variants_match_transformers(tmp_path):
         out = [model(tokens[:, :7], torch.arange(7))]
         out += [model(tokens[:, p:p + 1], torch.tensor([p])) for p in (7, 8, 9)]
     assert rel_err(torch.cat(out, dim=1), ref) <= 1e-5
+
+
+def test_first_k_dense_replace_past_the_last_layer_makes_every_layer_dense(tmp_path):
+    """transformers' default first_k_dense_replace (3) over a 2-layer model: all dense,
+    as transformers builds it (kiln refused the config)."""
+    hf_model = make_hf_model(seed=4, first_k_dense_replace=3)
+    hf_model.save_pretrained(str(tmp_path))
+    model, _ = ds.load_checkpoint(tmp_path, torch.float32, max_seq_len=16)
+    assert not any(isinstance(layer.mlp, MoE) for layer in model.model.layers)
+    tokens = torch.tensor([[4, 80, 15, 9, 33, 2]])
+    with torch.no_grad():
+        assert rel_err(model(tokens, torch.arange(6)), hf_model(tokens).logits) <= 1e-5
 
 
 def test_random_model_from_a_config(checkpoint):
@@ -343,6 +408,23 @@ def test_experts_not_divisible_into_groups_is_a_clear_error(tmp_path):
     assert "config.json" in err.value.where
     with pytest.raises(ShapeError, match="exceeds n_group"):
         DeepseekV3Config(n_group=2, topk_group=3, n_routed_experts=8)
+
+
+@pytest.mark.parametrize("method", ["awq", "compressed-tensors"])
+def test_other_quantizations_are_refused_by_name(tmp_path, checkpoint, method):
+    """An AWQ or compressed-tensors copy of a DeepSeek-V3 checkpoint: refused before any
+    tensor is read, naming the method (its qweight / weight_scale tensors were reported
+    as tensors the model lacks, hinting at layers or experts)."""
+    import kiln.models
+
+    for f in checkpoint[0].iterdir():
+        if f.name != "config.json":
+            (tmp_path / f.name).symlink_to(f)
+    config = json.loads((checkpoint[0] / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=f"quant_method '{method}' is not supported"):
+        kiln.models.load(tmp_path)
 
 
 def test_a_missing_expert_is_a_checkpoint_error(tmp_path, checkpoint):

@@ -274,6 +274,30 @@ def test_kept_fp8_without_query_lora_and_with_attention_biases(tmp_path, monkeyp
         assert rel_err(model(tokens, torch.arange(5)), hf_model(tokens).logits) <= 1e-5
 
 
+def test_no_shared_expert_loads_none_and_runs_kept_fp8(tmp_path, monkeypatch):
+    """n_shared_experts 0: transformers stores a zero-width shared expert; kiln skips its
+    empty tensors and builds none (kept fp8, its empty down_proj made kiln's fp8 linear
+    fail on a reshape of 0 elements)."""
+    hf_model = make_hf_model(seed=12, n_shared_experts=0, num_hidden_layers=1,
+                             first_k_dense_replace=0)
+    hf_model.save_pretrained(str(tmp_path / "fp32"))
+    tokens = torch.tensor([[4, 80, 15, 9, 33]])
+    model, _ = ds.load_checkpoint(tmp_path / "fp32", torch.float32)
+    assert model.model.layers[0].mlp.shared_experts is None
+    with torch.no_grad():
+        assert rel_err(model(tokens, torch.arange(5)), hf_model(tokens).logits) <= 1e-5
+    _, reference = write_fp8_checkpoint(tmp_path / "fp8", hf_model)
+    _copy_dequantised(hf_model, reference)
+    model, _ = ds.load_checkpoint(tmp_path / "fp8", torch.float32, keep_fp8=True)
+    assert model.model.layers[0].mlp.shared_experts is None
+    with torch.no_grad():
+        assert model(tokens, torch.arange(5)).isfinite().all()  # fp8 activations
+        monkeypatch.setattr(Fp8Linear, "forward", lambda self, x: x @ dequantize_weight(
+            self.weight, self.weight_scale_inv).t())
+        monkeypatch.setattr(Fp8Experts, "grouped", _dequantised_experts)
+        assert rel_err(model(tokens, torch.arange(5)), hf_model(tokens).logits) <= 1e-5
+
+
 def test_kept_fp8_is_the_dequantised_model_up_to_fp8_activations(fp8_checkpoint,
                                                                   monkeypatch):
     """How far may the fp8 model's logits be from the dequantised model's? Each fp8

@@ -16,6 +16,14 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
          "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 128}
 
+DEEPSEEK = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+            "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+            "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 256,
+            "kv_lora_rank": 32, "q_lora_rank": None, "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
+            "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+            "max_position_embeddings": 128}
+
 
 @pytest.mark.parametrize("kw,message", [
     ({"source": None}, "name a checkpoint directory or a preset, got NoneType"),
@@ -58,6 +66,10 @@ def _config_dir(tmp_path, config) -> str:
     ({**LLAMA, "hidden_size": 66}, "hidden_size 66 is not a multiple of num_attention_heads"),
     ({**LLAMA, "rope_scaling": "linear"}, "rope_scaling is 'linear', not an object"),
     ({**LLAMA, "rope_theta": "big"}, "rope_theta is 'big', not a positive number"),
+    ({**LLAMA, "rms_norm_eps": "1e-6"}, "rms_norm_eps is '1e-6', not a number"),
+    ({**DEEPSEEK, "routed_scaling_factor": None}, "routed_scaling_factor is None, not a num"),
+    ({**DEEPSEEK, "rope_scaling": {"type": "yarn", "factor": "40"}},
+     "RoPE factor is '40', not a number"),
 ])
 def test_bad_config_json(tmp_path, config, message):
     with pytest.raises(CheckpointError, match=message):
