@@ -164,10 +164,15 @@ def config_from_hf(hf: dict, where: str = "config.json",
     if fam == "qwen3_next":
         return Qwen3NextConfig.from_hf(hf, context_length(hf, where, max_seq_len), where)
     act = hf.get("hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers' ACT2FN: "swish" is SiLU
         raise CheckpointError(f"hidden_act {act!r} is not supported", where=where,
                               hint="kiln's Llama family uses SwiGLU (silu)")
-    theta, kind, rope = rope_from_hf(hf, where, ROPE_TYPES)
+    theta, kind, rope = rope_from_hf(hf, where, (*ROPE_TYPES, "dynamic"))
+    if kind == "dynamic":
+        # dynamic NTK rescales theta only past max_position_embeddings, which kiln's
+        # context never passes (context_length): within it, transformers' default RoPE
+        kind = "default"
+        rope = {k: v for k, v in rope.items() if k == "partial_rotary_factor"}
     if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise CheckpointError("partial rotary embeddings are not supported", where=where)
     factor = rope.get("factor")

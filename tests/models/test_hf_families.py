@@ -107,6 +107,10 @@ VARIANTS = {  # (family, config overrides): mapped from config.json, checked eag
     "qwen2-sliding": ("qwen2", dict(use_sliding_window=True, sliding_window=5,
                                     max_window_layers=1)),
     "mistral-no-window": ("mistral", dict(sliding_window=None)),
+    # dynamic NTK RoPE is the default one within max_position_embeddings; swish is SiLU
+    "llama-dynamic-rope-swish": ("llama3.1", dict(rope_scaling={"rope_type": "dynamic",
+                                                                "factor": 2.0},
+                                                  hidden_act="swish")),
 }
 
 
