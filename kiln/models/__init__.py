@@ -109,8 +109,14 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target=N
     parallel = ({"tp": tensor_parallel_size, "pp": pipeline_parallel_size}
                 if tensor_parallel_size * pipeline_parallel_size > 1 else None)
     if parallel is not None:
-        from kiln.models.spawn import spawn_llm, under_launcher
+        from kiln.models.spawn import open_world, spawn_llm, under_launcher
 
+        if open_world() is not None:
+            raise ArgumentError(
+                "a multi-device LLM whose ranks this process started is still open; its "
+                "ranks serve only it", where="kiln.models.load",
+                hint="call .close() on that LLM first (one spawned multi-device model a "
+                "process), or run each under torchrun")
         if tgt.is_gpu and torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before any weight
         if not under_launcher():

@@ -18,6 +18,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _CALLS = ("generate", "forward")  # what rank 0 forwards to the others
+_open: list = []  # this process's SpawnedLLM still running its ranks (at most one)
+
+
+def open_world():
+    """The multi-device LLM whose ranks this process spawned and has not closed, if any.
+    Its ranks wait on its calls: a second load here would join their world as a rank
+    and wait for them forever."""
+    return _open[0] if _open else None
 
 
 def under_launcher() -> bool:
@@ -78,6 +86,7 @@ class SpawnedLLM:
     def __init__(self, llm, control, procs, env_before: dict):
         self._llm, self._control, self._procs = llm, control, procs
         self._env_before = env_before
+        _open.append(self)
         atexit.register(self.close)
 
     def __getattr__(self, name):
@@ -103,6 +112,8 @@ class SpawnedLLM:
         if self._procs is None:
             return
         procs, self._procs = self._procs, None
+        if self in _open:
+            _open.remove(self)
         if dist.is_initialized():
             self._send(None)
         for p in procs:

@@ -96,3 +96,27 @@ def test_tp2_reads_a_vocabulary_2_does_not_divide_and_pads_it(tmp_path):
         assert rel_err(logits[0], want) <= 1e-5
         assert shape == (49, hf.config.hidden_size)
     assert out[1][2] == 0.0 and out[0][2] > 0
+
+
+def test_a_second_spawned_load_while_the_first_is_open_is_refused(monkeypatch, tmp_path):
+    """A multi-device LLM whose ranks this process spawned keeps them waiting on its
+    calls: a second multi-device load here joined their world as a rank and hung. It
+    is refused at once, saying to close the first."""
+    import kiln.models
+    from kiln.errors import ArgumentError
+    from kiln.models import spawn
+
+    monkeypatch.setattr(spawn, "_open", [object()])
+    with pytest.raises(ArgumentError, match="still open") as e:
+        kiln.models.load(str(tmp_path), tensor_parallel_size=2)
+    assert ".close()" in e.value.hint
+
+
+def test_a_spawned_llm_is_open_until_closed():
+    from kiln.models import spawn
+
+    llm = spawn.SpawnedLLM(object(), None, [], {})  # no ranks: the bookkeeping alone
+    assert spawn.open_world() is llm
+    llm.close()
+    assert spawn.open_world() is None
+    llm.close()  # twice (atexit too): nothing left to do
