@@ -202,33 +202,41 @@ def launcher(form: str, cfg, xq, xs, wq, ws, out, sms: int):
         STAGES=st, WS=int(form == "pers_ws"), PROGRAMS=programs, **common)
 
 
-def run(ms, shapes, forms, configs) -> list[dict]:
+def bench(fn) -> float:
+    """Milliseconds of fn from replayed CUDA graphs (L2 warm)."""
     from triton.testing import do_bench_cudagraph
 
+    fn()
+    torch.cuda.synchronize()
+    return do_bench_cudagraph(fn, rep=60)
+
+
+def reference_row(M: int, name: str, rows: list) -> tuple:
+    """The shape's operands (seeded), torch._scaled_mm rowwise timed on them and recorded
+    in `rows`: (xq, xs, wq, ws, the op's value, _scaled_mm's ms, flops, an output)."""
+    N, K = SHAPES[name]
+    torch.manual_seed(0)
+    xq, xs, wq, ws, ref = operands(M, N, K, "cuda")
+    sa, sb = torch.rand(M, 1, device="cuda") + 0.5, torch.rand(1, N, device="cuda") + 0.5
+    t_ref = bench(functools.partial(torch._scaled_mm, xq, wq.t(), scale_a=sa, scale_b=sb,
+                                    out_dtype=torch.bfloat16))
+    flops = 2 * M * N * K
+    rows.append({"M": M, "shape": name, "form": "scaled_mm_rowwise", "ms": t_ref,
+                 "tflops": flops / t_ref / 1e9})
+    print(f"M {M} {name} N {N} K {K}: _scaled_mm rowwise {t_ref * 1e3:.1f} us "
+          f"{flops / t_ref / 1e9:.0f} TF/s", flush=True)
+    out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    return xq, xs, wq, ws, ref, t_ref, flops, out
+
+
+def run(ms, shapes, forms, configs) -> list[dict]:
     triton.set_allocator(lambda size, align, stream:
                          torch.empty(size, dtype=torch.int8, device="cuda"))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-
-    def bench(fn):
-        fn()
-        torch.cuda.synchronize()
-        return do_bench_cudagraph(fn, rep=60)
-
     for M in ms:
         for name in shapes:
-            N, K = SHAPES[name]
-            torch.manual_seed(0)
-            xq, xs, wq, ws, ref = operands(M, N, K, "cuda")
-            sa, sb = torch.rand(M, 1, device="cuda") + 0.5, torch.rand(1, N, device="cuda") + 0.5
-            t_ref = bench(functools.partial(torch._scaled_mm, xq, wq.t(), scale_a=sa,
-                                            scale_b=sb, out_dtype=torch.bfloat16))
-            flops = 2 * M * N * K
-            rows.append({"M": M, "shape": name, "form": "scaled_mm_rowwise", "ms": t_ref,
-                         "tflops": flops / t_ref / 1e9})
-            print(f"M {M} {name} N {N} K {K}: _scaled_mm rowwise {t_ref * 1e3:.1f} us "
-                  f"{flops / t_ref / 1e9:.0f} TF/s", flush=True)
-            out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+            xq, xs, wq, ws, ref, t_ref, flops, out = reference_row(M, name, rows)
             for form in forms:
                 best = None
                 for cfg in configs:

@@ -227,31 +227,13 @@ def compile_only(arch: int, configs) -> None:
 
 
 def run(ms, shapes, configs, with_triton: bool) -> list[dict]:
+    from fp8_gemm_forms import bench, reference_row
     from fp8_gemm_forms import launcher as triton_launcher
-    from fp8_gemm_forms import operands
-    from triton.testing import do_bench_cudagraph
 
     rows = []
-
-    def bench(fn):
-        fn()
-        torch.cuda.synchronize()
-        return do_bench_cudagraph(fn, rep=60)
-
     for M in ms:
         for name in shapes:
-            N, K = SHAPES[name]
-            torch.manual_seed(0)
-            xq, xs, wq, ws, ref = operands(M, N, K, "cuda")
-            sa, sb = torch.rand(M, 1, device="cuda") + 0.5, torch.rand(1, N, device="cuda") + 0.5
-            t_ref = bench(functools.partial(torch._scaled_mm, xq, wq.t(), scale_a=sa,
-                                            scale_b=sb, out_dtype=torch.bfloat16))
-            flops = 2 * M * N * K
-            rows.append({"M": M, "shape": name, "form": "scaled_mm_rowwise", "ms": t_ref,
-                         "tflops": flops / t_ref / 1e9})
-            print(f"M {M} {name} N {N} K {K}: _scaled_mm rowwise {t_ref * 1e3:.1f} us "
-                  f"{flops / t_ref / 1e9:.0f} TF/s", flush=True)
-            out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+            xq, xs, wq, ws, ref, t_ref, flops, out = reference_row(M, name, rows)
             forms = [("gluon", c, functools.partial(launcher, c)) for c in configs]
             if with_triton:  # kiln's form (TMA, 64 x 128 on 4 warps) in the same run
                 forms += [("triton_tma", c, functools.partial(triton_launcher, "tma", c, sms=0))
