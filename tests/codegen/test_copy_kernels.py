@@ -4,9 +4,14 @@ scatters, and gather / concat-only regions."""
 
 import copy
 
+import pytest
 import torch
 
+import kiln
+from kiln.codegen.select_kernels import TEMPLATES
+from kiln.errors import IndexOutOfRangeError
 from kiln.ir.plan import RegionKind
+from kiln.target import TARGETS
 from tests.codegen.gen_helpers import assert_matches, compile_interpret, triton_kernels
 from tests.helpers import rel_err
 
@@ -78,3 +83,86 @@ def test_functional_index_scatter_runs_extern():
     scatter = next(r for r in exe.plan.regions if r.kind == RegionKind.COPY)
     assert any("functional" in n for n in scatter.notes), scatter.notes
     assert_matches(exe(base, idx, v), M()(base, idx, v), 1e-6)
+
+
+# An index outside its dim: eager PyTorch raises; Triton's interpreter would read or
+# write host memory past the tensor (a KV cache written past its end aborted the process
+# with a double free), so the interpret target checks each loaded index.
+
+
+class Lookups(torch.nn.Module):
+    def forward(self, t, rows, idx, pick):
+        # t [5, 3], rows [2], idx [2, 3], pick [2]: index_select and gather refuse
+        # negative indices, t[pick] wraps them
+        return torch.index_select(t, 0, rows) * 2, torch.gather(t, 0, idx) + 1, t[pick] - 1
+
+
+def test_gathers_past_their_dim_are_index_errors_on_interpret():
+    t, rows, idx = torch.randn(5, 3), torch.tensor([1, 4]), torch.tensor([[0, 4, 1], [3, 2, 0]])
+    pick = torch.tensor([-5, 4])
+    exe = compile_interpret(Lookups(), (t, rows, idx, pick))
+    assert all("tl.device_assert(" in k.spec.source for k in triton_kernels(exe))
+    assert_matches(exe(t, rows, idx, pick), Lookups()(t, rows, idx, pick), 1e-6)
+    bad = {"index_select": [(torch.tensor([0, 5]), idx, pick), (torch.tensor([-1, 0]), idx, pick)],
+           "gather": [(rows, torch.tensor([[0, 4, 5], [0, 0, 0]]), pick),
+                      (rows, torch.tensor([[0, 4, 0], [0, -1, 0]]), pick)],
+           "index": [(rows, idx, torch.tensor([0, 5])), (rows, idx, torch.tensor([-6, 0]))]}
+    line = {"index_select": "torch.index_select", "gather": "torch.gather", "index": "t[pick]"}
+    for op, calls in bad.items():
+        for args in calls:
+            with pytest.raises((IndexError, RuntimeError), match="out of (range|bounds)"):
+                Lookups()(t, *args)  # eager's own refusal
+            with pytest.raises(IndexOutOfRangeError, match=f"aten.{op}.[a-zA-Z]+ was out") as e:
+                exe(t, *args)
+            assert "test_copy_kernels.py" in e.value.where and line[op] in e.value.where
+
+
+class StaticCache(torch.nn.Module):
+    """A 16-slot static KV cache written at the decode positions, both ways models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("k", torch.zeros(1, 2, 16, 4))
+        self.register_buffer("v", torch.zeros(1, 16, 2, 4))
+
+    def forward(self, x, pos):
+        # x [1, 2, T, 4], pos [T]
+        self.k.index_copy_(2, pos, x)
+        self.v[:, pos] = x.transpose(1, 2) * 2.0
+        return self.k.sum(-1) + self.v.sum(-1).transpose(1, 2)
+
+
+def test_a_cache_write_past_its_end_is_an_index_error_on_interpret():
+    model = StaticCache()
+    eager = copy.deepcopy(model)
+    example = (torch.randn(1, 2, 2, 4), torch.tensor([0, 1]))
+    exe = compile_interpret(model, example, ({2: T}, {0: T}))
+    for pos in ([0], [15], [3, 4, 5]):  # in range: as eager, state included
+        x, pos = torch.randn(1, 2, len(pos), 4), torch.tensor(pos)
+        assert_matches(exe(x, pos), eager(x, pos), 1e-6)
+    for a, b in zip(model.buffers(), eager.buffers()):
+        assert torch.equal(a, b)
+    for pos in ([20], [14, 15, 16]):  # past the 16 slots: a kiln error, not a crash
+        with pytest.raises(IndexOutOfRangeError, match="out of range") as e:
+            exe(torch.randn(1, 2, len(pos), 4), torch.tensor(pos))
+        assert "index_copy_" in e.value.where or "self.v[:, pos]" in e.value.where
+        assert "KV cache's length" in e.value.hint
+    # it still runs after (rewriting the slots a refused call may have partly written)
+    x, pos = torch.randn(1, 2, 2, 4), torch.tensor([14, 15])
+    assert_matches(exe(x, pos), eager(x, pos), 1e-6)
+
+
+def test_gpu_targets_carry_no_index_checks():
+    """The checks cost every call on a GPU: only the interpret target emits them."""
+    lookups = (torch.randn(5, 3), torch.tensor([1, 4]), torch.tensor([[0, 1, 2]] * 2),
+               torch.tensor([0, 1]))
+    cases = [(Lookups(), lookups, None),
+             (StaticCache(), (torch.randn(1, 2, 2, 4), torch.tensor([0, 1])), ({2: T}, {0: T}))]
+    for model, args, dims in cases:
+        plan = kiln.compile(model, args, dynamic_shapes=dims, compile_to="dispatch")
+        regions = [r for r in plan.regions if r.kind in (RegionKind.COPY, RegionKind.POINTWISE)]
+        assert regions
+        for name, checked in (("interpret", True), ("cuda:sm_90", False)):
+            for r in regions:
+                spec = TEMPLATES[r.kind](r, plan, TARGETS[name])
+                assert ("tl.device_assert(" in spec.source) == checked, (name, spec.source)

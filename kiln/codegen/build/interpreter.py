@@ -18,29 +18,78 @@ Triton 3.6's interpreter reads a tensor used as an index (a `range` bound) with
 int(data), which NumPy 2.4 refuses for the one-element 1-D arrays program ids are
 ("only 0-dimensional arrays can be converted to Python scalars": every K split's
 loop); later Triton squeezes first, and so does `_scalar_index` while a kernel runs.
+
+On a GPU a load or store through a pointer past a tensor reads garbage or faults; in
+the interpreter it is a raw NumPy access of host memory: a read returns whatever lies
+there and a write corrupts the heap (a KV cache written past its end aborted the
+process with a double free). So on the interpret target the generated code checks
+each index it loads from a tensor (`tl.device_assert`, message INDEX_CHECK), and a
+kernel carrying such checks runs with the interpreter's debug option on (`debug=True`
+on Interpreted: swapped into the interpreter's builder for that launch only, as
+Triton's interpreter reads no TRITON_DEBUG; its integer-overflow checks, which the
+same option would turn on, stay off). `failed_index_check` finds a failed check in
+the interpreter's error. GPU targets emit no checks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 
 _lock = threading.Lock()
 
+# the message every index check of generated code starts with (then the op, in brackets)
+INDEX_CHECK = "kiln: index out of range"
+
 
 class Interpreted:
-    """An interpreter kernel launched as `fn[grid](*args)`, with the stdlib interpretable."""
+    """An interpreter kernel launched as `fn[grid](*args)`, with the stdlib interpretable;
+    `debug`: its `tl.device_assert`s are checked (off, the interpreter skips them)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, debug: bool = False):
         self.fn = fn
+        self.debug = debug
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            with _interpreted_stdlib():
+            with _interpreted_stdlib(), (_debug() if self.debug else nullcontext()):
                 return self.fn[grid](*args, **kwargs)
 
         return launch
+
+
+@contextmanager
+def _debug():
+    """The interpreter's device asserts checked while a kernel runs (called under _lock).
+
+    Triton's interpreter builds every kernel with one builder whose options say whether
+    `tl.device_assert` does anything; TRITON_DEBUG does not reach them. The same
+    option would also check every 32-bit integer add and multiply for overflow
+    (`sanitize_overflow`), checks kiln did not ask for that slow every launch, so
+    those are turned off for the launch."""
+    from triton.runtime.interpreter import interpreter_builder
+
+    original = interpreter_builder.options
+    interpreter_builder.options = dataclasses.replace(original, debug=True,
+                                                      sanitize_overflow=False)
+    try:
+        yield
+    finally:
+        interpreter_builder.options = original
+
+
+def failed_index_check(e: BaseException) -> str | None:
+    """The message of the generated index check that failed in the interpreter's error
+    `e` (it wraps the kernel's AssertionError), or None if `e` is something else."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, AssertionError) and str(e).startswith(INDEX_CHECK):
+            return str(e)
+        e = e.__cause__ or e.__context__
+    return None
 
 
 _twins: dict[int, object] = {}

@@ -2,9 +2,11 @@
 
 On a GPU it launches the compiled binary (no JIT, so a loaded artifact never
 recompiles) through launcher.py; on the `interpret` target it runs the same source
-through Triton's interpreter on CPU tensors. A launch is first bound to a set of sizes
-(`bind`: size arguments, grid, scratch, the arena's tensors), so a Program's call at
-sizes it has seen only looks up the tensors that change per call and launches.
+through Triton's interpreter on CPU tensors, where an index check of the generated code
+that fails (an index tensor's position outside its dim) is an IndexOutOfRangeError.
+A launch is first bound to a set of sizes (`bind`: size arguments, grid, scratch, the
+arena's tensors), so a Program's call at sizes it has seen only looks up the tensors
+that change per call and launches.
 
 Scratch buffers the spec asks for are allocated here, on the device the kernel is
 bound for, and shared by every kernel of the process on that device: kiln runs a
@@ -24,9 +26,11 @@ from __future__ import annotations
 import torch
 
 from kiln.codegen.build.compiler import Binary
+from kiln.codegen.build.interpreter import INDEX_CHECK, failed_index_check
 from kiln.codegen.build.launcher import Launch, current_stream, launch_for
 from kiln.codegen.build.source import load_kernel
 from kiln.codegen.build.spec import Config, KernelSpec, Scratch
+from kiln.errors import IndexOutOfRangeError
 from kiln.ir.plan import Region
 from kiln.ir.symbolic import evaluate
 
@@ -190,8 +194,35 @@ class TritonKernel:
         return BoundLaunch(launch, grid, template, holes, zeros, kept, plain)
 
     def _interpreted(self, gx, gy, gz, stream, args) -> None:
-        self._fn[gx, gy, gz](*args, num_warps=self.config.num_warps,
-                             num_stages=self.config.num_stages)
+        from triton.runtime.interpreter import InterpreterError
+
+        try:
+            self._fn[gx, gy, gz](*args, num_warps=self.config.num_warps,
+                                 num_stages=self.config.num_stages)
+        except InterpreterError as e:
+            check = failed_index_check(e)
+            if check is None:
+                raise
+            raise self._index_error(check) from e
+
+    def _index_error(self, check: str) -> IndexOutOfRangeError:
+        """A generated index check failed (interpret target): the op whose index tensor
+        held a position outside its dim, at the model's line where known."""
+        op = check[len(INDEX_CHECK):].strip(" ()")
+        region = self.region.name if self.region is not None else "?"
+        lines = [o.where for o in (self.region.ops if self.region is not None else ())
+                 if o.target == op and o.where]
+        return IndexOutOfRangeError(
+            f"kernel {self.spec.name} (region {region}): an index of {op} was out of range "
+            "(an index tensor held a position outside the dim it indexes); nothing was read "
+            "or written through it",
+            where="; ".join(dict.fromkeys(lines)) or f"region {region}",
+            hint="every index must lie inside the dim it indexes ([0, size); [-size, size) "
+            "for x[idx] and x[idx] = v), as eager PyTorch also requires: check decode "
+            "positions against the KV cache's length (a static cache of 16 slots takes "
+            "positions 0..15: compile with a longer cache, or stop decoding there) and "
+            "token ids against the vocabulary size. State the module updates in place may "
+            "be partly written by this call")
 
     def _gpu_launch(self):
         if self._gpu is None:

@@ -33,6 +33,7 @@ from contextlib import contextmanager
 
 import torch
 
+from kiln.codegen.build.interpreter import INDEX_CHECK
 from kiln.codegen.expr.indexing import (
     Index,
     Lin,
@@ -302,6 +303,21 @@ class Emitter:
     def opaque(self, v: Val, size: Dim | None) -> Lin:
         """An emitted integer value used as an index into a dim of `size`."""
         return Lin.of(Opaque(v.code, size, v.vars))
+
+    def check_index(self, v: Val, size: Dim, mask: Mask | None, what: str,
+                    wraps: bool = False) -> None:
+        """On the interpret target, a check that index `v` (loaded from a tensor) lies in
+        [0, size) on the lanes of `mask` ([-size, size) if torch `wraps` it): the
+        interpreter would read or write host memory past the tensor
+        (build/interpreter.py); `what` (the op) goes in its message. GPU targets check
+        nothing: a check on every call costs time there."""
+        if self.target.backend != "interpret":
+            return
+        size = self.dim(size)
+        ok = f"({v.code} >= {f'-{size}' if wraps else 0}) & ({v.code} < {size})"
+        m = mask_code(mask)
+        self.lines.append(f'tl.device_assert({ok}, "{INDEX_CHECK} ({what})"'
+                          f'{f", mask={m}" if m else ""})')
 
 
 def _num(x):

@@ -3,7 +3,11 @@ pads pick, per element, which input (or the pad value) to read.
 
 - embedding / index.Tensor (None and tensor indices, numpy advanced-indexing rules) /
   index_select / gather: the index tensor is read at the element's position and the
-  source at the resulting index; negative indices wrap where torch wraps them.
+  source at the resulting index; negative indices wrap (where torch wraps them, and
+  in gather / scatter / index_copy / index_add, where torch refuses them). On the
+  interpret target a loaded index that eager PyTorch would refuse fails a device
+  assert (`OpEmitter.check_index`) before any read or write through it; so do the
+  scatters' (templates/copy.py), which compute their destinations here too.
 - cat / constant_pad_nd: each piece is read under its own condition (masked, so no
   lane reads outside a piece) and `tl.where` selects; nothing is padded in memory.
 """
@@ -26,15 +30,22 @@ from kiln.ir.ops import ARANGES, SLICE_SCATTERS, arange_start_step, bind_args, n
 from kiln.ir.plan import Op, Ref
 from kiln.ir.symbolic import same_dim
 
+# the ops whose negative indices torch wraps (advanced indexing); gather, scatter,
+# index_copy and index_add refuse them (kiln's code wraps them all the same)
+TORCH_WRAPS = frozenset({"aten.index.Tensor", "aten.index_put.default"})
 
-def _index_value(em: OpEmitter, ref: Ref, index: Index, mask, size, wrap: bool) -> Lin:
-    """The integer read from index tensor `ref` at `index`, as an index into `size`."""
+
+def _index_value(em: OpEmitter, ref: Ref, index: Index, mask, size, wrap: bool,
+                 what: str) -> Lin:
+    """The integer read from index tensor `ref` at `index`, as an index into `size`, for
+    op `what` (checked to lie in the dim on the interpret target)."""
     ramp = _arange_index(em, ref, index)
     if ramp is not None:
         return ramp
     v = em.value(ref.name, index, mask)
     if v.dtype == torch.bool or v.dtype.is_floating_point:
         raise CodegenUnsupported(f"indexing with a {v.dtype} tensor")
+    em.check_index(v, size, mask, what, wraps=what in TORCH_WRAPS)
     if wrap:
         v = em.let(f"tl.where({v} < 0, {v} + {em.dim(size)}, {v})", v.dtype, v.vars)
     return em.opaque(v, size)
@@ -69,25 +80,27 @@ def emit_gather(em: OpEmitter, op: Op, index: Index, mask) -> Val:
     if t == "aten.embedding.default":
         ids = a[1]
         lead = len(em.shape(ids.name))
-        row = _index_value(em, ids, index[:lead], mask, sshape[0], wrap=False)
+        row = _index_value(em, ids, index[:lead], mask, sshape[0], wrap=False, what=t)
         return em.value(src, (row,) + tuple(index[lead:]), mask)
     if t == "aten.index_select.default":
         d = norm_axis(a[1], len(sshape))
-        i = _index_value(em, a[2], (index[d],), mask, sshape[d], wrap=False)
+        i = _index_value(em, a[2], (index[d],), mask, sshape[d], wrap=False, what=t)
         return em.value(src, index[:d] + (i,) + index[d + 1:], mask)
     if t == "aten.gather.default":
         d = norm_axis(a[1], len(sshape))
-        i = _index_value(em, a[2], index, mask, sshape[d], wrap=True)
+        i = _index_value(em, a[2], index, mask, sshape[d], wrap=True, what=t)
         return em.value(src, index[:d] + (i,) + index[d + 1:], mask)
     if t == "aten.index.Tensor":
-        return em.value(src, advanced_index(em, sshape, op.args[1], op.shape, index, mask), mask)
+        dest = advanced_index(em, sshape, op.args[1], op.shape, index, mask, what=t)
+        return em.value(src, dest, mask)
     raise CodegenUnsupported(f"{t} is not generated")
 
 
-def advanced_index(em: OpEmitter, src_shape, indices, out_shape, index: Index, mask) -> Index:
-    """Index into x of element `index` of x[indices] (numpy advanced indexing): the
-    tensor indices broadcast together; their dims replace the indexed dims in place when
-    those are adjacent, else they come first."""
+def advanced_index(em: OpEmitter, src_shape, indices, out_shape, index: Index, mask,
+                   what: str) -> Index:
+    """Index into x of element `index` of x[indices] (numpy advanced indexing) for op
+    `what`: the tensor indices broadcast together; their dims replace the indexed dims
+    in place when those are adjacent, else they come first."""
     indices = list(indices) + [None] * (len(src_shape) - len(indices))
     where = [k for k, t in enumerate(indices) if t is not None]
     if not where:
@@ -105,7 +118,7 @@ def advanced_index(em: OpEmitter, src_shape, indices, out_shape, index: Index, m
             out.append(rest.pop(0))
             continue
         sub = broadcast_index(b_index, b_shape, em.shape(t.name))
-        out.append(_index_value(em, t, sub, mask, src_shape[k], wrap=True))
+        out.append(_index_value(em, t, sub, mask, src_shape[k], wrap=True, what=what))
     return tuple(out)
 
 

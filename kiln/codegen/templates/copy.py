@@ -120,11 +120,11 @@ def _destination(em: Emitter, op: Op, u, update, mask):
 
     if t == "aten.index_put.default":
         accumulate = bool(bind_args(op)["accumulate"])
-        dest = advanced_index(em, dest_shape, a[1], update, u, mask)
+        dest = advanced_index(em, dest_shape, a[1], update, u, mask, what=t)
         return dest, src_at(a[2], u), accumulate
     if t in ("aten.index_copy.default", "aten.index_add.default"):
         d = norm_axis(a[1], len(dest_shape))
-        row = _index_value(em, a[2], (u[d],), mask, dest_shape[d], wrap=True)
+        row = _index_value(em, a[2], (u[d],), mask, dest_shape[d], wrap=True, what=t)
         v = src_at(a[3], u)
         alpha = bind_args(op)["alpha"]
         if t == "aten.index_add.default" and alpha != 1:
@@ -132,7 +132,7 @@ def _destination(em: Emitter, op: Op, u, update, mask):
         return u[:d] + (row,) + u[d + 1:], v, t == "aten.index_add.default"
     if t in ("aten.scatter.src", "aten.scatter.value", "aten.scatter_add.default"):
         d = norm_axis(a[1], len(dest_shape))
-        row = _index_value(em, a[2], u, mask, dest_shape[d], wrap=True)
+        row = _index_value(em, a[2], u, mask, dest_shape[d], wrap=True, what=t)
         if t == "aten.scatter.value":
             from kiln.codegen.expr.values import literal
 

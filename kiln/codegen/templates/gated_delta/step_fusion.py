@@ -174,7 +174,7 @@ def store_final(em: Emitter, store: StateStore, final: str, at, S: Val, mask,
                                                      if not same_dim(n, 1)]:
         raise CodegenUnsupported("the state write's update is not the final state's shape")
     u = tuple(Lin() if same_dim(n, 1) else big.pop(0) for n in update)
-    dest = advanced_index(em, dest_shape, a["indices"], update, u, mask)
+    dest = advanced_index(em, dest_shape, a["indices"], update, u, mask, what=op.target)
     written = linearize(tuple(Lin.of(i) for i in dest), dest_shape)
     if any(r != written for r in reads.offsets):
         raise CodegenUnsupported("the kernel reads the state it writes in place at other "
