@@ -318,6 +318,58 @@ def test_a_transformers_config_whose_sizes_disagree_is_named_at_the_library_line
     assert "modeling_gptj.py" in e.value.where
 
 
+class Counted:
+    """A length kept in a tensor on a plain object, as transformers' static cache keeps
+    the tokens it has seen (get_seq_length() returns it)."""
+
+    def __init__(self):
+        self.seen = torch.tensor(0)
+
+
+class LengthFromData(torch.nn.Module):
+    """MPT's ALiBi slice: a bias sliced by a length read from data, added to activations
+    of a dynamic length: torch cannot show the two sizes equal."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = Counted()
+        self.register_buffer("bias", torch.randn(1, 16))
+
+    def forward(self, x):
+        length = x.shape[0] + self.cache.seen
+        bias = self.bias[max(0, self.bias.size(0) - length):]
+        return x + bias
+
+
+def test_a_data_dependent_size_meeting_another_is_named_at_its_line():
+    with pytest.raises(ExportError, match="data-dependent: torch calls that size u") as e:
+        kiln.compile(LengthFromData(), (torch.randn(3, 16),),
+                     dynamic_shapes=({0: kiln.Dim("T", min=1, max=8)},))
+    assert f"{HERE}:{_line_of(LengthFromData.forward, 'x + bias')}" in _where(e.value)
+    assert "from shapes" in e.value.hint and "must match the size" in e.value.hint
+
+
+def test_mpt_under_a_dynamic_length_is_named_at_transformers_line():
+    """transformers' MPT through its static-cache export recipe, the sequence dim dynamic:
+    its ALiBi slice is bounded by the cache's length, a tensor."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    cfg = transformers.MptConfig(d_model=32, n_heads=4, n_layers=1, vocab_size=64,
+                                 max_seq_len=32)
+    model = transformers.MptForCausalLM(cfg).eval()
+    model.generation_config = transformers.GenerationConfig(
+        use_cache=True, cache_implementation="static", max_length=16,
+        cache_config={"batch_size": 1, "max_cache_len": 16})
+    wrapped = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=16)
+    length = kiln.Dim("T", min=1, max=8)
+    with pytest.raises(ExportError, match="data-dependent") as e:
+        kiln.compile(wrapped, (), {"input_ids": torch.tensor([[1, 2, 3]]),
+                                   "cache_position": torch.arange(3)},
+                     dynamic_shapes={"input_ids": {1: length}, "cache_position": {0: length}})
+    assert "modeling_mpt.py" in e.value.where and "position_bias" in e.value.where
+
+
 class Pair(torch.nn.Module):
     def forward(self, xs):
         return xs[0] * xs[1]

@@ -167,6 +167,21 @@ def _export_error(e: Exception) -> KilnError:
             "masks; torch.cond for real branches) and avoid .item()/.tolist()/int(tensor) in "
             "forward." + said,
         )
+    unbacked = _unbacked_mismatch(text)
+    if unbacked is not None:
+        tb = "".join(traceback.format_tb(e.__traceback__))
+        data_size, other = unbacked
+        return ExportError(
+            f"the model sizes a tensor by the value of a tensor (data-dependent: torch "
+            f"calls that size {data_size}) and an op needs it to equal another size "
+            f"({other}), which torch.export cannot show",
+            where=user_frame(tb) or library_frame(tb) or model_frame(e) or _first_line(text),
+            hint="compute sizes and slice bounds from shapes (x.shape[i], Python ints), not "
+            "from a tensor's value: a length kept in a tensor (a counter; transformers' "
+            "static cache's get_seq_length(), as MPT's ALiBi slice uses it), .item(), or a "
+            "slice bounded by a tensor. Where library code does it, export with a fixed "
+            "sequence length (a one-token decode step, no dynamic dim on it)." + said,
+        )
     if name == "FakeTensorDeviceMismatchError" or "found at least two devices" in text:
         where = user_frame("".join(traceback.format_tb(e.__traceback__)))
         found = re.search(r"devices?, (\S+) and (\S+?)!?$", text.splitlines()[-1])
@@ -251,6 +266,27 @@ def _export_error(e: Exception) -> KilnError:
         hint="kiln compiles what torch.export can capture: avoid data-dependent Python "
         "control flow and unsupported Python constructs." + said,
     )
+
+
+# torch's broadcast check between two sizes; one that names an unbacked symbol (u0, u1:
+# a size torch read from a tensor's value) could not be compared, not a misfit
+_SIZES_MUST_MATCH = re.compile(r"size of tensor a \(([^()]*)\) must match the size of "
+                               r"tensor b \(([^()]*)\)")
+_UNBACKED = re.compile(r"\bu\d+\b")
+
+
+def _unbacked_mismatch(text: str) -> tuple[str, str] | None:
+    """(the data-dependent size, the other) where torch could not show two sizes equal
+    because one came from a tensor's value (MPT's ALiBi slice under a dynamic length)."""
+    found = _SIZES_MUST_MATCH.search(text)
+    if not found:
+        return None
+    a, b = found.groups()
+    if _UNBACKED.search(a):
+        return a, b
+    if _UNBACKED.search(b):
+        return b, a
+    return None
 
 
 # torch's messages for ops whose operands' sizes (numbers: the example's, not symbols of
