@@ -34,7 +34,7 @@ from kiln.errors import (
 )
 from kiln.frontend.decompositions import DECOMPOSE, FALLBACKS, OVERRIDES
 from kiln.frontend.dim_names import dim_names
-from kiln.frontend.lifted_buffers import constants_as_buffers
+from kiln.frontend.lifted_buffers import export_with_state
 from kiln.frontend.local_decompose import ShapesSpecialised, decompose_locally
 from kiln.frontend.named_kwargs import kwargs_by_name
 from kiln.frontend.raised_by_model import model_frame, raised_by_model
@@ -71,7 +71,7 @@ def _export(model: torch.nn.Module, args: tuple, kwargs, dynamic_shapes):
         try:
             with warnings.catch_warnings(), _quiet_failure():
                 warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecations
-                return constants_as_buffers(torch.export.export(
+                return export_with_state(lambda: torch.export.export(
                     model, tuple(args), kwargs=kwargs or {}, dynamic_shapes=dynamic_shapes,
                     strict=False,
                 ), model)
