@@ -55,14 +55,23 @@ class CompiledModule:
         if parallel is not None and parallel.pp > 1:
             from kiln.runtime.stage_runner import StageRunner
 
+            if self.plan.size_args:
+                raise ArgumentError(
+                    "a pipeline-parallel module binds each micro-batch's sizes from its "
+                    "tensors, and this one takes int size arguments ("
+                    + ", ".join(repr(n) for _, n, _ in self.plan.size_args) + ")",
+                    hint="pass them as tensors (positions: gpt-fast's input_pos), or "
+                    "compile with parallel={'pp': 1}")
             self._stages = StageRunner(program, parallel, self._out_spec.num_leaves)
         # Most modules take plain positional tensors: those calls skip pytree entirely.
         n = len(self.plan.user_inputs)
-        self._flat_in = not self.plan.const_args and self._in_spec == pytree.tree_structure(
+        plain = not self.plan.const_args and not self.plan.size_args
+        self._size_index = [i for i, _, _ in self.plan.size_args]
+        self._flat_in = plain and self._in_spec == pytree.tree_structure(
             (tuple(range(n)), {}))
         # ... or keyword tensors alone (LLM.forward's): the compiled keys, in their order
         self._flat_kw = None
-        if not self.plan.const_args and self._in_spec.num_children == 2:
+        if plain and self._in_spec.num_children == 2:
             keys = _child(self._in_spec, 1).context
             if keys is not None and len(keys) == n and self._in_spec == pytree.tree_structure(
                     ((), dict.fromkeys(keys, 0))):
@@ -117,14 +126,15 @@ class CompiledModule:
         """The last call's steps on this stage: (stage, micro_batch, start, end)."""
         return list(self._stages.timeline) if self._stages is not None else []
 
-    def _flatten(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    def _flatten(self, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], list]:
+        """The call's tensor leaves, and its dynamic int arguments (plan.size_args)."""
         if (self._flat_in and not kwargs and len(args) == len(self.plan.user_inputs)
                 and all(type(a) is torch.Tensor for a in args)):
-            return list(args)
+            return list(args), []
         keys = self._flat_kw
         if (keys is not None and not args and len(kwargs) == len(keys)
                 and all(type(kwargs.get(k)) is torch.Tensor for k in keys)):
-            return [kwargs[k] for k in keys]
+            return [kwargs[k] for k in keys], []
         kw_spec = _child(self._in_spec, 1) if self._in_spec.num_children == 2 else None
         if kw_spec is not None and kw_spec.context is not None:
             keys = list(kw_spec.context)
@@ -147,7 +157,9 @@ class CompiledModule:
                     f"{want!r}",
                     hint="export specialises non-tensor arguments: recompile for the new value",
                 )
-        return [x for i, x in enumerate(leaves) if i not in self.plan.const_args]
+        sizes = [leaves[i] for i in self._size_index]
+        skip = set(self.plan.const_args) | set(self._size_index)
+        return [x for i, x in enumerate(leaves) if i not in skip], sizes
 
     def _explain_mismatch(self, args: tuple):
         want = _child(self._in_spec, 0)
@@ -174,11 +186,12 @@ class CompiledModule:
                 hint="compiling for a GPU without one is compile-only: save the module and "
                 "load it (kiln.load / kiln run DIR) on a machine with that GPU",
             )
-        flat = self._flatten(args, kwargs)
+        flat, sizes = self._flatten(args, kwargs)
         if self.parallel is not None:
             use_groups(self.parallel.tp, self.parallel.pp)
         # a pipeline stage binds each micro-batch's sizes itself
-        env = None if self._stages is not None else self.program.bind(flat, self.plan.user_inputs)
+        env = None if self._stages is not None else self.program.bind(
+            flat, self.plan.user_inputs, sizes)
         grad = torch.is_grad_enabled()  # torch.no_grad(), without its context objects
         if grad:
             torch._C._set_grad_enabled(False)

@@ -35,6 +35,7 @@ def explain(program, example_sizes: dict[str, int] | None = None,
     out = [f"kiln explain: {len(plan.regions)} regions for {program.kplan.target} ("
            + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + ")"]
     out += _symbols(plan.symbols, example, plan.dim_names)
+    out += _size_args(plan)
     if parallel is not None:
         out += _device(plan, parallel, example)
     out.append("")
@@ -87,6 +88,13 @@ def _upper_env(symbols: dict[str, Bounds]) -> dict[str, int] | None:
     if any(b.hi is None for b in symbols.values()):
         return None
     return {s: b.hi for s, b in symbols.items()}
+
+
+def _size_args(plan: DispatchPlan) -> list[str]:
+    """The int arguments that bind a symbol, and the conditions every call must meet."""
+    lines = [f"  {sym} is argument {name!r} (a Python int)" for _, name, sym in plan.size_args]
+    lines += [f"  every call: {text}" for _, _, text in plan.size_checks]
+    return lines
 
 
 def _symbols(symbols: dict[str, Bounds], example, named: dict[str, str]) -> list[str]:

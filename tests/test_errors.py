@@ -258,7 +258,7 @@ class StartPos(torch.nn.Module):
         self.register_buffer("cache", torch.zeros(1, 16, 4))
 
     def forward(self, x, start_pos):
-        start = start_pos if isinstance(start_pos, int) else start_pos[0]
+        start = start_pos if isinstance(start_pos, int | torch.SymInt) else start_pos[0]
         self.cache[:, start:start + x.shape[1]] = x
         return self.cache[:, :start + x.shape[1]].sum(1)
 
@@ -268,13 +268,30 @@ class StartPos(torch.nn.Module):
     (3, {"x": None, "start_pos": torch.export.Dim.AUTO}),
     ((3, 0), (None, (torch.export.Dim.DYNAMIC, None))),  # seen only after export
 ])
-def test_an_int_argument_made_dynamic(start, spec):
-    """A dynamic int has no tensor dim to bind its size symbol from at call time: it
-    reached region formation as an unknown value (a VerifierError, 'a kiln bug')."""
-    with pytest.raises(ShapeError, match=r"makes (argument 1|start_pos|argument 'start_pos_0') "
-                       r"\(a Python int\) dynamic") as e:
-        kiln.compile(StartPos(), (torch.randn(1, 1, 4), start), dynamic_shapes=spec)
-    assert "give None for it" in e.value.hint and "index_copy_" in e.value.hint
+def test_an_int_argument_made_dynamic_is_a_size(start, spec):
+    """A dynamic int was refused (kiln read sizes from tensor dims only; before that it
+    reached region formation as an unknown value, a VerifierError): it is now a size
+    symbol bound from the argument on every call (frontend/int_args.py)."""
+    exe = kiln.compile(StartPos(), (torch.randn(1, 1, 4), start), dynamic_shapes=spec,
+                       target="cpu")
+    ref = StartPos()
+    for pos in (0, 5, 15):
+        x = torch.randn(1, 1, 4)
+        arg = pos if isinstance(start, int) else (pos, 0)
+        torch.testing.assert_close(exe(x, arg), ref(x, arg))
+    with pytest.raises(ShapeError, match=r"start_pos"):
+        exe(torch.randn(1, 1, 4), 16 if isinstance(start, int) else (16, 0))
+
+
+def test_a_float_argument_made_dynamic_is_refused():
+    class Scaled(torch.nn.Module):
+        def forward(self, x, scale: float):
+            return x * scale
+
+    with pytest.raises(ShapeError, match=r"\(a Python float\) dynamic") as e:
+        kiln.compile(Scaled(), (torch.randn(2), 2.0),
+                     dynamic_shapes=(None, torch.export.Dim.DYNAMIC))
+    assert "give None for it" in e.value.hint
 
 
 class Misfit(torch.nn.Module):

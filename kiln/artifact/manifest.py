@@ -166,10 +166,18 @@ def plan_to_json(plan: DispatchPlan) -> dict:
         "values": {n: _value(v) for n, v in plan.values.items()},
         "regions": [_region(r) for r in plan.regions],
     }
+    if plan.size_args:  # dynamic int arguments; a manifest without stays as it was
+        j["size_args"] = [[i, name, sym] for i, name, sym in plan.size_args]
+        j["size_checks"] = [[to_str(d), rel, text] for d, rel, text in plan.size_checks]
     if plan.recv or plan.send:  # a pipeline stage; single-device manifests stay as they were
         j["recv"] = [[name, src] for name, src in plan.recv]
         j["send"] = [[name, list(dsts)] for name, dsts in plan.send]
     return j
+
+
+def _relation(rel) -> str:
+    """A size check's relation, one the runtime knows (KeyError otherwise: a bad manifest)."""
+    return {r: r for r in ("<=", "<", ">=", ">", "==", "!=")}[rel]
 
 
 def plan_from_json(j: dict) -> DispatchPlan:
@@ -206,5 +214,8 @@ def plan_from_json(j: dict) -> DispatchPlan:
         devices=list(j["devices"]),
         dim_names={str(k): str(v) for k, v in j.get("dim_names", {}).items()},
         recv=[(str(name), int(src)) for name, src in j.get("recv", [])],
+        size_args=[(int(i), str(name), str(sym)) for i, name, sym in j.get("size_args", [])],
+        size_checks=[(parse(d), _relation(rel), str(text))
+                     for d, rel, text in j.get("size_checks", [])],
         send=[(str(name), tuple(int(d) for d in dsts)) for name, dsts in j.get("send", [])],
     )

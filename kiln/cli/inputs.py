@@ -72,9 +72,11 @@ def random_inputs(module, env: dict[str, int], seed: int = 0) -> tuple[tuple, di
         else:
             t = torch.randint(0, limits.get(name, 16), shape, generator=gen).to(v.dtype)
         tensors.append(t.to(device))
-    n = len(tensors) + len(plan.const_args)
+    sized = {i: env[sym] for i, _, sym in plan.size_args}  # an int size: its symbol's value
+    fixed = {**plan.const_args, **sized}
+    n = len(tensors) + len(fixed)
     it = iter(tensors)
-    leaves = [plan.const_args[i] if i in plan.const_args else next(it) for i in range(n)]
+    leaves = [fixed[i] if i in fixed else next(it) for i in range(n)]
     args, kwargs = pytree.tree_unflatten(leaves, treespec.loads(plan.in_spec))
     return tuple(args), dict(kwargs)
 

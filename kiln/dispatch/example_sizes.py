@@ -16,8 +16,9 @@ from kiln.pipeline import Context, Pass
 
 def example_sizes(plan: DispatchPlan, leaves: list) -> dict[str, int]:
     """symbol -> size in the example args (`leaves`: the flattened (args, kwargs))."""
-    tensors = [x for i, x in enumerate(leaves) if i not in plan.const_args]
-    env: dict[str, int] = {}
+    sized = {i: sym for i, _, sym in plan.size_args}
+    tensors = [x for i, x in enumerate(leaves) if i not in plan.const_args and i not in sized]
+    env: dict[str, int] = {sym: int(leaves[i]) for i, sym in sized.items() if i < len(leaves)}
     for arg, name in zip(tensors, plan.user_inputs):
         if not isinstance(arg, torch.Tensor):
             continue

@@ -64,10 +64,19 @@ def to_op(node: fx.Node) -> Op:
     )
 
 
+_USER_KINDS = ("user", "user_const", "user_size")
+
+
 def _const_args(kg: KilnGraph) -> dict[int, object]:
     """Flat argument index -> value, for the non-tensor arguments export specialised on."""
-    user = [s for s in kg.inputs if s.kind in ("user", "user_const")]
+    user = [s for s in kg.inputs if s.kind in _USER_KINDS]
     return {i: s.value for i, s in enumerate(user) if s.kind == "user_const"}
+
+
+def _size_args(kg: KilnGraph) -> list[tuple[int, str, str]]:
+    """(flat argument index, name, size symbol) of each dynamic int argument."""
+    user = [s for s in kg.inputs if s.kind in _USER_KINDS]
+    return [(i, s.name, s.value) for i, s in enumerate(user) if s.kind == "user_size"]
 
 
 class _Lowering:
@@ -85,11 +94,13 @@ class _Lowering:
         inputs: list[str] = []
 
         def visit(n: fx.Node, top: bool = False):
+            if isinstance(n.meta.get("val"), torch.SymInt):
+                return  # a size (an int argument's too): a Sym argument, not a value
             if not top and n in self.materialized and n not in members:
                 if n.name not in inputs:
                     inputs.append(n.name)
                 return
-            if n in needed or isinstance(n.meta.get("val"), torch.SymInt):
+            if n in needed:
                 return
             for a in n.all_input_nodes:
                 visit(a)
@@ -105,7 +116,7 @@ class _Lowering:
         values: dict[str, TensorValue] = {}
         placeholders = kg.placeholders()
         for spec in kg.inputs:
-            if spec.kind == "user_const":
+            if spec.kind in ("user_const", "user_size"):
                 continue
             val = placeholders[spec.name].meta["val"]
             roles = {"user": Role.INPUT, "recv": Role.INPUT, "param": Role.WEIGHT,
@@ -137,6 +148,8 @@ class _Lowering:
             regions=regions,
             user_inputs=[i.name for i in kg.inputs if i.kind == "user"],
             const_args=_const_args(kg),
+            size_args=_size_args(kg),
+            size_checks=[(as_dim(d), r, t) for d, r, t in kg.size_checks],
             outputs=[],
             in_spec=treespec.dumps(kg.in_spec),
             out_spec=treespec.dumps(kg.out_spec),

@@ -17,6 +17,7 @@ import sys
 import traceback
 import warnings
 
+import sympy
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
@@ -34,7 +35,8 @@ from kiln.errors import (
 )
 from kiln.frontend.decompositions import DECOMPOSE, FALLBACKS, OVERRIDES
 from kiln.frontend.dim_names import dim_names
-from kiln.frontend.lifted_buffers import constants_as_buffers
+from kiln.frontend.int_args import captured_guards, declared_bounds, int_dims, size_checks
+from kiln.frontend.lifted_buffers import export_with_state
 from kiln.frontend.local_decompose import ShapesSpecialised, decompose_locally
 from kiln.frontend.named_kwargs import kwargs_by_name
 from kiln.frontend.raised_by_model import model_frame, raised_by_model
@@ -65,13 +67,14 @@ def export_model(model: torch.nn.Module, args: tuple, kwargs=None, dynamic_shape
 
 def _export(model: torch.nn.Module, args: tuple, kwargs, dynamic_shapes):
     _check_dim_axes(model, args, kwargs or {}, dynamic_shapes)
+    dynamic_shapes, _ = int_dims(model, args, kwargs or {}, dynamic_shapes)
     args, kwargs = _distinct_inputs(tuple(args), kwargs or {})
     registered: set[str] = set()
     while True:
         try:
             with warnings.catch_warnings(), _quiet_failure():
                 warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecations
-                return constants_as_buffers(torch.export.export(
+                return export_with_state(lambda: torch.export.export(
                     model, tuple(args), kwargs=kwargs or {}, dynamic_shapes=dynamic_shapes,
                     strict=False,
                 ), model)
@@ -321,8 +324,8 @@ def _check_dim_axes(model, args: tuple, kwargs: dict, dynamic_shapes) -> None:
                 f"{spec!r}, but only a tensor has dims",
                 hint="give None for it; a tuple lists the positional arguments, then the "
                 "keyword arguments in the order given (a dict by argument name is clearer)")
-        if isinstance(value, int | float) and not isinstance(value, bool) and spec is not None:
-            raise _dynamic_scalar(who, type(value).__name__)  # a Dim, Dim.DYNAMIC or AUTO
+        if isinstance(value, float) and spec is not None:
+            raise _dynamic_scalar(who, "float")  # a Dim, Dim.DYNAMIC or AUTO
         if not isinstance(value, torch.Tensor) or not isinstance(spec, dict):
             continue
         for axis in spec:
@@ -521,10 +524,9 @@ def _data_dependent(node: fx.Node):
 
 
 def _specialised(name: str, val):
-    """The value export specialised a non-tensor argument on. One made dynamic (an int
-    given Dim.DYNAMIC, as Meta's Llama passes `start_pos`) is a size symbol with no
-    tensor dim to read it from at call time: kiln binds sizes from tensor shapes only,
-    and the symbol reached region formation as an unknown value (a VerifierError)."""
+    """The value export specialised a non-tensor argument on. A dynamic int is a size
+    symbol (a "user_size" input, bound from the argument at call time); a float or
+    bool made dynamic has no size to be."""
     if not isinstance(val, torch.SymInt | torch.SymFloat | torch.SymBool):
         return val
     expr = val.node.expr
@@ -533,14 +535,19 @@ def _specialised(name: str, val):
     raise _dynamic_scalar(f"argument {name!r}", type(val).__name__[3:].lower())
 
 
+def _size_symbol(val) -> str | None:
+    """The size symbol a dynamic int argument is (torch's SymInt placeholder), if one."""
+    expr = getattr(getattr(val, "node", None), "expr", None)
+    return expr.name if isinstance(val, torch.SymInt) and isinstance(expr, sympy.Symbol) \
+        else None
+
+
 def _dynamic_scalar(who: str, kind: str) -> ShapeError:
     return ShapeError(
-        f"dynamic_shapes makes {who} (a Python {kind}) dynamic; kiln reads dynamic sizes "
-        "from tensor dims only", where=who,
+        f"dynamic_shapes makes {who} (a Python {kind}) dynamic; kiln takes dynamic sizes "
+        "from tensor dims and Python ints only", where=who,
         hint="give None for it (the module then takes the example's value; calling with "
-        "another is an error), or pass positions as a tensor: gpt-fast writes its KV "
-        "cache with index_copy_(dim, input_pos, k) and slices its mask buffer with "
-        "input_pos, so one module serves every position")
+        "another is an error), or pass it as an int (a size) or a tensor")
 
 
 def to_kiln_graph(ep: torch.export.ExportedProgram) -> KilnGraph:
@@ -556,6 +563,9 @@ def to_kiln_graph(ep: torch.export.ExportedProgram) -> KilnGraph:
         if kind == "token":
             raise UnsupportedOpError("the model uses side-effecting ops (effect tokens)")
         val = vals.get(spec.arg.name)
+        if kind == "user" and _size_symbol(val) is not None:
+            inputs.append(GraphInput(spec.arg.name, "user_size", None, _size_symbol(val)))
+            continue
         if kind == "user" and not isinstance(val, torch.Tensor):
             inputs.append(GraphInput(spec.arg.name, "user_const", None,
                                      _specialised(spec.arg.name, val)))
@@ -596,6 +606,36 @@ def to_kiln_graph(ep: torch.export.ExportedProgram) -> KilnGraph:
     )
 
 
+def _int_sizes(kg: KilnGraph, guards: list, model, args: tuple, kwargs: dict,
+               dynamic_shapes) -> None:
+    """The int arguments' symbols: the user's Dim names and bounds, and torch's guards
+    over them that the bounds do not imply, checked on every call (int_args.py)."""
+    _, dims = int_dims(model, args, kwargs, dynamic_shapes)
+    user = [s for s in kg.inputs if s.kind in ("user", "user_const", "user_size")]
+    sized = {}
+    for i, spec in enumerate(user):
+        if spec.kind == "user_const" and i in dims and dims[i] is not torch.export.Dim.AUTO:
+            raise ShapeError(
+                f"dynamic_shapes makes argument {spec.name!r} (a Python int) dynamic, but "
+                f"torch.export fixed it to the example's {spec.value!r}",
+                where=f"argument {spec.name!r}",
+                hint="give an example value of at least 2 (torch.export fixes an int whose "
+                "example is 0 or 1; the compiled module still takes every value its Dim "
+                "allows, 0 and 1 included); if it is 2 or more already, the model's code "
+                "fixes it (a branch or an assert on it)")
+        if spec.kind != "user_size":
+            continue
+        sym, dim = spec.value, dims.get(i)
+        sized[sym] = spec.name
+        bounds = declared_bounds(dim, kg.symbols.get(sym))
+        if bounds is not None:
+            kg.symbols[sym] = bounds
+        name = getattr(dim, "__name__", None)
+        if isinstance(name, str) and name not in ("DYNAMIC", "AUTO", "STATIC"):
+            kg.dim_names.setdefault(sym, name)
+    kg.size_checks = size_checks(guards, set(sized), kg.symbols)
+
+
 def import_model(model, args, kwargs=None, dynamic_shapes=None,
                  fallback: str = "allow", allow_train: bool = False) -> KilnGraph:
     """The whole import stage, as one pass of the pipeline."""
@@ -619,6 +659,7 @@ def capture(model, args, kwargs=None, dynamic_shapes=None,
 def import_exported(ep: torch.export.ExportedProgram, model, args, kwargs=None,
                     dynamic_shapes=None, fallback: str = "allow") -> KilnGraph:
     """The KilnGraph of a captured program: decomposed, checked and converted."""
+    guards = captured_guards(ep)
     with phase("decompose"):
         ep = decompose(ep, recapture=lambda: export_model(model, args, kwargs, dynamic_shapes))
     _check_no_unbacked(ep)
@@ -630,6 +671,7 @@ def import_exported(ep: torch.export.ExportedProgram, model, args, kwargs=None,
     kg = to_kiln_graph(ep)
     kg.fallback_ops = fallen
     kg.dim_names = dim_names(ep, model, tuple(args), kwargs or {}, dynamic_shapes)
+    _int_sizes(kg, guards, model, tuple(args), kwargs or {}, dynamic_shapes)
     kg.recompile()
     log.info("imported %d nodes, symbols %s", len(kg.graph.nodes), kg.symbols)
     return kg

@@ -10,15 +10,62 @@ constant written in place, and torch's decomposition fails on the aliased pair
 (`AssertionError: expected compiled_fn to be GraphModule`). Each such constant is
 replaced by the buffer input it is (the same tensor object): the writes become buffer
 mutations, which kiln keeps as the model's state, as it does gpt-fast's KV cache.
-A constant written in place that is no buffer at all is refused with what to do.
+A plain tensor attribute the forward writes in place (Meta's Llama: `self.cache_k =
+torch.zeros(...)` in __init__, `self.cache_k[:bsz, start:start + seqlen] = xk` in
+forward) is lifted as a constant too, and torch cannot functionalize a constant's
+writes (its re-trace raises, or the writes are lost): such attributes are registered
+as non-persistent buffers for a second export (`export_with_state`) and put back as
+they were after it, so the writes are the compiled module's state, as a registered
+cache's are. A constant written in place that is no attribute at all is refused with
+what to do.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch.export.graph_signature import InputKind
 
 from kiln.errors import ExportError
+
+
+def export_with_state(export, model: torch.nn.Module) -> torch.export.ExportedProgram:
+    """`export()`'s program, exported again with the plain tensor attributes its forward
+    writes in place registered as buffers while it runs; lifted buffers read as such."""
+    ep = export()
+    written = written_attributes(ep, model)
+    if not written:
+        return constants_as_buffers(ep, model)
+    with _as_buffers(model, written):
+        return constants_as_buffers(export(), model)
+
+
+def written_attributes(ep: torch.export.ExportedProgram, model: torch.nn.Module) -> list[str]:
+    """The lifted constants that are plain tensor attributes of a module of `model` and
+    that the program writes in place (through views and no-op `.to`s too)."""
+    placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    return [s.target for s in ep.graph_signature.input_specs
+            if s.kind == InputKind.CONSTANT_TENSOR and _written(placeholders[s.arg.name])
+            and _is_attribute(model, s.target, ep.constants.get(s.target))]
+
+
+@contextlib.contextmanager
+def _as_buffers(model: torch.nn.Module, targets: list[str]):
+    """Inside: each target attribute a non-persistent buffer of its module."""
+    held = []
+    for target in targets:
+        owner, _, leaf = target.rpartition(".")
+        module = model.get_submodule(owner)
+        tensor = module.__dict__.pop(leaf)
+        module.register_buffer(leaf, tensor, persistent=False)
+        held.append((module, leaf, tensor))
+    try:
+        yield
+    finally:
+        for module, leaf, tensor in held:
+            module._buffers.pop(leaf, None)
+            module.__dict__[leaf] = tensor
 
 
 def constants_as_buffers(ep: torch.export.ExportedProgram,
@@ -81,12 +128,17 @@ def _is_attribute(model: torch.nn.Module, target: str, tensor) -> bool:
 
 
 def _written(node: torch.fx.Node) -> bool:
-    """Whether an in-place op (a schema argument it writes) takes `node`."""
+    """Whether an in-place op (a schema argument it writes) takes `node` or a view of it
+    (a slice, a `.to` that returns its input)."""
     for user in node.users:
         schema = getattr(user.target, "_schema", None)
         for i, arg in enumerate(schema.arguments if schema else ()):
             info = arg.alias_info
             value = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
-            if value is node and info is not None and info.is_write:
+            if value is not node or info is None:
+                continue
+            if info.is_write:
+                return True
+            if any(r.alias_info is not None for r in schema.returns) and _written(user):
                 return True
     return False

@@ -157,7 +157,7 @@ def add_constant(kg: KilnGraph, node: fx.Node, value: torch.Tensor) -> fx.Node:
     """A new "constant" placeholder for `value`, after the existing weights."""
     key = STATE_PREFIX + node.name
     kg.state[key] = value
-    user_kinds = ("user", "user_const")
+    user_kinds = ("user", "user_const", "user_size")
     index = next((i for i, s in enumerate(kg.inputs) if s.kind in user_kinds), len(kg.inputs))
     placeholders = [n for n in kg.graph.nodes if n.op == "placeholder"]
     if index < len(placeholders):

@@ -21,9 +21,11 @@ from kiln.ir.symbolic import Bounds, Dim, as_dim
 @dataclass
 class GraphInput:
     name: str  # placeholder name
-    kind: str  # "user" | "user_const" | "param" | "buffer" | "constant" | "recv"
+    kind: str  # "user" | "user_const" | "user_size" | "param" | "buffer" | "constant" | "recv"
     target: str | None = None  # state-dict name for param/buffer/constant; "recv": sender's value
-    value: object = None  # for "user_const": a non-tensor argument export specialised on
+    # "user_const": a non-tensor argument export specialised on; "user_size": the size
+    # symbol a dynamic int argument is (bound from it at call time)
+    value: object = None
     stage: int | None = None  # for "recv": the pipeline stage that sends it
 
 
@@ -52,6 +54,9 @@ class KilnGraph:
     devices_named: dict[int, list[tuple[str, str | None]]] = field(default_factory=dict)
     # ops kiln has no kernel for that run as PyTorch's own op -> where each is used
     fallback_ops: dict[str, list[str]] = field(default_factory=dict)
+    # guards over the int arguments' symbols checked on every call: (lhs - rhs, relation,
+    # torch's text), e.g. (s27 + s30 - 16, "<=", "s27 + s30 <= 16") (frontend/int_args.py)
+    size_checks: list = field(default_factory=list)
     # this rank's pipeline stage (kiln.parallel.pipeline_stages.StageIO); None: one stage
     stage_io: object = None
 

@@ -149,6 +149,11 @@ class DispatchPlan:
     state_writes: dict[str, str] = field(default_factory=dict)
     # non-tensor arguments export specialised on: flat leaf index -> the value compiled for
     const_args: dict[int, object] = field(default_factory=dict)
+    # dynamic int arguments (sizes): (flat leaf index, argument name, its size symbol)
+    size_args: list[tuple[int, str, str]] = field(default_factory=list)
+    # conditions over the sizes every call must meet, beyond each symbol's Bounds:
+    # (lhs - rhs, relation, text), the guards torch took over the int arguments
+    size_checks: list[tuple[Dim, str, str]] = field(default_factory=list)
     in_spec: str = ""  # pytree TreeSpec, serialised
     out_spec: str = ""
     devices: list[int] = field(default_factory=lambda: [0])

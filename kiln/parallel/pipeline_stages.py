@@ -255,7 +255,7 @@ def pipeline_stages(kg: KilnGraph, ctx) -> KilnGraph:
 
     def kept(n: fx.Node) -> bool:
         if n.op == "placeholder" and n.name in plan.specs and plan.specs[n.name].kind in (
-                "user", "user_const"):
+                "user", "user_const", "user_size"):
             return True
         if n in movable:
             return me in floating_uses.get(n, set())

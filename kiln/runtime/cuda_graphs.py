@@ -6,6 +6,8 @@ its own arena, so capturing a new bucket never moves a captured graph's memory.
 State (the KV cache) is updated in place by the graph, as by a plain run.
 Prefill, whose sizes vary call to call, should run without graphs. A pipeline
 stage's step is captured the same way (StageGraphRunner), its p2p left outside.
+A module whose sizes come from an int argument (Meta's `start_pos`) is refused: its
+value changes every decode step, so every step would capture a graph of its own.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.errors import TargetError
+from kiln.errors import ArgumentError, TargetError
 from kiln.ir.plan import Ref, Role
 from kiln.runtime.memory_plan import Arena
 from kiln.runtime.program import Program
@@ -37,6 +39,7 @@ class GraphRunner:
     """Runs `program` through CUDA graphs keyed by the bound sizes."""
 
     def __init__(self, program: Program, max_graphs: int = 16, warmup: int = 2):
+        _refuse_size_args(program)
         if program.device.type != "cuda":
             raise TargetError(f"CUDA graphs need a module compiled for a CUDA target, not "
                               f"{program.kplan.target}",
@@ -128,6 +131,23 @@ class StageGraphRunner(GraphRunner):
         cap.graph.replay()
         n_out = len(self.program.plan.outputs)
         return [o.clone() for o in cap.outputs[:n_out]], cap.outputs[n_out:]
+
+
+def _refuse_size_args(program: Program) -> None:
+    """A graph replays the sizes it was captured at; an int size argument's value (a
+    decode position) is new on every call, so no captured graph would serve twice."""
+    plan = program.plan
+    if not plan.size_args:
+        return
+    names = ", ".join(repr(n) for _, n, _ in plan.size_args)
+    raise ArgumentError(
+        f"CUDA graphs replay the sizes they were captured at, and this module takes the "
+        f"int argument{'s' if len(plan.size_args) > 1 else ''} {names}, a size that changes "
+        "from call to call (a decode position): every call would capture a graph of its own",
+        where="CompiledModule.cuda_graphs",
+        hint="call the module without cuda_graphs(), or pass positions as a tensor (gpt-fast "
+        "writes its KV cache with index_copy_(dim, input_pos, k) and slices its mask buffer "
+        "with input_pos), so one graph serves every position")
 
 
 def _copy_into(static: list[torch.Tensor], args: list[torch.Tensor]) -> None:

@@ -6,6 +6,7 @@ learns what to change instead of meeting a failure inside a kernel.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import sympy
@@ -14,7 +15,11 @@ import torch
 from kiln.errors import ArgumentError, DeviceError, DTypeError, ShapeError
 from kiln.ir.plan import DispatchPlan, TensorValue
 from kiln.ir.printer import dtype_str, type_str
-from kiln.ir.symbolic import evaluate, shape_str, to_str
+from kiln.ir.symbolic import compile_expr, evaluate, shape_str, to_str
+
+# a size check's relation (plan.size_checks: lhs - rhs against 0)
+_HOLDS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt,
+          "==": operator.eq, "!=": operator.ne}
 
 
 def _arg_name(names: Sequence[str] | None, i: int, value: TensorValue) -> str:
@@ -37,8 +42,9 @@ def _expr_str(plan: DispatchPlan, expr) -> str:
 
 
 def bind_symbols(plan: DispatchPlan, args: Sequence, device: str | None = None,
-                 names: Sequence[str] | None = None) -> dict[str, int]:
-    """Check `args` (flattened user inputs) and return each size symbol's value."""
+                 names: Sequence[str] | None = None, sizes: Sequence = ()) -> dict[str, int]:
+    """Check `args` (flattened tensor inputs) and `sizes` (the dynamic int arguments, in
+    plan.size_args order) and return each size symbol's value."""
     if len(args) != len(plan.user_inputs):
         raise ArgumentError(
             f"the compiled module takes {len(plan.user_inputs)} tensor arguments, "
@@ -80,6 +86,7 @@ def bind_symbols(plan: DispatchPlan, args: Sequence, device: str | None = None,
                 _bind(plan, env, want.name, int(size), who, d)
             else:
                 pending.append((i, d, want, int(size)))
+    _bind_sizes(plan, env, sizes)
     for i, d, expr, size in pending:
         if evaluate(expr, env) != size:
             who = _arg_name(names, i, plan.values[plan.user_inputs[i]])
@@ -87,7 +94,51 @@ def bind_symbols(plan: DispatchPlan, args: Sequence, device: str | None = None,
                 f"{who} has size {size} in dim {d}, but that dim must equal "
                 f"{_expr_str(plan, expr)} = {evaluate(expr, env)}"
             )
+    _check_sizes(plan, env)
     return env
+
+
+def _bind_sizes(plan: DispatchPlan, env: dict[str, int], sizes: Sequence) -> None:
+    """The dynamic int arguments' symbols, each checked against its Dim's bounds."""
+    if len(sizes) != len(plan.size_args):
+        raise ArgumentError(
+            f"the compiled module takes {len(plan.size_args)} int size arguments "
+            f"({', '.join(repr(n) for _, n, _ in plan.size_args) or 'none'}), got {len(sizes)}",
+            hint="call it with the same arguments (and structure) as the example args")
+    for (_, name, sym), value in zip(plan.size_args, sizes):
+        who = f"argument {name!r}"
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ArgumentError(f"{who} must be a Python int (a size), got "
+                                f"{type(value).__name__}", where=who,
+                                hint="pass an int, as in the example arguments")
+        bounds = plan.symbols.get(sym)
+        if bounds is not None and not bounds.contains(value):
+            raise ShapeError(
+                f"{who} is {value}, outside the bounds of {dim_label(plan, sym)}: {bounds}",
+                where=who,
+                hint=f"call with {name} inside the bounds, or recompile with a wider "
+                "torch.export.Dim(min=, max=) for it in dynamic_shapes")
+        if sym in env and env[sym] != value:
+            raise ShapeError(
+                f"{who} is {value}, but {dim_label(plan, sym)} is already {env[sym]} from a "
+                "tensor argument's size", where=who,
+                hint="the model ties this int to that size: pass equal values")
+        env[sym] = value
+
+
+def _check_sizes(plan: DispatchPlan, env: dict[str, int]) -> None:
+    """The conditions torch assumed of the int arguments (a slice within its tensor)."""
+    for diff, rel, text in plan.size_checks:
+        if not _HOLDS[rel](evaluate(diff, env), 0):
+            used = sorted(s.name for s in getattr(diff, "free_symbols", ()))
+            named = ", ".join(f"{dim_label(plan, s)} = {env[s]}" for s in used)
+            args = ", ".join(f"{n!r} = {env[s]}" for _, n, s in plan.size_args)
+            raise ShapeError(
+                f"the call's sizes break a condition the model's code needs: {text} "
+                f"({named})", where=f"arguments {args}",
+                hint="the model slices or shapes a tensor with these sizes and only this "
+                "holds for them (a KV cache's length bounds start_pos + seqlen): call with "
+                "sizes that meet it")
 
 
 def _bind(plan: DispatchPlan, env: dict[str, int], sym: str, size: int, who: str, d: int):
@@ -132,9 +183,16 @@ class FastBinder:
                 else:  # a size expression: bind_symbols evaluates it
                     self.usable = False
             self.specs.append((v.dtype, len(v.shape), static, syms))
+        self.sizes = []
+        for _, _, sym in plan.size_args:
+            b = plan.symbols.get(sym)
+            self.sizes.append((sym, b.lo if b else 0,
+                               b.hi if b is not None and b.hi is not None else float("inf")))
+        self.checks = [(compile_expr(d) if not isinstance(d, int) else (lambda env, d=d: d),
+                        _HOLDS[rel]) for d, rel, _ in plan.size_checks]
 
-    def __call__(self, args: Sequence) -> dict[str, int] | None:
-        if not self.usable or len(args) != len(self.specs):
+    def __call__(self, args: Sequence, sizes: Sequence = ()) -> dict[str, int] | None:
+        if not self.usable or len(args) != len(self.specs) or len(sizes) != len(self.sizes):
             return None
         env: dict[str, int] = {}
         flag = self.device_flag
@@ -153,4 +211,11 @@ class FastBinder:
                 size = shape[d]
                 if not lo <= size <= hi or env.setdefault(sym, size) != size:
                     return None
+        for value, (sym, lo, hi) in zip(sizes, self.sizes):
+            if type(value) is not int or not lo <= value <= hi \
+                    or env.setdefault(sym, value) != value:
+                return None
+        for fn, holds in self.checks:
+            if not holds(fn(env), 0):
+                return None
         return env

@@ -80,9 +80,11 @@ class Program:
         self.kplan.kernels[region] = kernel
         self._build_steps()
 
-    def bind(self, args, names=None) -> dict[str, int]:
-        env = self._fast_bind(args)
-        return env if env is not None else bind_symbols(self.plan, args, self.device.type, names)
+    def bind(self, args, names=None, sizes=()) -> dict[str, int]:
+        """The call's size symbols from its tensors' dims and its int size arguments."""
+        env = self._fast_bind(args, sizes)
+        return env if env is not None else bind_symbols(self.plan, args, self.device.type,
+                                                        names, sizes)
 
     def run(self, args: list[torch.Tensor], state: dict[str, torch.Tensor],
             env: dict[str, int] | None = None, arena: Arena | None = None) -> list[torch.Tensor]:

@@ -1,7 +1,8 @@
 """Lifted constants that are the model's buffers (frontend/lifted_buffers.py): a state
 written through a plain Python object, as transformers' StaticCache is in its export
 recipe, compiles and keeps its values from call to call; a written tensor that is no
-buffer is refused with what to do."""
+buffer is refused with what to do; a written plain tensor attribute (Meta's KV cache) is
+exported as a buffer."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def test_a_written_tensor_that_is_no_buffer_is_refused_with_what_to_do():
 
 class MetaCache(torch.nn.Module):
     """Meta's Llama keeps its KV cache as plain tensor attributes (self.cache_k =
-    torch.zeros(...)), written with a slice assignment."""
+    torch.zeros(...)), written with an index assignment."""
 
     def __init__(self):
         super().__init__()
@@ -78,13 +79,16 @@ class MetaLayer(torch.nn.Module):
         return self.attention(x, pos)
 
 
-def test_a_written_plain_tensor_attribute_is_named_as_one():
-    """The refusal said the tensor was held 'outside any module attribute'."""
-    with pytest.raises(ExportError) as e:
-        kiln.compile(MetaLayer(), (torch.randn(1, 2, 4), torch.tensor([0, 1])), target="cpu")
-    assert "'cache_k', a plain tensor attribute of module attention" in e.value.what
-    assert e.value.where == "module attention"
-    assert "self.register_buffer('cache_k', tensor, persistent=False)" in e.value.hint
+def test_a_written_plain_tensor_attribute_is_the_compiled_modules_state():
+    """It was refused ('a plain tensor attribute ... that is no registered buffer'): now
+    it is exported as a buffer, its writes kept from call to call, and the model's
+    attribute stays a plain tensor."""
+    model, ref = MetaLayer(), MetaLayer()
+    exe = kiln.compile(model, (torch.randn(1, 2, 4), torch.tensor([0, 1])), target="cpu")
+    assert "cache_k" in vars(model.attention) and not dict(model.named_buffers())
+    for pos in ([0, 1], [2, 3], [6, 7]):
+        x = torch.randn(1, 2, 4)
+        assert _rel(exe(x, torch.tensor(pos)), ref(x, torch.tensor(pos))) < 1e-6
 
 
 def _static_cache_module(cls_prefix: str, **extra):
