@@ -7,6 +7,7 @@ learns what to change instead of meeting a failure inside a kernel.
 from __future__ import annotations
 
 import operator
+import re
 from collections.abc import Sequence
 
 import sympy
@@ -134,11 +135,18 @@ def _check_sizes(plan: DispatchPlan, env: dict[str, int]) -> None:
             named = ", ".join(f"{dim_label(plan, s)} = {env[s]}" for s in used)
             args = ", ".join(f"{n!r} = {env[s]}" for _, n, s in plan.size_args)
             raise ShapeError(
-                f"the call's sizes break a condition the model's code needs: {text} "
+                f"the call's sizes break a condition the model's code needs: "
+                f"{_named_symbols(plan, text)} "
                 f"({named})", where=f"arguments {args}",
                 hint="the model slices or shapes a tensor with these sizes and only this "
                 "holds for them (a KV cache's length bounds start_pos + seqlen): call with "
                 "sizes that meet it")
+
+
+def _named_symbols(plan: DispatchPlan, text: str) -> str:
+    """A condition's text with each symbol a Dim names written as that name (`start + seq
+    <= 16`, not `s3 + s7 <= 16`): what the user wrote in dynamic_shapes."""
+    return re.sub(r"\bs\d+\b", lambda m: plan.dim_names.get(m.group(0), m.group(0)), text)
 
 
 def _bind(plan: DispatchPlan, env: dict[str, int], sym: str, size: int, who: str, d: int):
