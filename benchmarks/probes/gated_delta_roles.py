@@ -18,8 +18,10 @@ Usage: PYTHONPATH=.:<fla site> python benchmarks/probes/gated_delta_roles.py \\
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -63,8 +65,31 @@ def timed(fn, reset, reps=30):
     return run(fn)
 
 
-def roles_at(spec, inputs, outs, shape, c, bv, w, st):
+_BARRIER = "tl.debug_barrier()  # the CTA's stores of this chunk land before the count"
+_COUNT = re.compile(r'tl.atomic_add\((gd_flag .+?), 1, sem="release"\)')
+_WAIT = re.compile(r"while tl.load\((gd_flag .+?), volatile=True\) <= jj:")
+
+
+def thread_release(source: str, threads: int) -> str:
+    """The walker's chunk count as one release per thread (each orders its own stores)
+    instead of a CTA barrier and one release: Triton 3.6 pipelines no load of a loop
+    that holds a barrier. Output programs then wait for threads x (chunk + 1)."""
+    assert _BARRIER in source
+    source = source.replace(_BARRIER, "pass")
+    source, n = _COUNT.subn(rf'tl.atomic_add(\1 + tl.zeros([{threads}], tl.int32), 1, '
+                            r'sem="release")', source)
+    assert n == 1
+    source, n = _WAIT.subn(rf"while tl.load(\1, volatile=True) < (jj + 1) * {threads}:",
+                           source)
+    assert n == 1
+    return source
+
+
+def roles_at(spec, inputs, outs, shape, c, bv, w, st, variant="", ref=None):
     """One staged config's row: the whole launch, then each role in it and alone."""
+    scale = 1
+    if variant == "thread-release":
+        spec, scale = dataclasses.replace(spec, source=thread_release(spec.source, 32 * w)), 32 * w
     cfg = Config.make(w, st, CHUNK=c, BV=bv, STAGED=1)
     tk = TritonKernel.__new__(TritonKernel)
     tk.spec, tk.config = spec, cfg
@@ -93,12 +118,17 @@ def roles_at(spec, inputs, outs, shape, c, bv, w, st):
     full()
     ck = launch(whole, n_prep + n_walk + n_out)  # fills the scratch the roles read
     torch.cuda.synchronize()
-    row = {"config": str(cfg), "regs": getattr(ck, "n_regs", None),
+    errs = {}
+    if ref is not None:
+        for t in outs.values():  # o and the final state, told apart by shape
+            r = next(r for r in ref if r.shape == t.shape)
+            errs[f"rel err {tuple(t.shape)}"] = ((t.float() - r).norm() / r.norm()).item()
+    row = {"config": str(cfg), "variant": variant, **errs, "regs": getattr(ck, "n_regs", None),
            "spills": getattr(ck, "n_spills", None),
            "whole": timed(lambda: launch(whole, n_prep + n_walk + n_out), full)}
     roles = (("preparers", n_prep, full),
              ("walkers", n_walk, counters(n_prep, n_prep, 0)),  # walkers overwrite gd_u
-             ("outputs", n_out, counters(n_prep + n_walk, n_prep, nj)))
+             ("outputs", n_out, counters(n_prep + n_walk, n_prep, nj * scale)))
     for role, n, reset in roles:
         row[f"{role} in whole"] = timed(lambda n=n: launch(whole, n), reset)
         reset()
@@ -116,6 +146,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=8192)
     ap.add_argument("--configs", default="64:64:4:1,64:32:4:1,64:32:4:2,64:32:8:2")
+    ap.add_argument("--variants", default="base", help="base,thread-release")
     ap.add_argument("--out")
     a = ap.parse_args()
     shape = dict(B=1, T=a.T, H=36, HV=36, K=256, V=256)
@@ -128,6 +159,9 @@ def main():
     inputs = {n: given[n] for n in region.inputs}
     outs = {o: torch.empty(tuple(int(d) for d in plan.values[o].shape),
                            dtype=plan.values[o].dtype, device="cuda") for o in region.outputs}
+    q, k, v, g, beta = args
+    ref = [x.float() for x in gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(),
+                                                output_final_state=True)]
     rows = []
     fla, fwd_h, why = load_fla()
     if fla is not None:
@@ -142,8 +176,10 @@ def main():
     print(json.dumps(rows[-1]), flush=True)
     for text in a.configs.split(","):
         c, bv, w, st = (int(x) for x in text.split(":"))
-        rows.append(roles_at(kernel.spec, inputs, outs, shape, c, bv, w, st))
-        print(json.dumps(rows[-1]), flush=True)
+        for variant in a.variants.split(","):
+            rows.append(roles_at(kernel.spec, inputs, outs, shape, c, bv, w, st,
+                                 "" if variant == "base" else variant, ref))
+            print(json.dumps(rows[-1]), flush=True)
         if a.out:
             Path(a.out).write_text(json.dumps(rows, indent=1))
     if a.out:
