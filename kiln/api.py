@@ -2,8 +2,9 @@
 
 `kiln.compile(model, args, kwargs=None, dynamic_shapes=None, target="cpu")` feels
 like torch.export + torch.compile: it returns a callable that takes and returns
-what the model does. `compile_to=<stage>` returns that stage's IR instead. Each
-pass lives in its stage's package; this module only puts them in order.
+what the model does; without args, a LazyModule that compiles on its first call.
+`compile_to=<stage>` returns that stage's IR instead. Each pass lives in its stage's
+package; this module only puts them in order.
 kiln.load reads back what CompiledModule.save wrote; kiln.save_modules and
 kiln.load_modules do the same for modules that share weights.
 """
@@ -18,7 +19,9 @@ import torch.utils._pytree as pytree
 from kiln.arguments import (
     check_device_map,
     check_dump_dir,
+    check_fallback,
     check_kwargs,
+    check_lazy,
     check_options,
     check_pins,
 )
@@ -38,11 +41,11 @@ from kiln.dispatch.mask_envelope import mask_envelope
 from kiln.dispatch.recompute_cheap import recompute_cheap
 from kiln.dispatch.reinplace import reinplace
 from kiln.dispatch.split_query_prologue import split_query_prologue
-from kiln.errors import ArgumentError
-from kiln.frontend.export import FALLBACK_MODES, capture, fallback_warning
+from kiln.frontend.export import capture, fallback_warning
 from kiln.frontend.import_pass import ModelSource, import_pass
 from kiln.frontend.module_identity import module_identity, module_state
 from kiln.graph import GRAPH_PASSES
+from kiln.lazy_module import MAX_MODULES, LazyModule
 from kiln.parallel.assign_devices import assign_devices
 from kiln.parallel.config import parse_parallel
 from kiln.parallel.pipeline_stages import pipeline_stages
@@ -77,11 +80,11 @@ def build_pipeline(dump_dir: str | None = None) -> PassManager:
 
 def compile(  # noqa: A001 - mirrors torch.compile
     model: torch.nn.Module,
-    args: tuple,
+    args: tuple | None = None,
     kwargs: dict | None = None,
     *,
     dynamic_shapes=None,
-    target: str | Target = "cpu",
+    target: str | Target | None = None,
     compile_to: str | None = None,
     dump_ir: str | None = None,
     options: dict | None = None,
@@ -91,8 +94,15 @@ def compile(  # noqa: A001 - mirrors torch.compile
     pins: dict[str, int] | None = None,
     fallback: str = "allow",
     allow_train: bool = False,
+    max_modules: int | None = None,
 ):
-    """Compile `model` for `target`; returns a CompiledModule (or an IR with compile_to).
+    """Compile `model` for `target` (default "cpu"); returns a CompiledModule (or an IR
+    with compile_to).
+
+    Without example args (and kwargs), as torch.compile: a LazyModule that compiles on
+    its first call from that call's arguments, for `target` or else their device, and
+    again (with a KilnWarning) for a call of another signature, up to `max_modules`
+    (default 8) modules; kiln/lazy_module.py says how. Every other keyword is passed on.
 
     `parallel={"tp": T, "pp": P}` compiles this process's part of a T x P plan: every
     rank (torchrun's RANK, or `"rank"` in the dict) calls compile with the same model.
@@ -105,14 +115,28 @@ def compile(  # noqa: A001 - mirrors torch.compile
     A model whose train mode changes what it computes (dropout, batch statistics) is
     refused unless `allow_train=True`: kiln compiles for inference.
     """
+    lazy = args is None and kwargs is None
+    check_lazy(lazy, compile_to, dump_ir, max_modules)
+    kw = dict(dynamic_shapes=dynamic_shapes, compile_to=compile_to, dump_ir=dump_ir,
+              options=options, parallel=parallel, devices=devices, device_map=device_map,
+              pins=pins, fallback=fallback, allow_train=allow_train)
+    if not lazy:
+        return _compile_now(model, args, kwargs, target="cpu" if target is None else target, **kw)
+    if target is not None:  # mistakes found now, not at the first call
+        get_target(target)
+    check_options(options)
+    check_fallback(fallback)
+    return LazyModule(model, _compile_now, target, max_modules or MAX_MODULES, kw)
+
+
+def _compile_now(model, args, kwargs, *, dynamic_shapes, target, compile_to, dump_ir,
+                 options, parallel, devices, device_map, pins, fallback, allow_train):
+    """kiln.compile with example args: the pipeline, run now (or the compile cache's hit)."""
     setup_logging()
     tgt = get_target(target)
-    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    args = () if args is None else tuple(args) if isinstance(args, (tuple, list)) else (args,)
     kwargs = check_kwargs(kwargs)
-    if fallback not in FALLBACK_MODES:
-        raise ArgumentError(f"fallback={fallback!r} is not one of {', '.join(FALLBACK_MODES)}",
-                            hint='fallback="allow" runs ops kiln has no kernel for as '
-                            'PyTorch\'s own; fallback="error" refuses them')
+    check_fallback(fallback)
     check_dump_dir(dump_ir)
     ctx = Context(target=tgt, options=check_options(options))
     ctx.options["fallback"] = fallback
@@ -156,7 +180,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
     for w in seen:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
     if ctx.options.get("fallback_ops"):
-        warnings.warn(fallback_warning(ctx.options["fallback_ops"]), stacklevel=2)
+        # stacklevel: the user's kiln.compile call (compile, then this function)
+        warnings.warn(fallback_warning(ctx.options["fallback_ops"]), stacklevel=3)
     if not isinstance(result, Program):
         return result
     if key is not None:

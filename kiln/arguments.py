@@ -13,6 +13,7 @@ import os
 
 from kiln.codegen.autotune.candidates import MODES
 from kiln.errors import ArgumentError
+from kiln.frontend.export import FALLBACK_MODES
 
 # The options a user may pass (kiln.codegen.autotune.tuner reads them); the passes'
 # own entries in ctx.options (fallback, parallel, ...) are keyword arguments instead.
@@ -78,6 +79,38 @@ def _option_hint(key) -> str:
     close = difflib.get_close_matches(str(key), OPTIONS, n=1)
     return (f"did you mean {close[0]!r}? " if close else "") + \
         f"options are: {', '.join(OPTIONS)}"
+
+
+def check_fallback(fallback) -> None:
+    if fallback not in FALLBACK_MODES:
+        raise ArgumentError(f"fallback={fallback!r} is not one of {', '.join(FALLBACK_MODES)}",
+                            hint='fallback="allow" runs ops kiln has no kernel for as '
+                            'PyTorch\'s own; fallback="error" refuses them')
+
+
+def check_lazy(lazy: bool, compile_to, dump_ir, max_modules) -> None:
+    """The keywords only one form takes: compile_to and dump_ir need example args (they
+    return or write the IR of a compile that happens now); max_modules bounds the lazy
+    form (no example args), which compiles once per call signature."""
+    if not lazy:
+        if max_modules is not None:
+            raise ArgumentError(
+                "max_modules= bounds how many modules kiln.compile(model) compiles without "
+                "example args, one per call signature; this call gives example args, which "
+                "compile exactly one", where="kiln.compile(model, args, max_modules=...)",
+                hint="leave max_modules out, or leave the example args out to compile lazily")
+        return
+    for name, value in (("compile_to", compile_to), ("dump_ir", dump_ir)):
+        if value is not None:
+            raise ArgumentError(
+                f"{name}= needs example args: without them kiln.compile(model) compiles "
+                "on the module's first call, which returns the model's outputs, not IR",
+                where=f"kiln.compile(model, {name}=...)",
+                hint=f"pass example args: kiln.compile(model, args, {name}=...)")
+    if max_modules is not None and (not _is_int(max_modules) or max_modules < 1):
+        raise ArgumentError(f"max_modules= must be a positive int, got {max_modules!r}",
+                            hint="e.g. max_modules=8 (the default), as torch.compile's "
+                            "recompile limit")
 
 
 def check_dump_dir(dump_ir) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
-from kiln.errors import ArgumentError, TargetError
+from kiln.errors import ArgumentError, KilnError, TargetError
 from kiln.explain import explain
 from kiln.ir import treespec
 from kiln.runtime.distributed import use_groups
@@ -178,6 +178,17 @@ class CompiledModule:
                     hint="call with the same arguments (and nesting) as the example args",
                 )
         raise ArgumentError("the keyword arguments' structure differs from the compiled one")
+
+    def accepts(self, *args, **kwargs) -> bool:
+        """Whether a call with these arguments passes this module's checks (structure,
+        non-tensor values, dtypes, devices, sizes within their bounds), without running
+        it: how a lazily compiled module (kiln/lazy_module.py) finds one for a new call."""
+        try:
+            flat, sizes = self._flatten(args, kwargs)
+            self.program.bind(flat, self.plan.user_inputs, sizes)
+        except KilnError:
+            return False
+        return True
 
     def __call__(self, *args, **kwargs):
         if not device_present(self.target):

@@ -95,6 +95,16 @@ class ArtifactError(KilnError):
     """A saved kiln artifact cannot be read."""
 
 
+class LazyModuleError(KilnError, AttributeError):
+    """A lazily compiled module (kiln.compile without example args) was asked for what
+    only one compiled module has (save, explain, plan) before its first call, or while
+    it holds several. An AttributeError too, so hasattr and getattr's default work."""
+
+
+class RecompileLimitError(KilnError):
+    """A lazily compiled module met more call signatures than it may compile modules for."""
+
+
 class VerifierError(KilnError):
     """An IR invariant was broken; names the pass that broke it. A kiln bug, not the user's."""
 

@@ -15,12 +15,13 @@ from pathlib import Path
 
 KILN = Path(__file__).resolve().parent.parent / "kiln"
 # Lower number = earlier. Base modules (ir, target, errors, pipeline, progress, settings,
-# ops) are 0. compiled_module and arguments (compile's keyword checks) serve api.
+# ops) are 0. compiled_module, arguments (compile's keyword checks) and lazy_module
+# (kiln.compile without example args) serve api.
 LEVEL = {
     "ir": 0, "target": 0, "errors": 0, "pipeline": 0, "progress": 0, "version": 0,
     "settings": 0, "ops": 0, "frontend": 1, "graph": 2, "parallel": 3, "dispatch": 4,
     "codegen": 5, "runtime": 6, "artifact": 7, "explain": 8, "compiled_module": 9,
-    "arguments": 9, "api": 10,
+    "arguments": 9, "lazy_module": 9, "api": 10,
     "models": 11, "bench": 12, "cli": 13, "__init__": 14,
 }
 # Users of kiln's public API may import the package itself.
