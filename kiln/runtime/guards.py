@@ -80,6 +80,7 @@ def bind_symbols(plan: DispatchPlan, args: Sequence, device: str | None = None,
                 _bind(plan, env, want.name, int(size), who, d)
             else:
                 pending.append((i, d, want, int(size)))
+    _solve_derived(plan, env, pending, names)
     for i, d, expr, size in pending:
         if evaluate(expr, env) != size:
             who = _arg_name(names, i, plan.values[plan.user_inputs[i]])
@@ -88,6 +89,34 @@ def bind_symbols(plan: DispatchPlan, args: Sequence, device: str | None = None,
                 f"{_expr_str(plan, expr)} = {evaluate(expr, env)}"
             )
     return env
+
+
+def _solve_derived(plan: DispatchPlan, env: dict[str, int], pending: list, names) -> None:
+    """Bind the symbols that only appear inside a size expression: a derived Dim
+    (`10 * s`, `s + 1`) gives an input dim the affine `a*s + b` and no dim `s` itself."""
+    progress = True
+    while progress:
+        progress = False
+        for i, d, expr, size in pending:
+            free = [s for s in expr.free_symbols if s.name not in env]
+            if len(free) != 1:
+                continue
+            sym = free[0]
+            affine = sympy.Poly(expr.subs({s: env[s.name] for s in expr.free_symbols
+                                           if s.name in env}), sym) \
+                if expr.is_polynomial(sym) else None
+            if affine is None or affine.degree() != 1:
+                continue
+            a, b = (int(c) for c in affine.all_coeffs())
+            who = _arg_name(names, i, plan.values[plan.user_inputs[i]])
+            if (size - b) % a:
+                raise ShapeError(
+                    f"{who} has size {size} in dim {d}, but that dim must be "
+                    f"{_expr_str(plan, expr)} for an integer {sym.name}",
+                    where=f"dim {d} of {who}",
+                    hint="call with a size of that form, or recompile with another Dim")
+            _bind(plan, env, sym.name, (size - b) // a, who, d)
+            progress = True
 
 
 def _bind(plan: DispatchPlan, env: dict[str, int], sym: str, size: int, who: str, d: int):
