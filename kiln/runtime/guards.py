@@ -115,21 +115,25 @@ def _solve_derived(plan: DispatchPlan, env: dict[str, int], pending: list, names
                     f"{_expr_str(plan, expr)} for an integer {sym.name}",
                     where=f"dim {d} of {who}",
                     hint="call with a size of that form, or recompile with another Dim")
-            _bind(plan, env, sym.name, (size - b) // a, who, d)
+            value = (size - b) // a
+            _bind(plan, env, sym.name, value, who, d,
+                  shown=f"{size} ({_expr_str(plan, expr)} with {sym.name} = {value})")
             progress = True
 
 
-def _bind(plan: DispatchPlan, env: dict[str, int], sym: str, size: int, who: str, d: int):
+def _bind(plan: DispatchPlan, env: dict[str, int], sym: str, size: int, who: str, d: int,
+          shown: str | None = None):
+    shown = shown or str(size)
     if sym in env and env[sym] != size:
         raise ShapeError(
-            f"{who} has size {size} in dim {d}, but {dim_label(plan, sym)} is already "
+            f"{who} has size {shown} in dim {d}, but {dim_label(plan, sym)} is already "
             f"{env[sym]} from an earlier argument",
             hint="dims that share a torch.export.Dim must have equal sizes",
         )
     bounds = plan.symbols.get(sym)
     if bounds is not None and not bounds.contains(size):
         raise ShapeError(
-            f"{who} has size {size} in dim {d}, outside the bounds of {dim_label(plan, sym)}: "
+            f"{who} has size {shown} in dim {d}, outside the bounds of {dim_label(plan, sym)}: "
             f"{bounds}",
             where=f"dim {d} of {who}",
             hint="call with a size inside the bounds, or recompile with wider "
