@@ -203,7 +203,7 @@ def _export_error(e: Exception) -> KilnError:
     if "Constraints violated" in text or "specializ" in text or name == "UserError":
         return ShapeError(
             "the dynamic dims declared in dynamic_shapes do not hold for this model",
-            where=_first_line(text),
+            where=_violated_dims(text) or _first_line(text),
             hint="torch.export's suggestion follows; adjust Dim(min=, max=) or mark the "
             "dim static:\n" + _tail(text),
         )
@@ -296,6 +296,18 @@ def _check_dim_axes(model, args: tuple, kwargs: dict, dynamic_shapes) -> None:
                     f"{list(value.shape)}",
                     hint=f"dims are numbered 0..{value.dim() - 1}",
                 )
+
+
+# torch's line per violated Dim: "Not all values of seq = L['input_ids'].size()[1] in ..."
+_VIOLATED = re.compile(r"Not all values of (\w+) = L\['(\w+)'\]((?:\[\w+\])*)"
+                       r"\.size\(\)\[(\d+)\]")
+
+
+def _violated_dims(text: str) -> str | None:
+    """The dims torch's constraint check refused, as 'dim 1 of input_ids (Dim "seq")'."""
+    found = dict.fromkeys(f'dim {m.group(4)} of {m.group(2)}{m.group(3)} (Dim "{m.group(1)}")'
+                          for m in _VIOLATED.finditer(text))
+    return "; ".join(found) or None
 
 
 def _first_line(text: str, limit: int = 300) -> str:

@@ -38,3 +38,24 @@ def test_a_dim_within_the_table_compiles():
                        dynamic_shapes=({1: kiln.Dim("seq", min=2, max=8)},))
     x = torch.randn(2, 8, 4)
     torch.testing.assert_close(exe(x), model(x))
+
+
+class SlicedPositions(nn.Module):
+    """BERT's and DistilBERT's form: a position buffer sliced to the length, which
+    torch.export's constraint check refuses itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("pos", torch.randn(1, 8, 4))
+
+    def forward(self, x):
+        return x + self.pos[:, :x.shape[1]]
+
+
+def test_a_sliced_table_names_the_dim_torch_refused():
+    x = torch.randn(2, 5, 4)
+    with pytest.raises(ShapeError) as e:
+        kiln.compile(SlicedPositions(), (x,),
+                     dynamic_shapes=({1: kiln.Dim("seq", min=2, max=16)},))
+    assert e.value.where == 'dim 1 of x (Dim "seq")'
+    assert "max=8" in e.value.hint
