@@ -13,7 +13,8 @@ broadcast to [B, H, Tq, S]) and through whatever prologue the region fused: RoPE
 Q and K is computed as they are loaded (the rotate-half partner is the other half of
 the head dim, read under the cat's per-element selection), a mask built from arange
 and input_pos is computed at (b, h, i, j). A boolean mask selects, a float mask is
-added to the scaled scores; `is_causal` is top-left aligned, as in torch (key j <=
+added to the scaled scores (in base 2, a finite value kept finite: a row of finfo.min
+is uniform, as in eager); `is_causal` is top-left aligned, as in torch (key j <=
 query i), and a mask the prologue builds from aranges is recognised as causal
 (causal_mask.py). Sizes may be symbolic: the key loop and every tile are masked, never
 padded.
