@@ -519,3 +519,16 @@ def test_user_frame_ignores_library_frames_not_folder_names():
     )
     assert user_frame(trace) == "/home/u/kiln/models/mine.py:12 in forward: y = self.proj(x)"
     assert user_frame(None) is None
+
+
+class SizeRatio(torch.nn.Module):
+    def forward(self, x):
+        return x * (x.shape[1] / 4)  # a float from a dynamic size (ViT's interpolation scale)
+
+
+def test_a_float_from_a_dynamic_size_is_refused_with_its_line():
+    with pytest.raises(UnsupportedOpError) as e:
+        kiln.compile(SizeRatio(), (torch.randn(2, 8),),
+                     dynamic_shapes=({1: kiln.Dim("n", min=2, max=64)},))
+    assert "a float computed from a dynamic size" in e.value.what
+    assert "x.shape[1] / 4" in e.value.where and "static" in e.value.hint

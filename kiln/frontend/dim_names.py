@@ -2,8 +2,8 @@
 
 Read at import from the user's dynamic_shapes and the exported placeholders' symbolic
 sizes, then carried in the graph and the plan, so guards, reports and the CLI speak
-of `dim "seq"` rather than `s17`. Best effort: a spec it cannot follow (derived dims,
-unusual nesting) leaves that symbol unnamed.
+of `dim "seq"` rather than `s17`; a derived Dim's symbol takes its root's name. Best
+effort: a spec it cannot follow (unusual nesting) leaves that symbol unnamed.
 """
 
 from __future__ import annotations
@@ -72,6 +72,9 @@ def _walk(value, spec, fake_of, names: dict[str, str]) -> None:
             expr = getattr(getattr(fake.shape[d], "node", None), "expr", None)
             if isinstance(expr, sympy.Symbol):
                 names.setdefault(expr.name, name)
+            elif hasattr(dim, "root") and expr is not None and len(expr.free_symbols) == 1:
+                # a derived Dim (10 * samples): its one symbol is the root Dim's
+                names.setdefault(next(iter(expr.free_symbols)).name, dim.root.__name__)
     elif isinstance(value, (list, tuple)) and isinstance(spec, (list, tuple)):
         for v, s in zip(value, spec):
             _walk(v, s, fake_of, names)

@@ -221,7 +221,7 @@ def _export_error(e: Exception) -> KilnError:
     if "Constraints violated" in text or "specializ" in text or name == "UserError":
         return ShapeError(
             "the dynamic dims declared in dynamic_shapes do not hold for this model",
-            where=_first_line(text),
+            where=_violated_dims(text) or _first_line(text),
             hint="torch.export's suggestion follows; adjust Dim(min=, max=) or mark the "
             "dim static:\n" + _tail(text),
         )
@@ -337,6 +337,18 @@ def _check_dim_axes(model, args: tuple, kwargs: dict, dynamic_shapes) -> None:
                 )
 
 
+# torch's line per violated Dim: "Not all values of seq = L['input_ids'].size()[1] in ..."
+_VIOLATED = re.compile(r"Not all values of (\w+) = L\['(\w+)'\]((?:\[\w+\])*)"
+                       r"\.size\(\)\[(\d+)\]")
+
+
+def _violated_dims(text: str) -> str | None:
+    """The dims torch's constraint check refused, as 'dim 1 of input_ids (Dim "seq")'."""
+    found = dict.fromkeys(f'dim {m.group(4)} of {m.group(2)}{m.group(3)} (Dim "{m.group(1)}")'
+                          for m in _VIOLATED.finditer(text))
+    return "; ".join(found) or None
+
+
 def _first_line(text: str, limit: int = 300) -> str:
     """torch's first line, cut at a word boundary when longer than `limit`."""
     line = text.splitlines()[0] if text else ""
@@ -421,6 +433,7 @@ def check_supported(gm: fx.GraphModule, fallback: str = "allow") -> dict[str, li
     cannot run blindly: in-place, random, ...)."""
     fallen: dict[str, list[str]] = {}
     refused: list[str] = []
+    size_floats = False
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -428,6 +441,11 @@ def check_supported(gm: fx.GraphModule, fallback: str = "allow") -> dict[str, li
         val = node.meta.get("val")
         if isinstance(val, torch.SymInt | int) or name.startswith("aten.sym_"):
             continue  # size arithmetic: becomes a symbolic expression
+        if isinstance(val, torch.SymFloat):
+            size_floats = True
+            refused.append(f"{name} (a float computed from a dynamic size) at "
+                           f"{location(node)}")
+            continue
         if is_known(name) or _is_symint_op(node):
             continue
         problem = fallback_problem(name)
@@ -436,13 +454,19 @@ def check_supported(gm: fx.GraphModule, fallback: str = "allow") -> dict[str, li
             fallen.setdefault(name, []).append(at)
         else:
             refused.append(f"{name} at {at}" + (f" ({problem})" if problem else ""))
+    refused = list(dict.fromkeys(refused))
     if refused:
         many = len(refused) > 1
         raise UnsupportedOpError(
             f"kiln cannot compile {len(refused)} operation{'s' if many else ''}: "
             + "; ".join(refused),
             where=refused[0].partition(" at ")[2],
-            hint=("drop fallback=\"error\" to run the ops kiln has no kernel for as PyTorch's "
+            hint=("kiln's dynamic sizes are integers: a float made from one (an "
+                  "interpolation's scale following the input's size, as ViT's "
+                  "interpolate_pos_encoding) cannot be compiled; make those dims static "
+                  "(a module per size) or compute the float outside the model"
+                  if size_floats else
+                  "drop fallback=\"error\" to run the ops kiln has no kernel for as PyTorch's "
                   "own ops" if fallback == "error" else
                   "rewrite these lines with supported ops (elementwise math, reductions, "
                   "matmul, scaled_dot_product_attention, views, cat, index/embedding), "
@@ -461,10 +485,10 @@ def fallback_warning(fallen: dict[str, list[str]]) -> KilnWarning:
 
 
 def location(node: fx.Node) -> str:
-    """The user's source line of `node`, else the module it ran in (model.layers.3.mlp),
-    else its graph name: models built from nn.Sequential or library code have no user
-    frame."""
-    at = where(node)
+    """The user's source line of `node`, else transformers' line (library code), else
+    the module it ran in (model.layers.3.mlp), else its graph name: models built from
+    nn.Sequential have no source frame."""
+    at = where(node) or library_frame(node.meta.get("stack_trace"))
     if at:
         return at
     stack = node.meta.get("nn_module_stack") or {}

@@ -10,6 +10,7 @@ import torch
 
 from kiln.errors import ArgumentError
 from kiln.frontend.export import capture, import_exported
+from kiln.frontend.position_tables import check_position_tables
 from kiln.ir.graph import KilnGraph, named_devices
 from kiln.pipeline import Context, Pass
 
@@ -38,6 +39,7 @@ def _import(src: ModelSource, ctx: Context) -> KilnGraph:
     kg = import_exported(ep, src.model, src.args, src.kwargs, src.dynamic_shapes,
                          fallback=ctx.options.get("fallback", "allow"))
     _check_pin_names(kg.state, ctx.options.get("pins") or {})
+    check_position_tables(kg)
     # The weights leave the IR here; kiln.compile hands them to the CompiledModule.
     ctx.options["state"] = kg.state
     # as imported: a tensor later passes put in its place (folded from weight values)

@@ -88,6 +88,7 @@ def bind_symbols(plan: DispatchPlan, args: Sequence, device: str | None = None,
             else:
                 pending.append((i, d, want, int(size)))
     _bind_sizes(plan, env, sizes)
+    _solve_derived(plan, env, pending, names)
     for i, d, expr, size in pending:
         if evaluate(expr, env) != size:
             who = _arg_name(names, i, plan.values[plan.user_inputs[i]])
@@ -149,17 +150,49 @@ def _named_symbols(plan: DispatchPlan, text: str) -> str:
     return re.sub(r"\bs\d+\b", lambda m: plan.dim_names.get(m.group(0), m.group(0)), text)
 
 
-def _bind(plan: DispatchPlan, env: dict[str, int], sym: str, size: int, who: str, d: int):
+def _solve_derived(plan: DispatchPlan, env: dict[str, int], pending: list, names) -> None:
+    """Bind the symbols that only appear inside a size expression: a derived Dim
+    (`10 * s`, `s + 1`) gives an input dim the affine `a*s + b` and no dim `s` itself."""
+    progress = True
+    while progress:
+        progress = False
+        for i, d, expr, size in pending:
+            free = [s for s in expr.free_symbols if s.name not in env]
+            if len(free) != 1:
+                continue
+            sym = free[0]
+            affine = sympy.Poly(expr.subs({s: env[s.name] for s in expr.free_symbols
+                                           if s.name in env}), sym) \
+                if expr.is_polynomial(sym) else None
+            if affine is None or affine.degree() != 1:
+                continue
+            a, b = (int(c) for c in affine.all_coeffs())
+            who = _arg_name(names, i, plan.values[plan.user_inputs[i]])
+            if (size - b) % a:
+                raise ShapeError(
+                    f"{who} has size {size} in dim {d}, but that dim must be "
+                    f"{_expr_str(plan, expr)} for an integer {sym.name}",
+                    where=f"dim {d} of {who}",
+                    hint="call with a size of that form, or recompile with another Dim")
+            value = (size - b) // a
+            _bind(plan, env, sym.name, value, who, d,
+                  shown=f"{size} ({_expr_str(plan, expr)} with {sym.name} = {value})")
+            progress = True
+
+
+def _bind(plan: DispatchPlan, env: dict[str, int], sym: str, size: int, who: str, d: int,
+          shown: str | None = None):
+    shown = shown or str(size)
     if sym in env and env[sym] != size:
         raise ShapeError(
-            f"{who} has size {size} in dim {d}, but {dim_label(plan, sym)} is already "
+            f"{who} has size {shown} in dim {d}, but {dim_label(plan, sym)} is already "
             f"{env[sym]} from an earlier argument",
             hint="dims that share a torch.export.Dim must have equal sizes",
         )
     bounds = plan.symbols.get(sym)
     if bounds is not None and not bounds.contains(size):
         raise ShapeError(
-            f"{who} has size {size} in dim {d}, outside the bounds of {dim_label(plan, sym)}: "
+            f"{who} has size {shown} in dim {d}, outside the bounds of {dim_label(plan, sym)}: "
             f"{bounds}",
             where=f"dim {d} of {who}",
             hint="call with a size inside the bounds, or recompile with wider "

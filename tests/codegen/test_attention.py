@@ -61,6 +61,27 @@ def test_mask_input_broadcast_over_batch_and_heads(kind):
     assert rel_err(exe(q, k, v, mask), model(q, k, v, mask)) <= 1e-5
 
 
+class PaddingMasked(torch.nn.Module):
+    """transformers' additive padding mask: finfo.min, not -inf, where a key is padding."""
+
+    def forward(self, q, k, v, keep):
+        mask = torch.where(keep[:, None, None, :], 0.0, torch.finfo(q.dtype).min)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_a_row_of_finfo_min_is_uniform_as_in_eager():
+    """A padded query whose every key is finfo.min (T5's encoder, a padded sentence)
+    attends to all keys alike in eager; scaled to base 2, finfo.min had overflowed to
+    -inf and the row came out empty (0)."""
+    q, k, v = _qkv(2, 2, 2, 5, 5)
+    keep = torch.ones(2, 5, dtype=torch.bool)
+    keep[0, 3:] = False
+    keep[1] = False
+    exe = kiln.compile(PaddingMasked(), (q, k, v, keep), target="interpret")
+    assert _attention_kernel(exe)[1].kind == "triton"
+    assert rel_err(exe(q, k, v, keep), PaddingMasked()(q, k, v, keep)) <= 1e-5
+
+
 class PositionMasked(torch.nn.Module):
     """The mask is built inside the region from arange and input positions (a prologue)."""
 

@@ -144,6 +144,18 @@ def test_derived_dim_mismatch_names_the_dim():
         exe(torch.randn(5, 3), torch.randn(9, 3))
 
 
+def test_only_a_derived_dim_binds_its_root():
+    """Wav2Vec2 with `10 * samples`: no input dim is the root symbol itself."""
+    t = kiln.Dim("t", min=2, max=16)
+    exe = kiln.compile(AddOne(), (torch.randn(20, 3),), dynamic_shapes=({0: 10 * t},))
+    x = torch.randn(70, 3)
+    torch.testing.assert_close(exe(x), x + 1)
+    with pytest.raises(ShapeError, match='must be 10[*]s[0-9]+ [(]s[0-9]+ is dim "t"[)]'):
+        exe(torch.randn(75, 3))
+    with pytest.raises(ShapeError, match=r"size 170 [(]10[*]s[0-9]+ .* = 17[)] .*\[2, 16\]"):
+        exe(torch.randn(170, 3))
+
+
 def test_fast_binder_agrees_with_bind_symbols(exe):
     """Every call: the fast check's sizes are bind_symbols' sizes, or it declines (None)
     exactly where bind_symbols raises its message."""

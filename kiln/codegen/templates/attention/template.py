@@ -13,7 +13,8 @@ broadcast to [B, H, Tq, S]) and through whatever prologue the region fused: RoPE
 Q and K is computed as they are loaded (the rotate-half partner is the other half of
 the head dim, read under the cat's per-element selection), a mask built from arange
 and input_pos is computed at (b, h, i, j). A boolean mask selects, a float mask is
-added to the scaled scores; `is_causal` is top-left aligned, as in torch (key j <=
+added to the scaled scores (in base 2, a finite value kept finite: a row of finfo.min
+is uniform, as in eager); `is_causal` is top-left aligned, as in torch (key j <=
 query i), and a mask the prologue builds from aranges is recognised as causal
 (causal_mask.py). Sizes may be symbolic: the key loop and every tile are masked, never
 padded.
@@ -62,6 +63,7 @@ from kiln.target import Target
 SDPA = "aten.scaled_dot_product_attention.default"
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 LOG2E = 1.4426950408889634
+FLT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 MIN_SPLIT_BLOCKS = 2  # key blocks a split gets at least
 SPLIT_CAP = 32  # most parts the keys are split into (decode: 8 KV heads x 16 splits)
 
@@ -649,7 +651,12 @@ class _AttentionSource:
             if s.mask_kind == "bool":
                 conds.append(f"({m} != 0)")
             else:
-                score = f"qk * qk_scale + {m}.to(tl.float32) * {LOG2E!r}"
+                # a finite mask value stays finite in base 2: transformers' padding
+                # mask is finfo.min, and a row of it alone (a padded query) is
+                # uniform over its keys in eager, not empty (0) as -inf would make it
+                mf = f"{m}.to(tl.float32)"
+                score = (f'qk * qk_scale + tl.where({mf} == float("-inf"), {mf}, '
+                         f"tl.maximum({mf} * {LOG2E!r}, {-FLT32_MAX!r}))")
                 if enveloped:  # a NaN key's score is not -inf + NaN
                     conds.append("live_k")
         if conds:
