@@ -432,7 +432,12 @@ def test_quantize_fp8_makes_the_fp8_checkpoint_s_projections(fp8_checkpoint):
     with torch.no_grad():
         want = [model(tokens[:, :7], torch.arange(7))]
         want += [model(tokens[:, p:p + 1], torch.tensor([p])) for p in (7, 8, 9)]
-    assert rel_err(torch.cat(got, 1), torch.cat(want, 1)) <= 1e-5
+    # fp8 activations are quantised per token: an element within rounding (~1e-7) of an
+    # e4m3 step may round to the other side in one form (3 mantissa bits: ~6% of that
+    # element), so one token's logits can move ~1e-2 (token 8 here, on one machine's
+    # BLAS, 9e-3; the routing margins there were 0.3, no near-tie); the rest match
+    errs = sorted(rel_err(g, w) for g, w in zip(torch.cat(got, 1)[0], torch.cat(want, 1)[0]))
+    assert errs[-2] <= 1e-5 and errs[-1] <= 2e-2, errs
 
 
 def test_random_weights_in_an_fp8_config_keep_the_fp8_layout(one_layer):
