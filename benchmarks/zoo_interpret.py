@@ -26,15 +26,31 @@ import torch
 import kiln
 from kiln.errors import KilnWarning
 
-BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=64,
-            pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-GPT_STYLE = dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=128,
-                 bos_token_id=1, eos_token_id=2)
+# the tiny widths (--head-dim etc. change them: odd head dims as Phi-3's 96, a vocabulary
+# that is no power of two); hidden = heads * head_dim
+SIZES = dict(heads=4, kv_heads=2, head_dim=16, inter=128, vocab=128, window=4, batch=1)
+
+
+def base(style: str) -> dict:
+    """The config kwargs of one naming style at SIZES."""
+    z = SIZES
+    hidden = z["heads"] * z["head_dim"]
+    if style == "gpt":
+        return dict(n_embd=hidden, n_layer=2, n_head=z["heads"], n_positions=64,
+                    vocab_size=z["vocab"], bos_token_id=1, eos_token_id=2)
+    if style == "mpt":
+        return dict(d_model=hidden, n_heads=z["heads"], n_layers=2, vocab_size=z["vocab"],
+                    max_seq_len=64)
+    return dict(hidden_size=hidden, intermediate_size=z["inter"], num_hidden_layers=2,
+                num_attention_heads=z["heads"], num_key_value_heads=z["kv_heads"],
+                head_dim=z["head_dim"], vocab_size=z["vocab"], max_position_embeddings=64,
+                pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+
 SLIDE = ["sliding_attention", "full_attention"]
 
-# family: (model class, config class, config kwargs: BASE's updated, or its own when the
-# entry has "_own"), what the family exercises
+# family: (model class, config class, config kwargs over base("hf"), or over another
+# style's named by "_own"; None drops a key), what the family exercises
 FAMILIES = {
     "llama": ("LlamaForCausalLM", "LlamaConfig", {}, "RoPE, GQA, RMSNorm, SwiGLU"),
     "mistral": ("MistralForCausalLM", "MistralConfig", {"sliding_window": 4},
@@ -54,7 +70,7 @@ FAMILIES = {
     "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", {
         "rotary_pct": 0.5, "num_key_value_heads": None, "head_dim": None},
         "partial rotary, parallel residual"),
-    "gptj": ("GPTJForCausalLM", "GPTJConfig", {"_own": GPT_STYLE, "rotary_dim": 8},
+    "gptj": ("GPTJForCausalLM", "GPTJConfig", {"_own": "gpt", "rotary_dim": 8},
              "interleaved rotary"),
     "falcon": ("FalconForCausalLM", "FalconConfig", {
         "num_key_value_heads": None, "head_dim": None}, "MQA, parallel attention"),
@@ -64,10 +80,10 @@ FAMILIES = {
     "bloom": ("BloomForCausalLM", "BloomConfig", {
         "num_key_value_heads": None, "head_dim": None, "n_layer": 2, "n_head": 4},
         "ALiBi"),
-    "gpt2": ("GPT2LMHeadModel", "GPT2Config", {"_own": GPT_STYLE}, "learned positions, "
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", {"_own": "gpt"}, "learned positions, "
              "Conv1D"),
     "gpt_bigcode": ("GPTBigCodeForCausalLM", "GPTBigCodeConfig", {
-        "_own": GPT_STYLE, "multi_query": True}, "MQA"),
+        "_own": "gpt", "multi_query": True}, "MQA"),
     "stablelm": ("StableLmForCausalLM", "StableLmConfig", {
         "partial_rotary_factor": 0.25, "use_qkv_bias": True, "head_dim": None},
         "partial rotary, LayerNorm, qkv bias"),
@@ -87,7 +103,7 @@ FAMILIES = {
         "num_key_value_heads": None, "head_dim": None, "qk_layernorm": True,
         "partial_rotary_factor": 0.5}, "fused qkv, q/k LayerNorm, relu2"),
     "codegen": ("CodeGenForCausalLM", "CodeGenConfig", {
-        "_own": GPT_STYLE, "rotary_dim": 8, "n_ctx": 64}, "fused qkv, interleaved rotary"),
+        "_own": "gpt", "rotary_dim": 8, "n_ctx": 64}, "fused qkv, interleaved rotary"),
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", {
         "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}, "MoE"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", {
@@ -107,8 +123,7 @@ FAMILIES = {
     "falcon_alibi": ("FalconForCausalLM", "FalconConfig", {
         "alibi": True, "multi_query": False, "num_key_value_heads": None, "head_dim": None},
         "ALiBi, parallel attention"),
-    "mpt": ("MptForCausalLM", "MptConfig", {"_own": dict(
-        d_model=64, n_heads=4, n_layers=2, vocab_size=128, max_seq_len=64)},
+    "mpt": ("MptForCausalLM", "MptConfig", {"_own": "mpt", "use_cache": True},
         "ALiBi sliced from a table, no bias"),
     "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", {
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -126,8 +141,10 @@ def build(name: str, dtype, attn: str = "sdpa"):
 
     cls, cfg_cls, extra, _ = FAMILIES[name]
     extra = dict(extra)
-    kw = dict(extra.pop("_own", BASE))
+    kw = base(extra.pop("_own", "hf"))
     kw.update(extra)
+    if kw.get("sliding_window"):
+        kw["sliding_window"] = SIZES["window"]
     kw = {k: v for k, v in kw.items() if v is not None}
     torch.manual_seed(0)
     cfg = getattr(transformers, cfg_cls)(**kw)
@@ -150,8 +167,8 @@ def build(name: str, dtype, attn: str = "sdpa"):
 def recipe(model, cache_len: int):
     from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
-    return TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=cache_len,
-                                                device="cpu")
+    return TorchExportableModuleWithStaticCache(model, batch_size=SIZES["batch"],
+                                                max_cache_len=cache_len, device="cpu")
 
 
 def rel(a, b) -> float:
@@ -162,9 +179,9 @@ def rel(a, b) -> float:
 def calls(vocab: int, prompt: int):
     """The prefill and the two decode steps' keyword arguments."""
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, vocab, (1, prompt + 2), generator=g)
-    out = [{"input_ids": ids[:, :prompt], "cache_position": torch.arange(prompt)}]
-    out += [{"input_ids": ids[:, prompt + i:prompt + i + 1],
+    ids = torch.randint(3, vocab, (SIZES["batch"], prompt + 2), generator=g)
+    out = [{"input_ids": ids[:, :prompt].contiguous(), "cache_position": torch.arange(prompt)}]
+    out += [{"input_ids": ids[:, prompt + i:prompt + i + 1].contiguous(),
              "cache_position": torch.tensor([prompt + i])} for i in range(2)]
     return out
 
@@ -241,8 +258,11 @@ def main() -> None:
     p.add_argument("--tol", type=float, default=None, help="fp32 1e-5, else 1e-2")
     p.add_argument("--cache", action="store_true", help="use kiln's compile cache")
     p.add_argument("--verbose", action="store_true", help="print each error's traceback")
+    for k, v in SIZES.items():
+        p.add_argument(f"--{k.replace('_', '-')}", type=int, default=v)
     p.add_argument("--list", action="store_true")
     args = p.parse_args()
+    SIZES.update({k: getattr(args, k) for k in SIZES})
     if args.tol is None:
         args.tol = 1e-5 if args.dtype == "float32" else 1e-2
     names = [n for n in args.only.split(",") if n] or list(FAMILIES)
