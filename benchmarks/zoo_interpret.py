@@ -136,6 +136,25 @@ FAMILIES = {
 }
 
 
+def pin_config(k: int | None) -> None:
+    """Run candidate `k` (mod each spec's count) of every kernel on the interpret target,
+    not the spec's default: the GPU targets' tuner picks others (split keys, other tiles),
+    which the interpreter otherwise never runs. None: the defaults again."""
+    import kiln.codegen.select_kernels as sk
+    from kiln.codegen.autotune.tuner import choose
+    from kiln.codegen.build.triton_kernel import TritonKernel
+
+    def pinned(region, spec, target, ctx, plan=None, tuner=None):
+        if target.backend == "interpret" and spec.configs:
+            # warps and stages change nothing the interpreter computes: one of each tiling
+            distinct = list({tuple(sorted(c.as_dict().items())): c
+                             for c in spec.configs}.values())
+            return TritonKernel(region, spec, distinct[k % len(distinct)], interpret=True)
+        return choose(region, spec, target, ctx, plan, tuner)
+
+    sk.choose = choose if k is None else pinned
+
+
 def build(name: str, dtype, attn: str = "sdpa"):
     import transformers
 
@@ -260,9 +279,13 @@ def main() -> None:
     p.add_argument("--verbose", action="store_true", help="print each error's traceback")
     for k, v in SIZES.items():
         p.add_argument(f"--{k.replace('_', '-')}", type=int, default=v)
+    p.add_argument("--config", type=int, default=None,
+                   help="interpret: every kernel runs tiling K of its spec's candidates "
+                   "(mod their count), not the default")
     p.add_argument("--list", action="store_true")
     args = p.parse_args()
     SIZES.update({k: getattr(args, k) for k in SIZES})
+    pin_config(args.config)
     if args.tol is None:
         args.tol = 1e-5 if args.dtype == "float32" else 1e-2
     names = [n for n in args.only.split(",") if n] or list(FAMILIES)
