@@ -28,7 +28,8 @@ from kiln.errors import KilnWarning
 
 # the tiny widths (--head-dim etc. change them: odd head dims as Phi-3's 96, a vocabulary
 # that is no power of two); hidden = heads * head_dim
-SIZES = dict(heads=4, kv_heads=2, head_dim=16, inter=128, vocab=128, window=4, batch=1)
+SIZES = dict(heads=4, kv_heads=2, head_dim=16, inter=128, vocab=128, window=4, batch=1,
+             experts=4)
 
 
 def base(style: str) -> dict:
@@ -164,6 +165,9 @@ def build(name: str, dtype, attn: str = "sdpa"):
     kw.update(extra)
     if kw.get("sliding_window"):
         kw["sliding_window"] = SIZES["window"]
+    for key in ("num_local_experts", "num_experts"):
+        if key in kw:
+            kw[key] = SIZES["experts"]
     kw = {k: v for k, v in kw.items() if v is not None}
     torch.manual_seed(0)
     cfg = getattr(transformers, cfg_cls)(**kw)
