@@ -11,7 +11,12 @@ cache; the worst relative error of the logits over the three calls. bf16 rows (`
 bfloat16`) also give the error against an fp32 eager reference (eager bf16's own beside).
 
     PYTHONPATH=. python benchmarks/zoo_interpret.py [--only llama,gemma2] [--dtype bfloat16]
-        [--targets cpu,interpret] [--list]
+        [--targets cpu,interpret] [--attn eager] [--prompt 19 --cache-len 32]
+        [--head-dim 80 --heads 2 --kv-heads 1 --vocab 100] [--window 5] [--batch 2]
+        [--experts 6] [--config K] [--list]
+
+Results and what each setting found: tests/fuzz/FINDINGS.md ("static-cache recipe on
+the generated kernels").
 """
 
 from __future__ import annotations
