@@ -129,6 +129,16 @@ def compile(  # noqa: A001 - mirrors torch.compile
     return LazyModule(model, _compile_now, target, max_modules or MAX_MODULES, kw)
 
 
+def _dense_examples(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The example tensors made contiguous. torch.export guards on an example's strides
+    (a slice `ids[:, :5]` of a wider tensor gave `T != 1` for its dynamic dim, refused
+    as the user's Dim), while kiln's modules take any layout: each input is made dense
+    at call time, so the example's strides only ever constrained the sizes."""
+    def dense(t: torch.Tensor) -> torch.Tensor:
+        return t if t.is_contiguous() else t.contiguous()
+    return pytree.tree_map_only(torch.Tensor, dense, (args, kwargs))
+
+
 def _compile_now(model, args, kwargs, *, dynamic_shapes, target, compile_to, dump_ir,
                  options, parallel, devices, device_map, pins, fallback, allow_train):
     """kiln.compile with example args: the pipeline, run now (or the compile cache's hit)."""
@@ -136,6 +146,7 @@ def _compile_now(model, args, kwargs, *, dynamic_shapes, target, compile_to, dum
     tgt = get_target(target)
     args = () if args is None else tuple(args) if isinstance(args, (tuple, list)) else (args,)
     kwargs = check_kwargs(kwargs)
+    args, kwargs = _dense_examples(args, kwargs)
     check_fallback(fallback)
     check_dump_dir(dump_ir)
     ctx = Context(target=tgt, options=check_options(options))
