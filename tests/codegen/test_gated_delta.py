@@ -5,7 +5,7 @@ tail, a decode step, initial and final state, packed sequences (one of them a si
 step), value heads = 2 x key heads, bf16 inputs; against a step-by-step recurrence and
 the op's PyTorch form; both forms (one-pass and staged) at forced configs. Compile-only
 for sm_90 at the seed's shape (K = V = 256, 36 heads): every candidate fits shared
-memory, the staged default spills nothing and keeps every walker on the chip at once
+memory, the staged default spills little and keeps every walker on the chip at once
 (at Qwen3-Next's shape its choice of value block does too), and with a crash planted
 into num_warps 8
 (as Triton's compiler once crashed on flash-linear-attention's kernel there) the
@@ -175,9 +175,11 @@ def _programs_per_sm(registers: int, warps: int) -> int:
 
 def test_every_seed_shape_candidate_fits_sm90_and_the_staged_default_holds_its_walkers():
     """Every candidate is estimated to fit shared memory; the default (staged, 64-step
-    chunks, 64 columns: the largest estimate) compiles for sm_90 within it, spills
-    nothing, and two of its programs share an SM, so all 144 walkers (36 heads x 4
-    column blocks) run at once with slots left for the output programs."""
+    chunks, 64 columns: the largest estimate) compiles for sm_90 within it, spills at
+    most a few words, and two of its programs share an SM, so all 144 walkers (36 heads
+    x 4 column blocks) run at once with slots left for the output programs. (The
+    walker's four key blocks loaded together spill 14-40 words, and its chunk ran
+    faster so: 9.5 -> 8.3 us on an H200.)"""
     _, _, spec = _seed_spec()
     warps = {c.num_warps for c in spec.configs}
     assert {8, 16} <= warps
@@ -189,7 +191,7 @@ def test_every_seed_shape_candidate_fits_sm90_and_the_staged_default_holds_its_w
     assert estimate(spec, c, SM90).shared == largest
     res = compile_binary(spec, c, SM90).resources
     assert res.shared <= largest <= SM90.shared_mem_per_block
-    assert res.spills == 0
+    assert res.spills <= 64, res.spills
     walkers = 36 * 256 // c["BV"]
     assert walkers < _programs_per_sm(res.registers, c.num_warps) * SM90.multiprocessors
 
@@ -232,3 +234,16 @@ def test_configs_cover_both_forms_chunks_value_blocks_and_warps(dtype, chunks):
         assert {c.num_warps for c in configs} == {4, 8, 16}
     assert spec.default["STAGED"] == 1 and spec.default.num_warps == (
         8 if dtype == torch.float32 else 4)
+
+
+def test_staged_16_bit_candidates_on_many_warps_keep_wide_value_blocks():
+    """bf16 at K = V = 128, BV 32 on 8 warps faulted on an H200 (template._faults_staged):
+    no 16-bit staged candidate pairs 8+ warps with BV <= 32; fp32 (FMA dots) keeps them,
+    and every other warp count and value block is still a candidate."""
+    _, _, spec = _seed_spec(torch.bfloat16, H=16, HV=32, K=128)
+    staged = [c for c in spec.configs if c["STAGED"] == 1]
+    assert staged and not [c for c in staged if c.num_warps >= 8 and c["BV"] <= 32]
+    assert {c["BV"] for c in staged} == {128, 64, 32}
+    assert {c.num_warps for c in staged} == {4, 8, 16}
+    _, _, fp32 = _seed_spec(torch.float32, H=16, HV=32, K=128)
+    assert [c for c in fp32.configs if c["STAGED"] == 1 and c.num_warps == 8 and c["BV"] == 32]

@@ -150,8 +150,19 @@ def load_tile(em: Emitter, which: str, index, mask, target: str, tile: str, ok: 
     `ok` (lanes a fused prologue computed from masked loads)."""
     with em.block() as lines:
         v = em.value(which, index, mask)
+    if _whole_masked_load(lines, v, mask, tile):  # zero where not ok already: no select
+        return lines + [f"{target} = {v.code}.to({dtype})"]
     return lines + [f"{target} = tl.where({ok}, tl.zeros({tile}, {dtype}) + "
                     f"{v.code}.to({dtype}), 0.0).to({dtype})"]
+
+
+def _whole_masked_load(lines: list[str], v, mask, tile: str) -> bool:
+    """Whether `v` is one fresh load of the whole tile under every condition of `mask`
+    (em.load masks with the conditions over its offset's variables, other=0)."""
+    conds = frozenset(mask or ())
+    return (len(lines) == 1 and lines[0].startswith(f"{v.code} = tl.load(")
+            and ", other=0)" in lines[0] and len(v.vars) == tile.count(",") + 1
+            and all(c.vars <= v.vars for c in conds))
 
 
 def head_vars(s: DeltaShape):
@@ -309,16 +320,13 @@ def walk(em: Emitter, s: DeltaShape, kp: int, vp: int, tokens: str) -> list[str]
         inner += load_tile(em, s.q, (b, tt, hk, lin(e, s.key_dim)), mask_of(tcond, kc), f"q{i}",
                        f"[CHUNK, {kw}]", f"t_ok & ({e} < {s.key_dim})", dt)
         inner += [f"WS = {'' if i == 0 else 'WS + '}{dot(f'W{i}', f'Sd{i}')}",
-                  f"o = {'' if i == 0 else 'o + '}"
-                  f"{dot(f'q{i}.to(tl.float32) * qs[:, None]', f'Sd{i}')}"]
-    inner += ["U = U - WS", f"o = o + {dot('Aqk', 'U')}", f"Ud = U.to({dt})"]
+                  f"o = {'' if i == 0 else 'o + '}{dot(f'q{i}', f'Sd{i}')}"]
+    # q's rows and U's rows (for the state) scaled once, not each key block; the keys
+    # read transposed ([KB, CHUNK]): no fp32 round trip or transpose of k a block
+    inner += ["U = U - WS", f"o = o * qs[:, None] + {dot('Aqk', 'U')}",
+              f"Uk = (U * ks[:, None]).to({dt})", *transposed_keys(em, s, kp)]
     for i in blocks:
-        e = f"ek{i}"
-        kc = Cond(f"{e} < {s.key_dim}", frozenset({e}))
-        inner += load_tile(em, s.k, (b, tt, hk, lin(e, s.key_dim)), mask_of(tcond, kc), f"k{i}",
-                       f"[CHUNK, {kw}]", f"t_ok & ({e} < {s.key_dim})", dt)
-        inner += [f"S{i} = S{i} * tl.exp(G_end) + "
-                  f"{dot(f'tl.trans(k{i}.to(tl.float32) * ks[:, None])', 'Ud')}"]
+        inner += [f"S{i} = {dot(f'kt{i}', 'Uk')[:-1]}, acc=S{i} * tl.exp(G_end))"]
     if s.out is not None:
         with em.block() as lines:
             em.store(s.out, (b, tt, hv, lin("ev", s.value_dim)),
@@ -326,6 +334,21 @@ def walk(em: Emitter, s: DeltaShape, kp: int, vp: int, tokens: str) -> list[str]
         inner += lines
     head = [f"ek{i} = {k0} + tl.arange(0, {kw})[None, :]" for i, k0 in enumerate(blocks_of(kp))]
     return head + ["for c0 in range(bos, eos, CHUNK):", *indent(inner)]
+
+
+def transposed_keys(em: Emitter, s: DeltaShape, kp: int) -> list[str]:
+    """A chunk's keys as [KB, CHUNK] blocks kt0, kt1, ... (the k^T U products' operands),
+    every block's load issued before any is used."""
+    b, hk, _ = head_vars(s)
+    kw = min(KB, kp)
+    L = ["ttk = tc[None, :]", "tk_ok = ttk < eos"]
+    ttk, tk = lin("ttk", s.seq), Cond("tk_ok", frozenset({"ttk"}))
+    for i in range(len(blocks_of(kp))):
+        r = f"kr{i}"
+        kc = Cond(f"{r} < {s.key_dim}", frozenset({r}))
+        L += load_tile(em, s.k, (b, ttk, hk, lin(r, s.key_dim)), mask_of(tk, kc), f"kt{i}",
+                       f"[{kw}, CHUNK]", f"tk_ok & ({r} < {s.key_dim})", TL[s.dtype])
+    return L
 
 
 def state_blocks(em: Emitter, s: DeltaShape, kp: int, final: bool) -> list[str]:
