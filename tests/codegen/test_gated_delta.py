@@ -18,7 +18,9 @@ import pytest
 import torch
 
 import kiln
+from kiln.codegen.autotune import verify
 from kiln.codegen.autotune.quarantine import FailureKey, Quarantine
+from kiln.codegen.autotune.timing import buffer_specs, make_buffers
 from kiln.codegen.autotune.tuner import choose
 from kiln.codegen.build.compiler import compile_binary
 from kiln.codegen.build.resources import estimate, fitting_configs
@@ -247,3 +249,39 @@ def test_staged_16_bit_candidates_on_many_warps_keep_wide_value_blocks():
     assert {c.num_warps for c in staged} == {4, 8, 16}
     _, _, fp32 = _seed_spec(torch.float32, H=16, HV=32, K=128)
     assert [c for c in fp32.configs if c["STAGED"] == 1 and c.num_warps == 8 and c["BV"] == 32]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_tuners_inputs_are_as_models_give_them_and_a_right_kernel_matches(packed):
+    """The tuner times and checks candidates on inputs from the template's timing fill:
+    unit-norm q and k, log decays <= 0, betas in (0, 1), packed sequences of even
+    lengths (zeros would make every sequence empty). On them the kernel (interpret
+    target) matches the region's torch form within the tuner's tolerance, so its output
+    check can tell a wrong candidate from a right one."""
+    H, HV, K, V, T = 1, 2, 16, 16, 70
+    q, k, v, g, beta = inputs(1, T, H, HV, K, V, seed=4)
+    q, k, v, beta = q.bfloat16(), k.bfloat16(), v.bfloat16(), beta.bfloat16()
+    state = torch.zeros(3 if packed else 1, HV, K, V)
+    args = (q, k, v, g, beta, state) + ((torch.tensor([0, 20, 21, T]),) if packed else ())
+    plan = kiln.compile(Packed() if packed else Delta(), args, compile_to="dispatch")
+    (region,) = [r for r in plan.regions if r.kind == RegionKind.EXTERN]
+    spec = gated_delta.generate(region, plan, get_target("interpret"))
+    fill = spec.meta["timing_fill"]
+    assert sorted(next(iter(f)) for f in fill.values()) == sorted(
+        ["unit_rows", "unit_rows", "log_decay", "unit_interval"]
+        + (["sequence_bounds"] if packed else []))
+    bufs, outs = make_buffers(buffer_specs(region, plan, {}, fill), "cpu", seed=1)
+    named = dict(zip(region.inputs, bufs.values()))
+    by_arg = {a.name: named.get(a.name) for a in region.anchor().args[:5]}
+    qb, kb, _, gb, bb = by_arg.values()
+    assert torch.allclose(kb.float().norm(dim=-1), torch.ones(1), atol=1e-2)
+    assert torch.allclose(qb.float().norm(dim=-1), torch.ones(1), atol=1e-2)
+    assert bool((gb <= 0).all()) and bool(((bb > 0) & (bb < 1)).all())
+    if packed:
+        cu = named[region.anchor().args[7].name]
+        assert cu.tolist() == [0, 23, 46, T]
+    want = verify.outputs(TorchKernel(region, "cpu"), named, outs, {})
+    kernel = TritonKernel(region, spec, spec.default, interpret=True)
+    got = verify.outputs(kernel, named, outs, {})
+    assert all(bool(torch.isfinite(w).all()) for w in want.values())
+    assert verify.mismatch(got, want) is None

@@ -179,6 +179,16 @@ def _choices(shape: tuple[int, ...], n: int, device: str,
     return picks.reshape(shape)
 
 
+# random floats reshaped into the range an op's operand has in models (a fill kind's
+# value is unused): a recurrence fed keys of norm ~sqrt(K) and growing gates overflows,
+# and the tuner's output check (verify.py) then checks nothing
+SHAPED = {
+    "unit_rows": lambda x: torch.nn.functional.normalize(x, dim=-1),  # l2-normalised keys
+    "log_decay": lambda x: -torch.nn.functional.softplus(x),  # log of a decay in (0, 1)
+    "unit_interval": torch.sigmoid,  # a gate such as the delta rule's beta
+}
+
+
 @dataclass(frozen=True)
 class Buffers:
     """What the timing buffers are, with no tensor in it: it travels to the run worker,
@@ -206,12 +216,13 @@ def buffer_specs(region: Region, plan: DispatchPlan, env: dict[str, int],
 
     Integer inputs are zeros (always valid indices) unless `fill` (a template's
     KernelSpec.meta["timing_fill"]: input -> size expression, {"choose_from": size
-    expression} for distinct random values per row, or {"even_offsets": size
-    expression} for cumulative row counts sharing that many rows evenly over the
-    input's length) gives them values: a decode kernel's positions at zero would time a
-    one-key attention, a MoE kernel's expert ids at zero one expert, a grouped GEMM's
-    offsets one expert's rows (or none), and the tuner would pick the config that is
-    fastest at doing nothing, or at work the model never does."""
+    expression} for distinct random values per row, or {"even_offsets": size expression} for
+    cumulative row counts sharing that many rows evenly over the input's length,
+    {"sequence_bounds": size expression} for packed sequences' bounds from 0 to it; a float
+    input {kind: "1"} for a kind of SHAPED) gives them values: a decode kernel's positions
+    at zero would time a one-key attention, a MoE kernel's expert ids at zero one expert, a
+    grouped GEMM's offsets one expert's rows (or none), and the tuner would pick the config
+    that is fastest at doing nothing, or at work the model never does."""
     def meta(v):
         tv = plan.values.get(v)
         shape, dtype = (tv.shape, tv.dtype) if tv else (region.op(v).shape, region.op(v).dtype)
@@ -236,6 +247,12 @@ def make_buffers(b: Buffers, device: str, seed: int = 0):
             n = inputs[v].numel()
             ends = torch.arange(1, n + 1, device=device) * how[1] // max(1, n)
             inputs[v].copy_(ends.reshape(inputs[v].shape))
+        elif isinstance(how, tuple) and how[0] == "sequence_bounds":  # packed, [0 .. S]
+            n = inputs[v].numel()
+            bounds = torch.arange(n, device=device) * how[1] // max(1, n - 1)
+            inputs[v].copy_(bounds.reshape(inputs[v].shape))
+        elif isinstance(how, tuple) and how[0] in SHAPED:
+            inputs[v].copy_(SHAPED[how[0]](inputs[v].float()))
         elif isinstance(how, tuple):  # ("choose_from", n): each row distinct values below n
             inputs[v].copy_(_choices(inputs[v].shape, how[1], device, gen))
         else:

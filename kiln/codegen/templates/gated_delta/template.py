@@ -55,11 +55,12 @@ from kiln.codegen.build.spec import Config, KernelSpec, Scratch
 from kiln.codegen.expr.emit import Emitter, kernel_name, module_source
 from kiln.codegen.expr.kernel_args import SymbolicArgs
 from kiln.codegen.expr.values import CodegenUnsupported
+from kiln.codegen.expr.views import is_view
 from kiln.codegen.templates.gated_delta import staged
 from kiln.codegen.templates.gated_delta.analysis import OP, DeltaShape, analyse, pow2
 from kiln.codegen.templates.gated_delta.body import SCRATCH, decode_body
 from kiln.codegen.templates.gated_delta.launch import chunked_body
-from kiln.ir.plan import DispatchPlan, Region
+from kiln.ir.plan import DispatchPlan, Ref, Region
 from kiln.ir.symbolic import bounds_of
 from kiln.target import Target
 
@@ -109,9 +110,10 @@ def _faults_staged(shape: DeltaShape, bv: int, warps: int) -> bool:
     spilled on sm_90) it faulted with an illegal address on an H200, with and without
     the twenty-second session's walker (tests/codegen/test_gated_delta_gpu.py), while
     the interpret target, 4 warps at BV 32 and 8 warps at BV 64 ran right (fp32's FMA
-    dots on 8 warps at BV 32 are Qwen3-Next's default and run). The cause is not found;
-    a fault in the tuner's in-process timing takes the compile down, so these are never
-    candidates."""
+    dots on 8 warps at BV 32 are Qwen3-Next's default and run). The cause is not found.
+    The tuner's run worker survives a fault and quarantines the config, but each fault
+    costs a worker and in-process timing (KILN_TUNE_TIMING=inprocess) loses the process:
+    these are never candidates."""
     return shape.dtype != torch.float32 and warps >= 8 and bv <= 32
 
 
@@ -207,12 +209,34 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     if default not in configs:
         configs.insert(0, default)
     hi = bounds_of(shape.seq, plan.symbols).hi if shape.cu_seqlens is None else None
-    meta = {"key_dim": shape.key_dim, "value_dim": shape.value_dim,
+    meta = {"timing_fill": _timing_fill(region, shape),
+            "key_dim": shape.key_dim, "value_dim": shape.value_dim,
             "key_dim_pad": pow2(shape.key_dim), "value_dim_pad": pow2(shape.value_dim),
             "dtype": str(shape.dtype).replace("torch.", ""),
             "chunked": not decode, "seq_hi": hi}
     return KernelSpec(name, source, p.args(), tunables, grid, configs, default,
                       "gated_delta", meta, 64 if p.needs_int64 else 32, scratch=scratch)
+
+
+def _timing_fill(region: Region, shape: DeltaShape) -> dict[str, dict[str, str]]:
+    """The tuner's inputs as models give the op (timing.SHAPED): unit-norm queries and
+    keys, log decays <= 0 and betas in (0, 1), where an operand is a region input read
+    directly or through views (a slice of a unit row is at most unit norm), and packed
+    sequences of even lengths. On plain
+    random inputs the recurrence overflowed, and the tuner's output check could not
+    tell a wrong candidate from a right one (H200, seed shape: no candidate matched)."""
+    ops = {o.name: o for o in region.ops}
+    fill: dict[str, dict[str, str]] = {}
+    kinds = ((shape.q, "unit_rows"), (shape.k, "unit_rows"), (shape.g, "log_decay"),
+             (shape.beta, "unit_interval"))
+    for name, kind in kinds:
+        while name in ops and is_view(ops[name], ops) and isinstance(ops[name].args[0], Ref):
+            name = ops[name].args[0].name
+        if name in region.inputs and (name not in fill or fill[name] == {kind: "1"}):
+            fill[name] = {kind: "1"}
+    if shape.cu_seqlens in region.inputs:  # zeros: every sequence empty, nothing timed
+        fill[shape.cu_seqlens] = {"sequence_bounds": str(shape.seq)}
+    return fill
 
 
 def _scratch(shape: DeltaShape, p: SymbolicArgs) -> list[Scratch]:
