@@ -269,13 +269,15 @@ def prep(em: Emitter, s: DeltaShape, kp: int, vp: int, tokens: str) -> list[str]
     ]
     for d in _DOUBLINGS:
         L += [f"if CHUNK > {d}:", f"    P = {fdot('P', 'P')}", f"    Ti = Ti + {fdot('Ti', 'P')}"]
-    L.append(f"Ti = Ti.to({dt})")
+    # W = Ti diag(beta exp(G)) k and U0 = Ti diag(beta) v: Ti's columns scaled once,
+    # not every key and value block's rows (each an fp32 round trip of the block)
+    L += [f"Tw = (Ti * (beta * eG)[None, :]).to({dt})", f"Tu = (Ti * beta[None, :]).to({dt})"]
     for i in range(len(blocks_of(kp))):  # keys read again (L2), not held over the solve
         e = f"ek{i}"
         kc = Cond(f"{e} < {s.key_dim}", frozenset({e}))
         L += load_tile(em, s.k, (b, tt, hk, lin(e, s.key_dim)), mask_of(tcond, kc), "kb",
                    f"[CHUNK, {kw}]", f"t_ok & ({e} < {s.key_dim})", dt)
-        L += [f"W = {dot('Ti', 'kb.to(tl.float32) * (beta * eG)[:, None]')}",
+        L += [f"W = {dot('Tw', 'kb')}",
               f"tl.store(gd_w + rr * {kp} + {e}, W.to({dt}), mask=t_ok)"]
     vw = min(KB, vp)
     for i, v0 in enumerate(blocks_of(vp)):
@@ -283,8 +285,8 @@ def prep(em: Emitter, s: DeltaShape, kp: int, vp: int, tokens: str) -> list[str]
         vc = Cond(f"{e} < {s.value_dim}", frozenset({e}))
         L.append(f"{e} = {v0} + tl.arange(0, {vw})[None, :]")
         L += load_tile(em, s.v, (b, tt, hv, lin(e, s.value_dim)), mask_of(tcond, vc), "v",
-                   f"[CHUNK, {vw}]", f"t_ok & ({e} < {s.value_dim})")
-        L += [f"U = {dot('Ti', 'v * beta[:, None]')}",
+                   f"[CHUNK, {vw}]", f"t_ok & ({e} < {s.value_dim})", dt)
+        L += [f"U = {dot('Tu', 'v')}",
               f"tl.store(gd_u + rr * {vp} + {e}, U.to({dt}), mask=t_ok)"]
     return L
 
