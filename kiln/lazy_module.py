@@ -4,10 +4,12 @@ kiln compiles ahead of time from example arguments, but users coming from torch.
 call `kiln.compile(model)` and pass arguments later. A LazyModule compiles on its first
 call from that call's own arguments, exactly as `kiln.compile(model, args, kwargs, ...)`
 would, and keeps the module by call signature (pytree structure, each tensor's shape,
-dtype and device, non-tensor values). A call no kept module accepts compiles another,
-with a KilnWarning saying what changed, up to `max_modules`. kiln never makes a dim
-dynamic on its own (its dynamic dims are always bounded), so the warning says how to
-declare one instead.
+dtype and device, non-tensor values). A call is first written in one form whichever
+way it is spelt (positional or keyword, a default passed or left out:
+frontend/call_binding.py), so those spellings share a module. A call no kept module
+accepts compiles another, with a KilnWarning saying what changed, up to
+`max_modules`. kiln never makes a dim dynamic on its own (its dynamic dims are always
+bounded), so the warning says how to declare one instead.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from kiln.errors import DeviceError, KilnWarning, LazyModuleError, RecompileLimitError
+from kiln.frontend.call_binding import CallBinder
 
 MAX_MODULES = 8  # as torch.compile's recompile limit (torch._dynamo.config)
 _MAX_SIGNATURES = 256  # signatures remembered (sizes a bounded Dim accepts, each one)
@@ -38,6 +41,7 @@ class LazyModule:
         self._compiled: list[tuple[object, list]] = []  # (module, its call: _described)
         self._by_signature: dict = {}
         self._names = _parameter_names(model)
+        self._binder = CallBinder(model)
 
     @property
     def modules(self) -> tuple:
@@ -45,6 +49,7 @@ class LazyModule:
         return tuple(m for m, _ in self._compiled)
 
     def __call__(self, *args, **kwargs):
+        args, kwargs = self._binder.canonical(args, kwargs)
         key = _signature(args, kwargs)
         module = self._by_signature.get(key)
         if module is None:
@@ -75,7 +80,11 @@ class LazyModule:
                 "max_modules=N).")
         target = self._target if self._target is not None else _device_target(call)
         # a call outside dynamic_shapes' bounds fails here (ShapeError), before any warning
-        module = self._compile(self._model, args, kwargs, target=target, **self._kw)
+        kw = dict(self._kw)
+        if kw.get("dynamic_shapes") is not None:  # its entries fit to the call's form
+            kw["dynamic_shapes"] = self._binder.dynamic_shapes_for(kw["dynamic_shapes"],
+                                                                   args, kwargs)
+        module = self._compile(self._model, args, kwargs, target=target, **kw)
         self._compiled.append((module, call))
         if len(self._compiled) > 1:
             warnings.warn(KilnWarning(

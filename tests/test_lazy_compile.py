@@ -163,16 +163,56 @@ def test_save_explain_and_attributes_forward_to_the_one_module(tmp_path):
         exe._private  # noqa: B018
 
 
-def test_keyword_calls_in_any_order_share_one_module(compiles):
+def test_positional_and_keyword_calls_in_any_order_share_one_module(compiles):
+    """One call of forward(tokens, input_pos), however it is spelt: one module, no
+    recompile warning (torch.compile binds a call to the signature alike)."""
     exe = kiln.compile(Two())
     a, b = _x(2, 3), _x(2, 3)
-    assert torch.equal(exe(tokens=a, input_pos=b), a * 2 + b)
-    assert torch.equal(exe(input_pos=b, tokens=a), a * 2 + b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KilnWarning)
+        for call in (lambda: exe(a, b), lambda: exe(a, input_pos=b),
+                     lambda: exe(tokens=a, input_pos=b), lambda: exe(input_pos=b, tokens=a)):
+            assert torch.equal(call(), a * 2 + b)
+    assert len(compiles) == 1 and len(exe.modules) == 1
+
+
+class Scaled(torch.nn.Module):
+    def forward(self, x, scale: float = 2.0, bias=None):
+        return x * scale if bias is None else x * scale + bias
+
+
+def test_a_default_passed_or_left_out_shares_one_module(compiles):
+    """forward's defaults passed explicitly are the call that leaves them out; a
+    dynamic_shapes entry for an argument left out does not stop the compile."""
+    exe = kiln.compile(Scaled(), dynamic_shapes={"x": {0: kiln.Dim("batch", max=8)},
+                                                 "scale": None})
+    x, x5 = _x(3, 4), _x(5, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KilnWarning)
+        for call, arg in ((lambda: exe(x, 2.0), x), (lambda: exe(x), x),
+                          (lambda: exe(x, scale=2.0), x), (lambda: exe(x, bias=None), x),
+                          (lambda: exe(x=x5, scale=2.0), x5)):
+            torch.testing.assert_close(call(), arg * 2)
     assert len(compiles) == 1
-    with pytest.warns(KilnWarning, match=r"it passes args\[0\], input_pos=, the compiled "
-                      "call passed input_pos=, tokens="):
-        assert torch.equal(exe(a, input_pos=b), a * 2 + b)  # another structure, another module
+    with pytest.warns(KilnWarning, match="recompiled"):  # another value: another module
+        torch.testing.assert_close(exe(x, 3.0), x * 3)
     assert len(compiles) == 2
+
+
+@pytest.mark.parametrize(("call", "named"), [
+    (lambda exe, a: exe(a, a, a), "takes 2 positional arguments (tokens, input_pos), got 3"),
+    (lambda exe, a: exe(a, a, pos=a), "unexpected keyword argument 'pos'"),
+    (lambda exe, a: exe(a), "missing a required argument: 'input_pos'"),
+    (lambda exe, a: exe(a, a, tokens=a), "multiple values for argument 'tokens'"),
+])
+def test_a_call_forward_cannot_take_is_an_argument_error_naming_it(compiles, call, named):
+    exe = kiln.compile(Two())
+    with pytest.raises(ArgumentError) as err:
+        call(exe, _x(2, 3))
+    assert named in err.value.what and "Two.forward(tokens, input_pos)" in err.value.what
+    assert "kiln.compile(Two)" in err.value.where and "forward(tokens, input_pos)" in \
+        err.value.hint
+    assert not compiles  # refused before any compile
 
 
 def test_a_model_returning_a_tuple_and_a_dict():

@@ -124,7 +124,8 @@ def _kernel(entry: dict, region, target: Target, directory: Path, binaries: dict
         from kiln.codegen.build.spec import Config, KernelSpec
         from kiln.codegen.build.triton_kernel import TritonKernel
 
-        spec, config = KernelSpec.from_json(entry["spec"]), Config.from_json(entry["config"])
+        spec = KernelSpec.from_json(entry["spec"], plan.int_symbols)
+        config = Config.from_json(entry["config"])
         if target.backend == "interpret":
             return TritonKernel(region, spec, config, interpret=True)
         if "binary" not in entry:

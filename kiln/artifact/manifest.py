@@ -62,22 +62,23 @@ def encode_arg(a, where: str):
     )
 
 
-def decode_arg(j):
+def decode_arg(j, int_args: frozenset[str] = frozenset()):
+    """One op argument back; `int_args`: the plan's int-argument symbols (`parse`)."""
     if j is None or isinstance(j, (bool, int, float, str)):
         return j
     if isinstance(j, list):
-        return [decode_arg(x) for x in j]
+        return [decode_arg(x, int_args) for x in j]
     if not isinstance(j, dict) or len(j) != 1:
         raise ManifestFormatError(f"unreadable op argument {j!r}")
     (tag, v), = j.items()
     if tag == "ref":
         return Ref(v)
     if tag == "sym":
-        return Sym(parse(v))
+        return Sym(parse(v, int_args))
     if tag == "float":
         return float(v)
     if tag == "tuple":
-        return tuple(decode_arg(x) for x in v)
+        return tuple(decode_arg(x, int_args) for x in v)
     if tag == "device":
         return torch.device(v)
     if tag in _TORCH_NAMED:
@@ -108,10 +109,10 @@ def encode_shape(shape) -> list | None:
     return None if shape is None else [d if isinstance(d, int) else to_str(d) for d in shape]
 
 
-def decode_shape(j) -> tuple | None:
+def decode_shape(j, int_args: frozenset[str] = frozenset()) -> tuple | None:
     if j is None:
         return None
-    return tuple(d if isinstance(d, int) else parse(d) for d in j)
+    return tuple(d if isinstance(d, int) else parse(d, int_args) for d in j)
 
 
 def _value(v: TensorValue) -> dict:
@@ -181,17 +182,21 @@ def _relation(rel) -> str:
 
 
 def plan_from_json(j: dict) -> DispatchPlan:
-    """Rebuild the plan; raises ManifestFormatError (or KeyError/TypeError) on bad input."""
+    """Rebuild the plan; raises ManifestFormatError (or KeyError/TypeError) on bad input.
+    The int arguments' symbols are read back as torch made them, integers that may be
+    0: read as positive, `Max(1, s)` would become `s`, 0 at s = 0 where eager has 1."""
+    size_args = [(int(i), str(name), str(sym)) for i, name, sym in j.get("size_args", [])]
+    ints = frozenset(sym for _, _, sym in size_args)
     values = {
-        n: TensorValue(n, decode_shape(v["shape"]), decode_dtype(v["dtype"]), Role(v["role"]),
-                       v.get("target"))
+        n: TensorValue(n, decode_shape(v["shape"], ints), decode_dtype(v["dtype"]),
+                       Role(v["role"]), v.get("target"))
         for n, v in j["values"].items()
     }
     regions = []
     for r in j["regions"]:
-        ops = [Op(o["name"], o["target"], tuple(decode_arg(a) for a in o["args"]),
-                  {k: decode_arg(v) for k, v in o["kwargs"].items()},
-                  decode_shape(o["shape"]), decode_dtype(o["dtype"]), o.get("where"))
+        ops = [Op(o["name"], o["target"], tuple(decode_arg(a, ints) for a in o["args"]),
+                  {k: decode_arg(v, ints) for k, v in o["kwargs"].items()},
+                  decode_shape(o["shape"], ints), decode_dtype(o["dtype"]), o.get("where"))
                for o in r["ops"]]
         region = Region(r["name"], RegionKind(r["kind"]), ops, list(r["inputs"]),
                         list(r["outputs"]), dict(r.get("inplace", {})), list(r.get("notes", [])),
@@ -214,8 +219,8 @@ def plan_from_json(j: dict) -> DispatchPlan:
         devices=list(j["devices"]),
         dim_names={str(k): str(v) for k, v in j.get("dim_names", {}).items()},
         recv=[(str(name), int(src)) for name, src in j.get("recv", [])],
-        size_args=[(int(i), str(name), str(sym)) for i, name, sym in j.get("size_args", [])],
-        size_checks=[(parse(d), _relation(rel), str(text))
+        size_args=size_args,
+        size_checks=[(parse(d, ints), _relation(rel), str(text))
                      for d, rel, text in j.get("size_checks", [])],
         send=[(str(name), tuple(int(d) for d in dsts)) for name, dsts in j.get("send", [])],
     )

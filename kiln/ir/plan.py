@@ -164,6 +164,12 @@ class DispatchPlan:
     recv: list[tuple[str, int]] = field(default_factory=list)
     send: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
 
+    @property
+    def int_symbols(self) -> frozenset[str]:
+        """The size symbols of the int arguments: integers that may be 0, not positive
+        as a tensor dim's are (what `parse` needs to read this plan's dims back)."""
+        return frozenset(sym for _, _, sym in self.size_args)
+
     def region(self, name: str) -> Region:
         for r in self.regions:
             if r.name == name:

@@ -39,10 +39,12 @@ class Bounds:
         return Bounds(int(d["min"]), None if d["max"] is None else int(d["max"]))
 
 
-def symbol(name: str) -> sympy.Symbol:
-    # export's size symbols are positive integers; matching assumptions keeps
-    # parsed expressions equal to the ones torch produced.
-    return sympy.Symbol(name, integer=True, positive=True)
+def symbol(name: str, positive: bool = True) -> sympy.Symbol:
+    """A size symbol with torch's assumptions, so parsed expressions equal the ones
+    torch produced: a tensor dim's symbol is a positive integer, an int argument's
+    (`positive=False`) only an integer, as it may be 0 (`Max(1, s)` must stay)."""
+    return sympy.Symbol(name, integer=True, positive=True) if positive \
+        else sympy.Symbol(name, integer=True)
 
 
 def as_dim(x) -> Dim:
@@ -238,12 +240,14 @@ _PARSE_FUNCS = {
 
 
 @functools.lru_cache(maxsize=4096)
-def parse(text: str) -> Dim:
+def parse(text: str, int_args: frozenset[str] = frozenset()) -> Dim:
+    """`to_str`'s text back as the dim. `int_args` names the symbols of dynamic int
+    arguments (plan.size_args), which torch made integers but not positive."""
     text = text.strip()
     if text.lstrip("-").isdigit():
         return int(text)
     expr = sympy.sympify(text, locals=dict(_PARSE_FUNCS))
-    expr = expr.subs({s: symbol(s.name) for s in expr.free_symbols})
+    expr = expr.subs({s: symbol(s.name, s.name not in int_args) for s in expr.free_symbols})
     return as_dim(expr)
 
 

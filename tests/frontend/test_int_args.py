@@ -149,3 +149,27 @@ def test_meta_llama_on_the_gpu_prefills_and_decodes_as_one_module():
         got, want = exe(tokens.cuda(), pos), ref(tokens.cuda(), pos)
         assert got.shape == want.shape
         assert ((got - want).norm() / want.norm()).item() < 1e-4, pos  # fp32, tf32 aside
+
+
+class AtLeastOne(torch.nn.Module):
+    """`max(start, 1)` is `Max(1, s)` over an int that may be 0: a symbol made positive
+    would simplify it to `s`, a size of 0 where eager gives 1."""
+
+    def forward(self, x, start: int):
+        return torch.ones(max(start, 1), 4) * x[:, start:start + 4].sum(0)
+
+
+@pytest.mark.parametrize("target", ["cpu", "interpret"])
+def test_a_loaded_module_takes_an_int_of_zero_as_the_compiled_one_does(target, tmp_path):
+    x = torch.randn(2, 16)
+    exe = kiln.compile(AtLeastOne(), (x, 3), target=target,
+                       dynamic_shapes={"x": None, "start": kiln.Dim("start", min=0, max=12)})
+    exe.save(tmp_path / "m")
+    loaded = kiln.load(tmp_path / "m")
+    assert [v.shape for v in loaded.plan.values.values()] == \
+        [v.shape for v in exe.plan.values.values()]
+    for start in (0, 1, 5):
+        want = AtLeastOne()(x, start)
+        for module in (exe, loaded):
+            got = module(x, start)
+            assert got.shape == want.shape and torch.allclose(got, want), (module, start)

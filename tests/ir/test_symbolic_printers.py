@@ -72,6 +72,15 @@ def test_python_code_computes_the_value_and_text_parses_back(name):
     assert compile_expr(parse(to_str(expr)))(ENV) == want
 
 
+def test_an_int_arguments_symbol_parses_back_as_torch_made_it():
+    """torch makes an int argument's symbol an integer that may be 0, not positive."""
+    s = symbol("s2", positive=False)
+    expr = tfn.Max(1, s)
+    assert parse(to_str(expr), frozenset({"s2"})) == expr
+    assert compile_expr(parse(to_str(expr), frozenset({"s2"})))({"s2": 0}) == 1
+    assert parse(to_str(expr)) == symbol("s2")  # read as a tensor dim's: Max(1, s) is s
+
+
 def test_symbolic_args_wrap_kernel_code_and_print_grids_with_the_grid_printer():
     args = SymbolicArgs({"s0": Bounds(1, 4096), "s1": Bounds(1, 64)})
     expr = tfn.Max(s0, 4) * 2

@@ -105,10 +105,11 @@ class KernelArg:
         return d
 
     @staticmethod
-    def from_json(d: dict) -> KernelArg:
+    def from_json(d: dict, int_args: frozenset[str] = frozenset()) -> KernelArg:
+        """`int_args`: the plan's int-argument symbols, read as `parse` says."""
         expr = d.get("expr")
         if d["kind"] == "size" and expr is not None:
-            expr = parse(expr)
+            expr = parse(expr, int_args)
         dtype = _DTYPE_NAMES[d["dtype"]] if "dtype" in d else None
         block = tuple(d["block"]) if "block" in d else None
         return KernelArg(d["name"], d["kind"], d.get("value"), expr, dtype, block)
@@ -212,9 +213,10 @@ class KernelSpec:
         }
 
     @staticmethod
-    def from_json(d: dict) -> KernelSpec:
+    def from_json(d: dict, int_args: frozenset[str] = frozenset()) -> KernelSpec:
+        """The spec `to_json` wrote; `int_args`: the plan's int-argument symbols."""
         return KernelSpec(
-            d["name"], d["source"], [KernelArg.from_json(a) for a in d["args"]],
+            d["name"], d["source"], [KernelArg.from_json(a, int_args) for a in d["args"]],
             list(d["tunables"]), tuple(d["grid"]), [Config.from_json(c) for c in d["configs"]],
             Config.from_json(d["default"]), d["template"], dict(d.get("meta", {})),
             d.get("index_bits", 32), list(d.get("zero_outputs", [])),
