@@ -18,11 +18,15 @@ An entry is an artifact without weights (manifest.json: plan, memory plan, kerne
 their binaries in kernels/): the program reads the model's parameters and buffers by
 name, bound again from the newly captured program at every hit. Tensors the
 decomposition made (not in the captured program) are stored with it; they come from
-the program alone. A compile is not kept when its plan reads a tensor kiln computed
-from weight values (constant folding: fold_constants), when it warned (a fallback, a
-kernel left to torch), or when it is one rank of a multi-device plan. Entries are
-written under a temporary name and renamed into place; an entry that cannot be read
-is a miss, never an error, and a cache that cannot be written only logs.
+the program alone. A tensor a pass derived from one model tensor by a recorded recipe
+(ir/derived.py: Meta's complex RoPE table as real pairs) is kept as that recipe, checked
+at put to remake what the plan was compiled with, and made again from the model's
+current tensor at every hit: a buffer's values are not in the key, so another model of
+the same program gets its own. A compile is not kept when its plan reads any other
+tensor kiln computed from weight values (constant folding: fold_constants), when it
+warned (a fallback, a kernel left to torch), or when it is one rank of a multi-device
+plan. Entries are written under a temporary name and renamed into place; an entry that
+cannot be read is a miss, never an error, and a cache that cannot be written only logs.
 `options={"compile_cache": False}` or KILN_COMPILE_CACHE=0 turns it off.
 
 A model built only from kiln's and torch.nn's modules has a second key, made the same
@@ -56,6 +60,7 @@ from kiln.artifact.weights import load_weights, save_weights
 from kiln.codegen.autotune.timing import gpu_for
 from kiln.errors import KilnError
 from kiln.frontend.fingerprint import program_fingerprint
+from kiln.ir.derived import Derivation
 from kiln.progress import phase
 from kiln.runtime.program import Program
 from kiln.settings import (
@@ -165,6 +170,12 @@ def get(key: str, state: dict[str, torch.Tensor], target: Target
             program, manifest, example_sizes = load_program(entry, target)
             stored = manifest["stored"]
             bound = dict(load_weights(entry, stored, "cpu")) if stored["tensors"] else {}
+            derived = _replay(manifest.get("derived", {}), state)
+            if derived is None:
+                log.info("compile cache %s: a derived tensor cannot be made from the "
+                         "model's tensors; compiling", key)
+                return None
+            bound.update(derived)
             for name, want in manifest["weights"]["tensors"].items():
                 t = bound.get(name, state.get(name))
                 if t is None or list(t.shape) != want["shape"] or \
@@ -199,12 +210,17 @@ def put(key: str, program: Program, example_sizes: dict, captured: dict, ctx_opt
         with phase("compile_cache"):
             state = ctx_options["state"]
             targets = {v.target for v in program.plan.values.values() if v.target}
-            made = {n: state[n] for n in sorted(targets) if n not in captured}
+            derived = ctx_options.get("derived", {})
+            made = {n: state[n] for n in sorted(targets)
+                    if n not in captured and n not in derived}
             manifest = build_manifest(_Saved(program, example_sizes), tmp)
             manifest["weights"] = {"tensors": {n: {"shape": list(state[n].shape),
                                                    "dtype": encode_dtype(state[n].dtype)}
                                                for n in sorted(targets)}}
             manifest["stored"] = save_weights(made, tmp) if made else {"tensors": {}}
+            # recipes, not values: replayed on the model's tensors at every hit
+            manifest["derived"] = {n: derived[n].encode() for n in sorted(targets)
+                                   if n in derived}
             (tmp / MANIFEST_FILE).write_text(dumps(manifest) + "\n")
             final = root / key
             if final.exists():
@@ -235,14 +251,53 @@ def _not_cacheable(program: Program, captured: dict, options: dict, warned: bool
     if warned or options.get("fallback_ops"):
         return "the compile warned"
     imported, state = options.get("imported_state", {}), options.get("state", {})
+    derived = options.get("derived", {})
     for v in program.plan.values.values():
         if v.target is None:
+            continue
+        if v.target in derived:
+            reason = _not_replayable(v.target, derived[v.target], captured, imported, state)
+            if reason:
+                return reason
             continue
         if v.target not in imported or state.get(v.target) is not imported[v.target]:
             return f"{v.target} was computed by the compile (from weight values)"
         if v.target in captured and captured[v.target] is not state[v.target]:
             return f"{v.target} is not the captured program's tensor"
     return ""
+
+
+def _not_replayable(name: str, derivation: Derivation, captured: dict, imported: dict,
+                    state: dict) -> str:
+    """Why `derivation`, replayed at a hit on the captured program's tensor, might not
+    give the values `name` was compiled with ("" when it does)."""
+    src = derivation.source
+    if src not in captured or captured[src] is not imported.get(src) \
+            or state.get(src) is not captured[src]:
+        return f"{name} was derived from {src}, which is not the captured program's tensor"
+    again = derivation.apply(captured[src])
+    if again.dtype != state[name].dtype or not torch.equal(again, state[name]):
+        return f"{name} is not what its recipe {list(derivation.steps)} makes of {src}"
+    return ""
+
+
+def _replay(entries: dict, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """An entry's derived tensors, each made again from the model's current tensor (so
+    another table of the same program is never served the kept one's values); None
+    when a source is missing or its recipe does not apply to it."""
+    if not isinstance(entries, dict):
+        return None
+    out = {}
+    for name, entry in entries.items():
+        derivation = Derivation.decode(entry)
+        src = state.get(derivation.source)
+        if src is None:
+            return None
+        try:
+            out[name] = derivation.apply(src)
+        except RuntimeError:  # e.g. view_as_real of a real tensor
+            return None
+    return out
 
 
 class _Saved:

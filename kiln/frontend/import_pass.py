@@ -45,6 +45,8 @@ def _import(src: ModelSource, ctx: Context) -> KilnGraph:
     # as imported: a tensor later passes put in its place (folded from weight values)
     # keeps the compile out of the compile cache
     ctx.options["imported_state"] = dict(kg.state)
+    # ...unless a pass recorded how it follows from a model tensor (ir/derived.py)
+    ctx.options["derived"] = kg.derived
     kg.devices_named = named_devices(kg)
     ctx.options["fallback_ops"] = kg.fallback_ops
     return kg

@@ -12,18 +12,21 @@ and KV-cache writes, 9 of its 21 regions. The product is the same arithmetic on
 a's pairs being view_as_complex's input and b's the table read through the same ops
 (index, unsqueeze, views, slices) on its real form: `view_as_real(table)`, a float
 [..., 2] constant made once here from the weight, as fold_constants makes weight-only
-compute. A complex value this cannot see back to one of those (a complex input, a
-table the model writes, another op) leaves its product as it was.
+compute, and recorded as derived from the table (ir/derived.py): the compile cache
+keeps that recipe, not the pairs, and recomputes them from the model's own table at a
+hit (another theta is never served stale pairs). A complex value this cannot see back
+to one of those (a complex input, a table the model writes, another op) leaves its
+product as it was.
 """
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from kiln.graph.dce import eliminate_dead_code
 from kiln.graph.fold_constants import add_constant, constant_placeholders, drop_unread
 from kiln.graph.rewrite import aten, insert, name_of, rank
+from kiln.ir.derived import Derivation
 from kiln.ir.graph import KilnGraph
 from kiln.ir.ops import norm_axis
 from kiln.pipeline import as_pass
@@ -38,6 +41,7 @@ class _Pairs:
     def __init__(self, kg: KilnGraph):
         self.kg = kg
         self.weights = constant_placeholders(kg)
+        self.targets = {i.name: i.target for i in kg.inputs}
         self.made: dict[fx.Node, fx.Node | None] = {}
 
     def of(self, x, at: fx.Node) -> fx.Node | None:
@@ -47,12 +51,18 @@ class _Pairs:
             self.made[x] = self._make(x, at)
         return self.made[x]
 
+    def _table_pairs(self, x: fx.Node) -> fx.Node:
+        """The table's pairs as a constant, recorded as derived from the table (so the
+        compile cache replays the recipe on the model's table at a hit)."""
+        derivation = Derivation(self.targets[x.name], ("view_as_real",))
+        return add_constant(self.kg, x, derivation.apply(self.weights[x]), derivation)
+
     def _make(self, x: fx.Node, at: fx.Node) -> fx.Node | None:
         name = name_of(x)
         if name == "aten.view_as_complex.default":
             return x.args[0]
         if x in self.weights:  # a table the model never writes: its pairs, as a constant
-            return add_constant(self.kg, x, torch.view_as_real(self.weights[x]).contiguous())
+            return self._table_pairs(x)
         if name == "aten.polar.default":  # abs * (cos, sin) of angle: a table built in forward
             r, theta = x.args
             parts = [insert(self.kg, at, aten.mul.Tensor,

@@ -28,6 +28,7 @@ import torch.fx as fx
 
 from kiln.graph.dce import eliminate_dead_code
 from kiln.graph.rewrite import category_of, is_sym, is_tensor, name_of
+from kiln.ir.derived import Derivation
 from kiln.ir.graph import GraphInput, KilnGraph
 from kiln.ir.ops import IMPURE_OPS, STRICT_VIEWS, OpCategory, resolve
 from kiln.ir.symbolic import as_dim, is_static
@@ -153,10 +154,14 @@ def evaluate(nodes: list[fx.Node], weights) -> dict[fx.Node, torch.Tensor]:
         return {n: run(n).contiguous() for n in nodes}
 
 
-def add_constant(kg: KilnGraph, node: fx.Node, value: torch.Tensor) -> fx.Node:
-    """A new "constant" placeholder for `value`, after the existing weights."""
+def add_constant(kg: KilnGraph, node: fx.Node, value: torch.Tensor,
+                 derivation: Derivation | None = None) -> fx.Node:
+    """A new "constant" placeholder for `value`, after the existing weights; `derivation`:
+    how `value` follows from one model tensor, recorded for the compile cache."""
     key = STATE_PREFIX + node.name
     kg.state[key] = value
+    if derivation is not None:
+        kg.derived[key] = derivation
     user_kinds = ("user", "user_const", "user_size")
     index = next((i for i, s in enumerate(kg.inputs) if s.kind in user_kinds), len(kg.inputs))
     placeholders = [n for n in kg.graph.nodes if n.op == "placeholder"]

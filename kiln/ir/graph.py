@@ -15,6 +15,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from kiln.errors import user_frame
+from kiln.ir.derived import Derivation
 from kiln.ir.symbolic import Bounds, Dim, as_dim
 
 
@@ -59,6 +60,9 @@ class KilnGraph:
     size_checks: list = field(default_factory=list)
     # this rank's pipeline stage (kiln.parallel.pipeline_stages.StageIO); None: one stage
     stage_io: object = None
+    # state name of a tensor a pass made from a model tensor's values -> how, so the
+    # compile cache can keep the recipe instead of the values (ir/derived.py)
+    derived: dict[str, Derivation] = field(default_factory=dict)
 
     @property
     def graph(self) -> fx.Graph:

@@ -93,3 +93,22 @@ def test_a_table_the_model_writes_is_left_complex():
     kg = graph_of(model, x, pos)
     assert real_products(kg) == 0 and "aten.view_as_complex.default" in ops(kg)
     assert_same_as_eager(kg, model, (x, pos))
+
+
+@pytest.mark.parametrize("table", ["buffer", "attribute"])
+def test_the_tables_pairs_are_recorded_as_derived_from_it(table):
+    """The compile cache keeps this recipe instead of the pairs, and replays it at a hit."""
+    model = MetaRope(table).eval()
+    x, pos = torch.randn(1, 4, H * D), torch.arange(4)
+    kg = graph_of(model, x, pos)
+    assert real_products(kg) == 2
+    (name, d), = kg.derived.items()
+    assert d.source == "freqs_cis" and d.steps == ("view_as_real",)
+    assert torch.equal(kg.state[name], torch.view_as_real(model.freqs_cis))
+    assert "freqs_cis" in kg.state  # the model's table stays its state, to replay from
+    assert_same_as_eager(kg, model, (x, pos))
+
+
+def test_a_table_built_in_forward_records_nothing():
+    kg = graph_of(MetaRope("polar").eval(), torch.randn(1, 4, H * D), torch.arange(4))
+    assert real_products(kg) == 2 and not kg.derived
