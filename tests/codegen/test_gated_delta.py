@@ -28,6 +28,7 @@ from kiln.codegen.build.spec import Config
 from kiln.codegen.build.triton_kernel import TritonKernel
 from kiln.codegen.templates.gated_delta import template as gated_delta
 from kiln.codegen.torch_kernel import TorchKernel
+from kiln.errors import ArgumentError, IndexOutOfRangeError
 from kiln.ir.plan import RegionKind
 from kiln.ops import gated_delta_rule
 from kiln.pipeline import Context
@@ -91,6 +92,34 @@ def test_interpreted_kernel_runs_packed_sequences_from_their_own_states():
                                  states[n:n + 1])
         assert rel_err(o[:, s:e], ref_o) <= 1e-5, n
         assert rel_err(final[n:n + 1], ref_s) <= 1e-5, n
+
+
+def test_bad_sequence_bounds_are_an_index_error_not_a_read_past_the_tokens():
+    """cu_seqlens past T, below 0 or decreasing: the interpret target raises (what a GPU
+    would read past the tokens); a GPU target clamps the bounds into [0, T]."""
+    H, HV, K, V = 1, 1, 16, 16
+    q, k, v, g, beta = inputs(1, 9, H, HV, K, V, seed=5)
+    states = torch.randn(2, HV, K, V)
+    good = torch.tensor([0, 4, 9], dtype=torch.int32)
+    exe = kiln.compile(Packed(), (q, k, v, g, beta, states, good), target="interpret")
+    o, _ = exe(q, k, v, g, beta, states, good)
+    assert rel_err(o, Packed()(q, k, v, g, beta, states, good)[0]) <= 1e-5
+    for bad in ([0, 4, 40], [-3, 4, 9], [0, 6, 2]):
+        with pytest.raises(IndexOutOfRangeError, match="gated_delta_rule"):
+            exe(q, k, v, g, beta, states, torch.tensor(bad, dtype=torch.int32))
+        with pytest.raises(ArgumentError, match="cu_seqlens"):  # the torch form, as eager
+            Packed()(q, k, v, g, beta, states, torch.tensor(bad, dtype=torch.int32))
+
+
+def test_the_gpu_kernel_clamps_sequence_bounds_into_the_tokens():
+    args = (*inputs(1, 9, 1, 1, 16, 16), torch.randn(2, 1, 16, 16),
+            torch.tensor([0, 4, 9], dtype=torch.int32))
+    plan = kiln.compile(Packed(), args, compile_to="dispatch")
+    (region,) = [r for r in plan.regions if r.kind == RegionKind.EXTERN]
+    spec = gated_delta.generate(region, plan, SM90)
+    assert "bos = tl.minimum(tl.maximum(bos, 0)" in spec.source
+    assert "eos = tl.minimum(tl.maximum(eos, bos)" in spec.source
+    assert "tl.device_assert" not in spec.source  # no per-call check on a GPU
 
 
 def test_interpreted_bf16_kernel_and_a_static_decode_step():

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import torch
 
+from kiln.codegen.build.interpreter import INDEX_CHECK
 from kiln.codegen.expr.emit import Emitter
 from kiln.codegen.expr.indexing import Lin, Var
 from kiln.codegen.expr.kernel_args import SymbolicArgs
 from kiln.codegen.expr.values import Cond, Val, mask_of
 from kiln.codegen.templates import load_order
-from kiln.codegen.templates.gated_delta.analysis import DeltaShape, pow2
+from kiln.codegen.templates.gated_delta.analysis import OP, DeltaShape, pow2
 from kiln.codegen.templates.gated_delta.step_fusion import (
     StateReads,
     output_of_step,
@@ -104,6 +105,7 @@ def program(em: Emitter, p: SymbolicArgs, s: DeltaShape, kp: int, wide: str) -> 
         n = lin("nn", s.sequences, False)
         L += _scalar(em, "bos", s.cu_seqlens, (n,), wide)
         L += _scalar(em, "eos", s.cu_seqlens, (n + 1,), wide)
+        L += _sequence_bounds_kept(em, p.dim(s.seq))
         L.append("bb = 0")
     else:
         L += ["bos = 0", f"eos = {p.dim(s.seq)}", "bb = nn"]
@@ -136,6 +138,19 @@ def _final_state(em: Emitter, s: DeltaShape, reads: StateReads | None) -> list[s
         if s.final_state is not None:
             em.store(s.final_state, _state_at(s), S, _STATE_MASK)
     return lines
+
+
+def _sequence_bounds_kept(em: Emitter, total: str) -> list[str]:
+    """cu_seqlens as given: 0 <= bos <= eos <= T is checked on the interpret target (its
+    reads past T are raw host memory: build/interpreter.py) and clamped into [0, T] on
+    every target, so bad bounds read and write only the op's own tensors and scratch (a
+    check on a GPU would cost a host sync a call; the CPU target's torch form raises)."""
+    L = []
+    if em.target.backend == "interpret":
+        L.append(f'tl.device_assert((bos >= 0) & (bos <= eos) & (eos <= {total}), '
+                 f'"{INDEX_CHECK} ({OP})")')
+    return L + [f"bos = tl.minimum(tl.maximum(bos, 0), {total})",
+                f"eos = tl.minimum(tl.maximum(eos, bos), {total})"]
 
 
 def _scalar(em: Emitter, name: str, value: str, index, wide: str) -> list[str]:
