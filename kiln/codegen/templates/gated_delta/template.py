@@ -114,7 +114,13 @@ def _faults_staged(shape: DeltaShape, bv: int, warps: int) -> bool:
     spilled on sm_90) it faulted with an illegal address on an H200, with and without
     the twenty-second session's walker (tests/codegen/test_gated_delta_gpu.py), while
     the interpret target, 4 warps at BV 32 and 8 warps at BV 64 ran right (fp32's FMA
-    dots on 8 warps at BV 32 are Qwen3-Next's default and run). The cause is not found.
+    dots on 8 warps at BV 32 are Qwen3-Next's default and run). Located since
+    (benchmarks/probes/gated_delta_fault.py, H200): at 64-step chunks every such config
+    is wrong, the same source right on 4 warps: STAGED 1 on 8 / 16 warps at BV 32 and
+    on 8 at BV 16 gave outputs 15x further from fp64 (o 4.0e-2 against 2.7e-3; the
+    state right), and STAGED 2 on 8 warps at BV 32 made an out-of-bounds 512-byte
+    shared-memory read (compute-sanitizer memcheck) at the walker's W S product, with
+    no register spilled: Triton 3.6's code for these dots, not the kernel's indices.
     The tuner's run worker survives a fault and quarantines the config, but each fault
     costs a worker and in-process timing (KILN_TUNE_TIMING=inprocess) loses the process:
     these are never candidates."""
