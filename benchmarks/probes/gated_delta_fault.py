@@ -6,7 +6,7 @@ This runs one such config (outside the space) at the GPU test's shape (K = V = 1
 bf16, T = 157, two batch rows, 4 value heads over 2 key heads) so that a fault can be
 located under compute-sanitizer; a config that runs prints its error against fp64.
 
-    PYTHONPATH=. python benchmarks/probes/gated_delta_fault.py 64:32:8:2:1
+    PYTHONPATH=. python benchmarks/probes/gated_delta_fault.py 64:32:8:2:1 [K = V, 128]
     compute-sanitizer --tool memcheck --kernel-name kns=gated_delta \\
         python benchmarks/probes/gated_delta_fault.py 64:32:8:2:1
 (CHUNK:BV:warps:stages:STAGED)
@@ -40,7 +40,8 @@ class Delta(torch.nn.Module):
 
 def main():
     chunk, bv, warps, stages, staged = (int(x) for x in sys.argv[1].split(":"))
-    H, HV, K, V = 2, 4, 128, 128
+    K = V = int(sys.argv[2]) if len(sys.argv) > 2 else 128
+    H, HV = 2, 4
     q, k, v, g, beta = inputs(2, 157, H, HV, K, V, seed=3)
     state = torch.randn(2, HV, K, V)
     args = (q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16(), state)
