@@ -12,13 +12,11 @@ state read and written, the inputs read, the output written, at the device's mea
 copy bandwidth).
 
 Each form of kiln's chunked kernel (template gated_delta: STAGED = 1, the staged form;
-STAGED = 2, the staged walk with one output program over every value block,
-`every-block`; STAGED = 0, the one-pass form) can be timed beside kiln's own choice (`--form
-both`, the default: all three, or `staged` / `every-block` / `one-pass`): the region's
-kernel is rebuilt at that form's config (`--staged-config` / `--one-pass-config`,
-CHUNK:BV:warps:stages) and launched directly. `--shape qwen3next` is Qwen3-Next's layer
-(16 key heads, 32 value heads, K = V = 128, T = 2048; `--qk-dtype float32` as kiln's
-model feeds q and k).
+STAGED = 0, the one-pass form) can be timed beside kiln's own choice (`--form both`,
+the default, or `staged` / `one-pass`): the region's kernel is rebuilt at that form's
+config (`--staged-config` / `--one-pass-config`, CHUNK:BV:warps:stages) and launched
+directly. `--shape qwen3next` is Qwen3-Next's layer (16 key heads, 32 value heads,
+K = V = 128, T = 2048; `--qk-dtype float32` as kiln's model feeds q and k).
 
 Usage (GPU): PYTHONPATH=. python benchmarks/gated_delta_rule.py --out $OUT/gdn.json
 Smoke test anywhere: PYTHONPATH=. python benchmarks/gated_delta_rule.py --device cpu --small
@@ -48,7 +46,6 @@ from kiln.ops import gated_delta_rule  # noqa: E402
 SEED = dict(B=1, T=8192, H=36, HV=36, K=256, V=256)
 QWEN3_NEXT = dict(B=1, T=2048, H=16, HV=32, K=128, V=128)
 SMALL = dict(B=1, T=37, H=2, HV=4, K=16, V=16)
-_STAGED = {"one-pass": 0, "staged": 1, "every-block": 2}  # the template's STAGED tunable
 ONE_PASS = "32:64:4:2"  # the one-pass form's best at the seed's shape before the staged one
 
 
@@ -205,10 +202,10 @@ def forced_form(exe, form, text, args, ref_o, ref_s, target):
     d = kernel.spec.default
     if text is None:  # kiln's own choice when it is this form, else the seed's
         text = (f"{d['CHUNK']}:{d['BV']}:{d.num_warps}:{d.num_stages}"
-                if d["STAGED"] == _STAGED[form] else
-                ONE_PASS if form == "one-pass" else "64:64:4:2")
+                if d["STAGED"] == int(form == "staged") else
+                "64:64:4:2" if form == "staged" else ONE_PASS)
     chunk, bv, warps, stages = (int(x) for x in text.split(":"))
-    config = Config.make(warps, stages, CHUNK=chunk, BV=bv, STAGED=_STAGED[form])
+    config = Config.make(warps, stages, CHUNK=chunk, BV=bv, STAGED=int(form == "staged"))
     row = {"name": name, "kernel": f"triton [{config}]", "in_space": config in
            kernel.spec.configs}
     try:
@@ -341,8 +338,7 @@ def main():
     ap.add_argument("--shape", default="seed", choices=["seed", "qwen3next"])
     ap.add_argument("--qk-dtype", choices=["bfloat16", "float16", "float32"],
                     help="q and k's dtype (default --dtype; kiln's Qwen3-Next feeds float32)")
-    ap.add_argument("--form", default="both",
-                    choices=["auto", "staged", "every-block", "one-pass", "both"],
+    ap.add_argument("--form", default="both", choices=["auto", "staged", "one-pass", "both"],
                     help="also time these forms of kiln's kernel, forced (auto: kiln's "
                          "choice only)")
     ap.add_argument("--staged-config", help="CHUNK:BV:warps:stages (default: kiln's "
@@ -370,11 +366,10 @@ def main():
         pass
     if a.out:
         _OUT.append(a.out)
-    forms = {"both": ["staged", "every-block", "one-pass"], "auto": []}.get(a.form, [a.form])
-    configs = {"staged": a.staged_config, "every-block": a.staged_config,
-               "one-pass": a.one_pass_config}
+    forms = {"both": ["staged", "one-pass"], "auto": []}.get(a.form, [a.form])
+    configs = {"staged": a.staged_config, "one-pass": a.one_pass_config}
     if a.small:  # the tiny shape's chunks
-        configs = {"staged": "32:16:4:1", "every-block": "32:16:4:1", "one-pass": "16:16:4:1"}
+        configs = {"staged": "32:16:4:1", "one-pass": "16:16:4:1"}
     qk = getattr(torch, a.qk_dtype) if a.qk_dtype else None
     results["qk_dtype"] = a.qk_dtype or a.dtype
     prefill(shape, dtype, a.device, target, options, results,

@@ -7,7 +7,7 @@ sequences, fp32 / bf16 / fp16. Each trial compiles the op's region, launches ran
 forced configs (and the default) and compares with the step-by-step recurrence in fp64.
 
 Usage: PYTHONPATH=. python benchmarks/probes/gated_delta_interpret_sweep.py \\
-           [--seed 0] [--trials 20] [--form 2]   (--form: only configs with that STAGED)
+           [--seed 0] [--trials 20] [--form 1]   (--form: only configs with that STAGED)
 Prints one line a case and `cases N worst err/tol X`; exits 1 on any case over tolerance.
 """
 
@@ -87,7 +87,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trials", type=int, default=20)
-    ap.add_argument("--form", type=int, choices=[0, 1, 2], help="only this STAGED form")
+    ap.add_argument("--form", type=int, choices=[0, 1], help="only this STAGED form")
     a = ap.parse_args()
     rng = random.Random(a.seed)
     worst, cases = 0.0, 0

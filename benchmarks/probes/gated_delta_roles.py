@@ -12,8 +12,7 @@ walk alone, its own kernel) runs in the same process when fla is importable.
 
 Usage: PYTHONPATH=.:<fla site> python benchmarks/probes/gated_delta_roles.py \\
            [--T 8192] [--configs 64:64:4:1,64:32:4:2] [--out roles.json]
-(CHUNK:BV:warps:stages[:STAGED], the staged form: STAGED 1 by default, 2 for one output
-program over every value block)
+(CHUNK:BV:warps:stages, the staged form)
 """
 
 from __future__ import annotations
@@ -82,16 +81,16 @@ def thread_release(source: str, threads: int) -> str:
     assert n == 1
     source, n = _WAIT.subn(rf"while tl.load(\1, volatile=True) < (jj + 1) * {threads}:",
                            source)
-    assert n >= 1  # each output form's wait
+    assert n == 1
     return source
 
 
-def roles_at(spec, inputs, outs, shape, c, bv, w, st, variant="", ref=None, form=1):
+def roles_at(spec, inputs, outs, shape, c, bv, w, st, variant="", ref=None):
     """One staged config's row: the whole launch, then each role in it and alone."""
     scale = 1
     if variant == "thread-release":
         spec, scale = dataclasses.replace(spec, source=thread_release(spec.source, 32 * w)), 32 * w
-    cfg = Config.make(w, st, CHUNK=c, BV=bv, STAGED=form)
+    cfg = Config.make(w, st, CHUNK=c, BV=bv, STAGED=1)
     tk = TritonKernel.__new__(TritonKernel)
     tk.spec, tk.config = spec, cfg
     tk._tunables = [cfg[t] for t in spec.tunables]
@@ -101,7 +100,7 @@ def roles_at(spec, inputs, outs, shape, c, bv, w, st, variant="", ref=None, form
     ctr, flags = scratch["gd_ctr"], scratch["gd_flag"]
     nh, nj, nvb = shape["HV"], -(-shape["T"] // c), -(-shape["V"] // bv)
     n_prep, n_walk = nh * nj, nh * nvb
-    n_out = n_prep * nvb if form == 1 else n_prep  # STAGED = 2: a program a chunk and head
+    n_out = n_prep * nvb
     whole = load_kernel(spec.source, spec.name)
     alone = {r: load_kernel(only(spec.source, r), spec.name)
              for r in ("preparers", "walkers", "outputs")}
@@ -176,10 +175,10 @@ def main():
         rows.append({"what": "fla", "note": why})
     print(json.dumps(rows[-1]), flush=True)
     for text in a.configs.split(","):
-        c, bv, w, st, *form = (int(x) for x in text.split(":"))
+        c, bv, w, st = (int(x) for x in text.split(":"))
         for variant in a.variants.split(","):
             rows.append(roles_at(kernel.spec, inputs, outs, shape, c, bv, w, st,
-                                 "" if variant == "base" else variant, ref, *form))
+                                 "" if variant == "base" else variant, ref))
             print(json.dumps(rows[-1]), flush=True)
         if a.out:
             Path(a.out).write_text(json.dumps(rows, indent=1))

@@ -13,8 +13,7 @@ no deadlock, whatever order the GPU schedules programs in. Tickets in order:
   counts the chunk done;
 - with STAGED = 1, output programs, one per (chunk, sequence, value head, BV columns),
   chunk-major so the earliest chunks run first (staged.outputs), each as soon as its
-  walker has passed its chunk; with STAGED = 2 (the same walk), one per (chunk,
-  sequence, value head) taking every value block in turn, each after its walker.
+  walker has passed its chunk.
 
 The last program to finish zeroes the counters and flags for the next launch.
 """
@@ -50,7 +49,7 @@ def chunked_body(em: Emitter, p: SymbolicArgs, s: DeltaShape) -> list[str]:
         f"ticket = tl.atomic_add({COUNTERS}, 1)",
         f"n_prep = {hv_n} * {seqs} * {nj}",
         f"n_walk = {hv_n} * {seqs} * {nvb}",
-        f"n_out = (n_prep * {nvb} if STAGED == 1 else n_prep) if STAGED else 0",
+        "n_out = n_prep * " + nvb + " if STAGED else 0",
         "rows = tl.arange(0, CHUNK)",
         "if ticket < n_prep:",
         # the preparers' [CHUNK, CHUNK] masks: made before the branch they held
@@ -83,7 +82,7 @@ def chunked_body(em: Emitter, p: SymbolicArgs, s: DeltaShape) -> list[str]:
             *indent([*state_blocks(em, s, kp, final=False), *walk(em, s, kp, vp, tokens),
                      *(state_blocks(em, s, kp, final=True) if s.final_state else [])])]),
         "else:",
-        *indent(["if STAGED == 1:", *indent([
+        *indent(["if STAGED:", *indent([
             "part = ticket - n_prep - n_walk",
             f"vb = part % {nvb}",
             f"hv = ((part // {nvb}) % {hv_n}){wide}",
@@ -92,17 +91,7 @@ def chunked_body(em: Emitter, p: SymbolicArgs, s: DeltaShape) -> list[str]:
             *program(em, p, s, kp, wide),
             "c0 = bos + jj * CHUNK",
             "if c0 < eos:",
-            *indent(staged.outputs(em, p, s, kp, vp, tokens))]),
-            "elif STAGED == 2:", *indent([
-            "part = ticket - n_prep - n_walk",
-            f"hv = (part % {hv_n}){wide}",
-            f"nn = ((part // {hv_n}) % {seqs}){wide}",
-            f"jj = part // {hv_n} // {seqs}",
-            "vb = 0",
-            *program(em, p, s, kp, wide),
-            "c0 = bos + jj * CHUNK",
-            "if c0 < eos:",
-            *indent(staged.outputs(em, p, s, kp, vp, tokens, every_block=True))])]),
+            *indent(staged.outputs(em, p, s, kp, vp, tokens))])]),
         f'done = tl.atomic_add({COUNTERS} + 2, 1, sem="acq_rel")',
         "if done == n_prep + n_walk + n_out - 1:  # the last program: zero for the next launch",
         f"    tl.store({COUNTERS}, 0)",

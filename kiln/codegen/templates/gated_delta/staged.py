@@ -99,68 +99,33 @@ def walk_states(em: Emitter, p: SymbolicArgs, s: DeltaShape, kp: int, vp: int,
 
 
 def outputs(em: Emitter, p: SymbolicArgs, s: DeltaShape, kp: int, vp: int,
-            tokens: str, every_block: bool = False) -> list[str]:
+            tokens: str) -> list[str]:
     """An output program's chunk (c0 from jj, the chunk's index in its sequence): wait
-    for the walker, then o = (exp(G) scale q) h + scores U over its BV columns (vb).
-
-    `every_block` (STAGED = 2): one program takes every value block of its chunk in
-    turn, each after its own walker, so q, the gates and the scores are read once, not
-    once per block: the output programs were the launch's largest use of program slots
-    (H200, seed shape: 18432 programs of ~7.6 us, latency-bound, two an SM)."""
-    L = [*chunk_rows(s, tokens), _state_row(s, p, kp),
-         f"G = tl.load(gd_g + row, mask=tc_ok, other=0.0, {_CG})",
-         f"qs = tl.exp(G) * {s.scale!r}",
-         f"Aqk = tl.load(gd_a + rr * CHUNK + rows[None, :], mask=t_ok, other=0.0, {_CG})"]
-    if not every_block:  # q's blocks loaded as the products need them
-        return _wait(s) + L + _columns(em, s, kp, vp, _query_blocks(em, s, kp))
-    wide = ".to(tl.int64)" if p.needs_int64 else ""
-    q = _query_blocks(em, s, kp)
-    return L + [line for block in q for line in block] + [
-        f"for vb in range(0, tl.cdiv({s.value_dim}, BV)):",
-        *indent([f"vv = vb * BV + tl.arange(0, BV){wide}", "ev = vv[None, :]",
-                 *_wait(s), *_columns(em, s, kp, vp, [[] for _ in q])])]
-
-
-def _wait(s: DeltaShape) -> list[str]:
-    """Until the walker of columns vb has passed chunk jj; its stores seen after."""
-    return [f"while tl.load({flag(s)}, volatile=True) <= jj:",
-            "    pass",
-            f'tl.atomic_add({flag(s)}, 0, sem="acquire")  # the walker\'s stores are seen']
-
-
-def _query_blocks(em: Emitter, s: DeltaShape, kp: int) -> list[list[str]]:
-    """The lines loading q's KB-column blocks q0, q1, ... (rows kr_i named), one list each."""
-    b, hk, _ = head_vars(s)
-    tt = lin("tt", s.seq)
-    tcond = Cond("t_ok", frozenset({"tt"}))
-    kw = min(KB, kp)
-    blocks = []
-    for i, k0 in enumerate(blocks_of(kp)):
-        e, r = f"ek{i}", f"kr{i}"
-        kc = Cond(f"{e} < {s.key_dim}", frozenset({e}))
-        blocks.append([f"{e} = {k0} + tl.arange(0, {kw})[None, :]",
-                       f"{r} = {k0} + tl.arange(0, {kw})[:, None]",
-                       *load_tile(em, s.q, (b, tt, hk, lin(e, s.key_dim)), mask_of(tcond, kc),
-                                  f"q{i}", f"[CHUNK, {kw}]", f"t_ok & ({e} < {s.key_dim})",
-                                  TL[s.dtype])])
-    return blocks
-
-
-def _columns(em: Emitter, s: DeltaShape, kp: int, vp: int,
-             q_blocks: list[list[str]]) -> list[str]:
-    """o over the columns ev from q's blocks (each block's lines `q_blocks[i]` emitted
-    before its product), qs and Aqk, stored."""
+    for the walker, then o = (exp(G) scale q) h + scores U."""
     dot, _ = dots(em, s)
-    b, _, hv = head_vars(s)
+    dt = TL[s.dtype]
+    b, hk, hv = head_vars(s)
     tt = lin("tt", s.seq)
     tcond = Cond("t_ok", frozenset({"tt"}))
     vc = Cond(f"ev < {s.value_dim}", frozenset({"ev"}))
-    L = [f"U = tl.load(gd_u + rr * {vp} + ev, mask=t_ok & (ev < {s.value_dim}), other=0.0, "
+    kw = min(KB, kp)
+    L = [f"while tl.load({flag(s)}, volatile=True) <= jj:",
+         "    pass",
+         f'tl.atomic_add({flag(s)}, 0, sem="acquire")  # the walker\'s stores are seen',
+         *chunk_rows(s, tokens), _state_row(s, p, kp),
+         f"G = tl.load(gd_g + row, mask=tc_ok, other=0.0, {_CG})",
+         f"qs = tl.exp(G) * {s.scale!r}",
+         f"Aqk = tl.load(gd_a + rr * CHUNK + rows[None, :], mask=t_ok, other=0.0, {_CG})",
+         f"U = tl.load(gd_u + rr * {vp} + ev, mask=t_ok & (ev < {s.value_dim}), other=0.0, "
          f"{_CG})"]
-    for i, q_lines in enumerate(q_blocks):
-        r = f"kr{i}"
-        L += [*q_lines,
-              f"h{i} = tl.load(gd_h + (hrow + {r}) * {vp} + ev, "
+    for i, k0 in enumerate(blocks_of(kp)):
+        e, r = f"ek{i}", f"kr{i}"
+        kc = Cond(f"{e} < {s.key_dim}", frozenset({e}))
+        L += [f"{e} = {k0} + tl.arange(0, {kw})[None, :]",
+              f"{r} = {k0} + tl.arange(0, {kw})[:, None]"]
+        L += load_tile(em, s.q, (b, tt, hk, lin(e, s.key_dim)), mask_of(tcond, kc), f"q{i}",
+                   f"[CHUNK, {kw}]", f"t_ok & ({e} < {s.key_dim})", dt)
+        L += [f"h{i} = tl.load(gd_h + (hrow + {r}) * {vp} + ev, "
               f"mask=({r} < {s.key_dim}) & (ev < {s.value_dim}), other=0.0, {_CG})",
               f"o = {'' if i == 0 else 'o + '}{dot(f'q{i}', f'h{i}')}"]
     L.append(f"o = o * qs[:, None] + {dot('Aqk', 'U')}  # q's rows scaled once, after")
@@ -170,3 +135,4 @@ def _columns(em: Emitter, s: DeltaShape, kp: int, vp: int,
                      em.let("o", torch.float32, frozenset({"tt", "ev"})), mask_of(tcond, vc))
         L += lines
     return L
+

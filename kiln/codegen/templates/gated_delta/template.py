@@ -24,10 +24,7 @@ masked). The work splits in kinds of programs of one launch, told apart by ticke
     and U to scratch and counts the chunk on a flag; output programs, one per (chunk,
     sequence, value head, BV columns), compute o = exp(G) scale q h + scores U in
     parallel, each as soon as its walker has passed its chunk. Chunks of 32 or 64
-    steps only: the stored states cost K V bytes per chunk. STAGED = 2 is the same
-    walk with one output program per (chunk, sequence, value head) over every value
-    block in turn (q, gates and scores read once; a quarter of the programs at BV 64
-    and K = V = 256): a candidate beside STAGED = 1, for the tuner to time.
+    steps only: the stored states cost K V bytes per chunk.
 
 flash-linear-attention runs these stages as separate kernels; here they share one
 launch (a KernelSpec is one launch, and tickets order them as split_k.py's arrival
@@ -101,8 +98,7 @@ def config_space(shape: DeltaShape) -> list[Config]:
     staged_blocks = [b for b in STAGED_VALUE_BLOCKS
                      if b <= vp and kp * b <= STATE_BLOCK_MAX][:3] or [16]
     return [Config.make(w, st, CHUNK=c, BV=bv, STAGED=form)
-            for form, cs, bvs in ((1, staged_chunks, staged_blocks),
-                                  (2, staged_chunks, staged_blocks), (0, chunks, blocks))
+            for form, cs, bvs in ((1, staged_chunks, staged_blocks), (0, chunks, blocks))
             for c in cs for bv in bvs
             for w in WARPS for st in STAGES
             if not (_faults_staged(shape, bv, w) if form else _spills_badly(shape, c, w))]
@@ -118,9 +114,13 @@ def _faults_staged(shape: DeltaShape, bv: int, warps: int) -> bool:
     (benchmarks/probes/gated_delta_fault.py, H200): at 64-step chunks every such config
     is wrong, the same source right on 4 warps: STAGED 1 on 8 / 16 warps at BV 32 and
     on 8 at BV 16 gave outputs 15x further from fp64 (o 4.0e-2 against 2.7e-3; the
-    state right), and STAGED 2 on 8 warps at BV 32 made an out-of-bounds 512-byte
-    shared-memory read (compute-sanitizer memcheck) at the walker's W S product, with
-    no register spilled: Triton 3.6's code for these dots, not the kernel's indices.
+    state right), and a form since removed (one output program over every value block)
+    on 8 warps at BV 32 made an out-of-bounds 512-byte shared-memory read
+    (compute-sanitizer memcheck) at the walker's W S product, with no register spilled:
+    Triton 3.6's code for these dots, not the kernel's indices (shared memory is the
+    compiler's alone). benchmarks/probes/dot_warps_repro.py shows the kind: a
+    loop-carried fp32 value cast to a dot's B operand goes wrong at many warps and
+    widths on sm_90, while loaded or freshly made operands do not.
     The tuner's run worker survives a fault and quarantines the config, but each fault
     costs a worker and in-process timing (KILN_TUNE_TIMING=inprocess) loses the process:
     these are never candidates."""
@@ -211,7 +211,7 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     else:  # preparers (sequence, chunk, head), walkers (sequence, head, columns), outputs
         chunks = f"cdiv({p.grid(shape.seq)}, CHUNK)"
         grid = (f"({heads}) * ({seqs}) * ({chunks} + {columns} + "
-                f"(({chunks}) * ({columns}) if STAGED == 1 else ({chunks}) if STAGED else 0))",)
+                f"(({chunks}) * ({columns}) if STAGED else 0))",)
     params = p.names() + [b.name for b in scratch] + [f"{t}: tl.constexpr" for t in tunables]
     source = module_source(name, params, lines, em.helpers, target, p.describe())
     configs = config_space(shape)
