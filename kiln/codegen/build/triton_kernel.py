@@ -199,11 +199,21 @@ class TritonKernel:
         try:
             self._fn[gx, gy, gz](*args, num_warps=self.config.num_warps,
                                  num_stages=self.config.num_stages)
-        except InterpreterError as e:
-            check = failed_index_check(e)
+        except BaseException as e:
+            self._rezero_scratch(args)
+            check = failed_index_check(e) if isinstance(e, InterpreterError) else None
             if check is None:
                 raise
             raise self._index_error(check) from e
+
+    def _rezero_scratch(self, args) -> None:
+        """A launch that stopped part-way (a failed index check) left its zeroed scratch,
+        which every kernel of the process shares, part-written: the next launch's
+        ticket counters and flags would start there, and its programs wait forever."""
+        first = len(self.spec.args)
+        for i, b in enumerate(self.spec.scratch):
+            if b.zeroed:
+                args[first + i].zero_()
 
     def _index_error(self, check: str) -> IndexOutOfRangeError:
         """A generated index check failed (interpret target): the op whose index tensor
