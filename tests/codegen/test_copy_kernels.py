@@ -117,6 +117,18 @@ def test_gathers_past_their_dim_are_index_errors_on_interpret():
             assert "test_copy_kernels.py" in e.value.where and line[op] in e.value.where
 
 
+def test_gpu_kernels_keep_loaded_indices_inside_their_dims():
+    """No check on a GPU (it would cost every call): an index out of range is clamped
+    into its dim, so it reads or writes its own tensor, never memory past it."""
+    t, rows, idx, pick = (torch.randn(5, 3), torch.tensor([1, 4]),
+                          torch.tensor([[0, 4, 1], [3, 2, 0]]), torch.tensor([-5, 4]))
+    exe = kiln.compile(Lookups(), (t, rows, idx, pick), target="cuda:sm_90",
+                       options={"tune": "none"})
+    sources = [k.spec.source for k in triton_kernels(exe)]
+    assert sources and not any("tl.device_assert(" in s for s in sources)
+    assert sum(s.count("tl.minimum(tl.maximum(") for s in sources) >= 3  # one an index op
+
+
 class StaticCache(torch.nn.Module):
     """A 16-slot static KV cache written at the decode positions, both ways models do."""
 

@@ -304,6 +304,16 @@ class Emitter:
         """An emitted integer value used as an index into a dim of `size`."""
         return Lin.of(Opaque(v.code, size, v.vars))
 
+    def kept_in(self, v: Val, size: Dim) -> Val:
+        """Index `v` clamped into [0, size): on a GPU, where nothing checks a loaded
+        index, one out of range (a token id past the vocabulary, a position past a
+        static cache) reads or writes an element of its own tensor, not memory past it
+        (another tensor, or an illegal-address fault that ends the process's CUDA
+        context). Eager PyTorch refuses such an index; the interpret target raises
+        first (check_index)."""
+        return self.let(f"tl.minimum(tl.maximum({v.code}, 0), {self.dim(size)} - 1)",
+                        v.dtype, v.vars)
+
     def check_index(self, v: Val, size: Dim, mask: Mask | None, what: str,
                     wraps: bool = False) -> None:
         """On the interpret target, a check that index `v` (loaded from a tensor) lies in

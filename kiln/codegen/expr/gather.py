@@ -7,7 +7,9 @@ pads pick, per element, which input (or the pad value) to read.
   in gather / scatter / index_copy / index_add, where torch refuses them). On the
   interpret target a loaded index that eager PyTorch would refuse fails a device
   assert (`OpEmitter.check_index`) before any read or write through it; so do the
-  scatters' (templates/copy.py), which compute their destinations here too.
+  scatters' (templates/copy.py), which compute their destinations here too. Every
+  target then clamps the index into its dim (`kept_in`): on a GPU an index out of
+  range reads or writes an element of its own tensor, never memory past it.
 - cat / constant_pad_nd: each piece is read under its own condition (masked, so no
   lane reads outside a piece) and `tl.where` selects; nothing is padded in memory.
 """
@@ -48,7 +50,7 @@ def _index_value(em: OpEmitter, ref: Ref, index: Index, mask, size, wrap: bool,
     em.check_index(v, size, mask, what, wraps=what in TORCH_WRAPS)
     if wrap:
         v = em.let(f"tl.where({v} < 0, {v} + {em.dim(size)}, {v})", v.dtype, v.vars)
-    return em.opaque(v, size)
+    return em.opaque(em.kept_in(v, size), size)
 
 
 def _arange_index(em: OpEmitter, ref: Ref, index: Index) -> Lin | None:

@@ -125,6 +125,7 @@ class LatentBody:
             blk = self.em.value(s.block_table, (self.b, floordiv(nk, s.cache_len)),
                                 mask_of(n_ok))
             self.em.check_index(blk, s.cache_rows, mask_of(n_ok), "kiln.latent_attention.default")
+            blk = self.em.kept_in(blk, s.cache_rows)
         return lines, (self.em.opaque(blk, s.cache_rows), modidx(nk, 1, s.cache_len))
 
     def _dot(self, a: str, b: str, acc: str | None = None) -> str:
