@@ -206,6 +206,10 @@ MORE_LMS = {  # from the architecture sweep (tests/fuzz/FINDINGS.md), run on the
         "n_group": 1, "topk_group": 1}),
     "lfm2_conv": ("Lfm2ForCausalLM", "Lfm2Config", {
         "layer_types": ["conv", "full_attention"], "block_ff_dim": 128}),
+    # the third sweep (twenty-third session): a selective-scan SSM; attention and MLP
+    # in parallel with sliding layers
+    "mamba": ("MambaForCausalLM", "MambaConfig", {"state_size": 8, "expand": 2}),
+    "cohere2": ("Cohere2ForCausalLM", "Cohere2Config", {"head_dim": 16, "sliding_window": 4}),
 }
 
 
