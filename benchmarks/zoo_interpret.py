@@ -195,8 +195,9 @@ def build(name: str, dtype, attn: str = "sdpa"):
 def recipe(model, cache_len: int):
     from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
+    device = next(model.parameters()).device  # the cache beside the weights
     return TorchExportableModuleWithStaticCache(model, batch_size=SIZES["batch"],
-                                                max_cache_len=cache_len, device="cpu")
+                                                max_cache_len=cache_len, device=str(device))
 
 
 def rel(a, b) -> float:
@@ -204,13 +205,14 @@ def rel(a, b) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def calls(vocab: int, prompt: int):
+def calls(vocab: int, prompt: int, device="cpu"):
     """The prefill and the two decode steps' keyword arguments."""
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, vocab, (SIZES["batch"], prompt + 2), generator=g)
-    out = [{"input_ids": ids[:, :prompt].contiguous(), "cache_position": torch.arange(prompt)}]
+    ids = torch.randint(3, vocab, (SIZES["batch"], prompt + 2), generator=g).to(device)
+    out = [{"input_ids": ids[:, :prompt].contiguous(),
+            "cache_position": torch.arange(prompt, device=device)}]
     out += [{"input_ids": ids[:, prompt + i:prompt + i + 1].contiguous(),
-             "cache_position": torch.tensor([prompt + i])} for i in range(2)]
+             "cache_position": torch.tensor([prompt + i], device=device)} for i in range(2)]
     return out
 
 
@@ -223,7 +225,7 @@ def eager_logits(model, steps, cache_len) -> list[torch.Tensor]:
 def kiln_logits(model, steps, cache_len, target, example_len, cache) -> list[torch.Tensor]:
     m = recipe(model, cache_len)
     vocab = model.config.vocab_size
-    ex = calls(vocab, example_len)
+    ex = calls(vocab, example_len, next(model.parameters()).device)
     T = kiln.Dim("T", min=2, max=cache_len)
     opts = {} if cache else {"compile_cache": False}
     with warnings.catch_warnings():

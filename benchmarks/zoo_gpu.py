@@ -1,0 +1,223 @@
+"""Models people bring, on a GPU: every architecture the CPU and interpret sweeps ran
+(tests/fuzz/FINDINGS.md), tiny and random, compiled by `kiln.compile` as written for a
+GPU target, against eager PyTorch on the same GPU.
+
+Why: the sweeps ran the CPU target (regions as torch ops) and the interpret target
+(kiln's Triton kernels on Triton's CPU interpreter). Neither builds a kernel for a real
+GPU: shared-memory and register limits, the backend compiler's own code and bf16
+arithmetic on the device show only there. A row that fails here:
+benchmarks/probes/region_bisect.py names the region.
+
+Two sets, each a row per architecture:
+- `forward`: the third sweep's architectures (ARCHITECTURES), one forward over
+  [2, 9] ids with `use_cache=False`, fresh ids at the call;
+- `recipe`: zoo_interpret's families through transformers' static-cache export recipe,
+  a prompt module (dynamic length) and a one-token module writing the recipe's cache
+  on the device; a prefill and two decode steps.
+A row whose eager model fails on the device (transformers' recipe for Falcon everywhere,
+for BLOOM on a GPU) says so and is not counted as kiln's. fp32 rows pass under 1e-5;
+other dtypes under 1e-2, or within twice eager's own error against an fp32 eager run
+(+1e-2), as zoo_interpret.py.
+
+    PYTHONPATH=. python benchmarks/zoo_gpu.py [--sets forward,recipe] [--dtype bfloat16]
+        [--only Olmo3,llama] [--jobs 4] [--target cuda] [--json F]
+
+`--jobs N` runs N processes, each a share of the rows (the GPU is shared; compiles run
+on the host's cores). `--target cpu` runs the same rows on the CPU (a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+
+import kiln
+from kiln.errors import KilnWarning
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import zoo_interpret as zi  # noqa: E402  (benchmarks/ is not a package)
+
+# the third sweep's architectures: config kwargs over BASE (transformers class prefix)
+BASE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+        "n_layer": 2, "n_head": 4, "head_dim": 16, "max_position_embeddings": 128}
+MOE = {"num_experts": 4, "num_experts_per_tok": 2}
+DEEPSEEK_MOE = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}
+ARCHITECTURES = {
+    "Olmo2": {}, "Olmo3": {}, "Cohere": {}, "Cohere2": {"sliding_window": 4},
+    "StableLm": {}, "Starcoder2": {}, "Granite": {},
+    "GraniteMoe": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "Phi": {}, "Gemma": {}, "Glm": {"pad_token_id": 0}, "Glm4": {"pad_token_id": 0},
+    "Exaone4": {"sliding_window": 4},
+    "SmolLM3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    "Ernie4_5": {}, "Ernie4_5_Moe": {"moe_num_experts": 4, "moe_k": 2,
+                                     "moe_intermediate_size": 32},
+    "HunYuanDenseV1": {}, "Arcee": {}, "Dots1": {**DEEPSEEK_MOE, "n_shared_experts": 1},
+    "SeedOss": {}, "Apertus": {}, "Qwen3Moe": {**MOE, "moe_intermediate_size": 32},
+    "Mamba": {"state_size": 8, "expand": 2},
+    "Mamba2": {"num_heads": 8, "head_dim": 16, "state_size": 8, "n_groups": 1, "expand": 2},
+    "FalconH1": {}, "Jamba": MOE, "BitNet": {},
+    "MiniMax": {"num_local_experts": 4, "num_experts_per_tok": 2}, "Bamba": {},
+    "GraniteMoeHybrid": {}, "Doge": {}, "Nemotron": {},
+    "OPT": {"ffn_dim": 128, "word_embed_proj_dim": 64},
+    "GPTJ": {"n_embd": 64, "rotary_dim": 8}, "GPTBigCode": {"n_embd": 64},
+    "CodeGen": {"n_embd": 64, "rotary_dim": 8}, "Olmoe": MOE, "Helium": {},
+    "Glm4Moe": DEEPSEEK_MOE,
+    "Lfm2Moe": {**MOE, "moe_intermediate_size": 32, "layer_types": ["conv", "full_attention"],
+                "num_dense_layers": 1},
+    "FlexOlmo": {**MOE, "pad_token_id": 0, "eos_token_id": 1},
+    "Ministral": {"sliding_window": 4},
+}
+
+
+def rel(a, b) -> float:
+    a, b = a.float().cpu(), b.float().cpu()
+    return ((a - b).norm() / b.norm()).item()
+
+
+class EagerFails(Exception):
+    """The eager model itself fails (transformers' recipe on this device)."""
+
+
+def verdict(err: float, err32: float | None, eager32: float | None, tol: float) -> str:
+    text = f"{err:.1e}"
+    ok = err < tol
+    if err32 is not None:  # low precision: kiln against fp32 beside eager's own
+        text += f" (fp32 ref {err32:.1e}, eager {eager32:.1e})"
+        ok = ok or err32 < 2 * eager32 + tol
+    return ("ok " if ok else "MISMATCH ") + text
+
+
+def forward_model(name: str, dtype, device):
+    import transformers
+
+    cfg = getattr(transformers, name + "Config")(**{**BASE, **ARCHITECTURES[name]})
+    torch.manual_seed(0)
+    return getattr(transformers, name + "ForCausalLM")(cfg).eval().to(device=device,
+                                                                     dtype=dtype)
+
+
+def run_forward(name: str, args) -> str:
+    dtype, device = getattr(torch, args.dtype), args.device
+    model = forward_model(name, dtype, device)
+    g = torch.Generator().manual_seed(2)
+    example, fresh = (torch.randint(0, 100, (2, 9), generator=g).to(device) for _ in "ab")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KilnWarning)
+        exe = kiln.compile(model, (example,), {"use_cache": False}, target=args.target)
+    with torch.no_grad():
+        out = exe(fresh, use_cache=False).logits
+        ref = model(fresh, use_cache=False).logits
+        err32 = eager32 = None
+        if dtype != torch.float32:
+            model32 = forward_model(name, torch.float32, device)
+            ref32 = model32(fresh, use_cache=False).logits
+            err32, eager32 = rel(out, ref32), rel(ref, ref32)
+    return verdict(rel(out, ref), err32, eager32, args.tol)
+
+
+def run_recipe(name: str, args) -> str:
+    dtype, device = getattr(torch, args.dtype), args.device
+    model = zi.build(name, dtype).to(device)
+    steps = zi.calls(model.config.vocab_size, args.prompt, device)
+    try:
+        ref = zi.eager_logits(model, steps, args.cache_len)
+    except Exception as e:  # transformers' own recipe: not kiln's row to fail
+        raise EagerFails(e) from e
+    outs = zi.kiln_logits(model, steps, args.cache_len, args.target, args.prompt + 1,
+                          cache=True)
+    err = max(rel(o, r) for o, r in zip(outs, ref))
+    err32 = eager32 = None
+    if dtype != torch.float32:
+        ref32 = zi.eager_logits(zi.build(name, torch.float32).to(device), steps,
+                                args.cache_len)
+        err32 = max(rel(o, r) for o, r in zip(outs, ref32))
+        eager32 = max(rel(o, r) for o, r in zip(ref, ref32))
+    return verdict(err, err32, eager32, args.tol)
+
+
+RUNS = {"forward": (ARCHITECTURES, run_forward), "recipe": (zi.FAMILIES, run_recipe)}
+
+
+def rows(args) -> list[tuple[str, str]]:
+    only = {n for n in args.only.split(",") if n}
+    return [(s, n) for s in args.sets.split(",") for n in RUNS[s][0] if not only or n in only]
+
+
+def run_share(args) -> None:
+    """Run this process's share of the rows, one JSON line each."""
+    mine = rows(args)[args.share::args.jobs]
+    for set_name, name in mine:
+        t0 = time.perf_counter()
+        try:
+            result = RUNS[set_name][1](name, args)
+        except Exception as e:  # one architecture's failure is a row of the table
+            if args.verbose:
+                traceback.print_exc()
+            cause = e.__cause__ if isinstance(e, EagerFails) else e
+            first = (str(cause).strip().splitlines() or [""])[0]
+            result = f"{type(cause).__name__}: {first}"[:160]
+            if isinstance(e, EagerFails):
+                result = "eager fails: " + result
+        print(json.dumps({"set": set_name, "name": name, "result": result,
+                          "s": round(time.perf_counter() - t0, 1)}), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sets", default="forward,recipe")
+    p.add_argument("--only", default="")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--target", default="cuda")
+    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--share", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--tol", type=float, default=None, help="fp32 1e-5, else 1e-2")
+    p.add_argument("--prompt", type=int, default=5)
+    p.add_argument("--cache-len", type=int, default=16)
+    p.add_argument("--json", default=None)
+    p.add_argument("--verbose", action="store_true")
+    args = p.parse_args()
+    args.device = "cpu" if args.target in ("cpu", "interpret") else "cuda"
+    if args.tol is None:
+        args.tol = 1e-5 if args.dtype == "float32" else 1e-2
+    if args.share is not None:
+        return run_share(args)
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--share", str(i)],
+                              stdout=subprocess.PIPE, text=True) for i in range(args.jobs)]
+    results = []
+    for proc in procs:
+        for line in proc.stdout:
+            if line.startswith("{"):
+                row = json.loads(line)
+                results.append(row)
+                print(f"{row['set']:8} {row['name']:18} {row['result']:70} {row['s']:6.1f}",
+                      flush=True)
+        proc.wait()
+    counts: dict[str, dict[str, int]] = {}
+    for row in results:
+        kind = row["result"].split()[0]
+        kind = {"ok": "ok", "MISMATCH": "MISMATCH", "eager": "eager fails"}.get(kind, "error")
+        counts.setdefault(row["set"], dict.fromkeys(("ok", "MISMATCH", "error",
+                                                     "eager fails"), 0))[kind] += 1
+    for set_name, c in counts.items():
+        print(f"{set_name}: " + ", ".join(f"{k} {v}" for k, v in c.items()))
+    print(f"{args.target} {args.dtype}, {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"target": args.target, "dtype": args.dtype, "torch": torch.__version__,
+                       "device": torch.cuda.get_device_name() if args.device == "cuda"
+                       else "cpu", "rows": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
