@@ -18,4 +18,7 @@ if [ "$budget" -gt 0 ]; then
   run=(timeout -s INT -k 30 "$budget" "${run[@]}")
 fi
 # no path: pytest's testpaths (tests/)
-"${run[@]}" "${@:2}" 2>&1 | tee "$out/gpu-tests.log" | grep -Ev " (PASSED|SKIPPED|XFAIL)" | tail -80
+# each line stamped with the seconds since the start when it ended: a test's line ends
+# with its outcome, so a run cut by the budget still shows where the time went
+"${run[@]}" "${@:2}" 2>&1 | while IFS= read -r line; do printf '%4ds %s\n' "$SECONDS" "$line"; done \
+  | tee "$out/gpu-tests.log" | grep -Ev " (PASSED|SKIPPED|XFAIL)" | tail -80
