@@ -42,6 +42,7 @@ from kiln.frontend.named_kwargs import kwargs_by_name
 from kiln.frontend.raised_by_model import model_frame, raised_by_model
 from kiln.frontend.reduction_shapes import fix_reduction_shapes
 from kiln.frontend.scalar_index import select_by_tensor_as_index
+from kiln.frontend.strided_views import in_order_as_strided_as_views
 from kiln.frontend.train_mode import check_inference_mode
 from kiln.ir import treespec
 from kiln.ir.graph import GraphInput, GraphOutput, KilnGraph, where
@@ -690,6 +691,7 @@ def import_exported(ep: torch.export.ExportedProgram, model, args, kwargs=None,
     _drop_asserts(ep.graph_module)
     select_by_tensor_as_index(ep.graph_module)
     _strided_copies_as_clones(ep.graph_module)
+    in_order_as_strided_as_views(ep.graph_module)
     fix_reduction_shapes(ep.graph_module)
     fallen = check_supported(ep.graph_module, fallback)
     kg = to_kiln_graph(ep)
