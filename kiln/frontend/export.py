@@ -411,8 +411,19 @@ def _plain(table) -> dict:
 
 
 def _drop_asserts(gm: fx.GraphModule) -> None:
+    """Runtime asserts go, and what only they read: a model's check on a tensor's value
+    (Llava's `n_image_tokens * D == features.numel()`: an all-true reduction, an item(),
+    comparisons of the unbacked int) would otherwise be ops kiln has no kernel for."""
+    fed: list[fx.Node] = []
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and op_name(node.target) in ASSERT_OPS and not node.users:
+            fed += node.all_input_nodes
+            gm.graph.erase_node(node)
+    while fed:  # the asserts' inputs that nothing else reads, and theirs (pure ops only)
+        node = fed.pop()
+        if node.op == "call_function" and not node.users and not node._erased \
+                and not node.is_impure():
+            fed += node.all_input_nodes
             gm.graph.erase_node(node)
 
 
