@@ -62,7 +62,8 @@ class CompiledModule:
                     + ", ".join(repr(n) for _, n, _ in self.plan.size_args) + ")",
                     hint="pass them as tensors (positions: gpt-fast's input_pos), or "
                     "compile with parallel={'pp': 1}")
-            self._stages = StageRunner(program, parallel, self._out_spec.num_leaves)
+            self._stages = StageRunner(program, parallel, self._out_spec.num_leaves
+                                       - len(self.plan.none_outputs))
         # Most modules take plain positional tensors: those calls skip pytree entirely.
         n = len(self.plan.user_inputs)
         plain = not self.plan.const_args and not self.plan.size_args
@@ -77,6 +78,7 @@ class CompiledModule:
                     ((), dict.fromkeys(keys, 0))):
                 self._flat_kw = tuple(keys)
         self._out_leaf = self._out_spec.is_leaf()
+        self._none_outputs = sorted(self.plan.none_outputs)  # Nones forward returns
 
     @property
     def dim_names(self) -> dict[str, str]:
@@ -217,7 +219,11 @@ class CompiledModule:
             if grad:
                 torch._C._set_grad_enabled(True)
         if self._out_leaf:
-            return outs[0]
+            return None if self._none_outputs else outs[0]
+        if self._none_outputs:
+            outs = list(outs)
+            for i in self._none_outputs:
+                outs.insert(i, None)
         return pytree.tree_unflatten(outs, self._out_spec)
 
     def save(self, path) -> None:

@@ -173,6 +173,8 @@ def plan_to_json(plan: DispatchPlan) -> dict:
     if plan.recv or plan.send:  # a pipeline stage; single-device manifests stay as they were
         j["recv"] = [[name, src] for name, src in plan.recv]
         j["send"] = [[name, list(dsts)] for name, dsts in plan.send]
+    if plan.none_outputs:  # returned Nones; manifests without any stay as they were
+        j["none_outputs"] = list(plan.none_outputs)
     return j
 
 
@@ -223,4 +225,5 @@ def plan_from_json(j: dict) -> DispatchPlan:
         size_checks=[(parse(d, ints), _relation(rel), str(text))
                      for d, rel, text in j.get("size_checks", [])],
         send=[(str(name), tuple(int(d) for d in dsts)) for name, dsts in j.get("send", [])],
+        none_outputs=[int(i) for i in j.get("none_outputs", [])],
     )

@@ -153,6 +153,7 @@ class _Lowering:
             outputs=[],
             in_spec=treespec.dumps(kg.in_spec),
             out_spec=treespec.dumps(kg.out_spec),
+            none_outputs=list(kg.none_outputs),
         )
         plan.recv = [(i.name, i.stage) for i in kg.inputs if i.kind == "recv"]
         self._outputs(plan)

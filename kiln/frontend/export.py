@@ -39,6 +39,7 @@ from kiln.frontend.int_args import captured_guards, declared_bounds, int_dims, s
 from kiln.frontend.lifted_buffers import export_with_state
 from kiln.frontend.local_decompose import ShapesSpecialised, decompose_locally
 from kiln.frontend.named_kwargs import kwargs_by_name
+from kiln.frontend.none_outputs import drop_none_outputs
 from kiln.frontend.raised_by_model import model_frame, raised_by_model
 from kiln.frontend.reduction_shapes import fix_reduction_shapes
 from kiln.frontend.scalar_index import select_by_tensor_as_index
@@ -609,7 +610,8 @@ def to_kiln_graph(ep: torch.export.ExportedProgram) -> KilnGraph:
         inputs.append(GraphInput(spec.arg.name, kind, spec.target))
     outputs = []
     mutable = set()
-    for spec in sig.output_specs:
+    specs, none_outputs = drop_none_outputs(ep.graph_module, list(sig.output_specs))
+    for spec in specs:
         kind = spec.kind.name
         if kind == "USER_OUTPUT":
             outputs.append(GraphOutput(spec.arg.name, "user"))
@@ -639,6 +641,7 @@ def to_kiln_graph(ep: torch.export.ExportedProgram) -> KilnGraph:
         out_spec=ep.call_spec.out_spec,
         state=state,
         mutable=mutable,
+        none_outputs=none_outputs,
     )
 
 

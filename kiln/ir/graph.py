@@ -63,6 +63,8 @@ class KilnGraph:
     # state name of a tensor a pass made from a model tensor's values -> how, so the
     # compile cache can keep the recipe instead of the values (ir/derived.py)
     derived: dict[str, Derivation] = field(default_factory=dict)
+    # leaf positions of the returned Nones among the user outputs (frontend/none_outputs)
+    none_outputs: tuple[int, ...] = ()
 
     @property
     def graph(self) -> fx.Graph:

@@ -163,6 +163,9 @@ class DispatchPlan:
     # produces them) and sent after it (to the later stages that read them)
     recv: list[tuple[str, int]] = field(default_factory=list)
     send: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    # flattened output positions where the model returns None (frontend/none_outputs):
+    # the module puts None there, between the `outputs` tensors
+    none_outputs: list[int] = field(default_factory=list)
 
     @property
     def int_symbols(self) -> frozenset[str]:
