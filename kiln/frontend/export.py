@@ -618,6 +618,8 @@ def to_kiln_graph(ep: torch.export.ExportedProgram) -> KilnGraph:
         elif kind == "BUFFER_MUTATION":
             outputs.append(GraphOutput(spec.arg.name, "buffer_mutation", spec.target))
             mutable.add(spec.target)
+        elif kind == "PARAMETER_MUTATION":
+            raise _parameter_written(ep, specs)
         else:
             raise UnsupportedOpError(
                 f"kiln does not support {kind.lower().replace('_', ' ')} outputs",
@@ -642,6 +644,25 @@ def to_kiln_graph(ep: torch.export.ExportedProgram) -> KilnGraph:
         state=state,
         mutable=mutable,
         none_outputs=none_outputs,
+    )
+
+
+def _parameter_written(ep: torch.export.ExportedProgram, specs) -> UnsupportedOpError:
+    """Which parameters the forward writes, and where: RWKV rescales its weights in place
+    on its first call in eval mode, and a module compiled from that call would write
+    them again on every call."""
+    nodes = {n.name: n for n in ep.graph.nodes}
+    written = [(s.target, nodes.get(s.arg.name)) for s in specs
+               if s.kind.name == "PARAMETER_MUTATION"]
+    names = ", ".join(t for t, _ in written[:4]) + (", ..." if len(written) > 4 else "")
+    node = next((n for _, n in written if n is not None), None)
+    return UnsupportedOpError(
+        f"the model's forward writes {len(written)} parameter(s) in place ({names}); "
+        "kiln compiles inference, where only buffers may be updated",
+        where=location(node) if node is not None else None,
+        hint="if the model changes its weights once (RWKV rescales them on its first call "
+        "in eval mode), call it once eagerly before kiln.compile; otherwise make the "
+        "updated tensors buffers (register_buffer)",
     )
 
 

@@ -208,3 +208,30 @@ def test_loading_a_module_whose_custom_op_is_not_registered_says_what_to_import(
                          timeout=120).stdout
     assert "ArtifactError" in out and "kiln_test_lib.twice_plus.default" in out
     assert "import the library" in out
+
+
+class RescalesOnce(torch.nn.Module):
+    """Writes its weight in place while running, as RWKV does on its first eval call."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4))
+        self.rescaled = False
+
+    def forward(self, x):
+        if not self.rescaled:
+            with torch.no_grad():
+                self.w.div_(2)
+            self.rescaled = True
+        return x * self.w
+
+
+def test_a_parameter_written_in_forward_is_named_with_what_to_do():
+    model = RescalesOnce().eval()
+    with pytest.raises(UnsupportedOpError, match=r"writes 1 parameter\(s\) in place \(w\)") as e:
+        kiln.compile(model, (torch.randn(4),))
+    assert "call it once eagerly" in str(e.value)
+    model(torch.randn(4))  # the hint's way out: the first call rescales, the rest do not
+    exe = kiln.compile(model, (torch.randn(4),))
+    x = torch.randn(4)
+    assert torch.allclose(exe(x), model(x))
