@@ -13,7 +13,9 @@ Two sets, each a row per architecture:
   [2, 9] ids with `use_cache=False`, fresh ids at the call;
 - `recipe`: zoo_interpret's families through transformers' static-cache export recipe,
   a prompt module (dynamic length) and a one-token module writing the recipe's cache
-  on the device; a prefill and two decode steps.
+  on the device; a prefill and two decode steps;
+- `models`: zoo_models.py's vision, audio, seq2seq, encoder and multimodal models, one
+  forward on fresh inputs.
 A row whose eager model fails on the device (transformers' recipe for Falcon everywhere,
 for BLOOM on a GPU) says so and is not counted as kiln's. fp32 rows pass under 1e-5;
 other dtypes under 1e-2, or within twice eager's own error against an fp32 eager run
@@ -44,6 +46,7 @@ from kiln.errors import KilnWarning
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zoo_interpret as zi  # noqa: E402  (benchmarks/ is not a package)
+import zoo_models  # noqa: E402
 
 # the third sweep's architectures: config kwargs over BASE (transformers class prefix)
 BASE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -145,7 +148,49 @@ def run_recipe(name: str, args) -> str:
     return verdict(err, err32, eager32, args.tol)
 
 
-RUNS = {"forward": (ARCHITECTURES, run_forward), "recipe": (zi.FAMILIES, run_recipe)}
+def first_tensor(out):
+    """The output compared: a tensor, else logits / last_hidden_state / ..., else [0]."""
+    if isinstance(out, torch.Tensor):
+        return out
+    for key in ("logits", "prediction_outputs", "predicted_depth", "last_hidden_state",
+                "pooler_output"):
+        value = getattr(out, key, None)
+        if value is not None:
+            return value
+    return out[0]
+
+
+def run_model(name: str, args) -> str:
+    dtype, device = getattr(torch, args.dtype), args.device
+    build, inputs = zoo_models.MODELS[name]
+
+    def on_device(kw):
+        return {k: v.to(device, dtype if v.is_floating_point() else v.dtype)
+                if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+
+    torch.manual_seed(0)
+    model = build().eval().to(device=device, dtype=dtype)
+    torch.manual_seed(1)
+    example = on_device(inputs())
+    torch.manual_seed(2)
+    fresh = on_device(inputs())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KilnWarning)
+        exe = kiln.compile(model, (), example, target=args.target)
+    with torch.no_grad():
+        out, ref = first_tensor(exe(**fresh)), first_tensor(model(**fresh))
+        err32 = eager32 = None
+        if dtype != torch.float32:
+            model32 = model.float()
+            ref32 = first_tensor(model32(**{k: v.float() if isinstance(v, torch.Tensor)
+                                            and v.is_floating_point() else v
+                                            for k, v in fresh.items()}))
+            err32, eager32 = rel(out, ref32), rel(ref, ref32)
+    return verdict(rel(out, ref), err32, eager32, args.tol)
+
+
+RUNS = {"forward": (ARCHITECTURES, run_forward), "recipe": (zi.FAMILIES, run_recipe),
+        "models": (zoo_models.MODELS, run_model)}
 
 
 def rows(args) -> list[tuple[str, str]]:
@@ -174,7 +219,7 @@ def run_share(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sets", default="forward,recipe")
+    p.add_argument("--sets", default="forward,recipe,models")
     p.add_argument("--only", default="")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--target", default="cuda")

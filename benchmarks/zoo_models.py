@@ -1,0 +1,174 @@
+"""Models people bring that are not causal LMs, tiny and random: HF vision, audio,
+seq2seq, encoder and multimodal models (the fourth and fifth architecture sweeps,
+tests/fuzz/FINDINGS.md). MODELS: name -> (build the model, make its keyword inputs);
+benchmarks/zoo_gpu.py runs them as its `models` set on any target.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers as tf
+
+ENC = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+SEQ2SEQ = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+               decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+               vocab_size=100, max_position_embeddings=64)
+AUDIO = dict(ENC, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+             num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2)
+STAGES = dict(hidden_sizes=[16, 32], depths=[1, 1])
+SWIN = dict(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+            window_size=4)
+VIT = dict(ENC, image_size=32, patch_size=8)
+
+
+def image(size=32):
+    return lambda: {"pixel_values": torch.randn(2, 3, size, size)}
+
+
+def ids(t=9, vocab=100, **extra):
+    return lambda: {"input_ids": torch.randint(3, vocab, (2, t)), **extra}
+
+
+def seq2seq():
+    return {"input_ids": torch.randint(3, 100, (2, 9)),
+            "decoder_input_ids": torch.randint(3, 100, (2, 5)), "use_cache": False}
+
+
+def audio():
+    return {"input_values": torch.randn(2, 800)}
+
+
+def llava():
+    vision = tf.CLIPVisionConfig(image_size=16, patch_size=8, **ENC)
+    text = tf.LlamaConfig(vocab_size=120, num_key_value_heads=1, max_position_embeddings=64,
+                          **ENC)
+    return tf.LlavaForConditionalGeneration(tf.LlavaConfig(
+        vision_config=vision, text_config=text, image_token_id=110, vision_feature_layer=-1))
+
+
+def llava_inputs():
+    tokens = torch.randint(0, 100, (2, 12))
+    tokens[:, 2:6] = 110  # four image tokens a row: one 16 x 16 image of 4 patches
+    return {"input_ids": tokens, "pixel_values": torch.randn(2, 3, 16, 16), "use_cache": False}
+
+
+def qwen2_vl():
+    text = dict(vocab_size=160, num_key_value_heads=1, **ENC,
+                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    vision = dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, in_channels=3,
+                  patch_size=2, spatial_merge_size=2, temporal_patch_size=2)
+    return tf.Qwen2VLForConditionalGeneration(tf.Qwen2VLConfig(
+        text_config=text, vision_config=vision, image_token_id=150, video_token_id=151,
+        vision_start_token_id=152))
+
+
+def spread(model):
+    """Weights and BatchNorm statistics moved off their init: the tiny MobileNet's and
+    MobileViT's init gives all-zero logits (a comparison against zero says nothing)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("running_var"):
+                b.uniform_(0.5, 1.5)
+            elif name.endswith("running_mean"):
+                b.normal_(0, 0.1)
+    return model
+
+
+def rwkv():
+    """RWKV rescales its weights in place on its first eval call: one eager call first
+    (what kiln's error says to do)."""
+    m = tf.RwkvForCausalLM(tf.RwkvConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                         attention_hidden_size=32, intermediate_size=64,
+                                         context_length=32)).eval()
+    with torch.no_grad():
+        m(torch.randint(0, 100, (1, 4)), use_cache=False)
+    return m
+
+
+MODELS = {
+    "ResNet": (lambda: tf.ResNetModel(tf.ResNetConfig(
+        embedding_size=16, layer_type="basic", **STAGES)), image()),
+    "ConvNext": (lambda: tf.ConvNextModel(tf.ConvNextConfig(num_stages=2, **STAGES)), image()),
+    "ConvNextV2": (lambda: tf.ConvNextV2Model(tf.ConvNextV2Config(num_stages=2, **STAGES)),
+                   image()),
+    "Swin": (lambda: tf.SwinModel(tf.SwinConfig(**SWIN)), image()),
+    "Swinv2": (lambda: tf.Swinv2Model(tf.Swinv2Config(**SWIN)), image()),
+    "DeiT": (lambda: tf.DeiTModel(tf.DeiTConfig(**VIT)), image()),
+    "BEiT": (lambda: tf.BeitModel(tf.BeitConfig(use_relative_position_bias=True, **VIT)),
+             image()),
+    "DINOv2": (lambda: tf.Dinov2Model(tf.Dinov2Config(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=2, mlp_ratio=2)), image()),
+    "ViTMAE": (lambda: tf.ViTMAEModel(tf.ViTMAEConfig(mask_ratio=0.0, **VIT)),
+               lambda: {**image()(), "noise": torch.rand(2, 16)}),
+    "SigLIP-vision": (lambda: tf.SiglipVisionModel(tf.SiglipVisionConfig(**VIT)), image()),
+    "Segformer": (lambda: tf.SegformerForSemanticSegmentation(tf.SegformerConfig(
+        num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+        patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2],
+        decoder_hidden_size=32, num_labels=3)), image()),
+    "DPT-depth": (lambda: tf.DPTForDepthEstimation(tf.DPTConfig(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=4,
+        num_attention_heads=2, intermediate_size=64, backbone_out_indices=[0, 1, 2, 3],
+        neck_hidden_sizes=[8, 8, 16, 16], fusion_hidden_size=16, head_hidden_size=8)),
+                  image()),
+    "MobileNetV2": (lambda: spread(tf.MobileNetV2ForImageClassification(tf.MobileNetV2Config(
+        image_size=32, depth_multiplier=0.35, num_labels=10))), image()),
+    "MobileViT": (lambda: spread(tf.MobileViTForImageClassification(tf.MobileViTConfig(
+        image_size=32, hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32],
+        num_labels=10))), image()),
+    "RegNet": (lambda: tf.RegNetModel(tf.RegNetConfig(
+        embedding_size=16, groups_width=8, **STAGES)), image()),
+    "PoolFormer": (lambda: tf.PoolFormerModel(tf.PoolFormerConfig(
+        hidden_sizes=[16, 32, 32, 32], depths=[1, 1, 1, 1])), image()),
+    "LeViT": (lambda: tf.LevitModel(tf.LevitConfig(
+        image_size=32, hidden_sizes=[16, 32, 48], num_attention_heads=[1, 2, 3],
+        depths=[1, 1, 1], key_dim=[8, 8, 8])), image()),
+    "CLIP": (lambda: tf.CLIPModel(tf.CLIPConfig(
+        text_config=dict(vocab_size=100, max_position_embeddings=16, **ENC),
+        vision_config=dict(image_size=16, patch_size=8, **ENC), projection_dim=16)),
+             lambda: {"input_ids": torch.randint(0, 100, (2, 7)),
+                      "pixel_values": torch.randn(2, 3, 16, 16)}),
+    "HuBERT": (lambda: tf.HubertModel(tf.HubertConfig(**AUDIO)), audio),
+    "WavLM": (lambda: tf.WavLMModel(tf.WavLMConfig(**AUDIO)), audio),
+    "T5": (lambda: tf.T5ForConditionalGeneration(tf.T5Config(
+        d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=100,
+        decoder_start_token_id=0)), seq2seq),
+    "BART": (lambda: tf.BartForConditionalGeneration(tf.BartConfig(**SEQ2SEQ)), seq2seq),
+    "Pegasus": (lambda: tf.PegasusForConditionalGeneration(tf.PegasusConfig(**SEQ2SEQ)),
+                seq2seq),
+    "Marian": (lambda: tf.MarianMTModel(tf.MarianConfig(
+        decoder_start_token_id=0, pad_token_id=1, **SEQ2SEQ)), seq2seq),
+    "Whisper": (lambda: tf.WhisperForConditionalGeneration(tf.WhisperConfig(
+        num_mel_bins=8, max_source_positions=16, max_target_positions=32,
+        decoder_start_token_id=0, pad_token_id=1,
+        **{k: v for k, v in SEQ2SEQ.items() if k != "max_position_embeddings"})),
+                lambda: {"input_features": torch.randn(2, 8, 32),
+                         "decoder_input_ids": torch.randint(3, 100, (2, 5)), "use_cache": False}),
+    "MobileBERT": (lambda: tf.MobileBertModel(tf.MobileBertConfig(
+        vocab_size=100, embedding_size=16, intra_bottleneck_size=16, true_hidden_size=16,
+        **ENC)), ids()),
+    "Funnel": (lambda: tf.FunnelModel(tf.FunnelConfig(
+        vocab_size=100, d_model=32, n_head=2, d_head=16, d_inner=64, block_sizes=[1, 1],
+        num_decoder_layers=1)), ids(t=8)),
+    "BERT-MLM-padded": (lambda: tf.BertForMaskedLM(tf.BertConfig(vocab_size=100, **ENC)),
+                        lambda: {"input_ids": torch.randint(0, 100, (2, 9)),
+                                 "attention_mask": torch.tensor([[1] * 9, [1] * 6 + [0] * 3])}),
+    "DistilBERT-QA": (lambda: tf.DistilBertForQuestionAnswering(tf.DistilBertConfig(
+        vocab_size=100, dim=32, n_layers=2, n_heads=2, hidden_dim=64)), ids()),
+    "PatchTST": (lambda: tf.PatchTSTForPrediction(tf.PatchTSTConfig(
+        num_input_channels=3, context_length=32, patch_length=8, patch_stride=8,
+        prediction_length=8, d_model=16, num_attention_heads=2, num_hidden_layers=2,
+        ffn_dim=32)), lambda: {"past_values": torch.randn(2, 32, 3)}),
+    "Llava": (llava, llava_inputs),
+    "Qwen2-VL-text": (qwen2_vl, ids(use_cache=False)),
+    "Gemma3-text": (lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
+        vocab_size=100, num_key_value_heads=1, head_dim=16, sliding_window=4, **ENC)),
+                    ids(use_cache=False)),
+    "RecurrentGemma": (lambda: tf.RecurrentGemmaForCausalLM(tf.RecurrentGemmaConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=64, lru_width=32, attention_window_size=4,
+        block_types=["recurrent", "attention"])), ids(use_cache=False)),
+    "RWKV": (rwkv, ids(use_cache=False)),
+}
