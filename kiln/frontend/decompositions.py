@@ -5,7 +5,8 @@ aten.rms_norm (what nn.RMSNorm calls) into aten._fused_rms_norm, a fused kernel 
 Python decomposition there, so every model using nn.RMSNorm failed to import.
 OVERRIDES replace torch's entry (its result would be an op kiln cannot compile);
 FALLBACKS are used where torch has none (fused_rms_norm; histc, which transformers'
-MoE layers count their experts' tokens with). Both are written in ops kiln fuses.
+MoE layers count their experts' tokens with; masked_scatter, which multimodal models
+place image features with). All are written in ops kiln fuses.
 
 DECOMPOSE lists ops export keeps whole whose torch decomposition is plain elementwise
 math and gathers: decomposed, they fuse with their neighbours instead of running as
@@ -85,6 +86,19 @@ def histc(x: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> t
     return hits.sum(0).to(x.dtype)
 
 
+def masked_scatter(x: torch.Tensor, mask: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """x with the elements where `mask` (broadcast to x) is true taken from `source` in
+    order: the k-th true element reads source's k-th element (a running count of the
+    mask, then a gather and a select).
+
+    Why: Llava and the other multimodal models write their image features into the
+    text embedding with masked_scatter, the one op of theirs kiln ran as PyTorch's."""
+    flat = mask.expand(x.shape).reshape(-1)
+    order = (torch.cumsum(flat.to(torch.int64), 0) - 1).clamp(min=0)
+    placed = source.reshape(-1)[order]
+    return torch.where(flat, placed, x.reshape(-1)).reshape(x.shape)
+
+
 def _rounded(v: float, dtype: torch.dtype) -> float:
     """`v` rounded to fp32 where `dtype` is fp32 (Python's floats are fp64)."""
     return struct.unpack("f", struct.pack("f", v))[0] if dtype == torch.float32 else v
@@ -99,4 +113,5 @@ DECOMPOSE = {
     aten.upsample_nearest2d.default, aten.upsample_nearest1d.default,
     aten.upsample_nearest3d.default,
 }
-FALLBACKS = {aten._fused_rms_norm.default: fused_rms_norm, aten.histc.default: histc}
+FALLBACKS = {aten._fused_rms_norm.default: fused_rms_norm, aten.histc.default: histc,
+             aten.masked_scatter.default: masked_scatter}

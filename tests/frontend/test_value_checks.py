@@ -1,6 +1,7 @@
-"""A model's own check on a tensor's value (Llava's image-token count against its image
-features, through transformers' torch_compilable_check) compiles: the runtime assert
-and the item() and comparisons only it reads go, as kiln drops export's asserts."""
+"""What multimodal models do at their image tokens compiles: a check on a tensor's value
+(Llava's image-token count against its image features, through transformers'
+torch_compilable_check; the runtime assert and the item() and comparisons only it reads
+go, as kiln drops export's asserts), and masked_scatter (kiln's decomposition)."""
 
 from __future__ import annotations
 
@@ -42,5 +43,30 @@ def test_a_check_on_a_value_compiles_and_matches_eager(target):
     text = exe.describe()
     assert "_local_scalar_dense" not in text and "assert" not in text
     ids, feats = _inputs(1)
+    want = model(ids, feats)
+    assert ((exe(ids, feats) - want).norm() / want.norm()).item() < 1e-6
+
+
+class ScatterImages(nn.Module):
+    """Llava's placement: image features written at the image tokens by masked_scatter
+    (the mask broadcast over the hidden dim)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+
+    def forward(self, ids, feats):
+        x = self.embed(ids)
+        mask = (ids == 7).unsqueeze(-1)
+        return x.masked_scatter(mask, feats) + 1
+
+
+@pytest.mark.parametrize("target", ["cpu", "interpret"])
+def test_masked_scatter_compiles_and_matches_eager(target):
+    model = ScatterImages()
+    exe = kiln.compile(model, _inputs(0), target=target, fallback="error")
+    assert "masked_scatter" not in exe.describe()
+    ids, feats = _inputs(1)
+    ids[1] = ids[1].roll(2)  # the second row's image tokens elsewhere
     want = model(ids, feats)
     assert ((exe(ids, feats) - want).norm() / want.norm()).item() < 1e-6
