@@ -252,10 +252,13 @@ def _export_error(e: Exception) -> KilnError:
             f"an op in the model's forward got operands whose shapes do not fit: "
             f"{_first_line(text)}",
             where=model_frame(e) or _first_line(text),
-            hint="the sizes are the example's, so the model fails the same way run eagerly "
-            "(model(*args, **kwargs)): a config whose sizes disagree (a head dim and a "
-            "rotary dim, hidden size and heads) or example arguments of the wrong shape; "
-            "kiln compiles a forward that runs.")
+            hint="the sizes are the example's: if model(*args, **kwargs) fails the same way, "
+            "a config whose sizes disagree (a head dim and a rotary dim, hidden size and "
+            "heads) or example arguments of the wrong shape; kiln compiles a forward that "
+            "runs. If it runs eagerly, the model's code takes another path while "
+            "torch.export traces it (transformers builds an attention mask it skips in "
+            "eager mode: Nystromformer's landmark attention then fails as it does eagerly "
+            "with a padding mask): that path is the one that fails.")
     raised = raised_by_model(e)
     if raised is not None:
         return ExportError(
