@@ -1,7 +1,7 @@
 """Models people bring that are not causal LMs, tiny and random: HF vision, audio,
-seq2seq, encoder and multimodal models (the fourth and fifth architecture sweeps,
-tests/fuzz/FINDINGS.md). MODELS: name -> (build the model, make its keyword inputs);
-benchmarks/zoo_gpu.py runs them as its `models` set on any target.
+seq2seq, encoder, detection, depth, speech and multimodal models (the fourth and fifth
+architecture sweeps, tests/fuzz/FINDINGS.md). MODELS: name -> (build the model, make its
+keyword inputs); benchmarks/zoo_gpu.py runs them as its `models` set on any target.
 """
 
 from __future__ import annotations
@@ -171,4 +171,52 @@ MODELS = {
         num_key_value_heads=1, intermediate_size=64, lru_width=32, attention_window_size=4,
         block_types=["recurrent", "attention"])), ids(use_cache=False)),
     "RWKV": (rwkv, ids(use_cache=False)),
+    # the fifth sweep's second half
+    "FocalNet": (lambda: tf.FocalNetModel(tf.FocalNetConfig(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], focal_levels=[2, 2],
+        focal_windows=[3, 3])), image()),
+    "YOLOS": (lambda: tf.YolosForObjectDetection(tf.YolosConfig(
+        image_size=[32, 32], patch_size=8, num_detection_tokens=5, num_labels=3, **ENC)),
+              image()),
+    "GLPN-depth": (lambda: tf.GLPNForDepthEstimation(tf.GLPNConfig(
+        num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+        patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2],
+        decoder_hidden_size=16)), image()),
+    "Data2VecVision": (lambda: tf.Data2VecVisionModel(tf.Data2VecVisionConfig(
+        use_relative_position_bias=True, **VIT)), image()),
+    "Data2VecAudio": (lambda: tf.Data2VecAudioModel(tf.Data2VecAudioConfig(
+        **{**AUDIO, "num_conv_pos_embeddings": 2, "conv_pos_kernel_size": 5})), audio),
+    "SEW": (lambda: tf.SEWModel(tf.SEWConfig(squeeze_factor=2, **AUDIO)), audio),
+    "UniSpeech": (lambda: tf.UniSpeechModel(tf.UniSpeechConfig(**AUDIO)), audio),
+    "Speech2Text": (lambda: tf.Speech2TextForConditionalGeneration(tf.Speech2TextConfig(
+        input_feat_per_channel=8, input_channels=1, conv_channels=16, num_conv_layers=2,
+        conv_kernel_sizes=[5, 5], max_source_positions=64, max_target_positions=32,
+        **{k: v for k, v in SEQ2SEQ.items() if k != "max_position_embeddings"})),
+                    lambda: {"input_features": torch.randn(2, 20, 8),
+                             "decoder_input_ids": torch.randint(3, 100, (2, 5)),
+                             "use_cache": False}),
+    "BigBird-full": (lambda: tf.BigBirdModel(tf.BigBirdConfig(
+        vocab_size=100, attention_type="original_full", max_position_embeddings=64, **ENC)),
+                     ids()),
+    "XLNet": (lambda: tf.XLNetModel(tf.XLNetConfig(
+        vocab_size=100, d_model=32, n_layer=2, n_head=2, d_inner=64)), ids(use_cache=False)),
+    "ProphetNet": (lambda: tf.ProphetNetForConditionalGeneration(tf.ProphetNetConfig(
+        vocab_size=100, hidden_size=32, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        num_encoder_layers=2, num_decoder_layers=2, num_encoder_attention_heads=2,
+        num_decoder_attention_heads=2, ngram=2, max_position_embeddings=64)), seq2seq),
+    "OWL-ViT": (lambda: tf.OwlViTModel(tf.OwlViTConfig(
+        text_config=dict(vocab_size=100, max_position_embeddings=16, **ENC),
+        vision_config=dict(image_size=32, patch_size=8, **ENC), projection_dim=16)),
+                lambda: {"input_ids": torch.randint(0, 100, (2, 7)),
+                         "pixel_values": torch.randn(2, 3, 32, 32)}),
+    "BLIP": (lambda: tf.BlipModel(tf.BlipConfig(
+        text_config=dict(vocab_size=100, max_position_embeddings=16, **ENC),
+        vision_config=dict(image_size=32, patch_size=8, **ENC), projection_dim=16)),
+             lambda: {"input_ids": torch.randint(0, 100, (2, 7)),
+                      "pixel_values": torch.randn(2, 3, 32, 32)}),
+    "MusicGen-decoder": (lambda: tf.MusicgenForCausalLM(tf.MusicgenDecoderConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64,
+        num_codebooks=2, max_position_embeddings=64)),
+                         lambda: {"input_ids": torch.randint(0, 64, (4, 6)),
+                                  "use_cache": False}),
 }
