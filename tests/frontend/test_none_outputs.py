@@ -33,10 +33,15 @@ def test_returned_nones_come_back_where_eager_has_them(target, tmp_path):
 
 
 def test_a_lone_none_output():
-    class OnlyNone(nn.Module):
+    class OneNone(nn.Module):
         def forward(self, x):
             return (None, x - 1)
 
-    exe = kiln.compile(OnlyNone(), (torch.randn(2),))
+    class OnlyNone(nn.Module):  # computes nothing: compiles to a module returning None,
+        def forward(self, x):  # as eager and torch.compile return None
+            return None
+
+    exe = kiln.compile(OneNone(), (torch.randn(2),))
     got = exe(torch.ones(2))
     assert got[0] is None and torch.equal(got[1], torch.zeros(2))
+    assert kiln.compile(OnlyNone(), (torch.randn(2),))(torch.ones(2)) is None

@@ -162,7 +162,6 @@ REFUSED = [
                 KeyError("k"), IndexError("i"), NotImplementedError())],
     ("a branch on a tensor's value", _compile(Branchy(), (X,)), ExportError),
     ("returns a str", _compile(Returns(lambda x: "text"), (X,)), UnsupportedOpError),
-    ("returns None", _compile(Returns(lambda x: None), (X,)), UnsupportedOpError),
     ("returns a Python int", _compile(Returns(lambda x: x.shape[0]), (X,)),
      UnsupportedOpError),
     (".item() in forward", _compile(Returns(lambda x: x * x.sum().item()), (X,)),
