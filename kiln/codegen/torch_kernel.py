@@ -76,6 +76,24 @@ MEMO_VIEWS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.de
 CONTIGUOUS_ARGS = {"aten.native_group_norm.default": (0,), "aten.view_as_complex.default": (0,)}
 
 
+# out= overloads that write in the out tensor's own strides. Every other one is checked
+# after each call: CUDA's pooling kernels (avg_pool2d, max_pool2d_with_indices, ...)
+# restride their out tensor in place to the input's suggested memory format (channels
+# last for a transposed input), so a kernel reading the planned buffer densely read
+# scrambled values (SEW's pooled transpose on an H200, 2026-11-30; right on the CPU,
+# whose kernels keep the out tensor's strides). The matmuls skip the ~0.5 us check
+# (mode "out"; every other out= op runs as "out_checked").
+KEEPS_OUT_STRIDES = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default",
+                     "aten.baddbmm.default", "aten._scaled_mm.default"}
+
+
+def _restore_strides(dest: torch.Tensor, strides: tuple[int, ...]) -> None:
+    """Put the values an op wrote in its own layout back into the planned layout."""
+    written = dest.clone()
+    dest.as_strided_(dest.shape, strides, dest.storage_offset())
+    dest.copy_(written)
+
+
 def _contiguous(binder):
     return lambda local: binder(local).contiguous()
 
@@ -135,6 +153,13 @@ class BoundOps:
         elif mode == "out" and name in values:
             dest = values[name]
             fn(*args, **kwargs, out=dest)
+            local[name] = dest
+        elif mode == "out_checked" and name in values:
+            dest = values[name]
+            strides = dest.stride()
+            fn(*args, **kwargs, out=dest)
+            if dest.stride() != strides:
+                _restore_strides(dest, strides)
             local[name] = dest
         else:
             local[name] = plain(*args, **kwargs)
@@ -209,7 +234,8 @@ class TorchKernel:
         if op.name in self.region.inplace:
             fn, mode = resolve(INPLACE_OF[op.target]), "inplace"
         elif self._outs.get(op.name) is not None:
-            fn, mode = self._outs[op.name], "out"
+            fn = self._outs[op.name]
+            mode = "out" if op.target in KEEPS_OUT_STRIDES else "out_checked"
         elif (op.target in MEMO_VIEWS and [j for j, _ in slots] == [0] and not kslots
               and isinstance(op.args[0], Ref) and op.args[0].name in self.region.inputs):
             fn, mode = plain, "view"

@@ -132,3 +132,46 @@ def test_a_reshape_that_copies_is_not_kept():
     proj.run(w, strided)
     strided.mul_(-1)
     torch.testing.assert_close(proj.run(w, strided), strided @ w.t())
+
+
+class PooledTranspose(torch.nn.Module):
+    """SEW's pattern: pool a transposed activation, then a norm over channels."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, x):
+        pooled = F.avg_pool1d(x.transpose(1, 2), 2)
+        return self.norm(pooled.transpose(1, 2) + 1)
+
+
+def test_an_out_kernel_that_restrides_its_out_tensor():
+    """CUDA's pooling kernels restride the out= tensor to the input's memory format
+    (channels last for a transposed input); a generated kernel reading the planned
+    buffer densely got scrambled values on an H200. Here a CPU avg_pool2d.out does the
+    same, so the interpret target shows it."""
+    def restriding_avg_pool2d(x, kernel, stride=(), padding=0, ceil_mode=False,
+                              count_include_pad=True, divisor_override=None, *, out):
+        result = torch.ops.aten.avg_pool2d.default(x, kernel, stride, padding, ceil_mode,
+                                                   count_include_pad, divisor_override)
+        out.as_strided_(out.shape, result.contiguous(memory_format=torch.channels_last)
+                        .stride(), out.storage_offset())
+        return out.copy_(result)
+
+    model = PooledTranspose().eval()
+    x = torch.randn(2, 6, 8)
+    exe = kiln.compile(model, (x,), target="interpret")
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("avg_pool2d.out", restriding_avg_pool2d, "CPU")
+    try:
+        probe = torch.empty(2, 8, 1, 3)
+        torch.ops.aten.avg_pool2d.out(x.transpose(1, 2).unsqueeze(2), [1, 2], [1, 2],
+                                      out=probe)
+        assert probe.stride() != (24, 3, 3, 1)  # the override does restride
+        for _ in range(2):
+            fresh = torch.randn(2, 6, 8)
+            with torch.no_grad():
+                torch.testing.assert_close(exe(fresh), model(fresh))
+    finally:
+        lib._destroy()
