@@ -12,6 +12,7 @@ import inspect
 import io
 import logging
 import operator
+import os
 import re
 import sys
 import traceback
@@ -38,6 +39,7 @@ from kiln.frontend.dim_names import dim_names
 from kiln.frontend.int_args import captured_guards, declared_bounds, int_dims, size_checks
 from kiln.frontend.lifted_buffers import export_with_state
 from kiln.frontend.local_decompose import ShapesSpecialised, decompose_locally
+from kiln.frontend.module_moves import noop_module_moves
 from kiln.frontend.named_kwargs import kwargs_by_name
 from kiln.frontend.none_outputs import drop_none_outputs
 from kiln.frontend.raised_by_model import model_frame, raised_by_model
@@ -74,7 +76,7 @@ def _export(model: torch.nn.Module, args: tuple, kwargs, dynamic_shapes):
     registered: set[str] = set()
     while True:
         try:
-            with warnings.catch_warnings(), _quiet_failure():
+            with warnings.catch_warnings(), _quiet_failure(), noop_module_moves():
                 warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecations
                 return export_with_state(lambda: torch.export.export(
                     model, tuple(args), kwargs=kwargs or {}, dynamic_shapes=dynamic_shapes,
@@ -152,7 +154,16 @@ def _caused_by(text: str) -> str | None:
     """The library line torch names as the guard's cause ('Caused by: (file:line in fn)'),
     where no frame is the user's own (a transformers model's mask helper, say)."""
     found = re.search(r"Caused by: \(([^()]*)\)", text)
-    return f"{found.group(1)} (library code the model calls)" if found else None
+    if found is None or _in_torch(found.group(1)):  # torch's own line says nothing
+        return None
+    return f"{found.group(1)} (library code the model calls)"
+
+
+def _in_torch(path: str) -> bool:
+    """Whether a path as torch's messages give it ('_refs/__init__.py:4264 in unbind',
+    relative to torch's package) is torch's own code."""
+    first = path.split("/")[0]
+    return "/" in path and os.path.isdir(os.path.join(os.path.dirname(torch.__file__), first))
 
 
 def _export_error(e: Exception) -> KilnError:
@@ -247,6 +258,14 @@ def _export_error(e: Exception) -> KilnError:
             where=user_frame("".join(traceback.format_tb(e.__traceback__))),
             hint="return tensors, or tuples, lists, dicts, namedtuples or dataclasses of "
             "them; or register the type with torch.utils._pytree.register_pytree_node")
+    if "Couldn't swap" in text:  # Module.to / .half() / .cuda() inside forward
+        return ExportError(
+            "the model's forward converts one of its own modules (Module.to, .half(), "
+            ".cuda() inside forward), which torch.export cannot trace",
+            where=model_frame(e) or _first_line(text),
+            hint="convert the model before compiling (model.to(dtype or device)): a "
+            "module's .to(...) in forward that then changes nothing is left alone, as in "
+            "eager PyTorch." + said)
     if name == "RuntimeError" and _SHAPE_MISMATCH.search(text):
         return ExportError(
             f"an op in the model's forward got operands whose shapes do not fit: "
@@ -265,9 +284,12 @@ def _export_error(e: Exception) -> KilnError:
             f"the model's own code raised {name} while torch.export ran its forward on the "
             f"example arguments: {_first_line(text)}",
             where=raised,
-            hint="this is the model's check, not a limit of torch.export or kiln: run the "
-            "model eagerly on the same arguments (model(*args, **kwargs)) to see it, and fix "
-            "the arguments or the model's config; kiln compiles a forward that runs.")
+            hint="this is the model's code, not a limit of torch.export or kiln: run the "
+            "model eagerly on the same arguments (model(*args, **kwargs)); if it fails the "
+            "same way, fix the arguments or the model's config. If it runs eagerly, the "
+            "model takes another path while traced: transformers fills in some arguments "
+            "only when not compiling (SwitchTransformers' and LongT5's attention_mask), so "
+            "pass them explicitly.")
     return ExportError(
         f"torch.export could not capture the model ({name})",
         where=user_frame("".join(traceback.format_tb(e.__traceback__))) or _first_line(text),
@@ -305,7 +327,8 @@ _SHAPE_MISMATCH = re.compile(
     r"|shape '\[[\d, -]+\]' is invalid for input of size \d+"
     # the same under export's fake tensors
     r"|Attempting to broadcast a dimension of length \d+"
-    r"|a and b must have same reduction dim, but got \[[\d, ]+\] X \[[\d, ]+\]")
+    r"|a and b must have same reduction dim, but got \[[\d, ]+\] X \[[\d, ]+\]"
+    r"|Sizes of tensors must match except in dimension \d+")  # cat
 
 
 def _check_dim_axes(model, args: tuple, kwargs: dict, dynamic_shapes) -> None:
@@ -414,13 +437,18 @@ def _plain(table) -> dict:
     return dict(materialize() if materialize else table)
 
 
-def _drop_asserts(gm: fx.GraphModule) -> None:
+def _drop_asserts(gm: fx.GraphModule, value_checks_only: bool = False) -> None:
     """Runtime asserts go, and what only they read: a model's check on a tensor's value
     (Llava's `n_image_tokens * D == features.numel()`: an all-true reduction, an item(),
-    comparisons of the unbacked int) would otherwise be ops kiln has no kernel for."""
+    comparisons of the unbacked int) would otherwise be ops kiln has no kernel for.
+    `value_checks_only`: only asserts on an item() (before decomposing: an assert that
+    pins a data-dependent size, `x[x > 0].reshape(2, 3)`, must stay, or the re-trace
+    takes the example's size for every call)."""
     fed: list[fx.Node] = []
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and op_name(node.target) in ASSERT_OPS and not node.users:
+            if value_checks_only and not _reads_an_item(node):
+                continue
             fed += node.all_input_nodes
             gm.graph.erase_node(node)
     while fed:  # the asserts' inputs that nothing else reads, and theirs (pure ops only)
@@ -431,8 +459,22 @@ def _drop_asserts(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(node)
 
 
+def _reads_an_item(node: fx.Node) -> bool:
+    """Whether `node` depends on a scalar read from a tensor's value (aten.item)."""
+    seen, todo = set(), list(node.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        if n.target is torch.ops.aten.item.default:
+            return True
+        todo += n.all_input_nodes
+    return False
+
+
 def _without_asserts(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    _drop_asserts(ep.graph_module)
+    _drop_asserts(ep.graph_module, value_checks_only=True)
     ep.graph_module.recompile()
     return ep
 
@@ -730,7 +772,7 @@ def import_exported(ep: torch.export.ExportedProgram, model, args, kwargs=None,
     """The KilnGraph of a captured program: decomposed, checked and converted."""
     guards = captured_guards(ep)
     with phase("decompose"):
-        # the asserts go first: torch 2.11's re-trace fails on the unbacked int of a
+        # value checks go first: torch 2.11's re-trace fails on the unbacked int of a
         # check on a tensor's value (a GPU run of PlaceImages, 2026-11-30)
         ep = decompose(_without_asserts(ep), recapture=lambda: _without_asserts(
             export_model(model, args, kwargs, dynamic_shapes)))
