@@ -112,6 +112,9 @@ DECOMPOSE = {
     aten.upsample_bilinear2d.vec, aten.upsample_bilinear2d.default,
     aten.upsample_nearest2d.default, aten.upsample_nearest1d.default,
     aten.upsample_nearest3d.default,
+    # batch norm with no running statistics: a mean and variance (BiT's weight
+    # standardisation, F.batch_norm(w, None, None, training=True))
+    aten._native_batch_norm_legit.no_stats,
 }
 FALLBACKS = {aten._fused_rms_norm.default: fused_rms_norm, aten.histc.default: histc,
              aten.masked_scatter.default: masked_scatter}

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import kiln
 from kiln.errors import ArgumentError, KilnWarning, UnsupportedOpError
@@ -235,3 +236,24 @@ def test_a_parameter_written_in_forward_is_named_with_what_to_do():
     exe = kiln.compile(model, (torch.randn(4),))
     x = torch.randn(4)
     assert torch.allclose(exe(x), model(x))
+
+
+class StandardizedConv(torch.nn.Conv2d):
+    """BiT's weight-standardised conv: the weight normalised per output channel through
+    batch norm with no running statistics."""
+
+    def forward(self, x):
+        w = F.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None,
+                         training=True, momentum=0.0, eps=1e-6).reshape_as(self.weight)
+        return F.conv2d(x, w, self.bias, self.stride, self.padding)
+
+
+@pytest.mark.parametrize("target", ["cpu", "interpret"])
+def test_batch_norm_with_no_statistics_is_decomposed(target):
+    model = StandardizedConv(3, 4, 3).eval()
+    x = torch.randn(2, 3, 6, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KilnWarning)  # nothing may fall back
+        exe = kiln.compile(model, (x,), target=target)
+    with torch.no_grad():
+        torch.testing.assert_close(exe(x), model(x), rtol=1e-5, atol=1e-5)
