@@ -1,6 +1,7 @@
 """Models people bring that are not causal LMs, tiny and random: HF vision, audio,
 seq2seq, encoder, detection, depth, speech and multimodal models (the fourth and fifth
-architecture sweeps, tests/fuzz/FINDINGS.md). MODELS: name -> (build the model, make its
+architecture sweeps, and the sixth's encoders, seq2seq, time-series, audio and vision
+models, tests/fuzz/FINDINGS.md). MODELS: name -> (build the model, make its
 keyword inputs); benchmarks/zoo_gpu.py runs them as its `models` set on any target.
 """
 
@@ -60,6 +61,34 @@ def qwen2_vl():
     return tf.Qwen2VLForConditionalGeneration(tf.Qwen2VLConfig(
         text_config=text, vision_config=vision, image_token_id=150, video_token_id=151,
         vision_start_token_id=152))
+
+
+T5ISH = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=100,
+             decoder_start_token_id=0)
+TS = dict(prediction_length=4, context_length=8, lags_sequence=[1, 2], input_size=1,
+          num_time_features=1, d_model=16, encoder_layers=1, decoder_layers=1,
+          encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+          decoder_ffn_dim=32)
+
+
+def masked_seq2seq():
+    """With the attention mask a tokenizer gives: traced, transformers' T5 variants do not
+    make one (LongT5, SwitchTransformers fail without it)."""
+    return {**seq2seq(), "attention_mask": torch.ones(2, 9, dtype=torch.int64)}
+
+
+def ts_inputs():
+    past = 8 + 2  # context + max lag
+    return {"past_values": torch.randn(2, past), "past_time_features": torch.randn(2, past, 1),
+            "past_observed_mask": torch.ones(2, past),
+            "future_time_features": torch.randn(2, 4, 1), "use_cache": False}
+
+
+def pix2struct_patches():
+    """16 patches of 16 x 16 x 3 values, each row led by its 1-based (row, col)."""
+    grid = torch.stack(torch.meshgrid(torch.arange(1, 5), torch.arange(1, 5), indexing="ij"), -1)
+    coords = grid.reshape(1, 16, 2).expand(2, -1, -1).float()
+    return torch.cat([coords, torch.randn(2, 16, 768)], -1)
 
 
 def spread(model):
@@ -219,4 +248,109 @@ MODELS = {
         num_codebooks=2, max_position_embeddings=64)),
                          lambda: {"input_ids": torch.randint(0, 64, (4, 6)),
                                   "use_cache": False}),
+    # the sixth sweep (twenty-fifth session)
+    "DeBERTa-v2": (lambda: tf.DebertaV2Model(tf.DebertaV2Config(
+        vocab_size=100, relative_attention=True, position_buckets=8, max_relative_positions=16,
+        pos_att_type=["p2c", "c2p"], **ENC)), ids()),
+    "DeBERTa": (lambda: tf.DebertaModel(tf.DebertaConfig(
+        vocab_size=100, relative_attention=True, max_relative_positions=16,
+        pos_att_type=["p2c", "c2p"], **ENC)), ids()),
+    "ELECTRA": (lambda: tf.ElectraForPreTraining(tf.ElectraConfig(
+        vocab_size=100, embedding_size=16, **ENC)), ids()),
+    "RoFormer": (lambda: tf.RoFormerModel(tf.RoFormerConfig(vocab_size=100, embedding_size=32,
+                                                            **ENC)), ids()),
+    "ConvBERT": (lambda: tf.ConvBertModel(tf.ConvBertConfig(vocab_size=100, embedding_size=32,
+                                                            head_ratio=2, conv_kernel_size=3,
+                                                            **ENC)), ids()),
+    "MPNet": (lambda: tf.MPNetModel(tf.MPNetConfig(vocab_size=100, **ENC)), ids()),
+    "ESM": (lambda: tf.EsmForMaskedLM(tf.EsmConfig(
+        vocab_size=33, pad_token_id=1, mask_token_id=32, position_embedding_type="rotary",
+        max_position_embeddings=64, **ENC)), ids(vocab=33)),
+    "CANINE": (lambda: tf.CanineModel(tf.CanineConfig(
+        downsampling_rate=2, num_hash_functions=2, num_hash_buckets=64, local_transformer_stride=4,
+        **ENC)), lambda: {"input_ids": torch.randint(0, 200, (2, 12))}),
+    "SqueezeBERT": (lambda: tf.SqueezeBertModel(tf.SqueezeBertConfig(
+        vocab_size=100, embedding_size=32, q_groups=2, k_groups=2, v_groups=2,
+        post_attention_groups=2, intermediate_groups=2, output_groups=2, **ENC)), ids()),
+    "ALBERT": (lambda: tf.AlbertModel(tf.AlbertConfig(vocab_size=100, embedding_size=16, **ENC)),
+               ids()),
+    "LayoutLM": (lambda: tf.LayoutLMModel(tf.LayoutLMConfig(vocab_size=100, **ENC)),
+                 lambda: {"input_ids": torch.randint(0, 100, (2, 9)),
+                          "bbox": torch.sort(torch.randint(0, 1000, (2, 9, 4)), -1).values}),
+    "LongT5": (lambda: tf.LongT5ForConditionalGeneration(tf.LongT5Config(
+        local_radius=2, global_block_size=4, encoder_attention_type="transient-global",
+        **T5ISH)), masked_seq2seq),
+    "SwitchTransformers": (lambda: tf.SwitchTransformersForConditionalGeneration(
+        tf.SwitchTransformersConfig(num_experts=4, expert_capacity=8, num_sparse_encoder_layers=1,
+                                    num_sparse_decoder_layers=1, **T5ISH)), masked_seq2seq),
+    "UMT5": (lambda: tf.UMT5ForConditionalGeneration(tf.UMT5Config(**T5ISH)), seq2seq),
+    "mBART": (lambda: tf.MBartForConditionalGeneration(tf.MBartConfig(**SEQ2SEQ)), seq2seq),
+    "M2M100": (lambda: tf.M2M100ForConditionalGeneration(tf.M2M100Config(**SEQ2SEQ)), seq2seq),
+    "Blenderbot": (lambda: tf.BlenderbotForConditionalGeneration(tf.BlenderbotConfig(
+        **SEQ2SEQ)), seq2seq),
+    "TimeSeriesTransformer": (lambda: tf.TimeSeriesTransformerForPrediction(
+        tf.TimeSeriesTransformerConfig(**TS)), ts_inputs),
+    "Informer": (lambda: tf.InformerForPrediction(tf.InformerConfig(**TS)), ts_inputs),
+    "Autoformer": (lambda: tf.AutoformerForPrediction(tf.AutoformerConfig(label_length=4, **TS)),
+                   ts_inputs),
+    "PatchTSMixer": (lambda: tf.PatchTSMixerForPrediction(tf.PatchTSMixerConfig(
+        context_length=32, patch_length=8, patch_stride=8, num_input_channels=3,
+        prediction_length=8, d_model=16, num_layers=2)),
+                     lambda: {"past_values": torch.randn(2, 32, 3)}),
+    "Wav2Vec2-Conformer": (lambda: tf.Wav2Vec2ConformerModel(tf.Wav2Vec2ConformerConfig(
+        position_embeddings_type="rotary", conv_depthwise_kernel_size=3, **AUDIO)), audio),
+    "Wav2Vec2-Conformer-rel": (lambda: tf.Wav2Vec2ConformerModel(tf.Wav2Vec2ConformerConfig(
+        position_embeddings_type="relative", conv_depthwise_kernel_size=3, **AUDIO)), audio),
+    "AST": (lambda: tf.ASTModel(tf.ASTConfig(
+        num_mel_bins=16, max_length=32, patch_size=8, frequency_stride=8, time_stride=8, **ENC)),
+            lambda: {"input_values": torch.randn(2, 32, 16)}),
+    "EnCodec": (lambda: tf.EncodecModel(tf.EncodecConfig(
+        num_filters=4, hidden_size=16, upsampling_ratios=[4, 2], codebook_size=32,
+        codebook_dim=16, num_lstm_layers=1, target_bandwidths=[1.5], sampling_rate=2400)),
+                lambda: {"input_values": torch.randn(2, 1, 64)}),
+    "PVTv2": (lambda: tf.PvtV2Model(tf.PvtV2Config(
+        image_size=32, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+        hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2],
+        mlp_ratios=[2, 2])), image()),
+    "Hiera": (lambda: tf.HieraModel(tf.HieraConfig(
+        image_size=[32, 32], patch_size=[3, 3], patch_stride=[2, 2], patch_padding=[1, 1],
+        embed_dim=16, depths=[1, 1], num_heads=[1, 2], query_stride=[2, 2],
+        masked_unit_size=[4, 4], masked_unit_attention=[True, False], num_query_pool=1)), image()),
+    "DINOv2-registers": (lambda: tf.Dinov2WithRegistersModel(tf.Dinov2WithRegistersConfig(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        mlp_ratio=2, num_register_tokens=2)), image()),
+    "Swin2SR": (lambda: tf.Swin2SRForImageSuperResolution(tf.Swin2SRConfig(
+        image_size=16, patch_size=1, embed_dim=16, depths=[1], num_heads=[2], window_size=4,
+        upscale=2, upsampler="pixelshuffle")), image(16)),
+    "BiT": (lambda: spread(tf.BitModel(tf.BitConfig(
+        embedding_size=32, hidden_sizes=[32, 64], depths=[1, 1], layer_type="preactivation",
+        num_groups=4))),
+            image()),
+    "ImageGPT": (lambda: tf.ImageGPTModel(tf.ImageGPTConfig(
+        vocab_size=33, n_positions=64, n_embd=32, n_layer=2, n_head=2)),
+                 lambda: {"input_ids": torch.randint(0, 32, (2, 16)), "use_cache": False}),
+    "ViTDet": (lambda: tf.VitDetModel(tf.VitDetConfig(
+        image_size=32, pretrain_image_size=32, patch_size=8, hidden_size=32,
+        num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2, window_size=2,
+        window_block_indices=[0], use_relative_position_embeddings=True)), image()),
+    "CLIPSeg": (lambda: tf.CLIPSegForImageSegmentation(tf.CLIPSegConfig(
+        text_config=dict(vocab_size=100, max_position_embeddings=16, **ENC),
+        vision_config=dict(image_size=32, patch_size=8, **ENC), projection_dim=16,
+        extract_layers=[1], reduce_dim=16)),
+                lambda: {"input_ids": torch.randint(0, 100, (2, 7)),
+                         "pixel_values": torch.randn(2, 3, 32, 32)}),
+    "GIT": (lambda: tf.GitForCausalLM(tf.GitConfig(
+        vision_config=dict(image_size=16, patch_size=8, **ENC), vocab_size=100,
+        max_position_embeddings=64, **ENC)),
+            lambda: {"input_ids": torch.randint(0, 100, (2, 7)),
+                     "pixel_values": torch.randn(2, 3, 16, 16), "use_cache": False}),
+    "Pix2Struct": (lambda: tf.Pix2StructForConditionalGeneration(tf.Pix2StructConfig(
+        text_config=dict(vocab_size=100, hidden_size=32, d_kv=8, d_ff=64, num_layers=2,
+                         num_heads=4),
+        vision_config=dict(hidden_size=32, patch_embed_hidden_size=768, d_kv=8, d_ff=64,
+                           num_hidden_layers=2, num_attention_heads=4))),
+                   lambda: {"flattened_patches": pix2struct_patches(),
+                            "attention_mask": torch.ones(2, 16),
+                            "decoder_input_ids": torch.randint(0, 100, (2, 5)),
+                            "use_cache": False}),
 }
