@@ -540,3 +540,18 @@ def test_a_float_from_a_dynamic_size_is_refused_with_its_line():
                      dynamic_shapes=({1: kiln.Dim("n", min=2, max=64)},))
     assert "a float computed from a dynamic size" in e.value.what
     assert "x.shape[1] / 4" in e.value.where and "static" in e.value.hint
+
+
+class SpectrumOf(torch.nn.Module):
+    def forward(self, x):
+        return torch.fft.rfft(x, dim=-1).abs()  # no bf16 kernel (Autoformer's in bf16)
+
+
+def test_an_op_that_fails_for_its_dtype_names_the_models_line():
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError):
+        SpectrumOf()(x)  # eager fails the same way
+    with pytest.raises(ExportError) as e:
+        kiln.compile(SpectrumOf(), (x,))
+    assert f"{HERE}:{_line_of(SpectrumOf.forward, 'torch.fft.rfft')}" in _where(e.value)
+    assert "raises the same error eagerly" in e.value.hint

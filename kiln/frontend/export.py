@@ -263,9 +263,10 @@ def _export_error(e: Exception) -> KilnError:
             "the model's forward converts one of its own modules (Module.to, .half(), "
             ".cuda() inside forward), which torch.export cannot trace",
             where=model_frame(e) or _first_line(text),
-            hint="convert the model before compiling (model.to(dtype or device)): a "
-            "module's .to(...) in forward that then changes nothing is left alone, as in "
-            "eager PyTorch." + said)
+            hint="convert the model before compiling (model.to(dtype or device)), or call "
+            "it once eagerly so its forward has made the conversion (SwitchTransformers' "
+            "router in bf16): a module's .to(...) in forward that then changes nothing is "
+            "left alone." + said)
     if name == "RuntimeError" and _SHAPE_MISMATCH.search(text):
         return ExportError(
             f"an op in the model's forward got operands whose shapes do not fit: "
@@ -292,9 +293,12 @@ def _export_error(e: Exception) -> KilnError:
             "pass them explicitly.")
     return ExportError(
         f"torch.export could not capture the model ({name})",
-        where=user_frame("".join(traceback.format_tb(e.__traceback__))) or _first_line(text),
+        where=user_frame("".join(traceback.format_tb(e.__traceback__))) or model_frame(e)
+        or _first_line(text),
         hint="kiln compiles what torch.export can capture: avoid data-dependent Python "
-        "control flow and unsupported Python constructs." + said,
+        "control flow and unsupported Python constructs. If model(*args, **kwargs) raises "
+        "the same error eagerly, the model or its example arguments fail (an op with no "
+        "kernel for this dtype: Autoformer's FFT in bf16), not the capture." + said,
     )
 
 
