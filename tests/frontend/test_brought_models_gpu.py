@@ -1,6 +1,7 @@
-"""The twenty-fourth session's frontend fixes on a GPU target: masked_scatter decomposed
-(Llava's image placement), a check on a tensor's value, returned Nones, an in-order
-as_strided (Swin's pooled output); each against eager on the device."""
+"""The twenty-fourth and twenty-fifth sessions' fixes on a GPU target: masked_scatter
+decomposed (Llava's image placement), a check on a tensor's value, returned Nones, an
+in-order as_strided (Swin's pooled output), CUDA's pooling restriding its out= tensor
+(SEW); each against eager on the device."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 import kiln
+from tests.codegen.test_torch_kernel_inputs import PooledTranspose
 from tests.frontend.test_none_outputs import SomeNone
 from tests.frontend.test_strided_views import PooledTokens
 from tests.frontend.test_value_checks import PlaceImages, ScatterImages, _inputs
@@ -37,3 +39,14 @@ def test_nones_and_strided_views_on_cuda():
     exe = kiln.compile(model, (x,), target="cuda", fallback="error")
     for g, w in zip(exe(x), model(x)):
         assert _rel(g, w) < 1e-5
+
+
+def test_a_pooled_transpose_read_by_a_generated_kernel_on_cuda():
+    """CUDA's avg_pool2d restrides its out= tensor to channels last for a transposed
+    input; the LayerNorm kernel after it read the planned buffer densely (SEW, 1.3)."""
+    model = PooledTranspose().cuda().eval()
+    exe = kiln.compile(model, (torch.randn(2, 6, 8, device="cuda"),), target="cuda")
+    for _ in range(2):
+        x = torch.randn(2, 6, 8, device="cuda")
+        with torch.no_grad():
+            assert _rel(exe(x), model(x)) < 1e-5
