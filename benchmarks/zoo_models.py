@@ -91,6 +91,50 @@ def pix2struct_patches():
     return torch.cat([coords, torch.randn(2, 16, 768)], -1)
 
 
+MM_TEXT = dict(vocab_size=120, num_key_value_heads=1, max_position_embeddings=64, **ENC)
+
+
+def paligemma():
+    vision = tf.SiglipVisionConfig(image_size=16, patch_size=8, projection_dim=32, **ENC)
+    return tf.PaliGemmaForConditionalGeneration(tf.PaliGemmaConfig(
+        vision_config=vision, text_config=tf.GemmaConfig(head_dim=16, **MM_TEXT),
+        image_token_id=110, projection_dim=32))
+
+
+def gemma3_mm():
+    vision = tf.SiglipVisionConfig(image_size=16, patch_size=4, **ENC)
+    text = tf.Gemma3TextConfig(head_dim=16, sliding_window=4, **MM_TEXT)
+    return tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(
+        vision_config=vision, text_config=text, image_token_id=110, mm_tokens_per_image=4))
+
+
+def mistral3():
+    vision = tf.PixtralVisionConfig(image_size=16, patch_size=8, hidden_size=32,
+                                    num_hidden_layers=1, num_attention_heads=2,
+                                    intermediate_size=64, head_dim=16)
+    return tf.Mistral3ForConditionalGeneration(tf.Mistral3Config(
+        vision_config=vision, text_config=tf.MistralConfig(head_dim=16, **MM_TEXT),
+        image_token_index=110, spatial_merge_size=1, vision_feature_layer=-1))
+
+
+def image_prompt(**extra):
+    """Four image tokens then text, one 16 x 16 image a row."""
+    def make():
+        tokens = torch.randint(0, 100, (2, 12))
+        tokens[:, 1:5] = 110
+        return {"input_ids": tokens, "pixel_values": torch.randn(2, 3, 16, 16),
+                "use_cache": False, **{k: f() for k, f in extra.items()}}
+    return make
+
+
+def prefix_types():
+    """PaliGemma's processor's token types: the image and prompt prefix 0, the suffix 1
+    (without them transformers attends non-causally in eager, causally when traced)."""
+    types = torch.zeros(2, 12, dtype=torch.int64)
+    types[:, 8:] = 1
+    return types
+
+
 def spread(model):
     """Weights and BatchNorm statistics moved off their init: the tiny MobileNet's and
     MobileViT's init gives all-zero logits (a comparison against zero says nothing)."""
@@ -353,4 +397,8 @@ MODELS = {
                             "attention_mask": torch.ones(2, 16),
                             "decoder_input_ids": torch.randint(0, 100, (2, 5)),
                             "use_cache": False}),
+    # multimodal LLMs (twenty-fifth session)
+    "PaliGemma": (paligemma, image_prompt(token_type_ids=prefix_types)),
+    "Gemma3-mm": (gemma3_mm, image_prompt()),
+    "Mistral3": (mistral3, image_prompt(image_sizes=lambda: torch.tensor([[16, 16]] * 2))),
 }
