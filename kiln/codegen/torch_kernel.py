@@ -46,6 +46,17 @@ def callable_for(name: str):
     return resolve("aten.reshape.default" if name in STRICT_VIEWS else name)
 
 
+# creations whose elements are whatever the allocator held
+UNINITIALIZED = {"aten.empty.memory_format", "aten.empty_like.default",
+                 "aten.empty_permuted.default", "aten.empty_strided.default"}
+
+
+def _zeroed(create):
+    def zeroed(*args, **kwargs):
+        return create(*args, **kwargs).zero_()
+    return zeroed
+
+
 def _constant(value):
     return lambda local: value
 
@@ -176,13 +187,23 @@ class TorchKernel:
 
     kind = "torch"
 
-    def __init__(self, region: Region, device: str | torch.device = "cpu"):
+    def __init__(self, region: Region, device: str | torch.device = "cpu", *,
+                 zeroed: bool = False):
+        """zeroed: memory a region creates uninitialised (aten.empty) reads as zeros, as
+        in a generated kernel: the form the tuner checks candidates against. A region
+        may return such elements unwritten (a slice_scatter into an `empty` whose other
+        slice the next region fills: MLA's key in Mistral 4), and garbage there is no
+        verdict on a candidate."""
         self.region = region
         self.device = torch.device(device)
         integer = [integer_product(op.target, op.dtype, self.device) for op in region.ops]
         self._fns = [fn or callable_for(op.target) for fn, op in zip(integer, region.ops)]
+        blank = {op.name for op in region.ops if zeroed and op.target in UNINITIALIZED}
+        for i, op in enumerate(region.ops):
+            if op.name in blank:
+                self._fns[i] = _zeroed(self._fns[i])
         self._outs = {o: out_overload(region.op(o).target) for o in region.outputs
-                      if o not in region.inplace
+                      if o not in region.inplace and o not in blank
                       and integer_product(region.op(o).target, region.op(o).dtype,
                                           self.device) is None}
         self._last = (None, None)  # run()'s binding: (sizes, bound ops)

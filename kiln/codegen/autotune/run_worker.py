@@ -66,7 +66,8 @@ def measure(task: dict) -> dict:
     if task["what"] == "time":
         return {"ms": timed_ms(kernel, inputs, outs, sizes)}
     inplace = task["buffers"].inplace
-    want = outputs(TorchKernel(task["region"], task["device"]), inputs, outs, sizes, inplace)
+    want = outputs(TorchKernel(task["region"], task["device"], zeroed=True), inputs, outs,
+                   sizes, inplace)
     return {"mismatch": mismatch(outputs(kernel, inputs, outs, sizes, inplace), want)}
 
 

@@ -610,8 +610,8 @@ class _InProcessRuns:
     def verify(self, config, binary) -> Ran:
         inplace = inplace_inputs(self.region)
         if self._want is None:
-            self._want = outputs(self._kernel(None, None), self.inputs, self.outs, self.env,
-                                 inplace)
+            self._want = outputs(TorchKernel(self.region, self.device, zeroed=True),
+                                 self.inputs, self.outs, self.env, inplace)
         got = outputs(self._kernel(config, binary), self.inputs, self.outs, self.env, inplace)
         return Ran(mismatch(got, self._want))
 
