@@ -8,14 +8,17 @@ GPU: shared-memory and register limits, the backend compiler's own code and bf16
 arithmetic on the device show only there. A row that fails here:
 benchmarks/probes/region_bisect.py names the region.
 
-Two sets, each a row per architecture:
+Four sets, each a row per architecture:
 - `forward`: the third sweep's architectures (ARCHITECTURES), one forward over
   [2, 9] ids with `use_cache=False`, fresh ids at the call;
 - `recipe`: zoo_interpret's families through transformers' static-cache export recipe,
   a prompt module (dynamic length) and a one-token module writing the recipe's cache
   on the device; a prefill and two decode steps;
 - `models`: zoo_models.py's vision, audio, seq2seq, encoder and multimodal models, one
-  forward on fresh inputs.
+  forward on fresh inputs;
+- `llms`: the seventh sweep's decoder LLMs (LLMS: Qwen3.5, Gemma 4, Llama 4, DeepSeek
+  V3.2 / V4, Kimi Linear, Nemotron-H...), as `forward`; a row whose class the installed
+  transformers lacks says "absent".
 A row whose eager model fails on the device (transformers' recipe for Falcon everywhere,
 for BLOOM on a GPU) says so and is not counted as kiln's; so does a mismatch where kiln
 matches torch.export's own module and that module differs from eager ("traced differs":
@@ -83,6 +86,42 @@ ARCHITECTURES = {
     "Ministral": {"sliding_window": 4},
 }
 
+# the seventh sweep's decoder LLMs (transformers 5.17-5.24): config kwargs over LLM_BASE,
+# which gives MoE and latent attention sizes a tiny model holds; the config class is the
+# model class's own (Gemma3n's is Gemma3nTextConfig)
+LLM_BASE = {**{k: v for k, v in BASE.items() if k not in ("n_layer", "n_head")},
+            "moe_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4,
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "pad_token_id": 0,
+            "bos_token_id": 1, "eos_token_id": 2}
+MLA = {"kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+       "v_head_dim": 16, "n_group": 1, "topk_group": 1, "num_key_value_heads": 4}
+LLMS = {
+    "Qwen3_5": {}, "Qwen3_5Moe": {}, "Gemma4": {}, "Llama4": {}, "Ministral3": {},
+    "Mistral4": {**MLA, "first_k_dense_replace": 1, "n_shared_experts": 1},
+    "DeepseekV32": MLA, "DeepseekV4": {}, "Glm4MoeLite": {**MLA, "qk_nope_head_dim": 16,
+                                                          "n_shared_experts": 1},
+    "GlmMoeDsa": MLA, "Youtu": {**MLA, "head_dim": 8}, "AXK1": {**MLA, "head_dim": 8},
+    "AXK2": {**MLA, "head_dim": 8},
+    "Dots3Note": {**MLA, "head_dim": 32, "index_head_dim": 16, "index_n_heads": 2},
+    "MiniMaxM2": {}, "Cohere2Moe": {}, "Phimoe": {}, "ExaoneMoe": {}, "Afmoe": {},
+    "HunYuanMoEV1": {}, "GraniteMoeShared": {}, "GraniteSWA": {}, "GraniteMoeSWA": {},
+    "MiMoV2Flash": {}, "Lfm3": {}, "HYV3": {}, "HYV4": {}, "Jais2": {}, "SolarOpen": {},
+    "Apertus1p5Text": {}, "AriaText": {}, "Cwm": {}, "Zaya": {"num_experts_per_tok": 1},
+    "Mellum": {}, "Flint": {}, "Dory": {}, "HyperCLOVAX": {}, "Inkling": {}, "Inkling2": {},
+    "Inkling2Loop": {}, "Kolibri1": {}, "Laguna": {}, "Beam": {}, "HrmText": {},
+    "Gemma4Unified": {}, "Mllama": {}, "Fuyu": {}, "ModernBertDecoder": {}, "Moshi": {},
+    "Emu3": {}, "FalconMamba": {}, "NemotronH": {}, "KimiLinear": {}, "OlmoHybrid": {},
+    "BailingHybrid": {}, "LaraMini": {}, "Qwen4Exp": {}, "xLSTM": {}, "Phi4Multimodal": {},
+    "Gemma3n": {"num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
+                "sliding_window": 4, "num_kv_shared_layers": 2, "vocab_size_per_layer_input": 100,
+                "hidden_size_per_layer_input": 8, "laurel_rank": 8,
+                "activation_sparsity_pattern": [0.0] * 4, "intermediate_size": [128] * 4},
+}
+
+
+class Absent(Exception):
+    """The installed transformers has no such model (the GPU image's is older)."""
+
 
 def rel(a, b) -> float:
     a, b = a.float().cpu(), b.float().cpu()
@@ -105,10 +144,30 @@ def verdict(err: float, err32: float | None, eager32: float | None, tol: float) 
 def forward_model(name: str, dtype, device):
     import transformers
 
-    cfg = getattr(transformers, name + "Config")(**{**BASE, **ARCHITECTURES[name]})
+    if name in LLMS:
+        cls = getattr(transformers, name + "ForCausalLM", None)
+        if cls is None:
+            raise Absent(f"transformers {transformers.__version__} has no {name}ForCausalLM")
+        cfg = cls.config_class(**{**LLM_BASE, **LLMS[name]})
+        torch.manual_seed(0)
+        return _no_zero_weights(cls(cfg)).eval().to(device=device, dtype=dtype)
+    else:
+        cls = getattr(transformers, name + "ForCausalLM")
+        cfg = getattr(transformers, name + "Config")(**{**BASE, **ARCHITECTURES[name]})
     torch.manual_seed(0)
-    return getattr(transformers, name + "ForCausalLM")(cfg).eval().to(device=device,
-                                                                     dtype=dtype)
+    return cls(cfg).eval().to(device=device, dtype=dtype)
+
+
+def _no_zero_weights(model):
+    """Weights initialised to all zeros given small random values: a zero router
+    (Afmoe's) scores every expert 0.5, and the order of tied top-k picks is each
+    implementation's own (torch's CPU and CUDA kernels differ), not a check of kiln."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.numel() > 1 and not p.any():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.02)
+    return model
 
 
 class Case:
@@ -160,7 +219,7 @@ def model_case(name: str, dtype, device) -> Case:
                 first_tensor)
 
 
-CASES = {"forward": forward_case, "models": model_case}
+CASES = {"forward": forward_case, "llms": forward_case, "models": model_case}
 
 
 def run_case(set_name: str, name: str, args) -> str:
@@ -222,6 +281,7 @@ def first_tensor(out):
 
 RUNS = {"forward": (ARCHITECTURES, lambda name, args: run_case("forward", name, args)),
         "recipe": (zi.FAMILIES, run_recipe),
+        "llms": (LLMS, lambda name, args: run_case("llms", name, args)),
         "models": (zoo_models.MODELS, lambda name, args: run_case("models", name, args))}
 
 
@@ -245,13 +305,15 @@ def run_share(args) -> None:
             result = f"{type(cause).__name__}: {first}"[:160]
             if isinstance(e, EagerFails):
                 result = "eager fails: " + result
+            if isinstance(e, Absent):
+                result = f"absent: {e}"
         print(json.dumps({"set": set_name, "name": name, "result": result,
                           "s": round(time.perf_counter() - t0, 1)}), flush=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sets", default="forward,recipe,models")
+    p.add_argument("--sets", default="forward,recipe,models,llms")
     p.add_argument("--only", default="")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--target", default="cuda")
@@ -289,9 +351,9 @@ def main() -> None:
     for row in results:
         kind = row["result"].split()[0]
         kind = {"ok": "ok", "MISMATCH": "MISMATCH", "eager": "eager fails",
-                "traced": "traced differs"}.get(kind, "error")
+                "traced": "traced differs", "absent:": "absent"}.get(kind, "error")
         counts.setdefault(row["set"], dict.fromkeys(("ok", "MISMATCH", "error", "eager fails",
-                                                     "traced differs"), 0))[kind] += 1
+                                                     "traced differs", "absent"), 0))[kind] += 1
     for set_name, c in counts.items():
         print(f"{set_name}: " + ", ".join(f"{k} {v}" for k, v in c.items()))
     print(f"{args.target} {args.dtype}, {time.perf_counter() - t0:.0f} s")

@@ -7,7 +7,7 @@ Why: benchmarks/zoo_gpu.py found a model wrong on a GPU only (Doge, bf16, H200, 
 rel err 0.65, right on the cpu and interpret targets); a fallback of one region at a time
 names the kernel without a debugger.
 
-    PYTHONPATH=. python benchmarks/probes/region_bisect.py Doge [--set forward|models]
+    PYTHONPATH=. python benchmarks/probes/region_bisect.py Doge [--set forward|models|llms]
         [--dtype bfloat16] [--target cuda] [--budget-s 200] [--out $OUT/bisect.txt]
 
 The model is zoo_gpu.py's row of that name in that set (tiny, random). First it checks
