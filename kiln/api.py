@@ -24,6 +24,7 @@ from kiln.arguments import (
     check_lazy,
     check_options,
     check_pins,
+    check_stray_keywords,
 )
 from kiln.artifact import compile_cache
 from kiln.codegen.select_kernels import select_kernels
@@ -95,6 +96,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     fallback: str = "allow",
     allow_train: bool = False,
     max_modules: int | None = None,
+    **stray,
 ):
     """Compile `model` for `target` (default "cpu"); returns a CompiledModule (or an IR
     with compile_to).
@@ -102,7 +104,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
     Without example args (and kwargs), as torch.compile: a LazyModule that compiles on
     its first call from that call's arguments, for `target` or else their device, and
     again (with a KilnWarning) for a call of another signature, up to `max_modules`
-    (default 8) modules; kiln/lazy_module.py says how. Every other keyword is passed on.
+    (default 8) modules; kiln/lazy_module.py says how. Every other keyword is passed on;
+    one kiln.compile does not take is an ArgumentError (the model's go in `kwargs`).
 
     `parallel={"tp": T, "pp": P}` compiles this process's part of a T x P plan: every
     rank (torchrun's RANK, or `"rank"` in the dict) calls compile with the same model.
@@ -115,6 +118,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     A model whose train mode changes what it computes (dropout, batch statistics) is
     refused unless `allow_train=True`: kiln compiles for inference.
     """
+    check_stray_keywords(stray)
     lazy = args is None and kwargs is None
     check_lazy(lazy, compile_to, dump_ir, max_modules)
     kw = dict(dynamic_shapes=dynamic_shapes, compile_to=compile_to, dump_ir=dump_ir,

@@ -38,6 +38,31 @@ def check_kwargs(kwargs) -> dict:
     return dict(kwargs)
 
 
+COMPILE_KEYWORDS = ("dynamic_shapes", "target", "compile_to", "dump_ir", "options",
+                    "parallel", "devices", "device_map", "pins", "fallback", "allow_train",
+                    "max_modules")
+
+
+def check_stray_keywords(stray: dict) -> None:
+    """kiln.compile's keywords are its own; the model's go in `kwargs` (as torch.export's).
+    `kiln.compile(model, (ids,), use_cache=False)` names the model's argument, not a raw
+    TypeError from Python."""
+    if not stray:
+        return
+    names = ", ".join(stray)
+    known = [m for n in stray for m in difflib.get_close_matches(n, COMPILE_KEYWORDS, 1)]
+    if known:
+        hint = f"did you mean {', '.join(known)}?"
+    else:
+        model_kw = ", ".join(f"{k!r}: {v!r}" if not hasattr(v, "shape") else f"{k!r}: ..."
+                             for k, v in stray.items())
+        hint = (f"the model's keyword arguments go in kwargs: kiln.compile(model, args, "
+                f"kwargs={{{model_kw}}}); kiln.compile's own are "
+                f"{', '.join(COMPILE_KEYWORDS)}")
+    raise ArgumentError(f"kiln.compile got keyword argument(s) it does not take: {names}",
+                        hint=hint)
+
+
 def check_options(options) -> dict:
     """`options=` as a fresh dict, every key known and every value of the right kind."""
     if options is None:

@@ -465,6 +465,20 @@ def test_kwargs_that_are_not_a_dict_of_names(kwargs):
         kiln.compile(Add(), (torch.randn(2),), kwargs)
 
 
+def test_the_models_keyword_passed_to_compile_says_to_use_kwargs():
+    """As torch.export: the model's keyword arguments go in `kwargs`, not compile's own."""
+    x = torch.randn(2)
+    with pytest.raises(ArgumentError) as e:
+        kiln.compile(Add(), (x,), y=x, use_cache=False)
+    assert "does not take: y, use_cache" in e.value.what
+    assert "kwargs={'y': ..., 'use_cache': False}" in e.value.hint
+    with pytest.raises(ArgumentError) as e:
+        kiln.compile(Add(), (x, x), taget="cpu")
+    assert "did you mean target?" in e.value.hint
+    with pytest.raises(ArgumentError):  # the lazy form too, before anything compiles
+        kiln.compile(Add(), use_cache=False)
+
+
 def test_dump_ir_that_cannot_be_a_directory(tmp_path):
     (tmp_path / "f").write_text("x")
     x = torch.randn(2)
