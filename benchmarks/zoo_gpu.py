@@ -86,7 +86,7 @@ ARCHITECTURES = {
     "Ministral": {"sliding_window": 4},
 }
 
-# the seventh sweep's decoder LLMs (transformers 5.17-5.24): config kwargs over LLM_BASE,
+# the seventh sweep's causal LMs (transformers 5.17-5.24): config kwargs over LLM_BASE,
 # which gives MoE and latent attention sizes a tiny model holds; the config class is the
 # model class's own (Gemma3n's is Gemma3nTextConfig)
 LLM_BASE = {**{k: v for k, v in BASE.items() if k not in ("n_layer", "n_head")},
@@ -112,6 +112,11 @@ LLMS = {
     "Gemma4Unified": {}, "Mllama": {}, "Fuyu": {}, "ModernBertDecoder": {}, "Moshi": {},
     "Emu3": {}, "FalconMamba": {}, "NemotronH": {}, "KimiLinear": {}, "OlmoHybrid": {},
     "BailingHybrid": {}, "LaraMini": {}, "Qwen4Exp": {}, "xLSTM": {}, "Phi4Multimodal": {},
+    # causal-LM heads of encoder and seq2seq families
+    "BigBirdPegasus": {}, "BlenderbotSmall": {}, "Mvp": {}, "TrOCR": {}, "MegatronBert": {},
+    "RemBert": {}, "RoCBert": {}, "RobertaPreLayerNorm": {}, "XLMRobertaXL": {},
+    "Camembert": {}, "Data2VecText": {}, "CpmAnt": {}, "GPTNeoXJapanese": {},
+    "CsmDepthDecoder": {},
     "Gemma3n": {"num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
                 "sliding_window": 4, "num_kv_shared_layers": 2, "vocab_size_per_layer_input": 100,
                 "hidden_size_per_layer_input": 8, "laurel_rank": 8,
