@@ -124,6 +124,11 @@ LLMS = {
 }
 
 
+# rows whose ForCausalLM names the wrong config class in some transformers release
+# (5.17's CsmDepthDecoderForCausalLM names the composite CsmConfig)
+CONFIG_CLASS = {"CsmDepthDecoder": "CsmDepthDecoderConfig"}
+
+
 class Absent(Exception):
     """The installed transformers has no such model (the GPU image's is older)."""
 
@@ -153,7 +158,8 @@ def forward_model(name: str, dtype, device):
         cls = getattr(transformers, name + "ForCausalLM", None)
         if cls is None:
             raise Absent(f"transformers {transformers.__version__} has no {name}ForCausalLM")
-        cfg = cls.config_class(**{**LLM_BASE, **LLMS[name]})
+        config_class = getattr(transformers, CONFIG_CLASS.get(name, ""), cls.config_class)
+        cfg = config_class(**{**LLM_BASE, **LLMS[name]})
         torch.manual_seed(0)
         return _no_zero_weights(cls(cfg)).eval().to(device=device, dtype=dtype)
     else:
