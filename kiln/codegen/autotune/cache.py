@@ -89,7 +89,9 @@ class ChoiceCache:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None  # unreadable: tune again (put replaces it)
 
-    def put(self, key: str, choice: Choice) -> None:
+    def put(self, key: str, choice: Choice, kernel: str = "") -> None:
+        """Store `choice`; `kernel` (the spec's name) is written for people reading the
+        cache (which configs win, per kernel family), never read back."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=self.root))
@@ -97,7 +99,7 @@ class ChoiceCache:
             unwritable(self.root, e)
             return
         try:
-            d = _to_json(choice, tmp, "kernel")
+            d = {"kernel_name": kernel, **_to_json(choice, tmp, "kernel")}
             (tmp / "choice.json").write_text(json.dumps(d, indent=1))
             final = self.root / key
             if final.exists():  # a newer decision replaces the old one
