@@ -4,10 +4,10 @@ Why: a Llama-3-8B generation compile timed 412 candidates at ~95 ms each (do_ben
 100 ms of runs: 38.9 s on an H100; ~500 and 64.7 s on an H200 later), and most
 candidates of a kernel lose to its best by far more than timing noise. So every
 candidate first runs for a short screen (timing.SCREEN_REP_MS); one slower than
-PRUNE_RATIO x the fastest screened keeps its screen time, and the others run on for
-the rest of the full budget, their median taken over the screen's samples and the
-rest's together: a contender is measured as long as before, so the winner is the same
-unless a screen misjudged a candidate by more than PRUNE_RATIO.
+PRUNE_RATIO x the fastest screened keeps its screen time, and the others run on to a
+contender's budget (timing.SCREENED_REP_MS), their median taken over the screen's
+samples and the rest's together: the winner is the one an unscreened timing of the
+contenders would pick, unless a screen misjudged a candidate by more than PRUNE_RATIO.
 """
 
 from __future__ import annotations
@@ -16,10 +16,15 @@ import math
 from collections.abc import Callable, Hashable
 from statistics import median
 
-from kiln.codegen.autotune.timing import PRUNE_RATIO, REP_MS, SCREEN_REP_MS, SCREEN_WARMUP_MS
+from kiln.codegen.autotune.timing import (
+    PRUNE_RATIO,
+    SCREEN_REP_MS,
+    SCREEN_WARMUP_MS,
+    SCREENED_REP_MS,
+)
 
 SCREEN = (SCREEN_WARMUP_MS, SCREEN_REP_MS)
-REST = (SCREEN_WARMUP_MS, REP_MS - SCREEN_REP_MS)
+REST = (SCREEN_WARMUP_MS, SCREENED_REP_MS - SCREEN_REP_MS)
 
 # measure(candidate, (warmup ms, rep ms)) -> (median ms, each run's ms or None)
 Measure = Callable[[Hashable, tuple[float, float]], tuple[float, list[float] | None]]
