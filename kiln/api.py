@@ -27,6 +27,7 @@ from kiln.arguments import (
     check_stray_keywords,
 )
 from kiln.artifact import compile_cache
+from kiln.codegen.autotune.tuner import start_workers
 from kiln.codegen.select_kernels import select_kernels
 from kiln.compiled_module import CompiledModule
 from kiln.dispatch.example_sizes import bind_example_sizes
@@ -179,6 +180,8 @@ def _compile_now(model, args, kwargs, *, dynamic_shapes, target, compile_to, dum
                 hit = compile_cache.get(by_identity, module_state(model), tgt)
         if by_identity is not None and hit is not None:
             return _cached_module(hit, tgt, ctx)
+        if by_identity is not None:  # a miss: kernels will be built, export first
+            start_workers(tgt, ctx.options)
         with recording(ctx.timings), phase("import/export"):
             src.exported = capture(model, args, kwargs, dynamic_shapes, allow_train)
         captured = {**src.exported.state_dict, **src.exported.constants}
@@ -190,6 +193,7 @@ def _compile_now(model, args, kwargs, *, dynamic_shapes, target, compile_to, dum
             if by_identity is not None:
                 compile_cache.alias(by_identity, key)
             return _cached_module(hit, tgt, ctx)
+    start_workers(tgt, ctx.options)  # their start-up overlaps export (if still to do)
     with warnings.catch_warnings(record=True) as seen:  # re-raised below, as they came
         result = build_pipeline(dump_ir).run(src, ctx, compile_to=compile_to)
     for w in seen:

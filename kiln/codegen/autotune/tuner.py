@@ -123,6 +123,22 @@ def choose(region: Region, spec: KernelSpec, target: Target, ctx,
     return tuner.choose(region, spec, plan)
 
 
+def start_workers(target: Target, options: dict) -> None:
+    """Start the compile workers, and the run worker when candidates will be timed here,
+    before the compile needs them: a worker is a fresh interpreter importing torch and
+    Triton (10-14 s each when 15 start at once on an H200 machine), which otherwise
+    delays the first kernel build (~11 s of an 8B LLM's cold compile). Called before
+    export, that start-up overlaps export and the passes instead."""
+    if not target.is_gpu or options.get("tune_compiler") not in (None, DEFAULT_COMPILER):
+        return
+    mode = options.get("tune") or tune_mode() or "fast"
+    pool = get_pool(options.get("tune_workers"))
+    pool.prestart(pool.size)
+    timing = options.get("tune_timing") or tune_timing()
+    if mode != "none" and timing == "worker" and gpu_for(target):
+        get_run_pool().prestart()
+
+
 def precompile(work: list[tuple[Region, KernelSpec]], target: Target, ctx,
                plan: DispatchPlan | None) -> Tuner | None:
     """A Tuner that has compiled, in one run of the worker pool, the candidates that
@@ -203,7 +219,7 @@ class Tuner:
             if choice.final and (choice.kind != "extern" or choice.ms is not None
                                  or _all_permanent(outcomes)):
                 with phase("cache"):
-                    self.cache.put(key, choice)
+                    self.cache.put(key, choice, spec.name)
         if choice.ms is not None:
             self.times[region.name] = choice.ms
         head = "extern" if choice.kind == "extern" else "tuned"

@@ -198,10 +198,11 @@ class WorkerPool:
             for w in busy.values():  # abandoned mid-run: a late reply must not be misread
                 self._drop(w, kill=True)
 
-    def prestart(self) -> None:
-        """Start a worker now if none is up, so its start-up overlaps other work."""
-        if self.start_error is None and not self.workers:
-            self._grow(1)
+    def prestart(self, count: int = 1) -> None:
+        """Start workers now until `count` are up (at most the pool's size), so their
+        start-up overlaps other work."""
+        if self.start_error is None and len(self.workers) < min(count, self.size):
+            self._grow(min(count, self.size))
 
     def _dispatch(self, queue, busy, timeout) -> None:
         for w in self.workers:
