@@ -180,7 +180,7 @@ def _compile_now(model, args, kwargs, *, dynamic_shapes, target, compile_to, dum
                 hit = compile_cache.get(by_identity, module_state(model), tgt)
         if by_identity is not None and hit is not None:
             return _cached_module(hit, tgt, ctx)
-        if by_identity is not None:  # a miss: kernels will be built, export first
+        if by_identity is not None and cfg.is_single:  # a miss: kernels will be built
             start_workers(tgt, ctx.options)
         with recording(ctx.timings), phase("import/export"):
             src.exported = capture(model, args, kwargs, dynamic_shapes, allow_train)
@@ -193,7 +193,8 @@ def _compile_now(model, args, kwargs, *, dynamic_shapes, target, compile_to, dum
             if by_identity is not None:
                 compile_cache.alias(by_identity, key)
             return _cached_module(hit, tgt, ctx)
-    start_workers(tgt, ctx.options)  # their start-up overlaps export (if still to do)
+    if cfg.is_single:  # (ranks of one host would each start a worker per core)
+        start_workers(tgt, ctx.options)  # their start-up overlaps export, if still to do
     with warnings.catch_warnings(record=True) as seen:  # re-raised below, as they came
         result = build_pipeline(dump_ir).run(src, ctx, compile_to=compile_to)
     for w in seen:
