@@ -90,3 +90,17 @@ def test_kiln_models_have_an_identity_their_config_decides():
     a = module_identity(build_model(cfg))
     assert a is not None and a == module_identity(build_model(cfg))
     assert module_identity(build_model(cfg.with_(rope_theta=cfg.rope_theta * 2))) != a
+
+
+def test_workers_start_on_a_miss_only(monkeypatch):
+    """A compile that will build kernels starts the tuner's workers before export; one
+    the cache answers starts none (tuner.start_workers, gated by target in its tests)."""
+    import kiln.api
+
+    calls = []
+    monkeypatch.setattr(kiln.api, "start_workers", lambda tgt, options: calls.append(tgt))
+    x = torch.randn(6, 16)
+    _compile(_mlp(), x)
+    assert calls  # before export, and again (a no-op there) before the passes
+    calls.clear()
+    assert not _exported(_compile(_mlp(), x)) and calls == []
