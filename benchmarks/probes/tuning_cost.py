@@ -58,12 +58,26 @@ jobs: list[tuple[str, float, dict]] = []
 _run = worker_pool.WorkerPool.run
 
 
+# the parent's side of the run worker's jobs: from asking to the answer (in flight,
+# Outcome.seconds being the part after a worker took the job) and between one answer
+# and the next question (the tuner's own work, or the GIL, in between)
+parent = {"asked": 0.0, "between": 0.0, "n": 0}
+_last_answer: list[float] = []
+
+
 def counted_run(self, work, timeout, want_more=lambda: True):
+    asked = time.monotonic()
+    if self.module == worker_pool.RUN_WORKER and _last_answer:
+        parent["between"] += asked - _last_answer[-1]
     for i, out in _run(self, work, timeout, want_more):
         if self.module == worker_pool.RUN_WORKER:
             kind = work[i].what + (" extern" if work[i].task["spec"] is None else "")
             parts = (out.result or {}).get("t", {}) if isinstance(out.result, dict) else {}
             jobs.append((kind, out.seconds, parts))
+            now = time.monotonic()
+            parent["asked"] += now - asked
+            parent["n"] += 1
+            _last_answer[:] = [now]
         yield i, out
 
 
@@ -130,6 +144,7 @@ report = {"variant": vars(args), "compile_s": llm.compile_s, "wall_s": total,
           "phases": phases, "run_jobs": {
               k: {"n": n, "s": round(s, 2), "parts": {p: round(v, 2) for p, v in parts.items()}}
               for k, (n, s, parts) in by_kind.items()},
+          "run_jobs_parent": {k: round(v, 2) for k, v in parent.items()},
           "compile_worker_start_s": sorted(round(s, 2) for s in starts),
           "choices": choices}
 Path(args.out).write_text(json.dumps(report, indent=1))
@@ -139,6 +154,7 @@ for k, v in phases.items():
         print(f"  {k:<52} {v:7.2f}")
 for k, v in report["run_jobs"].items():
     print(f"  run jobs {k:<16} n={v['n']:4d} worker s={v['s']:7.2f} parts {v['parts']}")
+print("  run jobs, parent's view (s):", report["run_jobs_parent"])
 print("  compile workers ready after (s):", report["compile_worker_start_s"])
 if prof:
     st = pstats.Stats(prof)
