@@ -37,7 +37,7 @@ WARMUP_MS, REP_MS = 25, 40  # an unscreened timing (in-process, at the power cap
 # timed ~500 candidates at 100 ms of runs each (H200: 64.7 s with screening at 2x), while
 # a run of a decode kernel with do_bench's L2 clear before it is ~70 us: 5 ms is ~70
 # samples and 20 ms ~280, whose median is within a few percent. Halving the budget
-# again (10 / 40 ms before) took 12 s off the cold compile's timing (43 -> 32 s, H200)
+# again (10 / 40 ms before) took 12 s off an 8B LLM's timing (43 -> 32 s, H200)
 # and moved no choice more than re-running the same compile does (22 of 35 kernels'
 # picks differ between two identical runs: near-ties); a kernel 1.5x slower than the
 # fastest screen does not win.
