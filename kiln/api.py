@@ -27,7 +27,7 @@ from kiln.arguments import (
     check_stray_keywords,
 )
 from kiln.artifact import compile_cache
-from kiln.codegen.autotune.tuner import start_workers
+from kiln.codegen.autotune.tuner import start_workers, workers_released_on_failure
 from kiln.codegen.select_kernels import select_kernels
 from kiln.compiled_module import CompiledModule
 from kiln.dispatch.example_sizes import bind_example_sizes
@@ -144,9 +144,15 @@ def _dense_examples(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return pytree.tree_map_only(torch.Tensor, dense, (args, kwargs))
 
 
-def _compile_now(model, args, kwargs, *, dynamic_shapes, target, compile_to, dump_ir,
-                 options, parallel, devices, device_map, pins, fallback, allow_train):
-    """kiln.compile with example args: the pipeline, run now (or the compile cache's hit)."""
+def _compile_now(model, args, kwargs, **kw):
+    """kiln.compile with example args: the pipeline, run now (or the compile cache's hit).
+    A compile that fails stops the tuner's workers it started."""
+    with workers_released_on_failure():
+        return _compile_started(model, args, kwargs, **kw)
+
+
+def _compile_started(model, args, kwargs, *, dynamic_shapes, target, compile_to, dump_ir,
+                     options, parallel, devices, device_map, pins, fallback, allow_train):
     setup_logging()
     tgt = get_target(target)
     args = () if args is None else tuple(args) if isinstance(args, (tuple, list)) else (args,)

@@ -47,3 +47,19 @@ def test_run_worker_reuses_a_loaded_binary_of_the_same_code(monkeypatch):
     other = binary(b"\x02")
     assert run_worker._loaded(other) is other
     assert run_worker._loaded(binary(b"\x01")) is not first  # evicted: at most 2 kept
+
+
+def test_a_failed_compile_stops_the_workers_it_started(monkeypatch):
+    import pytest
+
+    counts, stopped = iter([0, 2, 2, 2, 2, 2]), []
+    monkeypatch.setattr(tuner, "workers_started", lambda: next(counts))
+    monkeypatch.setattr(tuner, "shutdown", lambda: stopped.append(True))
+    with pytest.raises(ValueError), tuner.workers_released_on_failure():  # 0 -> 2
+        raise ValueError("export failed")
+    assert stopped == [True]
+    with pytest.raises(ValueError), tuner.workers_released_on_failure():  # 2 -> 2
+        raise ValueError("none started by this one: the pool stays")
+    with tuner.workers_released_on_failure():  # a compile that works keeps them
+        pass
+    assert stopped == [True]

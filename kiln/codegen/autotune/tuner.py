@@ -42,6 +42,7 @@ compile, nothing to tune). KILN_TUNE sets the default mode. Other options:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import warnings
@@ -90,6 +91,8 @@ from kiln.codegen.autotune.worker_pool import (
     Outcome,
     get_pool,
     get_run_pool,
+    shutdown,
+    workers_started,
 )
 from kiln.codegen.build.resources import over_limits, precheck
 from kiln.codegen.build.spec import Config, KernelSpec
@@ -137,6 +140,20 @@ def start_workers(target: Target, options: dict) -> None:
     timing = options.get("tune_timing") or tune_timing()
     if mode != "none" and timing == "worker" and gpu_for(target):
         get_run_pool().prestart()
+
+
+@contextlib.contextmanager
+def workers_released_on_failure():
+    """Around a compile: if it fails, the workers it started are stopped. Started before
+    export (start_workers), they would otherwise sit idle until the process ends, each
+    an interpreter with torch imported (~15 of them on a 16-core machine)."""
+    before = workers_started()
+    try:
+        yield
+    except BaseException:
+        if workers_started() > before:
+            shutdown()
+        raise
 
 
 def precompile(work: list[tuple[Region, KernelSpec]], target: Target, ctx,

@@ -357,6 +357,11 @@ def stop_run_worker() -> None:
         _run_pool = None
 
 
+def workers_started() -> int:
+    """Worker processes the process's pools have started so far."""
+    return sum(p.workers_started for p in (_pool, _run_pool) if p is not None)
+
+
 def shutdown() -> None:
     """Stop every worker (at exit, or to free the processes early)."""
     global _pool, _run_pool
