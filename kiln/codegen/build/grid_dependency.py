@@ -20,7 +20,10 @@ dependents early (`griddepcontrol.launch_dependents` at the top): blocks of the 
 kernel then sat on SMs the running GEMVs needed and made the fp16 step 13% slower.
 Giving the early blocks work to do before their wait (each GEMV asking L2 for its
 first weight bytes, released after its predecessor's K loop) was slower too: 764 ->
-785 us for 4 fp16 layers (benchmarks/NOTES.md).
+785 us for 4 fp16 layers (benchmarks/NOTES.md), and so was its register form (each GEMV
+reading its first weight tile before its wait, releasing after its K loop): 1205 ->
+1221-1227 us for 8 layers, where a probe's chains of GEMVs alone had gained 0.3-1 us a
+GEMV (2026-12-01).
 torch's kernels (cuBLAS, copies) are launched without the attribute and keep the
 ordinary stream order.
 
