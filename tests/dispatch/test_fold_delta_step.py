@@ -6,6 +6,7 @@ the `interpret` target the step's outputs and state match eager over several ste
 import copy
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -104,23 +105,72 @@ def test_the_cpu_target_keeps_the_regions_apart():
     assert not step.inplace and not any("prologue" in n for n in step.notes)
 
 
-def test_the_qwen3_next_step_takes_whole_heads_on_four_warps_and_spills_nothing(monkeypatch):
-    """At Qwen3-Next's widths (16 key heads, 32 value heads of 128) the step with its
-    gated RMSNorm epilogue holds a 128 x 128 fp32 state block a program: the default
-    puts it on 4 warps (128 values a thread: 7.8 us on an H200, against 12.7 on 8
-    warps), and that config compiles for sm_90 without spilling."""
+def _widths(monkeypatch, **sizes):
+    mod = sys.modules[__name__]
+    for name, value in sizes.items():
+        monkeypatch.setattr(mod, name, value)
+
+
+def test_a_head_split_over_programs_runs_the_epilogue_in_the_last_to_arrive(monkeypatch):
+    """Value heads wider than the default block (64 columns: two programs a head) keep
+    the gated RMSNorm over each whole head: the last program of a head to finish reads
+    the others' output back and runs it; the counters are left zero for the next call."""
+    _widths(monkeypatch, V=64)
+    torch.manual_seed(2)
+    model = Step()
+    batch = kiln.Dim("batch", min=1, max=2)
+    x, pos = torch.randn(2, 1, DIM), torch.tensor([[3], [0]])
+    exe = kiln.compile(copy.deepcopy(model), (x, pos), target="interpret",
+                       dynamic_shapes=({0: batch}, {0: batch}))
+    kernel = exe.program.kplan.kernels[_step_region(exe).name]
+    assert kernel.config["BV"] == 32 and "gd_arrived" in kernel.spec.source
+    _steps(exe, model, [(x, pos), (torch.randn(2, 1, DIM), pos + 1),
+                        (torch.randn(1, 1, DIM), torch.tensor([[5]])),
+                        (torch.randn(2, 1, DIM), pos + 2)])
+
+
+def test_the_qwen3_next_step_splits_its_heads_and_spills_nothing(monkeypatch):
+    """At Qwen3-Next's widths (16 key heads, 32 value heads of 128) whole heads a program
+    are 32 programs of a 128 x 128 fp32 state block (7.8 us on an H200 on 4 warps,
+    against 12.7 on 8): the default takes 32 columns a program (128 programs, the
+    epilogue in the last of each head's four), and both compile for sm_90 without
+    spilling."""
     from kiln.codegen.build.compiler import compile_binary
+    from kiln.codegen.build.spec import Config
     from kiln.codegen.templates.gated_delta import template as gated_delta
     from kiln.target import get_target
 
-    mod = sys.modules[__name__]
-    for name, value in (("H", 16), ("HV", 32), ("K", 128), ("V", 128), ("DIM", 256)):
-        monkeypatch.setattr(mod, name, value)
+    _widths(monkeypatch, H=16, HV=32, K=128, V=128, DIM=256)
     torch.manual_seed(0)
     model = Step(rows=1).to(torch.bfloat16)
     x, pos = torch.randn(1, 1, 256, dtype=torch.bfloat16), torch.tensor([[3]])
     exe = kiln.compile(model, (x, pos), target="interpret")
     sm90 = get_target("cuda:sm_90")
     spec = gated_delta.generate(_step_region(exe), exe.plan, sm90)
-    assert (spec.default["BV"], spec.default.num_warps) == (128, 4)
-    assert compile_binary(spec, spec.default, sm90).resources.spills == 0
+    assert (spec.default["BV"], spec.default.num_warps) == (32, 4)
+    assert {c["BV"] for c in spec.configs} >= {128, 32}
+    for config in (spec.default, Config.make(4, 1, CHUNK=16, BV=128)):
+        assert compile_binary(spec, config, sm90).resources.spills == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_split_step_matches_eager_on_cuda_at_qwen3_next_widths(monkeypatch, dtype):
+    """The head-split step (four programs a head, the epilogue in the last to arrive) on
+    the GPU, over steps that reuse its counters, tuning off (the default config)."""
+    _widths(monkeypatch, H=16, HV=32, K=128, V=128, DIM=256)
+    torch.manual_seed(3)
+    model = Step().to(dtype).cuda()
+    model.state = model.state.float()  # the op's state is fp32, as a model keeps it
+    batch = kiln.Dim("batch", min=1, max=2)
+    x, pos = torch.randn(2, 1, DIM, dtype=dtype, device="cuda"), torch.tensor([[3], [0]])
+    exe = kiln.compile(copy.deepcopy(model), (x, pos.cuda()), target="cuda",
+                       dynamic_shapes=({0: batch}, {0: batch}), options={"tune": "none"})
+    assert exe.program.kplan.kernels[_step_region(exe).name].config["BV"] == 32
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i in range(3):
+        x = torch.randn(2 - i % 2, 1, DIM, dtype=dtype, device="cuda")
+        p = (pos[:x.shape[0]] + i).cuda()
+        assert rel_err(exe(x, p).float(), model(x, p).float()) <= tol
+    state = next(t for n, t in exe.state.items() if n.endswith("state"))
+    assert rel_err(state.float(), model.state.float()) <= tol

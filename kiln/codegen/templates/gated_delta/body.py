@@ -35,6 +35,7 @@ from kiln.codegen.templates.matmul.template import dot_operand
 
 TL = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32"}
 SCRATCH = ("gd_ctr", "gd_w", "gd_u", "gd_a", "gd_g")
+EPILOGUE = ("gd_o", "gd_arrived")  # a decode step's o blocks and a counter per head
 _DOUBLINGS = (2, 4, 8, 16, 32)  # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: CHUNK <= 64
 KB = 64  # key / value columns per block in the chunked kernel
 
@@ -62,32 +63,61 @@ def decode_body(em: Emitter, p: SymbolicArgs, s: DeltaShape) -> list[str]:
         reads.install(em)
     prologue, epilogue = split_ops(em.region, em.region.anchor().name)
     reductions(em, {s.key_dim: ("kk", kp, _key_lanes(s))}, prologue)
-    reductions(em, {s.value_dim: ("vv", pow2(s.value_dim), _value_lanes(s))}, epilogue)
+    reductions(em, {s.value_dim: ("vh", pow2(s.value_dim), _head_lanes(s))}, epilogue)
     L += _initial_state(em, s, kp)
     L += _decode(em, s, kp)
     # the operands' loads issued up front: emitted where first needed, the k, v and gate
     # loads each waited behind the reductions (l2norms) before them; the epilogue's
     # stay where they are (loaded early, they held registers across the recurrence)
-    return load_order.loads_first(L) + _epilogue(em, s) + _final_state(em, s, reads)
+    return load_order.loads_first(L) + _final_state(em, s, reads) + _epilogue(em, s, wide)
 
 
 def _value_lanes(s: DeltaShape) -> Cond:
     return Cond(f"vv < {s.value_dim}", frozenset({"vv"}))
 
 
-def _epilogue(em: Emitter, s: DeltaShape) -> list[str]:
-    """The region's outputs computed from o, stored at o's elements (BV = V: a program
-    holds whole value heads, step_fusion.py)."""
+def _head_lanes(s: DeltaShape) -> Cond:
+    return Cond(f"vh < {s.value_dim}", frozenset({"vh"}))
+
+
+def _epilogue(em: Emitter, s: DeltaShape, wide: str) -> list[str]:
+    """The region's outputs computed from o (a gated RMSNorm over each value head,
+    step_fusion.py), over a whole head's lanes `vh` and its output `o_h`. With the
+    head's columns split over programs (BV < V) each stores its o block to EPILOGUE's
+    scratch and counts its arrival on the head's counter; the last to arrive reads the
+    whole head back and alone runs the epilogue (kiln.codegen.templates.split_k's way):
+    a 128 x 128 fp32 state block on one program's 4 warps left 100 of an H200's 132 SMs
+    idle at Qwen3-Next's 32 value heads."""
     if not s.epilogue:
         return []
+    vp = pow2(s.value_dim)
+    parts, counts = EPILOGUE
     b, _, hv = head_vars(s)
-    at = (b, lin("ts", s.seq, False), hv, lin("vv", s.value_dim))  # where o is stored
-    output_of_step(em, s.out_op, at, Val("o", torch.float32, frozenset({"vv"})))
+    at = (b, lin("ts", s.seq, False), hv, lin("vh", s.value_dim))  # where o is stored
+    output_of_step(em, s.out_op, at, Val("o_h", torch.float32, frozenset({"vh"})))
     with em.block() as lines:
         for name in s.epilogue:
-            em.store(name, at, em.value(name, at, mask_of(_value_lanes(s))),
-                     mask_of(_value_lanes(s)))
-    return lines
+            em.store(name, at, em.value(name, at, mask_of(_head_lanes(s))),
+                     mask_of(_head_lanes(s)))
+    row = f"(nn * {s.value_heads} + hv)"
+    return [
+        f"if BV < {vp}:",
+        f"    tl.store({parts} + {row} * {vp} + vv, o, mask=vv < {s.value_dim})",
+        "    tl.debug_barrier()  # this CTA's block is stored before it is counted",
+        f'    arrived = tl.atomic_add({counts} + {row}, 1, sem="acq_rel")',
+        f"    last = arrived == tl.cdiv({s.value_dim}, BV) - 1",
+        "else:",
+        "    last = vb == 0",
+        "if last:",
+        f"    vh = tl.arange(0, {vp}){wide}",
+        f"    if BV < {vp}:  # L2, where the other programs' stores are",
+        f"        o_h = tl.load({parts} + {row} * {vp} + vh, mask=vh < {s.value_dim}, "
+        'other=0.0, cache_modifier=".cg")',
+        f"        tl.store({counts} + {row}, 0)  # zero again for the next launch",
+        "    else:",
+        "        o_h = o",
+        *indent(lines),
+    ]
 
 
 def program(em: Emitter, p: SymbolicArgs, s: DeltaShape, kp: int, wide: str) -> list[str]:

@@ -10,9 +10,10 @@ state write it takes over (dispatch/fold_delta_step.py puts them into its region
   size matches, so the conv is computed once), summed in registers. Asked for at any
   other index it declines, and the region's prologues are split out again.
 - An epilogue reads o (a gated RMSNorm over each value head of it, then times SiLU of
-  the z projection): with a config whose value block is the whole head (BV = V), the
-  kernel's `o` is that row, its mean of squares a reduction over the value lanes `vv`;
-  its result is stored where o would be.
+  the z projection): it runs over a whole head's lanes `vh` and output `o_h` (the
+  program's own o when its value block is the head, else the head read back by the
+  last of its programs to finish: body.py), its mean of squares a reduction over those
+  lanes; its result is stored where o would be.
 - The final state may leave through an in-place `index_put` into the recurrent state
   (`state[torch.arange(B)] = final`): `state_store` finds that write and
   `store_final` stores each program's state block where the scatter would have put

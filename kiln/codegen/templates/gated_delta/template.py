@@ -34,8 +34,9 @@ heaviest role (the preparer at 64-step chunks) sets how many programs share an S
 static one-step op (decode) needs none of it: its programs (one per value head and BV
 columns) take the recurrence directly, S = S exp(g); u = beta (v - S^T k);
 S += k u^T; o = S^T (scale q); and they compute what dispatch folded into the step's
-region: its operands' producers, a norm of o over each value head (then BV = V: a
-program holds whole heads) and the state's in-place write (step_fusion.py).
+region: its operands' producers, a norm of o over each value head (run by the last
+program of a head to finish when BV < V: body.py) and the state's in-place write
+(step_fusion.py).
 
 q, k, v, g, beta and the initial state are read through the region's fused views by the
 expression emitter (a q that is a slice of a projection is read in place); cu_seqlens
@@ -58,7 +59,7 @@ from kiln.codegen.expr.values import CodegenUnsupported
 from kiln.codegen.expr.views import is_view
 from kiln.codegen.templates.gated_delta import staged
 from kiln.codegen.templates.gated_delta.analysis import OP, DeltaShape, analyse, pow2
-from kiln.codegen.templates.gated_delta.body import SCRATCH, decode_body
+from kiln.codegen.templates.gated_delta.body import EPILOGUE, SCRATCH, decode_body
 from kiln.codegen.templates.gated_delta.launch import chunked_body
 from kiln.ir.plan import DispatchPlan, Ref, Region
 from kiln.ir.symbolic import bounds_of
@@ -87,8 +88,8 @@ def config_space(shape: DeltaShape) -> list[Config]:
     blocks = [b for b in VALUE_BLOCKS if b <= vp] or [16]
     t_hi = shape.static_t
     if t_hi == 1:
-        if shape.epilogue:  # a reduction over each value head: whole heads a program
-            blocks = [vp]
+        if shape.epilogue:  # a reduction over each value head: whole heads a program,
+            blocks = sorted({vp, *blocks}, reverse=True)  # or the last to arrive (body.py)
         return [Config.make(w, 1, CHUNK=16, BV=bv) for bv in blocks for w in WARPS]
     chunks = [c for c in CHUNKS if t_hi is None or c <= pow2(t_hi)]
     if shape.dtype == torch.float32:  # exact fp32 dots run on FMA units: 64-step chunks
@@ -139,11 +140,12 @@ def _spills_badly(shape: DeltaShape, chunk: int, warps: int) -> bool:
 
 def step_warps(block: int) -> int:
     """Warps for a decode step's program holding a state block of `block` fp32: 128 a
-    thread, 4 to 16 warps. Fewer warps ran faster: at Qwen3-Next's shape (a 128 x 128
-    block, whole heads for the gated RMSNorm epilogue, 32 programs) the step took 7.8 us
-    on 4 warps (255 registers, no spills on sm_90), 12.7 on 8 and 15.4 on 16 (H200,
-    in isolation); 128 x 32 and 128 x 64 blocks without the epilogue were faster on 4
-    warps than 8 too: each reduction over the key dim crosses fewer warps."""
+    thread, 4 to 16 warps. Fewer warps ran faster: at Qwen3-Next's shape with whole
+    heads a program (a 128 x 128 block, 32 programs) the step took 7.8 us on 4 warps
+    (255 registers, no spills on sm_90), 12.7 on 8 and 15.4 on 16 (H200, in isolation);
+    128 x 32 and 128 x 64 blocks were faster on 4 warps than 8 too: each reduction over
+    the key dim crosses fewer warps. The default block is 32 columns (heuristic): in the
+    Qwen3-Next slice 5.0 us a step against whole heads' 6.3 (H200, 2026-12-01)."""
     return min(16, max(4, block // (128 * 32)))
 
 
@@ -166,7 +168,7 @@ def heuristic(shape: DeltaShape, target: Target) -> Config:
     interpreter runs small chunks fastest (the staged form at 32)."""
     vp = pow2(shape.value_dim)
     if shape.static_t == 1:
-        bv = vp if shape.epilogue else min(32, vp)
+        bv = min(32, vp)
         return Config.make(step_warps(pow2(shape.key_dim) * bv), 1, CHUNK=16, BV=bv)
     space = config_space(shape)
     staged = [c for c in space if c["STAGED"]]
@@ -201,7 +203,8 @@ def generate(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec:
     lines = decode_body(em, p, shape) if decode else chunked_body(em, p, shape)
     name = kernel_name("gated_delta", region)
     tunables = ["CHUNK", "BV"] if decode else ["CHUNK", "BV", "STAGED"]
-    scratch = [] if decode else _scratch(shape, p)
+    scratch = (_epilogue_scratch(shape, p) if shape.epilogue else []) if decode else \
+        _scratch(shape, p)
     # the grid first: a size only the grid reads (the batch, when no load's offset uses
     # it) is still a kernel parameter, as the launcher passes every size it binds
     heads, seqs = p.grid(shape.value_heads), p.grid(shape.sequences)
@@ -247,6 +250,16 @@ def _timing_fill(region: Region, shape: DeltaShape) -> dict[str, dict[str, str]]
     if shape.cu_seqlens in region.inputs:  # zeros: every sequence empty, nothing timed
         fill[shape.cu_seqlens] = {"sequence_bounds": str(shape.seq)}
     return fill
+
+
+def _epilogue_scratch(shape: DeltaShape, p: SymbolicArgs) -> list[Scratch]:
+    """body.EPILOGUE's buffers, when a head's columns are split over programs: its o
+    blocks (fp32) and a counter a (sequence, value head)."""
+    heads = f"({p.grid(shape.sequences)}) * {shape.value_heads}"
+    vp = pow2(shape.value_dim)
+    parts, counts = EPILOGUE
+    return [Scratch(parts, torch.float32, f"{heads} * {vp} if BV < {vp} else 1"),
+            Scratch(counts, torch.int32, f"{heads} if BV < {vp} else 1", zeroed=True)]
 
 
 def _scratch(shape: DeltaShape, p: SymbolicArgs) -> list[Scratch]:
