@@ -26,10 +26,11 @@ import os
 import torch
 import triton
 import triton.language as tl
-from gemv_forms import copy_gbps
+from gemv_forms import copy_gbps, graph_us
 from gemv_pdl_overlap import gemv
 
 LAYERS = 8
+REPS = 15  # graph replays a figure (median)
 SHAPES = {"wqkv": (6144, 4096), "wo": (4096, 4096), "w13": (28672, 4096), "w2": (4096, 14336)}
 
 
@@ -131,37 +132,19 @@ class Chain:
             main.wait_stream(self.side)
 
 
-def graph_ms(fn, reps: int = 15) -> float:
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
-    ts = []
-    for _ in range(reps):
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1))
-    return sorted(ts)[reps // 2]
-
-
 def measure(c: Chain, bw: float, a) -> dict:
     """One busy length's rows: the chain without and with each prefetch, wo alone."""
     layer_bytes = sum(n * k * 2 for n, k in SHAPES.values())
     floor = layer_bytes / (bw * 1e9) * 1e6
-    idle = graph_ms(lambda: [c.idle() for _ in range(20)]) * 1000 / 20
-    base = graph_ms(c.layers) * 1000 / LAYERS
+    idle = graph_us(lambda: [c.idle() for _ in range(20)], 20, REPS)
+    base = graph_us(c.layers, LAYERS, REPS)
     print(f"-- busy {c.busy_iters} steps: idle stretch {idle:.2f} us; layer floor {floor:.2f} "
           f"us; no prefetch {base:.2f} us a layer")
     rows = {"idle_us": idle, "floor_us": floor, "none": base}
     for form in a.forms:
         for mb in a.mb:
             for programs in a.programs:
-                t = graph_ms(lambda m=mb, f=form, p=programs: c.layers(m, f, p)) * 1000 / LAYERS
+                t = graph_us(lambda m=mb, f=form, p=programs: c.layers(m, f, p), LAYERS, REPS)
                 rows[f"{form} {mb} MB {programs} progs"] = t
                 print(f"   {form:5s} {mb:4.1f} MB of wo, {programs:2d} programs: {t:.2f} us "
                       f"({t - base:+.2f})")
@@ -181,8 +164,8 @@ def measure(c: Chain, bw: float, a) -> dict:
         hot_parts()
         c.gemv("wo", 0)
 
-    cold = (graph_ms(wo_cold) - graph_ms(flush.zero_)) * 1000
-    hot = (graph_ms(wo_hot) - graph_ms(hot_parts)) * 1000
+    cold = graph_us(wo_cold, 1, REPS) - graph_us(flush.zero_, 1, REPS)
+    hot = graph_us(wo_hot, 1, REPS) - graph_us(hot_parts, 1, REPS)
     rows.update(wo_cold_us=cold, wo_hot_us=hot)
     print(f"   wo alone: cold L2 {cold:.2f} us, after a prefetch of all of it {hot:.2f} us")
     ref = c.w[0]["w2"].float() @ c.x[14336].float()

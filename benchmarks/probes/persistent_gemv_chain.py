@@ -24,10 +24,11 @@ import os
 import torch
 import triton
 import triton.language as tl
-from gemv_forms import copy_gbps
+from gemv_forms import copy_gbps, graph_us
 from gemv_pdl_overlap import gemv
 
 LAYERS = 8
+REPS = 15  # graph replays a figure (median)
 SHAPES = [("wqkv", 6144, 4096), ("wo", 4096, 4096), ("w13", 28672, 4096),
           ("w2", 4096, 14336)]
 
@@ -170,24 +171,6 @@ class Chain:
         return self.act[self.out_off[-1]:]
 
 
-def graph_us(fn, reps: int = 15) -> float:
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
-    ts = []
-    for _ in range(reps):
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1000)
-    return sorted(ts)[reps // 2]
-
-
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -204,7 +187,7 @@ def main():
     for pdl in (False, True):
         c.kernels(pdl)
         err = rel(c.h[-1], ref)
-        t = graph_us(lambda p=pdl: c.kernels(p))
+        t = graph_us(lambda p=pdl: c.kernels(p), 1, REPS)
         results[f"kernels pdl={pdl}"] = (t / n, err)
         print(f"kernels{' (PDL)' if pdl else ''}: {t / n:.2f} us a GEMV ({t / floor:.3f}x bytes), "
               f"err {err:.1e}")
@@ -223,7 +206,7 @@ def main():
                 c.persistent(programs, meta, pre)
                 torch.cuda.synchronize()
                 err = rel(c.output(), ref)
-                t = graph_us(lambda p=programs, m=meta, q=pre: c.persistent(p, m, q))
+                t = graph_us(lambda p=programs, m=meta, q=pre: c.persistent(p, m, q), 1, REPS)
                 results[f"persistent {per_sm}/SM fill {fill} pre {pre}"] = (t / n, err)
                 print(f"persistent{', next tile first' if pre else ''}, {per_sm} a SM, {fill} "
                       f"tiles a program a product: {t / n:.2f} us a GEMV ({t / floor:.3f}x "

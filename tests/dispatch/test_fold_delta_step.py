@@ -68,13 +68,18 @@ def _step_region(exe):
     return next(r for r in exe.plan.regions if any(op.target == OP for op in r.ops))
 
 
+def _batched(model, x, pos, target="interpret", **kw):
+    """`model` (a copy) compiled for batches of 1 or 2 rows."""
+    batch = kiln.Dim("batch", min=1, max=2)
+    return kiln.compile(copy.deepcopy(model), (x, pos), target=target,
+                        dynamic_shapes=({0: batch}, {0: batch}), **kw)
+
+
 def test_the_step_takes_its_prologue_and_state_write_and_matches_eager():
     torch.manual_seed(0)
     model = Step()
-    batch = kiln.Dim("batch", min=1, max=2)
     x, pos = torch.randn(2, 1, DIM), torch.tensor([[3], [0]])
-    exe = kiln.compile(copy.deepcopy(model), (x, pos), target="interpret",
-                       dynamic_shapes=({0: batch}, {0: batch}))
+    exe = _batched(model, x, pos)
     step = _step_region(exe)
     assert step.kind == RegionKind.EXTERN and list(step.inplace.values()) == ["b_state"]
     assert any(n.startswith("epilogue: region") for n in step.notes), step.notes
@@ -118,10 +123,8 @@ def test_a_head_split_over_programs_runs_the_epilogue_in_the_last_to_arrive(monk
     _widths(monkeypatch, V=64)
     torch.manual_seed(2)
     model = Step()
-    batch = kiln.Dim("batch", min=1, max=2)
     x, pos = torch.randn(2, 1, DIM), torch.tensor([[3], [0]])
-    exe = kiln.compile(copy.deepcopy(model), (x, pos), target="interpret",
-                       dynamic_shapes=({0: batch}, {0: batch}))
+    exe = _batched(model, x, pos)
     kernel = exe.program.kplan.kernels[_step_region(exe).name]
     assert kernel.config["BV"] == 32 and "gd_arrived" in kernel.spec.source
     _steps(exe, model, [(x, pos), (torch.randn(2, 1, DIM), pos + 1),
@@ -162,10 +165,8 @@ def test_the_split_step_matches_eager_on_cuda_at_qwen3_next_widths(monkeypatch, 
     torch.manual_seed(3)
     model = Step().to(dtype).cuda()
     model.state = model.state.float()  # the op's state is fp32, as a model keeps it
-    batch = kiln.Dim("batch", min=1, max=2)
     x, pos = torch.randn(2, 1, DIM, dtype=dtype, device="cuda"), torch.tensor([[3], [0]])
-    exe = kiln.compile(copy.deepcopy(model), (x, pos.cuda()), target="cuda",
-                       dynamic_shapes=({0: batch}, {0: batch}), options={"tune": "none"})
+    exe = _batched(model, x, pos.cuda(), "cuda", options={"tune": "none"})
     assert exe.program.kplan.kernels[_step_region(exe).name].config["BV"] == 32
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for i in range(3):
