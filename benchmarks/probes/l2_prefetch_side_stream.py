@@ -13,8 +13,10 @@ layer, 8 layers: ~3.5 GB, far past L2). Variants: no prefetch; the first X MB of
 prefetched during the idle stretch by P programs, with `cp.async.bulk.prefetch.L2` (one
 instruction per chunk) or `prefetch.global.L2` (one per 128-byte line), on the second
 stream ("-join": wo waits for it) or ("bulk-main") in the chain itself before the idle
-stretch; and the GEMV wo alone from a cold and from a hot L2 (what the prefetch could
-reach at best). Per-layer us, median of graph replays.
+stretch; and the GEMV wo alone from a cold L2 and from a warm one (a graph of the
+prefetch, the idle stretch and wo, whose 33.5 MB stay in L2 from replay to replay: what
+a prefetch could reach at best, not what this one does). Per-layer us, median of graph
+replays.
 
 GPU: PYTHONPATH=.:benchmarks/probes python benchmarks/probes/l2_prefetch_side_stream.py
      [--busy 12 24] [--mb 8 16 32] [--programs 8 32] [--forms bulk lines]
@@ -148,7 +150,7 @@ def measure(c: Chain, bw: float, a) -> dict:
                 rows[f"{form} {mb} MB {programs} progs"] = t
                 print(f"   {form:5s} {mb:4.1f} MB of wo, {programs:2d} programs: {t:.2f} us "
                       f"({t - base:+.2f})")
-    # wo alone, L2 cold (after a 256 MB sweep) and hot (right after prefetching all of it)
+    # wo alone, L2 cold (after a 256 MB sweep) and warm (its graph's footprint stays in L2)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     wo = c.w[0]["wo"]
 
@@ -167,7 +169,7 @@ def measure(c: Chain, bw: float, a) -> dict:
     cold = graph_us(wo_cold, 1, REPS) - graph_us(flush.zero_, 1, REPS)
     hot = graph_us(wo_hot, 1, REPS) - graph_us(hot_parts, 1, REPS)
     rows.update(wo_cold_us=cold, wo_hot_us=hot)
-    print(f"   wo alone: cold L2 {cold:.2f} us, after a prefetch of all of it {hot:.2f} us")
+    print(f"   wo alone: cold L2 {cold:.2f} us, warm L2 {hot:.2f} us")
     ref = c.w[0]["w2"].float() @ c.x[14336].float()
     c.gemv("w2", 0)
     torch.cuda.synchronize()
