@@ -5,6 +5,7 @@ written in place stay apart."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import kiln
 from kiln.dispatch import recompute_cheap
@@ -106,3 +107,49 @@ def test_a_view_of_a_state_written_in_place_is_not_recomputed():
 def test_the_cpu_target_keeps_the_region():
     exe = kiln.compile(TwoReaders(), (torch.randn(5, 9),), target="cpu")
     assert RegionKind.POINTWISE in _kinds(exe)
+
+
+class RotaryDecode(torch.nn.Module):
+    """An HF-style decode step: the rotary tables read at the step's position and cast,
+    read by the key cache write and by the attention's query."""
+
+    def __init__(self, heads=2, dim=16, length=12):
+        super().__init__()
+        inv = 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim)
+        ang = torch.outer(torch.arange(length).float(), inv).repeat(1, 2)
+        self.register_buffer("cos", ang.cos())
+        self.register_buffer("sin", ang.sin())
+        self.register_buffer("k_cache", torch.zeros(1, heads, length, dim))
+        self.register_buffer("v_cache", torch.zeros(1, heads, length, dim))
+
+    @staticmethod
+    def rope(x, cos, sin):
+        half = x.shape[-1] // 2
+        turned = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * cos + turned * sin
+
+    def forward(self, q, k, v, pos):
+        cos, sin = self.cos[pos].to(q.dtype), self.sin[pos].to(q.dtype)  # [1, dim]
+        self.k_cache.index_copy_(2, pos, self.rope(k, cos, sin).to(self.k_cache.dtype))
+        self.v_cache.index_copy_(2, pos, v.to(self.v_cache.dtype))
+        mask = (torch.arange(self.k_cache.shape[2]) <= pos)[None, :]
+        return F.scaled_dot_product_attention(self.rope(q, cos, sin),
+                                              self.k_cache.to(q.dtype),
+                                              self.v_cache.to(q.dtype), attn_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_tables_read_at_the_position_are_recomputed_in_decode_attention(dtype):
+    """The gathered tables go into the cache write and the attention (one query): no
+    kernel of their own, and the steps match eager's."""
+    g = torch.Generator().manual_seed(0)
+    step = [torch.randn(1, 2, 1, 16, generator=g).to(dtype) for _ in range(3)]
+    exe = kiln.compile(RotaryDecode(), (*step, torch.tensor([0])), target="interpret")
+    notes = [n for r in exe.plan.regions for n in r.notes if "cheap) recomputed" in n]
+    attention = [r for r in exe.plan.regions if r.kind == RegionKind.ATTENTION]
+    assert notes and any("cheap) recomputed" in n for n in attention[0].notes)
+    model = RotaryDecode()
+    for p in range(4):
+        step = [torch.randn(1, 2, 1, 16, generator=g).to(dtype) for _ in range(3)]
+        got, want = exe(*step, torch.tensor([p])), model(*step, torch.tensor([p]))
+        assert rel_err(got, want) <= (1e-6 if dtype == torch.float32 else 1e-2)
