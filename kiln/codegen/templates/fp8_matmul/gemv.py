@@ -63,6 +63,7 @@ ROW_BYTES = 16  # a thread's load per weight row: one 128-bit vector
 # an SM, at 1.4x its bytes' time on an H200 where w13 (896 tiles) ran at 1.09x. The
 # packed form's 72-91 registers hold 5-7 programs an SM.
 SPLIT_FILL = 8
+SHORT_K = 4096  # one token's K up to which the default step is 2 blocks, not 4
 
 
 def rows(m_hi: int) -> int:
@@ -95,11 +96,15 @@ def heuristic(shape: Fp8Shape, target: Target, m_hi: int, streams: int = 1) -> C
     448 programs all resident; 64 rows took 167 registers (three an SM: two waves).
     Two or more tokens keep the widened step for every row: 2 blocks (128-161
     registers; 4 blocks took 254). Two weights a program (paired siblings) take half
-    the blocks each: the same bytes a thread a step.
+    the blocks each: the same bytes a thread a step. One token at K <= SHORT_K takes 2
+    blocks too: the fast tuner picked 2 for Llama-3-8B's qkv, o and gate/up (K 4096;
+    H200, its timing: 16.5 -> 15.7, 13.9 -> 11.6, 43.5 -> 43.2 us) and kept 4 for down
+    (K 14336: 25.1 against 26.5 us at 2).
     The interpreter runs the smallest tile fastest."""
     if target.backend == "interpret":
         return Config.make(4, 1, BM=rows(m_hi), BN=32, SPLIT_K=1, KB=1)
-    kb = 4 if m_hi == 1 and shape.k >= 4 * BLOCK else 2 if shape.k >= 2 * BLOCK else 1
+    long_k = m_hi == 1 and shape.k > SHORT_K
+    kb = 4 if long_k else 2 if shape.k >= 2 * BLOCK else 1
     kb = max(1, kb // streams)
     return Config.make(4, 1, BM=rows(m_hi), BN=32, SPLIT_K=16, KB=kb)
 
