@@ -19,7 +19,7 @@
 # own directory comes first on sys.path, then the tree's (PYTHONPATH=.).
 set -uo pipefail
 if [ $# -lt 6 ] || [ "$5" != "--" ]; then
-  sed -n 2,20p "$0"; exit 2
+  sed -n 2,19p "$0"; exit 2
 fi
 old=$(cd "$1" && pwd); new=$(cd "$2" && pwd); rounds=$3; out=$(mkdir -p "$4" && cd "$4" && pwd)
 shift 5
