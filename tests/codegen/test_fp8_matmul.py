@@ -525,6 +525,17 @@ def test_decode_and_interpret_heuristics():
     assert interp.default == fp8_matmul.Config.make(4, 1, BM=16, BN=32, SPLIT_K=1)
 
 
+@pytest.mark.parametrize("k, kb", [(4096, 2), (2048, 2), (14336, 4)])
+def test_one_token_default_step_is_two_blocks_up_to_k_4096(k, kb):
+    """The GEMV's default blocks a step: the fast tuner's picks on an H200 (Llama-3-8B's
+    qkv, o, gate/up at K 4096 took 2; down at K 14336 kept 4); the space keeps both."""
+    m = Fp8Linear(512, k)
+    plan, region = _regions(m, torch.randn(1, k, dtype=torch.bfloat16), "fp8_linear")
+    spec = fp8_matmul.generate(region, plan, SM90)
+    assert spec.meta["form"] == "gemv" and spec.default["KB"] == kb
+    assert {2, 4} <= {c["KB"] for c in spec.configs}
+
+
 def test_one_token_gets_the_gemv_and_it_streams_16_byte_vectors_on_sm90():
     """One token (decode at batch 1): the CUDA-core GEMV form by default; its default
     (32 rows by 4 blocks, K split) compiles for sm_90 within the model's shared memory,
