@@ -12,7 +12,9 @@ cheaply as it reads x: the pointwise region's ops become the fp8 region's prolog
 A region folds when it is pointwise, writes nothing in place, its one output leaves
 through no plan output and is read by one region only: a kiln::fp8_linear of at most
 FP8_GEMV_MAX_M tokens (its GEMV form; the swap and tiled forms' programs would each
-recompute the prologue over many rows) that reads it only as x through reshapes. Only
+recompute the prologue over many rows) that reads it only as x through reshapes. Runs
+after group_fp8_siblings, which pairs separate gate and up linears into their SiLU
+product's region: only what no pair took (a fused w13's SwiGLU) folds here. Only
 targets that generate kernels fold. A template that declines the prologue gets it split
 out again (codegen/select_kernels.py, dispatch/split.py).
 """
