@@ -96,17 +96,11 @@ VARIANTS = {
     "bn32_fill4x": {"BLOCK_N": 32, "fill": 4},
     "warps2": {"warps": 2},
     "rope": {"rope": True},  # the default config, q's RoPE in the prologue
-    # a split of one key block (template.MIN_SPLIT_BLOCKS is 2): at contexts 128 / 512
-    # the split count was capped by the blocks (2 / 5 parts of two steps each), so the
-    # fill variants above never split more there; these do (3 / 9 parts of one step)
-    "min1": {"min_blocks": 1},
-    "min1_fill2x": {"min_blocks": 1, "fill": 2},
-    "min1_bn32": {"min_blocks": 1, "BLOCK_N": 32},
 }
 
 
 def compiled(variant, dtype):
-    heuristic, count, min_blocks = template.heuristic, split_k.count, template.MIN_SPLIT_BLOCKS
+    heuristic, count = template.heuristic, split_k.count
 
     def forced(shape, rows_hi, target):
         c = heuristic(shape, rows_hi, target)
@@ -118,7 +112,6 @@ def compiled(variant, dtype):
         return count(cap, tiles, fill * variant.get("fill", 1), most)
 
     template.heuristic, split_k.count = forced, more
-    template.MIN_SPLIT_BLOCKS = variant.get("min_blocks", min_blocks)
     try:
         m = (RopeAttention if variant.get("rope") else Attention)().to("cuda", dtype)
         ex = (torch.randn(1, HEADS, 1, D, device="cuda", dtype=dtype),
@@ -130,7 +123,6 @@ def compiled(variant, dtype):
         return m, mod, ex
     finally:
         template.heuristic, split_k.count = heuristic, count
-        template.MIN_SPLIT_BLOCKS = min_blocks
 
 
 def main():
