@@ -9,8 +9,10 @@ and cheap ops (recompute.CHEAP: casts, adds, compares, selects) whose one output
 small (MAX_ELEMENTS) and read only by regions that compute their prologue per element
 (pointwise, reduction, copy, topk: V3's router bias read by its two topks; a decode
 attention: the rotary tables read at the step's position, `cos[pos].to(dtype)`, that
-a decode step's key cache write and attention both read, two kernels a step in every
-HF-style model), is copied into each of them instead and goes. Not when
+a decode step's key cache write and attention both read, two or three kernels a step in
+HF- and gpt-fast-style models; an H200 step measured no faster, only fewer launches: the
+gather's round trip moves into its readers), is copied into each of them instead and
+goes. Not when
 the output leaves the program, or when an input is a state some region writes in place
 (a later reader would see the new state). Only targets that generate kernels.
 """
