@@ -645,6 +645,33 @@ def test_an_inplace_output_is_checked_over_a_copy_of_the_input_it_writes():
     assert torch.equal(ins["cache"], kept)  # each run wrote its own copy
 
 
+def test_an_inplace_output_over_a_state_it_does_not_read_starts_the_same_each_run():
+    """A KV cache write of kiln's models writes the cache without reading it (the cache
+    is no input of its region): the check starts that output from the same seeded values
+    in the torch form's run and the candidate's, so the rows neither writes agree (from
+    empty buffers they held whatever the allocator gave each run)."""
+    from kiln.codegen.autotune.timing import inplace_inputs
+    from kiln.codegen.autotune.verify import mismatch, outputs
+
+    class RowWrite:  # a kernel storing row 2 only
+        def run(self, inputs, outs, env):
+            outs["o"][2] = inputs["rows"][0]
+
+    class WrongRow:  # one storing row 3
+        def run(self, inputs, outs, env):
+            outs["o"][3] = inputs["rows"][0]
+
+    like = {"o": torch.empty(64, 8, dtype=torch.bfloat16)}
+    ins = {"rows": torch.randn(1, 8, dtype=torch.bfloat16)}
+    region = Region("r", RegionKind.COPY, [], ["rows"], ["o"], inplace={"o": "b_cache"})
+    inplace = inplace_inputs(region)
+    assert inplace == {"o": None}
+    want = outputs(RowWrite(), ins, like, {}, inplace)
+    assert bool(torch.isfinite(want["o"].float()).all())
+    assert mismatch(outputs(RowWrite(), ins, like, {}, inplace), want) is None
+    assert "relative error" in mismatch(outputs(WrongRow(), ins, like, {}, inplace), want)
+
+
 @pytest.mark.parametrize("options,named", [
     ({"tune": "fastest"}, "fastest"),
     ({"tune_compiler": "compile_binary"}, "compile_binary"),

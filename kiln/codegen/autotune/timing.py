@@ -205,12 +205,15 @@ class Buffers:
     inputs: dict[str, tuple[tuple[int, ...], torch.dtype]]
     outputs: dict[str, tuple[tuple[int, ...], torch.dtype]]
     fill: dict[str, int | tuple[str, int]]
-    inplace: dict[str, str] = field(default_factory=dict)
+    inplace: dict[str, str | None] = field(default_factory=dict)
 
 
-def inplace_inputs(region: Region) -> dict[str, str]:
-    """The region's outputs written over one of its inputs: output -> that input."""
-    return {o: s for o, s in region.inplace.items() if o in region.outputs and s in region.inputs}
+def inplace_inputs(region: Region) -> dict[str, str | None]:
+    """The region's outputs written in place over a state: output -> the input it is
+    written over, or None where the region writes the state without reading it (a KV
+    cache write whose rows come from other values: the cache is no input of its)."""
+    return {o: s if s in region.inputs else None for o, s in region.inplace.items()
+            if o in region.outputs}
 
 
 def buffer_specs(region: Region, plan: DispatchPlan, env: dict[str, int],

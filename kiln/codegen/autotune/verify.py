@@ -24,20 +24,35 @@ TOLERANCE = {torch.float32: 1e-2, torch.float64: 1e-6, torch.float16: 0.1,
 
 
 def outputs(kernel, inputs: dict, like: dict, env: dict,
-            inplace: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+            inplace: dict[str, str | None] | None = None) -> dict[str, torch.Tensor]:
     """`kernel`'s outputs on `inputs`, in fresh buffers shaped as `like`.
 
-    An output the region writes in place over an input (`inplace`: output -> input, as
-    Region.inplace) starts as a copy of that input and is passed as it, as at run time:
-    a cache write's kernel stores only the rows it writes, and an empty buffer's other
-    rows would be judged as its (garbage) output. `inputs` stay unchanged."""
+    An output the region writes in place over a state (`inplace`, timing.inplace_inputs)
+    stores only the rows it writes, as at run time, so its other rows must be the same
+    in every run compared: it starts as a copy of the input it is written over, passed
+    as that input, or, for a state the region does not read (a KV cache written from
+    other values), as the same seeded random values each call. An empty buffer's other
+    rows were garbage, and a correct candidate was judged wrong (or right) by the
+    allocator's luck. `inputs` stay unchanged."""
     outs = {name: torch.empty_like(t) for name, t in like.items()}
     ins = dict(inputs)
     for out, state in (inplace or {}).items():
+        if state is None:
+            outs[out] = _seeded_like(outs[out])
+            continue
         outs[out] = inputs[state].clone()
         ins[state] = outs[out]
     kernel.run(ins, outs, env)
     return outs
+
+
+def _seeded_like(t: torch.Tensor) -> torch.Tensor:
+    """The same random values (integers: zeros) shaped as `t`, on every call."""
+    gen = torch.Generator(device=t.device)
+    gen.manual_seed(20261201)
+    if not t.dtype.is_floating_point:
+        return torch.zeros_like(t)
+    return torch.randn(t.shape, device=t.device, generator=gen).to(t.dtype)
 
 
 def mismatch(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> str | None:
