@@ -55,6 +55,30 @@ def test_state_scatters_write_in_place_with_fused_prologue():
         assert rel_err(a, b) <= 1e-6
 
 
+def test_overwriting_scatters_are_timed_at_distinct_destination_rows():
+    """The tuner fills an overwriting scatter's index inputs with distinct values below
+    the indexed dim: at zeros every update row lands on one destination row and the
+    output check compares which program stored last (a prefill's K/V write had correct
+    candidates judged wrong). An accumulating scatter keeps the default."""
+    from kiln.codegen.autotune.timing import buffer_specs, make_buffers
+    from kiln.codegen.select_kernels import spec_for
+
+    x, pos, cos = torch.randn(1, 3, 8), torch.arange(3), torch.randn(3, 4)
+    exe = compile_interpret(Cache(), (x, pos, cos), ({1: T}, {0: T}, {0: T}))
+    plan, fills = exe.plan, []
+    for region in (r for r in plan.regions if r.inplace):
+        spec = spec_for(region, plan, TARGETS["interpret"])
+        fills.append(spec.meta.get("timing_fill"))
+        if fills[-1]:
+            env = {str(s): 12 for s in plan.symbols}
+            ins, _ = make_buffers(buffer_specs(region, plan, env, fills[-1]), "cpu", seed=3)
+            (name, how), = fills[-1].items()
+            rows = ins[name]
+            assert how == {"choose_from": "16"} and rows.shape == (12,)
+            assert len(set(rows.tolist())) == 12 and 0 <= int(rows.min()) <= int(rows.max()) < 16
+    assert sorted(map(bool, fills)) == [False, True, True]  # index_copy_ and v[pos] = ...
+
+
 class Functional(torch.nn.Module):
     def forward(self, base, src, row, idx):
         # base [T, 6], src [T, 2], row [6]

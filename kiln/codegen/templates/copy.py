@@ -27,7 +27,7 @@ from kiln.codegen.templates.pointwise import pointwise_configs, pointwise_spec
 from kiln.codegen.templates.reduction.row_kernel import RowKernel
 from kiln.ir.ops import SLICE_SCATTERS, OpCategory, bind_args, category, norm_axis
 from kiln.ir.plan import DispatchPlan, Op, Ref, Region
-from kiln.ir.symbolic import numel, same_dim, upper_bound
+from kiln.ir.symbolic import numel, same_dim, to_str, upper_bound
 from kiln.target import Target
 
 ATOMIC_DTYPES = {torch.float32, torch.int32}
@@ -86,9 +86,47 @@ def scatter_spec(region: Region, plan: DispatchPlan, target: Target, *ops: Op) -
     source = module_source(name, args.names() + ["XBLOCK: tl.constexpr"], body, em.helpers,
                            target, args.describe())
     configs, default = pointwise_configs(upper_bound(n, plan.symbols))
+    meta = {"numel": str(n), "inplace": True}
+    fill = _distinct_indices(em, region, ops)
+    if fill:
+        meta["timing_fill"] = fill
     return KernelSpec(name, source, args.kernel_args(), ["XBLOCK"], (f"cdiv({n_code}, XBLOCK)",),
-                      configs, default, "pointwise", {"numel": str(n), "inplace": True},
-                      index_bits=64 if wide else 32)
+                      configs, default, "pointwise", meta, index_bits=64 if wide else 32)
+
+
+def _distinct_indices(em: Emitter, region: Region, ops) -> dict[str, dict[str, str]]:
+    """The tuner's fill for the index inputs of stores that overwrite (not accumulate):
+    distinct values below the indexed dim per row. At zeros (the default for integer
+    inputs) every update row lands on one destination row, which program stores last
+    decides what it holds, and the output check compared that race (a prefill's K/V
+    write: 2048 rows into cache row 0, its candidates judged wrong on an H200)."""
+    fill = {}
+    for op in ops:
+        t, a = op.target, op.args
+        dest_shape = em.shape(a[0].name)
+        if t == "aten.index_put.default" and not bind_args(op)["accumulate"]:
+            pairs = [(ix, dest_shape[k]) for k, ix in enumerate(a[1]) if isinstance(ix, Ref)]
+        elif t in ("aten.index_copy.default", "aten.scatter.src", "aten.scatter.value"):
+            pairs = [(a[2], dest_shape[norm_axis(a[1], len(dest_shape))])]
+        else:
+            continue
+        for ix, dim in pairs:
+            name = _input_behind_views(region, ix)
+            if name is not None:
+                fill[name] = {"choose_from": to_str(dim)}
+    return fill
+
+
+def _input_behind_views(region: Region, ref) -> str | None:
+    """The region input `ref` reads through view ops (a position [T] viewed [1, T]), or
+    None when it is computed in the region."""
+    ops = {o.name: o for o in region.ops}
+    while isinstance(ref, Ref) and ref.name in ops:
+        op = ops[ref.name]
+        if category(op.target) != OpCategory.VIEW or not op.args:
+            return None
+        ref = op.args[0]
+    return ref.name if isinstance(ref, Ref) and ref.name in region.inputs else None
 
 
 def _update_shape(em: Emitter, op: Op) -> tuple:
