@@ -45,7 +45,10 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target=N
     - a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json):
       Llama 2/3/3.1, Mistral, Qwen2, Qwen3-Next (model_type "qwen3_next"), or
       DeepSeek-V3 (model_type "deepseek_v3", bf16 or fp8 weights); with
-      random_weights=True only its config.json is read;
+      random_weights=True only its config.json is read. Any other transformers causal
+      LM (Gemma, Phi-3, OLMo, ...) loads as transformers' own model behind its
+      static-cache export recipe (kiln.models.hf_recipe): one sequence at a time, a
+      contiguous cache, one device, no quantize;
     - a preset name (kiln.models.llama.PRESETS: tiny, llama3-8b, llama2-70b, ...):
       random weights and a byte tokenizer;
     - a directory written by LLM.save (`kiln compile --model DIR -o ART`): loaded
@@ -108,6 +111,10 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target=N
     device = tgt.torch_device if not tgt.is_gpu or torch.cuda.is_available() else "cpu"
     parallel = ({"tp": tensor_parallel_size, "pp": pipeline_parallel_size}
                 if tensor_parallel_size * pipeline_parallel_size > 1 else None)
+    if parallel is not None and _by_recipe(source):
+        raise ArgumentError("a checkpoint kiln has no model for runs through transformers' "
+                            "static-cache recipe, on one device", where=str(source),
+                            hint="drop tensor_parallel_size / pipeline_parallel_size")
     if parallel is not None:
         from kiln.models.spawn import open_world, spawn_llm, under_launcher
 
@@ -140,6 +147,8 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target=N
         if config.get("model_type") == "deepseek_v3" or \
                 "DeepseekV3ForCausalLM" in (config.get("architectures") or []):
             from kiln.models import deepseek_v3_checkpoint as loader
+        elif not hf.maps(config):  # transformers' own model, through its static cache
+            from kiln.models import hf_recipe as loader
         if random_weights:
             where = str(path / "config.json")
             cfg = loader.config_from_hf(config, where, max_seq_len)
@@ -188,6 +197,19 @@ def load(source: str | Path, *, dtype: torch.dtype | str | None = None, target=N
                paged=paged, block_size=block_size, num_blocks=num_blocks, name=str(source),
                cuda_graphs=cuda_graphs, parallel=parallel, read_weights=read_weights,
                checkpoint=path if path.is_dir() else None)
+
+
+def _by_recipe(source) -> bool:
+    """Is `source` a checkpoint directory of an architecture kiln has no model for
+    (loaded by kiln.models.hf_recipe)?"""
+    from kiln.models import hf
+
+    config = Path(source) / "config.json"
+    if not config.is_file():
+        return False
+    cfg = hf.read_json(config)
+    return not hf.maps(cfg) and cfg.get("model_type") != "deepseek_v3" and \
+        "DeepseekV3ForCausalLM" not in (cfg.get("architectures") or [])
 
 
 def _quantize_fp8(model) -> None:

@@ -124,6 +124,14 @@ def check_config_values(hf: dict, where: str, head_dim_from_hidden: bool = True)
                               f"{heads}, and config.json gives no head_dim", where=where)
 
 
+def maps(hf: dict) -> bool:
+    """Does config.json name a family this loader maps onto kiln's own modules?"""
+    archs = hf.get("architectures") or []
+    arch = archs[0] if archs else None
+    return arch in ARCHITECTURES or (arch is None
+                                     and hf.get("model_type") in ARCHITECTURES.values())
+
+
 def family(hf: dict, where: str) -> str:
     """'llama' | 'mistral' | 'qwen2' | 'qwen3' | 'qwen3_next' from config.json's architectures (or
     model_type)."""

@@ -28,6 +28,7 @@ import torch
 import kiln
 from kiln.errors import ArgumentError, ArtifactError
 from kiln.models.deepseek_v3 import DeepseekV3Config
+from kiln.models.hf_recipe import RecipeConfig
 from kiln.models.kv_cache import PagedLayout
 from kiln.models.llama import LlamaConfig
 from kiln.models.qwen3_next import Qwen3NextConfig
@@ -40,7 +41,8 @@ FORMAT_VERSION = 1
 # copied from the checkpoint when present: what transformers and people look for
 CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                     "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
-CONFIGS = {c.__name__: c for c in (LlamaConfig, Qwen3NextConfig, DeepseekV3Config)}
+CONFIGS = {c.__name__: c for c in (LlamaConfig, Qwen3NextConfig, DeepseekV3Config,
+                                    RecipeConfig)}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

@@ -1,0 +1,193 @@
+"""Checkpoints of causal LMs kiln has no model for: transformers' own model, decoded
+through transformers' static-cache export recipe, compiled by kiln for generation.
+
+Why: kiln.models maps the Llama families, Qwen3-Next and DeepSeek-V3 onto its own
+modules; any other Hugging Face checkpoint directory (Gemma, Phi-3, OLMo, ...) was
+refused by `kiln generate` and kiln.models.load although kiln.compile runs those models
+as they are written (README, "Models kiln does not know"). Here the checkpoint loads
+with transformers (AutoModelForCausalLM), is wrapped in
+TorchExportableModuleWithStaticCache (a static KV cache that torch.export keeps as
+state), and RecipeLM gives that wrapper the interface kiln.models.generate.LLM compiles
+and drives: forward(tokens, input_pos, logits_at) and setup_cache.
+
+What the recipe fixes: one sequence at a time (its cache has one row), a contiguous
+cache (no paging), one device, the checkpoint's own weights (no fp8 quantisation at
+load). Each of these, asked for, is an ArgumentError naming it. transformers must be
+installed (it is kiln's reference, not its dependency).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from kiln.errors import ArgumentError, CheckpointError
+from kiln.models.hf import checkpoint_dtype, context_length, read_json
+
+log = logging.getLogger("kiln.models")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeConfig:
+    """What LLM reads of a model's config: its context and vocabulary, and the
+    architecture transformers builds."""
+
+    architecture: str
+    vocab_size: int
+    max_seq_len: int
+    hf: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+
+def transformers_class(hf_cfg: dict, where: str):
+    """The transformers causal-LM class config.json's architectures names, or a
+    CheckpointError saying what kiln loads."""
+    archs = hf_cfg.get("architectures") or []
+    arch = archs[0] if archs else None
+    try:
+        import transformers
+    except ImportError:
+        raise CheckpointError(
+            f"architecture {arch or hf_cfg.get('model_type')!r} has no kiln model, and "
+            "transformers (which would run it through its static-cache recipe) is not "
+            "installed", where=where, hint="pip install transformers, or load a Llama, "
+            "Mistral, Qwen2/3, Qwen3-Next or DeepSeek-V3 checkpoint") from None
+    cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
+    if cls is None or arch not in _causal_lm_names():
+        raise CheckpointError(
+            f"architecture {arch or hf_cfg.get('model_type')!r} is neither a kiln model "
+            f"nor a transformers causal LM (transformers {transformers.__version__})",
+            where=where, hint="kiln generates with the causal LMs AutoModelForCausalLM "
+            "builds; compile other models with kiln.compile")
+    return cls
+
+
+def _causal_lm_names() -> set[str]:
+    """The classes transformers' AutoModelForCausalLM builds (GPT2LMHeadModel among them)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = set()
+    for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update([v] if isinstance(v, str) else v)
+    return names
+
+
+def config_from_hf(hf_cfg: dict, where: str = "config.json",
+                   max_seq_len: int | None = None) -> RecipeConfig:
+    cls = transformers_class(hf_cfg, where)
+    vocab = hf_cfg.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 0:
+        raise CheckpointError(f"vocab_size {vocab!r} is not a positive int", where=where)
+    if (hf_cfg.get("quantization_config") or {}).get("quant_method"):
+        raise CheckpointError(
+            f"a quantized {cls.__name__} checkpoint "
+            f"({hf_cfg['quantization_config']['quant_method']}) has no kiln model",
+            where=where, hint="kiln loads quantized checkpoints of the Llama families and "
+            "DeepSeek-V3; give this model's bf16 / fp16 weights")
+    return RecipeConfig(cls.__name__, vocab, context_length(hf_cfg, where, max_seq_len),
+                        dict(hf_cfg))
+
+
+class RecipeLM(nn.Module):
+    """transformers' causal LM behind its static-cache recipe, with LLM's interface."""
+
+    needs_seq_lens = False
+
+    def __init__(self, hf_model: nn.Module, cfg: RecipeConfig):
+        super().__init__()
+        self.hf = hf_model
+        self.cfg = cfg
+        self.recipe = None  # setup_cache makes it (its cache sits beside the weights)
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.hf.get_output_embeddings()
+
+    def init_rope(self, device) -> None:
+        """transformers computes its own position tables."""
+
+    def setup_cache(self, dtype: torch.dtype | None = None, *, max_batch_size: int = 1,
+                    paged: bool = False, block_size: int = 16,
+                    num_blocks: int | None = None) -> None:
+        from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+        if max_batch_size != 1 or paged:
+            raise ArgumentError(
+                f"{self.cfg.architecture} runs through transformers' static-cache recipe: "
+                "one sequence at a time in a contiguous cache",
+                where="kiln.models.load", hint="drop max_batch_size / paged (--max-batch-"
+                "size, --cache paged) for this model")
+        device = next(self.hf.parameters()).device
+        self.hf.generation_config.cache_implementation = "static"
+        self.hf.requires_grad_(False)
+        self.recipe = TorchExportableModuleWithStaticCache(
+            self.hf, batch_size=1, max_cache_len=self.cfg.max_seq_len, device=device)
+        for b in self.recipe.buffers():  # the cache: state, never a graph leaf
+            b.requires_grad_(False)
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [1, T, vocab] of tokens [1, T] at positions input_pos [1, T] (or only
+        at logits_at [1, L], indices into T), the cache written at those positions."""
+        logits = self.recipe(input_ids=tokens, cache_position=input_pos[0])
+        if logits_at is not None:
+            logits = logits.gather(1, logits_at[..., None].expand(-1, -1, logits.shape[-1]))
+        return logits
+
+
+def _built(cls, hf_cfg: dict, dtype: torch.dtype, device, path: Path | None) -> nn.Module:
+    """The transformers model, SDPA attention where the family has it (else eager)."""
+    config_cls = cls.config_class
+    kw = {k: v for k, v in hf_cfg.items() if k not in ("architectures", "model_type")}
+    config = config_cls(**kw)
+    for attn in ("sdpa", "eager"):
+        config._attn_implementation = attn
+        try:
+            if path is None:
+                model = cls(config)
+            else:
+                model = cls.from_pretrained(path, config=config, dtype=dtype)
+            break
+        except ValueError as e:  # Gemma 2, BLOOM, GPT-OSS: eager attention only
+            if "attention" not in str(e) or attn == "eager":
+                raise
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_checkpoint(path, dtype: torch.dtype | None = None, device="cpu",
+                    max_seq_len: int | None = None, weights: bool = True,
+                    keep_fp8: bool | None = None) -> tuple[RecipeLM, dict]:
+    """(RecipeLM, config.json) for a checkpoint directory transformers loads."""
+    path = Path(path)
+    where = str(path / "config.json")
+    hf_cfg = read_json(path / "config.json")
+    cfg = config_from_hf(hf_cfg, where, max_seq_len)
+    if not weights:
+        raise ArgumentError(f"{cfg.architecture} loads on one device only",
+                            hint="drop tensor_parallel_size / pipeline_parallel_size")
+    if keep_fp8:
+        raise ArgumentError(f"keep_fp8 is for fp8 checkpoints; {cfg.architecture}'s has none")
+    import transformers
+
+    dtype = dtype or checkpoint_dtype(hf_cfg) or torch.float32
+    try:
+        model = _built(getattr(transformers, cfg.architecture), hf_cfg, dtype, device, path)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"transformers could not load {cfg.architecture} from {path}: "
+                              f"{e}", where=str(path)) from None
+    log.info("loaded %s as transformers' %s (static-cache recipe), %s on %s", path,
+             cfg.architecture, dtype, device)
+    return RecipeLM(model, cfg), hf_cfg
+
+
+def random_model(cfg: RecipeConfig, dtype: torch.dtype = torch.float32, device="cpu",
+                 seed: int = 0) -> RecipeLM:
+    """transformers' model of config.json with its own random initialisation (seeded)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = _built(getattr(transformers, cfg.architecture), cfg.hf, dtype, device, None)
+    return RecipeLM(model, cfg)

@@ -1,0 +1,78 @@
+"""Checkpoints of causal LMs kiln has no model for load through transformers' static-cache
+recipe (kiln.models.hf_recipe): generation matches transformers' own, the compiled LLM
+saves and loads, and what the recipe cannot do is refused before anything compiles."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import kiln.models  # noqa: E402
+from kiln.errors import ArgumentError, CheckpointError  # noqa: E402
+
+PROMPT = [5, 9, 17, 33, 4, 8, 61]
+
+
+def _gemma(path):
+    """A tiny random Gemma (RMSNorm of 1 + w, GELU, a scaled embedding: no kiln model)
+    saved as a checkpoint directory; weights spread so the logits are not near zero."""
+    cfg = transformers.GemmaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=64,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GemmaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma")
+    return path, _gemma(path)
+
+
+def test_a_model_kiln_does_not_know_generates_as_transformers_does(gemma, tmp_path):
+    path, ref = gemma
+    llm = kiln.models.load(path, max_seq_len=32)
+    ids = torch.tensor([PROMPT])
+    logits = llm.forward(ids, torch.arange(len(PROMPT)))
+    with torch.no_grad():
+        want = ref(ids).logits
+    assert ((logits - want).norm() / want.norm()).item() < 1e-5
+    got = llm.generate([PROMPT], max_new_tokens=8)[0].ids
+    expect = ref.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert got == expect[0, len(PROMPT):].tolist()
+    llm.save(tmp_path / "gemma.kiln")  # and back, without compiling
+    again = kiln.models.load(tmp_path / "gemma.kiln")
+    assert again.generate([PROMPT], max_new_tokens=8)[0].ids == got
+
+
+@pytest.mark.parametrize("kw,named", [
+    ({"max_batch_size": 2}, "one sequence at a time"),
+    ({"paged": True}, "contiguous cache"),
+    ({"quantize": "fp8"}, "quantize='fp8'"),
+    ({"tensor_parallel_size": 2}, "one device"),
+])
+def test_what_the_recipe_cannot_do_is_refused(gemma, kw, named):
+    with pytest.raises(ArgumentError, match=named):
+        kiln.models.load(gemma[0], max_seq_len=32, **kw)
+
+
+@pytest.mark.parametrize("edit,named", [
+    ({"architectures": ["FooForCausalLM"]}, "neither a kiln model nor a transformers"),
+    ({"architectures": ["GemmaModel"]}, "neither a kiln model nor a transformers"),
+    ({"quantization_config": {"quant_method": "awq"}}, "quantized GemmaForCausalLM"),
+    ({"vocab_size": "many"}, "vocab_size"),
+])
+def test_configs_the_recipe_cannot_load_say_why(gemma, tmp_path, edit, named):
+    cfg = json.loads((gemma[0] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **edit}))
+    with pytest.raises(CheckpointError, match=named):
+        kiln.models.load(tmp_path, random_weights=True)
