@@ -2,6 +2,7 @@
 recipe (kiln.models.hf_recipe): generation matches transformers' own, the compiled LLM
 saves and loads, and what the recipe cannot do is refused before anything compiles."""
 
+import copy
 import json
 
 import pytest
@@ -76,3 +77,25 @@ def test_configs_the_recipe_cannot_load_say_why(gemma, tmp_path, edit, named):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, **edit}))
     with pytest.raises(CheckpointError, match=named):
         kiln.models.load(tmp_path, random_weights=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_model_kiln_does_not_know_generates_on_cuda_with_graphs(gemma, dtype):
+    """The recipe's modules on kiln's generated kernels, decode replayed as CUDA graphs:
+    greedy tokens as transformers' on the same device (fp32; bf16: the prefill's logits
+    within bf16 rounding of transformers' own bf16 run)."""
+    path, ref = gemma
+    llm = kiln.models.load(path, max_seq_len=32, target="cuda", dtype=dtype)
+    assert llm.cuda_graphs
+    model = copy.deepcopy(ref).to("cuda", dtype)
+    ids = torch.tensor([PROMPT], device="cuda")
+    with torch.no_grad():
+        want = model(ids).logits.float()
+    logits = llm.forward(ids, torch.arange(len(PROMPT), device="cuda")).float()
+    assert ((logits - want).norm() / want.norm()).item() < (1e-5 if dtype == torch.float32
+                                                           else 2e-2)
+    if dtype == torch.float32:
+        got = llm.generate([PROMPT], max_new_tokens=8)[0].ids
+        expect = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        assert got == expect[0, len(PROMPT):].tolist()
