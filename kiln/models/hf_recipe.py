@@ -91,6 +91,27 @@ def config_from_hf(hf_cfg: dict, where: str = "config.json",
                         dict(hf_cfg))
 
 
+class HeadAtRows(nn.Module):
+    """The model's LM head, applied only at the prompt rows LLM asks logits of (`rows`,
+    [1, L] indices into T, set around a prefill call) when they are set: a prefill of T
+    tokens then projects L rows, not T (a 4096-token prompt of a 256k-vocabulary model
+    would otherwise make a [4096, 256k] logits tensor to keep one row of it)."""
+
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.head = head
+        self.rows: torch.Tensor | None = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.rows is not None:
+            h = h[:, self.rows[0]]
+        return self.head(h)
+
+
 class RecipeLM(nn.Module):
     """transformers' causal LM behind its static-cache recipe, with LLM's interface."""
 
@@ -101,6 +122,7 @@ class RecipeLM(nn.Module):
         self.hf = hf_model
         self.cfg = cfg
         self.recipe = None  # setup_cache makes it (its cache sits beside the weights)
+        self.head_at_rows = None  # setup_cache: a HeadAtRows the model's forward calls
 
     @property
     def lm_head(self) -> nn.Module:
@@ -127,15 +149,44 @@ class RecipeLM(nn.Module):
             self.hf, batch_size=1, max_cache_len=self.cfg.max_seq_len, device=device)
         for b in self.recipe.buffers():  # the cache: state, never a graph leaf
             b.requires_grad_(False)
+        self._head_at_rows(device)
+
+    def _head_at_rows(self, device) -> None:
+        """Put HeadAtRows in place of the output embedding where the model's forward
+        calls it (one eager 2-token step says so: its logits keep 1 row); elsewhere
+        forward gathers the rows from every row's logits. The step writes cache
+        positions 0 and 1, which a prefill writes again before any step reads them."""
+        head = self.hf.get_output_embeddings()
+        if head is None or not hasattr(self.hf, "set_output_embeddings"):
+            return
+        wrapper = HeadAtRows(head)
+        self.hf.set_output_embeddings(wrapper)
+        wrapper.rows = torch.ones(1, 1, dtype=torch.long, device=device)
+        try:
+            with torch.no_grad():
+                out = self.recipe(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device),
+                                  cache_position=torch.arange(2, device=device))
+        finally:
+            wrapper.rows = None
+        if out.shape[1] == 1:
+            self.head_at_rows = wrapper
+        else:
+            self.hf.set_output_embeddings(head)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor,
                 logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [1, T, vocab] of tokens [1, T] at positions input_pos [1, T] (or only
         at logits_at [1, L], indices into T), the cache written at those positions."""
-        logits = self.recipe(input_ids=tokens, cache_position=input_pos[0])
-        if logits_at is not None:
-            logits = logits.gather(1, logits_at[..., None].expand(-1, -1, logits.shape[-1]))
-        return logits
+        if logits_at is None:
+            return self.recipe(input_ids=tokens, cache_position=input_pos[0])
+        if self.head_at_rows is None:
+            logits = self.recipe(input_ids=tokens, cache_position=input_pos[0])
+            return logits.gather(1, logits_at[..., None].expand(-1, -1, logits.shape[-1]))
+        self.head_at_rows.rows = logits_at
+        try:
+            return self.recipe(input_ids=tokens, cache_position=input_pos[0])
+        finally:
+            self.head_at_rows.rows = None
 
 
 def _built(cls, hf_cfg: dict, dtype: torch.dtype, device, path: Path | None) -> nn.Module:

@@ -47,6 +47,10 @@ def test_a_model_kiln_does_not_know_generates_as_transformers_does(gemma, tmp_pa
     with torch.no_grad():
         want = ref(ids).logits
     assert ((logits - want).norm() / want.norm()).item() < 1e-5
+    assert llm.model.head_at_rows is not None  # the prefill projects only the rows asked
+    last = llm.forward(ids, torch.arange(len(PROMPT)), logits_at=torch.tensor([[6, 2]]))
+    assert last.shape == (1, 2, 128)
+    assert ((last - want[:, [6, 2]]).norm() / want[:, [6, 2]].norm()).item() < 1e-5
     got = llm.generate([PROMPT], max_new_tokens=8)[0].ids
     expect = ref.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
     assert got == expect[0, len(PROMPT):].tolist()
