@@ -49,12 +49,16 @@ def transformers_class(hf_cfg: dict, where: str):
     arch = archs[0] if archs else None
     try:
         import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     except ImportError:
         raise CheckpointError(
             f"architecture {arch or hf_cfg.get('model_type')!r} has no kiln model, and "
             "transformers (which would run it through its static-cache recipe) is not "
             "installed", where=where, hint="pip install transformers, or load a Llama, "
             "Mistral, Qwen2/3, Qwen3-Next or DeepSeek-V3 checkpoint") from None
+    if arch is None:  # a config.json without architectures: its model_type's causal LM
+        named = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf_cfg.get("model_type"))
+        arch = named if isinstance(named, str) else (named or [None])[0]
     cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
     if cls is None or arch not in _causal_lm_names():
         raise CheckpointError(

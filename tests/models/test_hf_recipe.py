@@ -70,6 +70,17 @@ def test_what_the_recipe_cannot_do_is_refused(gemma, kw, named):
         kiln.models.load(gemma[0], max_seq_len=32, **kw)
 
 
+def test_a_config_without_architectures_loads_by_its_model_type(gemma):
+    from kiln.models.hf_recipe import config_from_hf
+
+    cfg = json.loads((gemma[0] / "config.json").read_text())
+    del cfg["architectures"]
+    assert config_from_hf(cfg).architecture == "GemmaForCausalLM"
+    cfg["model_type"] = "no_such_model"
+    with pytest.raises(CheckpointError, match="'no_such_model' is neither"):
+        config_from_hf(cfg)
+
+
 @pytest.mark.parametrize("edit,named", [
     ({"architectures": ["FooForCausalLM"]}, "neither a kiln model nor a transformers"),
     ({"architectures": ["GemmaModel"]}, "neither a kiln model nor a transformers"),
