@@ -26,7 +26,7 @@ from kiln.ir.symbolic import Dim, same_dim
 
 CAST = "aten._to_copy.default"
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-_CAST_KWARGS = {"dtype", "memory_format"}  # a cast that changes nothing but the dtype
+_CAST_KWARGS = {"dtype", "memory_format", "layout", "device", "non_blocking"}  # see _is_cast
 
 
 @dataclass(frozen=True)
@@ -174,8 +174,14 @@ def _reduces(ops, name: str) -> bool:
 
 
 def _is_cast(op: Op) -> bool:
-    return (op.target == CAST and op.dtype in _FLOATS and set(op.kwargs) <= _CAST_KWARGS
-            and isinstance(op.args[0], Ref))
+    """A dtype change and nothing else: `x.float()`, `.to(dtype)`, and `type_as(x)` /
+    `.to(x.dtype)` with the layout and device torch records beside (strided; a region
+    runs on one device, so its device is the tensor's own: transformers' Gemma RMSNorm
+    ends so in bf16 and was not folded)."""
+    kw = op.kwargs
+    return (op.target == CAST and op.dtype in _FLOATS and set(kw) <= _CAST_KWARGS
+            and kw.get("layout", torch.strided) == torch.strided
+            and not kw.get("non_blocking", False) and isinstance(op.args[0], Ref))
 
 
 def _op(ops, arg) -> Op | None:

@@ -82,6 +82,15 @@ def test_norm_also_added_stays_apart_and_matches(dtype):
         assert_close_tree(exe(*args), model(*args), TOL[dtype])
 
 
+@DTYPES
+def test_gemma_norm_cast_back_with_type_as(dtype):
+    model, args, exe = _compile(NormLinear(offset=True, type_as=True),
+                                (torch.randn(1, 1, 64),), dtype)
+    assert len(_folded(exe)) == 1 and len(exe.plan.regions) == 1
+    with torch.no_grad():
+        assert_close_tree(exe(*args), model(*args), TOL[dtype])
+
+
 def test_gemma_offset_weight_and_dynamic_rows():
     t = torch.export.Dim("B", min=1, max=8)
     model, args, exe = _compile(NormLinear(offset=True), (torch.randn(2, 1, 64),),

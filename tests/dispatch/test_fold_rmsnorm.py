@@ -20,23 +20,25 @@ SM90 = "cuda:sm_90"
 class HFNorm(torch.nn.Module):
     """HF Llama's RMSNorm: fp32 statistics, cast back, then times the weight."""
 
-    def __init__(self, dim, eps=1e-6, offset=False):
+    def __init__(self, dim, eps=1e-6, offset=False, type_as=False):
         super().__init__()
         self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(dim))
-        self.eps, self.offset = eps, offset
+        self.eps, self.offset, self.type_as = eps, offset, type_as
 
     def forward(self, x):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.type_as:  # transformers' Gemma: a cast recorded with layout and device
+            return (h * (1.0 + self.weight.float())).type_as(x)
         if self.offset:  # Gemma / Qwen3-Next: the weight is an offset from 1, in fp32
             return (h * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
 class NormLinear(torch.nn.Module):
-    def __init__(self, dim=64, n=48, bias=True, offset=False):
+    def __init__(self, dim=64, n=48, bias=True, offset=False, type_as=False):
         super().__init__()
-        self.norm = HFNorm(dim, offset=offset)
+        self.norm = HFNorm(dim, offset=offset, type_as=type_as)
         self.lin = torch.nn.Linear(dim, n, bias=bias)
 
     def forward(self, x):
@@ -204,6 +206,14 @@ def test_look_alikes_do_not_fold():
 
 def test_gemma_offset_weight_folds():
     plan = _plan(NormLinear(offset=True), (torch.randn(1, 1, 64),))
+    assert len(_folded(plan)) == 1 and not _reductions(plan)
+
+
+def test_a_norm_cast_back_with_type_as_folds():
+    """`type_as(x)` records the cast with its layout and device (transformers' Gemma
+    RMSNorm ends so): still a cast, so a bf16 decode's norm folds (it did not)."""
+    model = NormLinear(offset=True, type_as=True).to(torch.bfloat16)
+    plan = _plan(model, (torch.randn(1, 1, 64, dtype=torch.bfloat16),))
     assert len(_folded(plan)) == 1 and not _reductions(plan)
 
 
