@@ -149,7 +149,9 @@ def family(hf: dict, where: str) -> str:
     raise CheckpointError(
         f"architecture {arch or hf.get('model_type')!r} is not supported",
         where=where,
-        hint=f"kiln loads {', '.join(ARCHITECTURES)} and DeepseekV3ForCausalLM checkpoints")
+        hint=f"this loader maps {', '.join(ARCHITECTURES)} onto kiln's models (DeepSeek-V3: "
+        "deepseek_v3_checkpoint); kiln.models.load runs other transformers causal LMs "
+        "through kiln.models.hf_recipe")
 
 
 def context_length(hf: dict, where: str, max_seq_len: int | None) -> int:

@@ -181,12 +181,12 @@ def test_cli_generate_with_random_weights_and_a_paged_cache(capsys):
     (["--model", "{missing}", "--prompt", "x"], "does not exist"),
     (["--config", "tiny", "--prompt", "x"], "--random-weights"),
     (["--random-weights", "--config", "llama9", "--prompt", "x"], "preset"),
-    (["--model", "{unsupported}", "--prompt", "x"], "'GPT2LMHeadModel' is not supported"),
+    (["--model", "{unsupported}", "--prompt", "x"], "'BertModel' is neither a kiln model"),
 ])
 def test_cli_generate_bad_input(argv, message, tmp_path, capsys):
-    (tmp_path / "gpt2").mkdir()
-    (tmp_path / "gpt2" / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
-    argv = [a.format(missing=tmp_path / "nope", unsupported=tmp_path / "gpt2") for a in argv]
+    (tmp_path / "bert").mkdir()  # not a causal LM (GPT-2's loads through hf_recipe.py)
+    (tmp_path / "bert" / "config.json").write_text('{"architectures": ["BertModel"]}')
+    argv = [a.format(missing=tmp_path / "nope", unsupported=tmp_path / "bert") for a in argv]
     assert main(["generate", *argv]) == 2
     assert message in capsys.readouterr().err
 
