@@ -38,6 +38,7 @@ from kiln.codegen.templates.reduction import row_kernel as reduction
 from kiln.codegen.torch_kernel import TorchKernel
 from kiln.dispatch.group_siblings import products
 from kiln.dispatch.split import (
+    has_epilogue,
     split_epilogue,
     split_prologue,
     split_siblings,
@@ -120,6 +121,12 @@ def spec_for(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec |
             # that its template cannot compute: they run apart, the op keeps its kernel
             for operand in operands:
                 split_prologue(plan, region, operand, f"the template declines: {e}")
+            return spec_for(region, plan, target)
+        if region.kind == RegionKind.MATMUL and has_epilogue(region):
+            # an epilogue the template cannot compute (RoPE's rotate_half reads the
+            # product half a head left and right): the product keeps its kernel (and a
+            # folded norm), the epilogue runs as a kernel after it, not both as torch ops
+            split_epilogue(plan, region, f"the template declines its epilogue: {e}")
             return spec_for(region, plan, target)
         region.notes.append(f"extern: the {region.kind.value} template declines: {e}")
         log.info("region %s: %s template declines: %s", region.name, region.kind.value, e)

@@ -151,6 +151,13 @@ def split_epilogue(plan: DispatchPlan, region: Region, why: str) -> Region:
     return new
 
 
+def has_epilogue(region: Region) -> bool:
+    """Does `region` compute anything after its anchor (ops past the product that are not
+    views)? split_epilogue then leaves a kernel's worth of work on each side."""
+    feeding = {o.name for o in _closure(region, [region.anchor().name], set())}
+    return any(_is_compute(o) for o in region.ops if o.name not in feeding)
+
+
 def split_siblings(plan: DispatchPlan, region: Region, why: str) -> list[Region]:
     """One region per product of `region` (in order, `region` itself the last); a
     product another one's epilogue read becomes a plan value again. Paired fp8

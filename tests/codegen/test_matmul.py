@@ -211,6 +211,36 @@ def test_region_the_template_cannot_run_falls_back_to_torch():
     assert any(n.startswith("extern") for n in exe.plan.regions[0].notes)
 
 
+class RopeAfterProjection(torch.nn.Module):
+    """A decode q projection with RoPE's rotate_half right after it (transformers'
+    Gemma 2 at decode): the epilogue reads the product half a head left and right."""
+
+    def __init__(self, dim=64, heads=2, head_dim=32):
+        super().__init__()
+        self.q = torch.nn.Linear(dim, heads * head_dim, bias=False)
+        self.heads, self.head_dim = heads, head_dim
+
+    def forward(self, x, cos, sin):
+        q = self.q(x).view(1, 1, self.heads, self.head_dim).transpose(1, 2)
+        h = self.head_dim // 2
+        return q * cos + torch.cat([-q[..., h:], q[..., :h]], dim=-1) * sin
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 32), (torch.bfloat16, 64)])
+def test_an_epilogue_the_gemv_cannot_compute_runs_apart_not_extern(dtype, head_dim):
+    """The product keeps its GEMV kernel and the RoPE runs as a pointwise kernel after
+    it; the whole region had run as torch ops."""
+    model = RopeAfterProjection(head_dim=head_dim).to(dtype)
+    args = (torch.randn(1, 1, 64, dtype=dtype), torch.randn(1, 1, 1, head_dim, dtype=dtype),
+            torch.randn(1, 1, 1, head_dim, dtype=dtype))
+    exe = kiln.compile(model, args, target="interpret")
+    kinds = sorted(r.kind.value for r in exe.plan.regions)
+    assert kinds == ["matmul", "pointwise"], [r.notes for r in exe.plan.regions]
+    assert not any(n.startswith("extern") for r in exe.plan.regions for n in r.notes)
+    with torch.no_grad():
+        assert rel_err(exe(*args), model(*args)) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 def test_static_single_row_epilogue_uses_the_gemv_template():
     """M == 1 (a decode-only compile): the epilogue reads the product at row 0 by
     broadcasting, which is the tile's own row; the region must still be generated."""
