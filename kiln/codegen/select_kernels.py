@@ -126,7 +126,8 @@ def spec_for(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec |
             # an epilogue the template cannot compute (RoPE's rotate_half reads the
             # product half a head left and right): the product keeps its kernel (and a
             # folded norm), the epilogue runs as a kernel after it, not both as torch ops
-            split_epilogue(plan, region, f"the template declines its epilogue: {e}")
+            split_epilogue(plan, region, f"the matmul template declines the region ({e}): "
+                           "its epilogue runs as a kernel of its own")
             return spec_for(region, plan, target)
         region.notes.append(f"extern: the {region.kind.value} template declines: {e}")
         log.info("region %s: %s template declines: %s", region.name, region.kind.value, e)

@@ -22,7 +22,8 @@ D, SLOTS = 16, 32
 
 class Block(torch.nn.Module):
     """RMSNorm, a state write at given positions, a split SwiGLU, a read of the state,
-    a column gather (an index list of None and a tensor)."""
+    a column gather (an index list of None and a tensor), and an integer product (no
+    kernel: its region runs as torch ops)."""
 
     def __init__(self, d=D, f=24, slots=SLOTS):
         super().__init__()
@@ -37,7 +38,7 @@ class Block(torch.nn.Module):
         self.cache.index_copy_(0, pos, h)
         g, u = self.w13(h).chunk(2, -1)
         y = x + self.w2(F.silu(g) * u) + self.cache.sum(0)
-        return y[:, self.cols]
+        return y[:, self.cols] + 1e-3 * (pos[:, None] @ pos[None, :1]).float()
 
 
 def _compiled(target):
