@@ -38,8 +38,10 @@ from kiln.codegen.templates.reduction import row_kernel as reduction
 from kiln.codegen.torch_kernel import TorchKernel
 from kiln.dispatch.group_siblings import products
 from kiln.dispatch.split import (
+    epilogue_outputs,
     has_epilogue,
     split_epilogue,
+    split_group_epilogue,
     split_prologue,
     split_siblings,
     splittable_operands,
@@ -110,10 +112,16 @@ def spec_for(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec |
     except CodegenUnsupported as e:
         if len(products(region)) > 1:
             # grouped sibling GEMVs (dispatch/group_siblings.py, group_fp8_siblings.py)
-            # the template cannot run
-            # together: each gets its kernel alone (the new regions are reached by
-            # select_kernels' loop; this one, now the last sibling, is chosen for again)
-            split_siblings(plan, region, f"the grouped GEMV declines: {e}")
+            # the template cannot run: first a sibling's epilogue comes out (q's
+            # rotate_half RoPE beside k and v: one GEMV launch and a pointwise kernel,
+            # not three GEMVs), then the siblings apart, each its kernel alone (the new
+            # regions are reached by select_kernels' loop; this one is chosen for again)
+            apart = epilogue_outputs(region)
+            if apart and region.kind == RegionKind.MATMUL:
+                split_group_epilogue(plan, region, apart[0],
+                                     f"the grouped GEMV declines its epilogue: {e}")
+            else:
+                split_siblings(plan, region, f"the grouped GEMV declines: {e}")
             return spec_for(region, plan, target)
         operands = splittable_operands(region) if region.kind == RegionKind.EXTERN else []
         if operands:

@@ -19,6 +19,10 @@ other columns than the tile's): the anchor, with the views feeding it, becomes a
 region of its own whose output is the product, and the region keeps the epilogue as
 a pointwise region reading it.
 
+`split_group_epilogue(plan, region, output, why)` is split_epilogue for grouped sibling
+GEMVs: one sibling's epilogue (q's rotate_half RoPE beside k and v) comes out as a
+pointwise region after the group, which keeps its products in one launch.
+
 `split_siblings(plan, region, why)` undoes dispatch/group_siblings.py and
 group_fp8_siblings.py: a region holding several products (sibling GEMVs) becomes one
 region per product again, each with its own copy of the ops its product reads (the
@@ -156,6 +160,48 @@ def has_epilogue(region: Region) -> bool:
     views)? split_epilogue then leaves a kernel's worth of work on each side."""
     feeding = {o.name for o in _closure(region, [region.anchor().name], set())}
     return any(_is_compute(o) for o in region.ops if o.name not in feeding)
+
+
+def epilogue_outputs(region: Region) -> list[str]:
+    """The outputs of a grouped region (several products) computed past their products:
+    what split_group_epilogue can take out, in output order."""
+    names = {m.name for m in products(region)}
+    return [o for o in region.outputs if o not in names
+            and any(_is_compute(op) for op in _closure(region, [o], names))]
+
+
+def split_group_epilogue(plan: DispatchPlan, region: Region, output: str, why: str) -> Region:
+    """Move the ops computing `output` past the products it reads into a new pointwise
+    region after `region`; the products become outputs of `region` (plan values), the
+    group keeps every product. Returns the new region."""
+    mats = products(region)
+    names = {m.name for m in mats}
+    moved = [copy.deepcopy(o) for o in _closure(region, [output], names)]
+    read = [m.name for m in mats if any(m.name in o.refs() for o in moved)]
+    for m in mats:
+        if m.name in read and m.name not in plan.values:
+            plan.values[m.name] = TensorValue(m.name, tuple(m.shape), m.dtype, Role.TEMP)
+    kind = (RegionKind.POINTWISE if any(category(o.target) == OpCategory.POINTWISE
+                                        for o in moved) else RegionKind.COPY)
+    new = Region(_fresh_name(plan, f"{region.name}_epilogue"), kind, moved,
+                 _inputs_of(moved, region.inputs + read), [output], device=region.device)
+    outputs = []
+    for o in region.outputs:
+        for n in (read if o == output else [o]):
+            if n not in outputs:
+                outputs.append(n)
+    region.outputs = outputs
+    region.ops = _closure(region, outputs, set())
+    region.inputs = _inputs_of(region.ops, region.inputs)
+    n_compute = sum(_is_compute(o) for o in moved)
+    region.notes.append(f"split: the epilogue of %{output} ({n_compute} ops) moved to region "
+                        f"{new.name}; the siblings stay grouped: {why}")
+    new.notes.append(f"split from region {region.name} (its grouped products stay there): "
+                     f"{why}")
+    plan.regions.insert(plan.regions.index(region) + 1, new)
+    log.info("split region %s: the epilogue of %%%s now runs in %s (%s)", region.name,
+             output, new.name, why)
+    return new
 
 
 def split_siblings(plan: DispatchPlan, region: Region, why: str) -> list[Region]:

@@ -241,6 +241,44 @@ def test_an_epilogue_the_gemv_cannot_compute_runs_apart_not_extern(dtype, head_d
         assert rel_err(exe(*args), model(*args)) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+class RopeAfterGroupedProjections(torch.nn.Module):
+    """q, k and v projections of one normed x, RoPE's rotate_half on q right after its
+    product (transformers' Gemma 2 with eager attention at decode)."""
+
+    def __init__(self, dim=64, heads=2, kv_heads=1, head_dim=32):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(dim, eps=1e-6)
+        self.q = torch.nn.Linear(dim, heads * head_dim, bias=False)
+        self.k = torch.nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.v = torch.nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.heads, self.head_dim = heads, head_dim
+
+    def forward(self, x, cos, sin):
+        x = self.norm(x)
+        q = self.q(x).view(1, 1, self.heads, self.head_dim).transpose(1, 2)
+        h = self.head_dim // 2
+        q = q * cos + torch.cat([-q[..., h:], q[..., :h]], dim=-1) * sin
+        return q, self.k(x), self.v(x)
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 32), (torch.bfloat16, 64)])
+def test_grouped_siblings_keep_one_gemv_when_an_epilogue_comes_apart(dtype, head_dim):
+    """The q / k / v GEMVs stay one launch, q's RoPE runs as a pointwise kernel after
+    it; the group had come apart into three GEMVs (and the RoPE kernel)."""
+    model = RopeAfterGroupedProjections(head_dim=head_dim).to(dtype)
+    args = (torch.randn(1, 1, 64, dtype=dtype), torch.randn(1, 1, 1, head_dim, dtype=dtype),
+            torch.randn(1, 1, 1, head_dim, dtype=dtype))
+    exe = kiln.compile(model, args, target="interpret")
+    kinds = sorted(r.kind.value for r in exe.plan.regions)
+    assert kinds == ["matmul", "pointwise"], [r.notes for r in exe.plan.regions]
+    (gemv,) = [r for r in exe.plan.regions if r.kind.value == "matmul"]
+    assert len(gemv.outputs) == 3 and any("siblings stay grouped" in n for n in gemv.notes)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    with torch.no_grad():
+        for got, ref in zip(exe(*args), model(*args), strict=True):
+            assert rel_err(got, ref) < tol
+
+
 def test_static_single_row_epilogue_uses_the_gemv_template():
     """M == 1 (a decode-only compile): the epilogue reads the product at row 0 by
     broadcasting, which is the tile's own row; the region must still be generated."""
