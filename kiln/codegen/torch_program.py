@@ -196,6 +196,12 @@ class TorchProgram:
         for step, (region, op) in enumerate(self._ops()):
             if live.get(op.name) == op and op.name not in region.inplace:
                 pass  # a cheap op region formation repeated in each region that reads it
+            elif op.name in region.inplace and op.target not in INPLACE_OF:
+                # a one-element state recomputed whole (dispatch/reinplace.py)
+                dest = w.var(region.inplace[op.name])
+                w.emit(f"{dest}.copy_({_call(w, op)})", op)
+                w.emit(f"{w.var(op.name)} = {dest}")
+                may_alias.add(op.name)
             elif op.name in region.inplace:
                 dest = w.var(region.inplace[op.name])
                 fn = w.const(entry_point(resolve(INPLACE_OF[op.target])))

@@ -4,16 +4,18 @@ The functional graph returns a buffer's new value (index_put on the old one); a 
 back after every call would move the entire cache. When the scatter's destination is
 the state value itself and every other reader of the old value can run first, the
 region writes the state's storage directly (`Region.inplace`) and regions are
-reordered so those readers come first. Otherwise the functional form and the copy
-back stay: slower, never wrong.
+reordered so those readers come first. A one-element state a pointwise region
+recomputes whole (a cache's position counter) is written in place too. Otherwise the
+functional form and the copy back stay: slower, never wrong.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from kiln.ir.ops import INPLACE_OF
-from kiln.ir.plan import DispatchPlan, Ref, Region, Role
+from kiln.ir.plan import DispatchPlan, Ref, Region, RegionKind, Role
 from kiln.pipeline import as_pass
 
 log = logging.getLogger("kiln.dispatch")
@@ -58,13 +60,25 @@ def _move_before(plan: DispatchPlan, readers: list[Region], writer: Region) -> N
     plan.regions = regions[:i] + moved + rest
 
 
+def _overwrites_one_element(plan: DispatchPlan, writer: Region, state: str,
+                            value: str) -> bool:
+    """A one-element state (transformers' StaticCache's `cumulative_length` counter)
+    that `writer`, a pointwise region not reading it, recomputes whole: its kernel can
+    store into the state's storage (one element: no layout to disagree on), and the
+    copy back after each call (a kernel of its own on a GPU) goes."""
+    new, old = plan.values[value], plan.values[state]
+    return (writer.kind == RegionKind.POINTWISE and state not in writer.inputs
+            and new.dtype == old.dtype and new.numel == 1 and old.numel == 1)
+
+
 def try_reinplace(plan: DispatchPlan, state: str, value: str) -> bool:
     producers = plan.producers()
     writer = producers.get(value)
     if writer is None or len(writer.outputs) != 1:
         return False
     op = writer.op(value)
-    if op.target not in INPLACE_OF or not op.args or op.args[0] != Ref(state):
+    scatter = op.target in INPLACE_OF and op.args and op.args[0] == Ref(state)
+    if not scatter and not _overwrites_one_element(plan, writer, state, value):
         return False
     if any(o.name != value and Ref(state) in o.args for o in writer.ops):
         return False  # the region itself reads the old value elsewhere
@@ -72,8 +86,24 @@ def try_reinplace(plan: DispatchPlan, state: str, value: str) -> bool:
     if any(_depends_on(plan, r, writer) for r in readers):
         return False  # someone needs both the old and the new value
     _move_before(plan, readers, writer)
+    if value in writer.inplace:  # one value, two states (CSE merged their updates)
+        value = _second_output(plan, writer, value)
     writer.inplace[value] = state
     return True
+
+
+def _second_output(plan: DispatchPlan, writer: Region, value: str) -> str:
+    """A copy of `value`'s op under a new name, a second output of `writer`: each
+    state written in place needs its own store (only one-element values get here)."""
+    op = writer.op(value)
+    name, i = f"{value}_again", 1
+    while name in plan.values or any(o.name == name for o in writer.ops):
+        i += 1
+        name = f"{value}_again{i}"
+    writer.ops.append(dataclasses.replace(op, name=name))
+    writer.outputs.append(name)
+    plan.values[name] = dataclasses.replace(plan.values[value], name=name, role=Role.TEMP)
+    return name
 
 
 @as_pass

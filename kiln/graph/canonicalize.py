@@ -12,7 +12,11 @@ Rewrites, in one forward sweep (inputs are rewritten before their users):
   the same dtype and device, view / reshape / expand to the same shape, squeeze of no
   unit dim, identity permute, cat of one tensor, and a slice that keeps every element
   (start 0, step 1, an end that provably reaches the size: a bounds question, and an
-  unbounded size just keeps the slice).
+  unbounded size just keeps the slice), and a functional copy(x, src) of one element
+  whose src has x's shape, dtype and device (the value is src's: transformers'
+  StaticCache sets each layer's `cumulative_length` so; x's old value, then read by
+  nothing, may be written in place, dispatch/reinplace.py; larger states keep their
+  copy, which reinplace writes in place as a copy_).
 - algebraic identities where the result's dtype and shape provably equal the
   operand's: x*1, 1*x, x/1, x+0, 0+x, x-0, x**1, -(-x).
 
@@ -144,6 +148,12 @@ def identity_source(kg: KilnGraph, node: fx.Node) -> fx.Node | None:
         return x if same else None
     if name == "aten.slice.Tensor":
         return x if _full_slice(kg, node) else None
+    if name == "aten.copy.default":  # x's one element replaced: the value is src's
+        src = args[1]
+        same = (is_tensor(src) and dtype(src) == dtype(node) and same_shape(src, node)
+                and src.meta["val"].device == node.meta["val"].device
+                and node.meta["val"].numel() == 1)
+        return src if same else None
     return _algebraic_identity(node)
 
 
