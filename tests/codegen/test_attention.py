@@ -217,6 +217,19 @@ def test_decode_form_packs_the_query_group_into_one_tile():
         assert rel_err(exe(q, k, v), model(q, k, v)) <= 1e-5
 
 
+@pytest.mark.parametrize("kv_heads,splits", [(32, 8), (8, 16)])
+def test_decode_splits_fill_two_programs_an_sm(kv_heads, splits):
+    """sm_90 (132 SMs), a decode step over a 2048-row cache: 32 KV heads (multi-head
+    attention) split their keys 8 ways, two programs an SM (one an SM gave 4 splits,
+    each walking 8 of the 32 key blocks in turn); 8 KV heads stay at 16 splits, two key
+    blocks each (MIN_SPLIT_BLOCKS bounds them first)."""
+    q, k, v = _qkv(1, 32, kv_heads, 1, 2048, d=128, dtype=torch.float16)
+    exe = kiln.compile(Sdpa(), (q, k, v), target="cuda:sm_90", options={"tune": "none"})
+    _, kernel = _attention_kernel(exe)
+    grid = kernel.spec.grid_for({}, kernel.config)
+    assert grid[2] == splits, (kernel.spec.grid, kernel.config)
+
+
 @pytest.mark.parametrize("kind", ["bool", "additive"])
 def test_keys_no_row_lets_through_are_not_read(kind):
     """A decode step over a static cache: the mask lets only the context through, and

@@ -66,6 +66,13 @@ LOG2E = 1.4426950408889634
 FLT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 MIN_SPLIT_BLOCKS = 2  # key blocks a split gets at least
 SPLIT_CAP = 32  # most parts the keys are split into (decode: 8 KV heads x 16 splits)
+# Decode tiles (16 rows) split their keys until this many programs an SM: the kernel
+# holds 150 registers and 55 KB at 4 warps (sm_90, head dim 96-128), so three fit an
+# SM. At one an SM, 32 KV heads (multi-head attention: Phi-3, Llama-2, OLMo) got 4
+# splits, each walking 3 key blocks of a 520-row cache one after another, 9 at context
+# 2048, for a kernel bound by each block's latency (~2.5 us a block, NOTES' eighth
+# session); 8 KV heads or fewer already reach MIN_SPLIT_BLOCKS blocks a split.
+DECODE_PROGRAMS_PER_SM = 2
 
 
 @dataclass
@@ -317,7 +324,10 @@ class _AttentionSource:
         tiles = f"cdiv({p.grid(rows)}, BLOCK_M)"
         heads = p.grid(s.batch * s.kv_heads)
         all_tiles = f"{tiles} * {heads}"
-        n_split = split.count("KV_SPLIT", all_tiles, target.multiprocessors,
+        rows_hi = bounds_of(rows, self.plan.symbols).hi
+        decode = rows_hi is not None and rows_hi <= 16
+        fill = target.multiprocessors * (DECODE_PROGRAMS_PER_SM if decode else 1)
+        n_split = split.count("KV_SPLIT", all_tiles, fill,
                               f"cdiv({p.grid(s.s)}, {MIN_SPLIT_BLOCKS} * BLOCK_N)")
         body = self._body()
         tunables = ["BLOCK_M", "BLOCK_N", "KV_SPLIT"]
@@ -325,7 +335,6 @@ class _AttentionSource:
                                                               for t in tunables]
         source = module_source(self.name, params, body, self.em.helpers, target,
                                p.describe())
-        rows_hi = bounds_of(rows, self.plan.symbols).hi
         dvp = _pow2(s.value_dim)
         default = heuristic(s, rows_hi, target)
         configs = [c for c in config_space(s, rows_hi) if not miscompiled(c, dvp, target)]
