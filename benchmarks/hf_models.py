@@ -46,6 +46,9 @@ MODELS = {
     "llama3-8b": ("Llama", dict(
         hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0), 4),
+    "llama2-7b": ("Llama", dict(  # multi-head attention: 32 KV heads
+        hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=32000), 4),
     "mixtral-8x7b": ("Mixtral", dict(
         hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
         num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,

@@ -7,7 +7,7 @@ config, timed per kernel with the profiler at several contexts; torch's SDPA on 
 exact keys (no mask: flash / cuDNN's decode) as the peer.
 
 GPU: PYTHONPATH=.:benchmarks python benchmarks/probes/decode_attention.py [--out f.json]
-        [--shape llama3-8b|qwen3-next] [--variants default fill2x ...]
+        [--shape llama3-8b|qwen3-next|llama2-7b] [--variants default fill2x ...]
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from kiln.codegen.templates import split_k
 from kiln.codegen.templates.attention import template
 
 HEADS, KV_HEADS, D, MAX_LEN = 32, 8, 128, 2304
-SHAPES = {"llama3-8b": (32, 8, 128), "qwen3-next": (16, 2, 256)}  # heads, kv heads, dim
+SHAPES = {"llama3-8b": (32, 8, 128), "qwen3-next": (16, 2, 256),  # heads, kv heads, dim
+          "llama2-7b": (32, 32, 128)}  # multi-head: the split fill decides its splits
 CONTEXTS = (128, 512, 2048)
 
 
