@@ -110,7 +110,7 @@ def compiled(variant, dtype):
                             **kw)
 
     def more(cap, tiles, fill, most):
-        return count(cap, tiles, fill * variant.get("fill", 1), most)
+        return count(cap, tiles, f"({fill}) * {variant.get('fill', 1)}", most)
 
     template.heuristic, split_k.count = forced, more
     try:

@@ -217,13 +217,13 @@ def test_decode_form_packs_the_query_group_into_one_tile():
         assert rel_err(exe(q, k, v), model(q, k, v)) <= 1e-5
 
 
-@pytest.mark.parametrize("kv_heads,splits", [(32, 8), (8, 16)])
-def test_decode_splits_fill_two_programs_an_sm(kv_heads, splits):
-    """sm_90 (132 SMs), a decode step over a 2048-row cache: 32 KV heads (multi-head
+@pytest.mark.parametrize("kv_heads,keys,splits", [(32, 2048, 8), (8, 2304, 16)])
+def test_decode_splits_fill_two_programs_an_sm(kv_heads, keys, splits):
+    """sm_90 (132 SMs), a decode step over a long cache: 32 KV heads (multi-head
     attention) split their keys 8 ways, two programs an SM (one an SM gave 4 splits,
-    each walking 8 of the 32 key blocks in turn); 8 KV heads stay at 16 splits, two key
-    blocks each (MIN_SPLIT_BLOCKS bounds them first)."""
-    q, k, v = _qkv(1, 32, kv_heads, 1, 2048, d=128, dtype=torch.float16)
+    each walking 8 of the 32 key blocks in turn); 8 KV heads over kiln bench's 2304
+    rows keep one an SM, 16 splits (two an SM gave 18, measured slower)."""
+    q, k, v = _qkv(1, 32, kv_heads, 1, keys, d=128, dtype=torch.float16)
     exe = kiln.compile(Sdpa(), (q, k, v), target="cuda:sm_90", options={"tune": "none"})
     _, kernel = _attention_kernel(exe)
     grid = kernel.spec.grid_for({}, kernel.config)

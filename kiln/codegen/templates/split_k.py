@@ -34,9 +34,10 @@ UNROLL_ELEMENTS = 2048  # the largest tile (elements) combined UNROLL parts at a
 UNROLL_SMALL, SMALL_ELEMENTS = 16, 256
 
 
-def count(cap: str, tiles: str, fill: int, most: str) -> str:
+def count(cap: str, tiles: str, fill: int | str, most: str) -> str:
     """Grid expression: the splits per tile, so that tiles * splits reaches `fill`
-    programs, at most the tunable `cap` and at most `most` (an expression)."""
+    programs (a number or an expression), at most the tunable `cap` and at most `most`
+    (an expression)."""
     return f"max(1, min({cap}, ({fill}) // max(1, {tiles}), {most}))"
 
 

@@ -66,13 +66,15 @@ LOG2E = 1.4426950408889634
 FLT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 MIN_SPLIT_BLOCKS = 2  # key blocks a split gets at least
 SPLIT_CAP = 32  # most parts the keys are split into (decode: 8 KV heads x 16 splits)
-# Decode tiles (16 rows) split their keys until this many programs an SM: the kernel
-# holds 150 registers and 55 KB at 4 warps (sm_90, head dim 96-128), so three fit an
-# SM. At one an SM, 32 KV heads (multi-head attention: Phi-3, Llama-2, OLMo) got 4
-# splits, each walking 3 key blocks of a 520-row cache one after another, 9 at context
-# 2048, for a kernel bound by each block's latency (~2.5 us a block, NOTES' eighth
-# session); 8 KV heads or fewer already reach MIN_SPLIT_BLOCKS blocks a split.
-DECODE_PROGRAMS_PER_SM = 2
+# Decode tiles (16 rows) whose keys one program an SM would split fewer than
+# FEW_SPLITS ways fill two programs an SM instead: the kernel holds 150 registers and
+# 55 KB at 4 warps (sm_90, head dim 96-128), three fit an SM. At one an SM, 32 KV heads
+# (multi-head attention: Phi-3, Llama-2, OLMo) got 4 splits, each walking a quarter of
+# the keys one latency-bound block after another: H200, the kernel alone at Llama-2-7B
+# widths (probes/decode_attention.py), 16.39 -> 14.51 us at context 2048, 9.33 -> 8.84
+# at 512, 6.96 -> 7.24 at 128. With 8 KV heads (16 splits) two an SM gave 18 splits,
+# 10.23 -> 10.57 us at 2048: more parts to merge, the same walk; such tiles keep one.
+DECODE_PROGRAMS_PER_SM, FEW_SPLITS = 2, 8
 
 
 @dataclass
@@ -326,7 +328,9 @@ class _AttentionSource:
         all_tiles = f"{tiles} * {heads}"
         rows_hi = bounds_of(rows, self.plan.symbols).hi
         decode = rows_hi is not None and rows_hi <= 16
-        fill = target.multiprocessors * (DECODE_PROGRAMS_PER_SM if decode else 1)
+        sms = target.multiprocessors
+        fill = (f"{sms} if {sms} // max(1, {all_tiles}) >= {FEW_SPLITS} else "
+                f"{sms * DECODE_PROGRAMS_PER_SM}") if decode else str(sms)
         n_split = split.count("KV_SPLIT", all_tiles, fill,
                               f"cdiv({p.grid(s.s)}, {MIN_SPLIT_BLOCKS} * BLOCK_N)")
         body = self._body()
