@@ -146,8 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser(
         "generate", help="generate text from a Hugging Face checkpoint or a compiled LLM",
-        description="Load a Hugging Face checkpoint directory (Llama 2/3/3.1, Mistral, "
-        "Qwen2, Qwen3-Next: config.json, *.safetensors, tokenizer.json), or a preset with "
+        description="Load a Hugging Face checkpoint directory (config.json, *.safetensors, "
+        "tokenizer.json: Llama 2/3/3.1, Mistral, Qwen2, Qwen3, Qwen3-Next and DeepSeek-V3 as "
+        "kiln's own models, any other transformers causal LM, one sequence at a time, as "
+        "transformers' model behind its static-cache recipe), or a preset with "
         "random weights, compile it with kiln and generate: text streams to stdout, a summary "
         "(time to first token, tokens/s) goes to stderr. Several --prompt run as a batch. "
         "An LLM saved by `kiln compile --model DIR -o ART` starts without compiling: "

@@ -1,8 +1,9 @@
 """LLM families written once, readable top to bottom, compiled by kiln.
 
 `load(dir_or_preset, ...)` gives an LLM ready to generate: a Hugging Face checkpoint
-directory (Llama 2/3/3.1, Mistral, Qwen2, Qwen3-Next, DeepSeek-V3), or a preset with
-random weights.
+directory (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, Qwen3-Next, DeepSeek-V3 as kiln's own
+models; any other transformers causal LM through hf_recipe.py), or a preset with random
+weights.
 `builtin(name)` gives the models the CLI can name without a file: a model, example
 args and dynamic shapes.
 """
