@@ -79,10 +79,22 @@ def _causal_lm_names() -> set[str]:
     return names
 
 
+def text_fields(hf_cfg: dict) -> dict:
+    """The config's language-model fields: a multimodal checkpoint (Gemma 3's
+    Gemma3ForConditionalGeneration, Mistral 3, ...) keeps its vocabulary and context
+    in `text_config`, beside the vision tower's."""
+    text = hf_cfg.get("text_config")
+    if not isinstance(text, dict):
+        return hf_cfg
+    return {**{k: v for k, v in text.items() if v is not None},
+            **{k: v for k, v in hf_cfg.items() if k != "text_config" and v is not None}}
+
+
 def config_from_hf(hf_cfg: dict, where: str = "config.json",
                    max_seq_len: int | None = None) -> RecipeConfig:
     cls = transformers_class(hf_cfg, where)
-    vocab = hf_cfg.get("vocab_size")
+    text = text_fields(hf_cfg)
+    vocab = text.get("vocab_size")
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 0:
         raise CheckpointError(f"vocab_size {vocab!r} is not a positive int", where=where)
     if (hf_cfg.get("quantization_config") or {}).get("quant_method"):
@@ -91,7 +103,7 @@ def config_from_hf(hf_cfg: dict, where: str = "config.json",
             f"({hf_cfg['quantization_config']['quant_method']}) has no kiln model",
             where=where, hint="kiln loads quantized checkpoints of the Llama families and "
             "DeepSeek-V3; give this model's bf16 / fp16 weights")
-    return RecipeConfig(cls.__name__, vocab, context_length(hf_cfg, where, max_seq_len),
+    return RecipeConfig(cls.__name__, vocab, context_length(text, where, max_seq_len),
                         dict(hf_cfg))
 
 

@@ -59,6 +59,31 @@ def test_a_model_kiln_does_not_know_generates_as_transformers_does(gemma, tmp_pa
     assert again.generate([PROMPT], max_new_tokens=8)[0].ids == got
 
 
+def test_a_multimodal_checkpoint_generates_text_as_transformers_does(tmp_path):
+    """Gemma 3 as published (Gemma3ForConditionalGeneration: vocabulary and context in
+    text_config, a vision tower beside): text in, text out, transformers' greedy tokens.
+    It had been refused ("vocab_size None is not a positive int")."""
+    text = transformers.Gemma3TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
+        vocab_size=300, max_position_embeddings=64)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                    mm_tokens_per_image=4, image_token_index=299,
+                                    boi_token_index=297, eoi_token_index=298)
+    torch.manual_seed(0)
+    ref = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    ref.save_pretrained(tmp_path)
+    llm = kiln.models.load(tmp_path, max_seq_len=32)
+    assert llm.model.cfg.vocab_size == 300 and llm.model.cfg.max_seq_len == 32
+    ids = torch.tensor([PROMPT])
+    got = llm.generate([PROMPT], max_new_tokens=8)[0].ids  # past the 4-token window
+    expect = ref.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert got == expect[0, len(PROMPT):].tolist()
+
+
 @pytest.mark.parametrize("kw,named", [
     ({"max_batch_size": 2}, "one sequence at a time"),
     ({"paged": True}, "contiguous cache"),
