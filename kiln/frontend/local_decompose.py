@@ -336,44 +336,82 @@ def _functionalize_buffer_writes(gm: fx.GraphModule, sig: ExportGraphSignature
     None for any other in-place op, or a view of a buffer taken before a write and
     read (itself or through views of it) at or after the write. A view read only
     before the write stays as it is: it shows the old value, as the functional program
-    computes (Qwen3-Next's linear-attention state, read, then written per row)."""
+    computes (Qwen3-Next's linear-attention state, read, then written per row).
+
+    An in-place op's result is the buffer itself, and so is a `to` that changes
+    nothing: in-place ops on those write the buffer too, and their later reads read
+    its value then (transformers' StaticCache: `counter.copy_(pos[0])` then
+    `counter.to(device).add_(T)`, which had sent every recipe model to torch's
+    re-trace, and Phi-3.5's longrope there to an assertion inside torch)."""
     buffers = {p: b for p, b in sig.inputs_to_buffers.items()}
     current: dict[fx.Node, fx.Node] = {}  # buffer placeholder -> its value now
+    alias_of: dict[fx.Node, fx.Node] = {}  # a node that is a buffer -> its placeholder
     written: dict[str, fx.Node] = {}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def now(a):
+        if not isinstance(a, fx.Node):
+            return a
+        return current.get(alias_of.get(a, a), a)
+
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
         if _is_inplace(node):
             target = node.args[0] if node.args else None
             functional = _functional_of(node.target)
-            if functional is None or not isinstance(target, fx.Node) \
-                    or target.op != "placeholder" or target.name not in buffers:
+            buf = alias_of.get(target) if isinstance(target, fx.Node) else None
+            if buf is None and isinstance(target, fx.Node) and target.op == "placeholder" \
+                    and target.name in buffers:
+                buf = target
+            if functional is None or buf is None:
                 return None
-            if any(user is not node and _aliases(user) and order[user] < order[node]
-                   and _read_from(user, node, order) for user in target.users):
+            if any(user is not node and user not in alias_of and _aliases(user)
+                   and order[user] < order[node] and _read_from(user, node, order)
+                   for user in buf.users):
                 return None  # a view taken before the write, read at or after it
             with gm.graph.inserting_before(node):
-                new = gm.graph.call_function(functional, (current.get(target, target),
-                                                          *node.args[1:]), dict(node.kwargs))
+                new = gm.graph.call_function(functional, (current.get(buf, buf),
+                                                          *pytree.tree_map(now, node.args[1:])),
+                                             pytree.tree_map(now, dict(node.kwargs)))
             new.meta = dict(node.meta)
             order[new] = order[node]
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)
-            current[target] = new
-            written[buffers[target.name]] = new
+            current[buf] = new
+            alias_of[new] = buf
+            written[buffers[buf.name]] = new
             continue
-        if current:
-            def now(a):
-                return current.get(a, a) if isinstance(a, fx.Node) else a
+        if current or alias_of:
             node.args = pytree.tree_map(now, node.args)
             node.kwargs = pytree.tree_map(now, node.kwargs)
+        src = node.args[0] if node.args else None
+        if isinstance(src, fx.Node) and _same_tensor(node, src):
+            buf = alias_of.get(src) or (src if src.op == "placeholder"
+                                        and src.name in buffers else None)
+            if buf is not None:
+                alias_of[node] = buf
     output = next(n for n in gm.graph.nodes if n.op == "output")
     for a in pytree.tree_leaves(output.args):
-        if isinstance(a, fx.Node) and a.op == "placeholder" and a in current:
+        if isinstance(a, fx.Node) and (a in alias_of or (a.op == "placeholder"
+                                                         and a in current)):
             return None  # a written buffer returned as such
     inputs = [s.target for s in sig.input_specs]
     return dict(sorted(written.items(), key=lambda kv: inputs.index(kv[0])))
+
+
+_NO_OP_TO = {torch.ops.aten.to.dtype_layout, torch.ops.aten.to.dtype, torch.ops.aten.to.device,
+             torch.ops.aten.alias.default}
+
+
+def _same_tensor(node: fx.Node, src: fx.Node) -> bool:
+    """Is `node` a `to` (or alias) that returns `src` itself: the same dtype, device and
+    layout, no copy asked for?"""
+    if node.target not in _NO_OP_TO or node.kwargs.get("copy", False):
+        return False
+    a, b = node.meta.get("val"), src.meta.get("val")
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+            and a.device == b.device and a.layout == b.layout and a.shape == b.shape)
 
 
 def _read_from(view: fx.Node, write: fx.Node, order: dict[fx.Node, int]) -> bool:

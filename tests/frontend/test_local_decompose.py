@@ -144,3 +144,38 @@ def test_a_trace_that_pins_a_dynamic_size_is_refused_and_the_model_recaptured():
 
 def _table():
     return export.kiln_table()
+
+
+class CountedWrite(torch.nn.Module):
+    """transformers' StaticCache bookkeeping: a counter set from the positions through
+    copy_, advanced through the no-op `to` of that copy_'s result, read after."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("counter", torch.tensor(0, dtype=torch.int64))
+        self.register_buffer("cache", torch.zeros(12, 16))
+
+    def forward(self, x, pos):
+        c = self.counter.copy_(pos[0])
+        at = torch.arange(x.shape[0]) + c
+        c.to(torch.int64).add_(x.shape[0])
+        self.cache.index_copy_(0, at, x)
+        return self.cache.sum(0) * self.counter
+
+
+def test_writes_through_a_written_buffers_aliases_decompose_node_by_node():
+    """In-place ops on copy_'s result and on a `to` that changes nothing write the
+    buffer itself: the program decomposes node by node (it had gone to torch's
+    re-trace, which asserted inside torch on Phi-3.5's longrope), and compiled it gives
+    eager's output and final counter, with the counter read after its advance."""
+    seq = Dim("seq", min=2, max=6)
+    x, pos = torch.randn(3, 16), torch.tensor([2, 3, 4])
+    ep = export.capture(CountedWrite(), (x, pos), dynamic_shapes=({0: seq}, {0: seq}))
+    assert decompose_locally(ep, _table()) is not None
+    eager, model = CountedWrite(), CountedWrite()
+    exe = kiln.compile(model, (x, pos), dynamic_shapes=({0: seq}, {0: seq}))
+    for t, start in ((3, 2), (5, 6)):
+        x, pos = torch.randn(t, 16), torch.arange(start, start + t)
+        want = eager(x, pos)
+        assert torch.allclose(exe(x, pos), want)
+        assert model.counter.item() == eager.counter.item() == start + t
