@@ -346,12 +346,15 @@ class LLM:
                     on_text(new)
             if token in stop_ids or (seq.text is not None and seq.text.stopped):
                 seq.finish = "stop"
-            elif len(seq.ids) >= max_new_tokens:
+            elif len(seq.ids) >= limit[0]:
                 seq.finish = "length"
             elif seq.pos >= self.max_seq_len:
                 seq.finish = "context"
 
         alloc = BlockAllocator(self.cache_layout) if self.paged else None
+        refill = self._refill_at(seqs)
+        limit = [max_new_tokens if refill is None else
+                 min(max_new_tokens, refill + 1 - len(seqs[0].prompt))]
         try:
             t0 = time.perf_counter()
             first = pick(self._prefill(seqs, alloc)).tolist()
@@ -359,7 +362,14 @@ class LLM:
             for s, tok in zip(seqs, first):
                 s.t_first = now
                 add(s, tok, now)
-            decode_ahead.decode(self, seqs, alloc, pick, add, max_new_tokens)
+            decode_ahead.decode(self, seqs, alloc, pick, add, limit[0])
+            s = seqs[0]
+            if limit[0] < max_new_tokens and s.finish == "length":
+                # at the longrope switch: the whole sequence again, as transformers does
+                s.finish, limit[0] = None, max_new_tokens
+                again = _Seq(s.row, s.prompt + s.ids, None)
+                add(s, pick(self._prefill([again], alloc)).tolist()[0], time.perf_counter())
+                decode_ahead.decode(self, seqs, alloc, pick, add, max_new_tokens)
         finally:
             for s in seqs:
                 if alloc is not None:
@@ -369,6 +379,15 @@ class LLM:
             on_text(rest)
         results = [self._result(s, t0) for s in seqs]
         return results[0] if single else results
+
+    def _refill_at(self, seqs: list[_Seq]) -> int | None:
+        """The position where one sequence is prefilled again (RecipeLM.refill_at: a
+        longrope model's switch), when its prompt ends at or before it and the cache
+        reaches past it; None otherwise."""
+        at = getattr(self.model, "refill_at", None)
+        if at is None or len(seqs) != 1 or self.paged:
+            return None
+        return at if len(seqs[0].prompt) <= at < self.max_seq_len - 1 else None
 
     def _prefill(self, seqs: list[_Seq], alloc: BlockAllocator | None) -> torch.Tensor:
         """Prefill every prompt in one right-padded batch; logits at each last token."""

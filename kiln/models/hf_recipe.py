@@ -139,6 +139,9 @@ class RecipeLM(nn.Module):
         self.cfg = cfg
         self.recipe = None  # setup_cache makes it (its cache sits beside the weights)
         self.head_at_rows = None  # setup_cache: a HeadAtRows the model's forward calls
+        self.refill_at = _longrope_switch(hf_model.config)
+
+
 
     @property
     def lm_head(self) -> nn.Module:
@@ -205,6 +208,19 @@ class RecipeLM(nn.Module):
             return self.recipe(input_ids=tokens, cache_position=input_pos[0])
         finally:
             self.head_at_rows.rows = None
+
+
+def _longrope_switch(config) -> int | None:
+    """The position at which transformers' generate recomputes a longrope model's whole
+    cache (Phi-3.5, Phi-4-mini, PhiMoE: prepare_inputs_for_generation, the first time
+    the sequence passes original_max_position_embeddings, so every key is rotated by the
+    long factors from then on); LLM.generate prefills again there. None for others."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type")) != "longrope":
+        return None
+    at = getattr(config, "original_max_position_embeddings", None) or \
+        rope.get("original_max_position_embeddings")
+    return at if isinstance(at, int) and at > 0 else None
 
 
 def _built(cls, hf_cfg: dict, dtype: torch.dtype, device, path: Path | None) -> nn.Module:

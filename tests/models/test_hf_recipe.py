@@ -84,6 +84,35 @@ def test_a_multimodal_checkpoint_generates_text_as_transformers_does(tmp_path):
     assert got == expect[0, len(PROMPT):].tolist()
 
 
+def test_longrope_switching_past_its_original_context_generates_as_transformers(tmp_path):
+    """Phi-3.5 / Phi-4-mini's longrope: transformers writes the rotary buffer from the
+    positions each call (short factors, then long ones past the original context) and
+    advances the cache's counters through aliases; the prompt and decode modules had
+    failed inside torch's re-trace ("expected compiled_fn to be GraphModule").
+    transformers' generate recomputes the whole cache once at the switch (position 16
+    here), and so does LLM.generate: greedy tokens as generate's across it (without the
+    second prefill the last two differ)."""
+    cfg = transformers.Phi3Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+        original_max_position_embeddings=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        rope_scaling={"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8})
+    torch.manual_seed(0)
+    ref = transformers.Phi3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    ref.save_pretrained(tmp_path)
+    llm = kiln.models.load(tmp_path, max_seq_len=32)
+    assert llm.model.refill_at == 16
+    for prompt in (PROMPT, list(range(3, 19))):  # 7 tokens; 16, the switch's own step
+        got = llm.generate([prompt], max_new_tokens=12)[0].ids
+        hf = ref.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
+                          do_sample=False)[0, len(prompt):].tolist()
+        assert got == hf, prompt
+
+
 @pytest.mark.parametrize("kw,named", [
     ({"max_batch_size": 2}, "one sequence at a time"),
     ({"paged": True}, "contiguous cache"),
