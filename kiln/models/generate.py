@@ -381,10 +381,10 @@ class LLM:
         return results[0] if single else results
 
     def _refill_at(self, seqs: list[_Seq]) -> int | None:
-        """The position where one sequence is prefilled again (RecipeLM.refill_at: a
+        """The position where one sequence is prefilled again (RecipeConfig.refill_at: a
         longrope model's switch), when its prompt ends at or before it and the cache
         reaches past it; None otherwise."""
-        at = getattr(self.model, "refill_at", None)
+        at = getattr(self.cfg, "refill_at", None)
         if at is None or len(seqs) != 1 or self.paged:
             return None
         return at if len(seqs[0].prompt) <= at < self.max_seq_len - 1 else None

@@ -41,6 +41,21 @@ class RecipeConfig:
     max_seq_len: int
     hf: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
+    @property
+    def refill_at(self) -> int | None:
+        """The position at which transformers' generate recomputes a longrope model's
+        whole cache (Phi-3.5, Phi-4-mini, PhiMoE: prepare_inputs_for_generation, the
+        first time the sequence passes original_max_position_embeddings, so every key is
+        rotated by the long factors from then on); LLM.generate prefills again there.
+        None for other models."""
+        text = text_fields(self.hf)
+        rope = text.get("rope_parameters") or text.get("rope_scaling")
+        if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type")) != "longrope":
+            return None
+        at = text.get("original_max_position_embeddings") or \
+            rope.get("original_max_position_embeddings")
+        return at if isinstance(at, int) and not isinstance(at, bool) and at > 0 else None
+
 
 def transformers_class(hf_cfg: dict, where: str):
     """The transformers causal-LM class config.json's architectures names, or a
@@ -139,8 +154,6 @@ class RecipeLM(nn.Module):
         self.cfg = cfg
         self.recipe = None  # setup_cache makes it (its cache sits beside the weights)
         self.head_at_rows = None  # setup_cache: a HeadAtRows the model's forward calls
-        self.refill_at = _longrope_switch(hf_model.config)
-
 
 
     @property
@@ -208,19 +221,6 @@ class RecipeLM(nn.Module):
             return self.recipe(input_ids=tokens, cache_position=input_pos[0])
         finally:
             self.head_at_rows.rows = None
-
-
-def _longrope_switch(config) -> int | None:
-    """The position at which transformers' generate recomputes a longrope model's whole
-    cache (Phi-3.5, Phi-4-mini, PhiMoE: prepare_inputs_for_generation, the first time
-    the sequence passes original_max_position_embeddings, so every key is rotated by the
-    long factors from then on); LLM.generate prefills again there. None for others."""
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type")) != "longrope":
-        return None
-    at = getattr(config, "original_max_position_embeddings", None) or \
-        rope.get("original_max_position_embeddings")
-    return at if isinstance(at, int) and at > 0 else None
 
 
 def _built(cls, hf_cfg: dict, dtype: torch.dtype, device, path: Path | None) -> nn.Module:

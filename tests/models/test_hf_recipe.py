@@ -105,12 +105,15 @@ def test_longrope_switching_past_its_original_context_generates_as_transformers(
                 p.normal_(0, 0.2)
     ref.save_pretrained(tmp_path)
     llm = kiln.models.load(tmp_path, max_seq_len=32)
-    assert llm.model.refill_at == 16
+    assert llm.cfg.refill_at == 16
+    llm.save(tmp_path / "phi.kiln")  # the saved LLM prefills again there too
+    again = kiln.models.load(tmp_path / "phi.kiln")
     for prompt in (PROMPT, list(range(3, 19))):  # 7 tokens; 16, the switch's own step
         got = llm.generate([prompt], max_new_tokens=12)[0].ids
         hf = ref.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
                           do_sample=False)[0, len(prompt):].tolist()
         assert got == hf, prompt
+        assert again.generate([prompt], max_new_tokens=12)[0].ids == hf, prompt
 
 
 @pytest.mark.parametrize("kw,named", [
