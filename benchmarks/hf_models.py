@@ -17,7 +17,9 @@ forward taking input_ids and cache_position), as someone exporting an HF model w
 write it: kiln compiles it twice, a prompt module (dynamic length) and a one-token module
 replayed as CUDA graphs, both writing the recipe module's cache; eager runs the recipe
 module, torch.compile the same module (mode "reduce-overhead": its CUDA graphs). Timed:
-one decode step at position `--tokens` after the prompt; error over that step's logits.
+one decode step at position `--tokens` after the prompt; error over that step's logits;
+on a GPU also the step's byte floor (`decode_bytes` at the run's copy bandwidth) and
+kiln's ratio to it. probes/hf_decode_profile.py shows where such a step goes.
 
 GPU:  PYTHONPATH=. python benchmarks/hf_models.py [--decode] --out $OUT/hf_models.json
 CPU smoke: PYTHONPATH=. python benchmarks/hf_models.py --device cpu --small [--decode]
