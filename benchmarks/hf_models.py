@@ -66,6 +66,18 @@ MODELS = {
     "phi3-mini": ("Phi3", dict(
         hidden_size=3072, intermediate_size=8192, num_attention_heads=32,
         num_key_value_heads=32, vocab_size=32064, pad_token_id=32000), 4),
+    # LayerNorm families (norm with a mean and a bias; GPT-2's Conv1D weights are [in, out])
+    "gpt2-medium": ("GPT2", dict(
+        hidden_size=1024, num_attention_heads=16, vocab_size=50257), 4),
+    "pythia-1.4b": ("GPTNeoX", dict(
+        hidden_size=2048, intermediate_size=8192, num_attention_heads=16,
+        vocab_size=50304), 4),
+    "stablelm-2-1.6b": ("StableLm", dict(
+        hidden_size=2048, intermediate_size=5632, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=100352), 4),
+    "starcoder2-3b": ("Starcoder2", dict(
+        hidden_size=3072, intermediate_size=12288, num_attention_heads=24,
+        num_key_value_heads=2, vocab_size=49152), 4),
 }
 SMALL = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
@@ -84,7 +96,9 @@ def build(name: str, small: bool, device: str, dtype):
     attn = kw.pop("attn_implementation", "sdpa")
     cfg = cls(num_hidden_layers=layers, **kw)
     cfg._attn_implementation = attn
-    model = getattr(transformers, f"{prefix}ForCausalLM")(cfg)
+    cls = (getattr(transformers, f"{prefix}ForCausalLM", None)
+           or getattr(transformers, f"{prefix}LMHeadModel"))  # GPT-2's name
+    model = cls(cfg)
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -144,7 +158,8 @@ def decode_bytes(model, cache_len: int) -> int:
         nbytes -= embed.numel() * embed.element_size()
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * cache_len
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    kv = 2 * cfg.num_hidden_layers * kv_heads * head_dim * cache_len
     return nbytes + kv * embed.element_size()
 
 
