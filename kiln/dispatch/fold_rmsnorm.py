@@ -1,18 +1,23 @@
-"""Fold an RMSNorm into the decode matmuls that read it: one kernel fewer per norm.
+"""Fold an RMSNorm or LayerNorm into the decode matmuls that read it: one kernel fewer
+per norm.
 
 At decode a Llama layer's two RMSNorms are kernels of ~2 us each (plus the gap
 between graph nodes) over 8 KB rows, while the GEMV after each reads all of x's row
 anyway. The norm is a row scale (kiln.dispatch.rmsnorm_prologue): y @ W = r * ((x *
 w) @ W) per row, r = rsqrt(mean(x^2) + eps), so the matmul template's GEMV form sums
-x^2 beside the product and scales each row's accumulator before its epilogue.
+x^2 beside the product and scales each row's accumulator before its epilogue. A
+LayerNorm (GPT-2, GPT-NeoX, StableLM, Starcoder2, Phi-2, ...) of up to
+LAYER_NORM_MAX_K elements folds too; the GEMV takes each row's mean and rstd before its
+K loop (kiln.dispatch.layernorm_prologue says why).
 
-A norm region folds when it computes only the norm (pointwise ops around one mean),
+A norm region folds when it computes only the norm (pointwise ops around one mean or
+one native_layer_norm),
 its value leaves through no output, and every region that reads it is a matmul (mm,
 addmm) that reads it only as its left operand through reshapes, with at most
 gemv_max_rows(dtype) rows (the GEMV form's). Each such matmul gets a copy of the
 norm's ops and reads the norm's inputs instead; the norm region goes. Several readers (HF
 Llama's separate q, k, v projections) each recompute it: x is a few KB. A one-token
-fp8 linear (kiln::fp8_linear, its GEMV form) folds it the same way when it is the norm's
+fp8 linear (kiln::fp8_linear, its GEMV form) folds an RMSNorm the same way when it is the norm's
 only reader (several fp8 readers are siblings that group_fp8_siblings gives one launch
 reading x once). A norm any other region reads, a tiled (prefill) matmul, or a region
 that is not a plain norm stays as it is. Only targets that generate kernels fold: the
@@ -25,6 +30,11 @@ import logging
 
 import torch
 
+from kiln.dispatch.layernorm_prologue import (
+    LAYER_NORM_MAX_K,
+    LayerNormRows,
+    match_layer_norm,
+)
 from kiln.dispatch.prologue_copy import copy_prologue
 from kiln.dispatch.rmsnorm_prologue import closure, match_row_norm, read_only_as_operand
 from kiln.ir.ops import IDENTITY_OPS, OpCategory, category
@@ -61,10 +71,11 @@ def _plain_norm(region: Region):
     if region.kind != RegionKind.REDUCTION or len(region.outputs) != 1:
         return None
     ops = {o.name: o for o in region.ops}
-    norm = match_row_norm(ops, region.outputs[0])
+    norm = match_row_norm(ops, region.outputs[0]) or match_layer_norm(ops, region.outputs[0])
     if norm is None:
         return None
-    others = [o for o in region.ops if o.name != norm.mean and o.target not in IDENTITY_OPS
+    stat = norm.op if isinstance(norm, LayerNormRows) else norm.mean
+    others = [o for o in region.ops if o.name != stat and o.target not in IDENTITY_OPS
               and category(o.target) not in _INLINE]
     return None if others else norm
 
@@ -80,6 +91,9 @@ def _folds_into(reader: Region, norm, plan: DispatchPlan) -> bool:
     if arg is None or not read_only_as_operand(reader.ops, reader.outputs, anchor, arg,
                                                norm.out):
         return False
+    if isinstance(norm, LayerNormRows) and not (isinstance(norm.dim, int)
+                                                and norm.dim <= LAYER_NORM_MAX_K):
+        return False  # the GEMV loads each row whole first (layernorm_prologue)
     a = anchor.args[arg]
     k = (reader.op(a.name).shape if a.name != norm.out else plan.values[a.name].shape)[-1]
     rows = bounds_of(anchor.shape[0], plan.symbols).hi
@@ -92,6 +106,8 @@ def _folds_into_fp8(reader: Region, norm, plan: DispatchPlan) -> bool:
     form quantises x * w and scales by the norm's row factor after the product
     (templates/fp8_matmul/folded_norm.py)."""
     anchor = reader.anchor()
+    if isinstance(norm, LayerNormRows):
+        return False  # templates/fp8_matmul/folded_norm.py scales rows: RMSNorm only
     if anchor.target != FP8_LINEAR or not read_only_as_operand(
             reader.ops, reader.outputs, anchor, 0, norm.out):
         return False
@@ -121,14 +137,24 @@ def fold_norms(plan: DispatchPlan) -> int:
         inside = closure({o.name: o for o in region.ops}, norm.out)
         for u in users:
             copy_prologue(u, region, [o for o in region.ops if o.name in inside],
-                          f"prologue: the RMSNorm of region {region.name} (%{norm.out}) "
-                          "folded in: each row's rsqrt(mean(x^2) + eps) scales the product")
+                          f"prologue: the {_kind(norm)} of region {region.name} (%{norm.out}) "
+                          f"folded in: {_how(norm)}")
         plan.regions.remove(region)
         del plan.values[norm.out]
         folded += 1
-        log.info("folded the RMSNorm %s (%%%s) into %s", region.name, norm.out,
+        log.info("folded the %s %s (%%%s) into %s", _kind(norm), region.name, norm.out,
                  ", ".join(u.name for u in users))
     return folded
+
+
+def _kind(norm) -> str:
+    return "LayerNorm" if isinstance(norm, LayerNormRows) else "RMSNorm"
+
+
+def _how(norm) -> str:
+    if isinstance(norm, LayerNormRows):
+        return "each row's mean and rstd taken first, x normalised as the weight streams"
+    return "each row's rsqrt(mean(x^2) + eps) scales the product"
 
 
 @as_pass

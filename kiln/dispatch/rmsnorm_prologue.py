@@ -26,7 +26,7 @@ from kiln.ir.symbolic import Dim, same_dim
 
 CAST = "aten._to_copy.default"
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-_CAST_KWARGS = {"dtype", "memory_format", "layout", "device", "non_blocking"}  # see _is_cast
+_CAST_KWARGS = {"dtype", "memory_format", "layout", "device", "non_blocking"}  # see is_cast
 
 
 @dataclass(frozen=True)
@@ -62,10 +62,10 @@ def match_row_norm(ops: dict[str, Op], out: str) -> RowNorm | None:
     name = out
     while True:
         op = ops.get(name)
-        if op is None or op.shape is None or not _same_shape(op.shape, top.shape):
+        if op is None or op.shape is None or not same_shape(op.shape, top.shape):
             return None
         chain.append(name)
-        if _is_cast(op):
+        if is_cast(op):
             name = op.args[0].name
             continue
         a, b = (op.args + (None, None))[:2]
@@ -89,12 +89,12 @@ def _finish(ops, chain, x, v, top: Op) -> RowNorm | None:
     if not isinstance(x, Ref) or v is None or _reduces(ops, x.name):
         return None
     mean, eps = _variance(ops, v)
-    if mean is None or not _same_shape(ops[v.name].shape, top.shape[:-1] + (1,)):
+    if mean is None or not same_shape(ops[v.name].shape, top.shape[:-1] + (1,)):
         return None
     squared = _squared(ops, ops[mean].args[0])
     if squared is None or _root(ops, squared) != _root(ops, x.name):
         return None
-    if not _same_shape(ops[ops[mean].args[0].name].shape, top.shape):
+    if not same_shape(ops[ops[mean].args[0].name].shape, top.shape):
         return None  # x (the square's root) has y's shape: one scale per row of y
     return RowNorm(top.name, x.name, tuple(chain), chain[-1], mean, eps, top.shape[-1])
 
@@ -154,7 +154,7 @@ def _squared(ops, s) -> str | None:
 
 def _root(ops, name: str) -> str:
     """`name` with the casts above it stripped: x and x.float() are one value."""
-    while name in ops and _is_cast(ops[name]):
+    while name in ops and is_cast(ops[name]):
         name = ops[name].args[0].name
     return name
 
@@ -173,7 +173,7 @@ def _reduces(ops, name: str) -> bool:
     return False
 
 
-def _is_cast(op: Op) -> bool:
+def is_cast(op: Op) -> bool:
     """A dtype change and nothing else: `x.float()`, `.to(dtype)`, and `type_as(x)` /
     `.to(x.dtype)` with the layout and device torch records beside (strided; a region
     runs on one device, so its device is the tensor's own: transformers' Gemma RMSNorm
@@ -188,7 +188,7 @@ def _op(ops, arg) -> Op | None:
     return ops.get(arg.name) if isinstance(arg, Ref) else None
 
 
-def _same_shape(a, b) -> bool:
+def same_shape(a, b) -> bool:
     return len(a) == len(b) and all(same_dim(x, y) for x, y in zip(a, b))
 
 

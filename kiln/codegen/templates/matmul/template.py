@@ -17,8 +17,12 @@ multiply padding. An unbounded M gets the tiled form with masked tails. The GEMV
 form also runs an RMSNorm folded into its region (kiln.dispatch.fold_rmsnorm): the K
 loop multiplies x * w (the norm's weight) by the weight tile and sums x^2 beside it,
 and each row's accumulators are scaled by rsqrt(mean(x^2) + eps) once, after split
-parts are combined and before bias and epilogue. It computes the norm in fp32 where
-eager rounds y to x's dtype before the product: within fp16 / bf16 tolerance.
+parts are combined and before bias and epilogue. A folded LayerNorm
+(kiln.dispatch.layernorm_prologue) needs each row's mean before the product, so each
+program first loads its rows of x whole (one vector load a row, K <= LAYER_NORM_MAX_K)
+and takes their mean and variance, two-pass as eager; the K loop then multiplies
+((x - mean) * rstd) * w + b. It computes the norm in fp32 where eager rounds y to x's
+dtype before the product: within fp16 / bf16 tolerance.
 Sibling products grouped into one region (kiln.dispatch.group_siblings) whose one
 output's epilogue reads them all at its own element (SwiGLU over separate gate and up
 weights) are computed by one GEMV program at the same columns, each from its own
@@ -63,6 +67,7 @@ from kiln.codegen.templates import split_k as split
 from kiln.codegen.templates.matmul import configs as cfg
 from kiln.codegen.templates.op_operands import operand_shape as _shape
 from kiln.dispatch.fold_rmsnorm import gemv_max_rows
+from kiln.dispatch.layernorm_prologue import LAYER_NORM_MAX_K, LayerNormRows, match_layer_norm
 from kiln.dispatch.rmsnorm_prologue import (
     RowNorm,
     closure,
@@ -100,7 +105,8 @@ class MatmulShape:
     n: Dim
     k: Dim
     dtype: torch.dtype  # of the operands and the product
-    norm: RowNorm | None = None  # an RMSNorm of A's rows folded in (fold_rmsnorm)
+    # an RMSNorm or LayerNorm of A's rows folded in (fold_rmsnorm)
+    norm: RowNorm | LayerNormRows | None = None
 
 
 def analyse(region: Region, plan: DispatchPlan, anchor=None, siblings=()) -> MatmulShape:
@@ -133,22 +139,28 @@ def analyse(region: Region, plan: DispatchPlan, anchor=None, siblings=()) -> Mat
                        lead[0] if batched else 1, m, n, k, anchor.dtype, norm)
 
 
-def _row_norm(region: Region, anchor, arg: int, k: Dim, siblings=()) -> RowNorm:
-    """The RMSNorm of A's rows the region computes as its prologue (fold_rmsnorm);
-    raises CodegenUnsupported for any other reduction in a matmul region."""
+def _row_norm(region: Region, anchor, arg: int, k: Dim, siblings=()):
+    """The RMSNorm or LayerNorm of A's rows the region computes as its prologue
+    (fold_rmsnorm); raises CodegenUnsupported for any other reduction in a matmul region."""
     ops = {o.name: o for o in region.ops}
     src = anchor.args[arg]
     while isinstance(src, Ref) and src.name in ops and (
             ops[src.name].target in SHAPE_ONLY_OPS | IDENTITY_OPS):
         src = ops[src.name].args[0]
-    norm = match_row_norm(ops, src.name) if isinstance(src, Ref) else None
+    norm = (match_row_norm(ops, src.name) or match_layer_norm(ops, src.name)
+            if isinstance(src, Ref) else None)
     if (norm is None or anchor.target == "aten.bmm.default" or not same_dim(norm.dim, k)
             or not read_only_as_operand(region.ops, region.outputs, anchor, arg, norm.out,
                                         closure(ops, norm.out), _left_args(siblings))):
-        raise CodegenUnsupported("a reduction in a matmul region that is not an RMSNorm "
-                                 "of its left operand's rows read only by the product")
+        raise CodegenUnsupported("a reduction in a matmul region that is not an RMSNorm or "
+                                 "LayerNorm of its left operand's rows read only by the "
+                                 "product")
     if norm.dim == 1:
-        raise CodegenUnsupported("an RMSNorm over a single element")
+        raise CodegenUnsupported("a norm over a single element")
+    if isinstance(norm, LayerNormRows) and not (isinstance(norm.dim, int)
+                                                and norm.dim <= LAYER_NORM_MAX_K):
+        raise CodegenUnsupported(f"a folded LayerNorm over more than {LAYER_NORM_MAX_K} "
+                                 "elements (each program loads its rows whole)")
     return norm
 
 
@@ -250,7 +262,11 @@ class _MatmulSource:
             self.em = shared.em
             self.em.overrides.update(overrides)
         kind = "gemv" if self.gemv else "matmul"
-        self.name = kernel_name(kind + ("_rmsnorm" if shape.norm else ""), region)
+        self.centred = isinstance(shape.norm, LayerNormRows)
+        self._stats_of: int | None = None  # the row whose raw x `_normed_at` returns
+        self._row = 0  # the GEMV row being loaded
+        suffix = "_layernorm" if self.centred else "_rmsnorm" if shape.norm else ""
+        self.name = kernel_name(kind + suffix, region)
 
     def _layout(self):
         """The tile's extents (rows, cols), the output element each lane stores, and the
@@ -306,10 +322,43 @@ class _MatmulSource:
         shape = em.shape(norm.out)
         x = em.value(norm.x, broadcast_index(index, shape, em.shape(norm.x)), mask)
         v = self._norm_x = em.cast(x, torch.float32)
+        if self.centred:
+            return v if self._stats_of is not None else self._centred(v, index, shape)
         for op, other in norm.factors(em.ops):
             f = em.cast(em.operand(op, other, index, mask), torch.float32)
             v = em.let(f"{v.code} * {f.code}", torch.float32, v.vars | f.vars)
         return v
+
+    def _centred(self, x: Val, index, shape) -> Val:
+        """A folded LayerNorm's value: ((x - mean) * rstd) * w + b, in fp32, with the
+        row's statistics from `_row_stats` (the row being loaded: `self._row`)."""
+        em, norm, mi = self.em, self.s.norm, self._row
+        v = em.let(f"({x.code} - mean{mi}) * rstd{mi}", torch.float32, x.vars)
+        for param, sign in ((norm.weight, "*"), (norm.bias, "+")):
+            if param is not None:
+                p = em.value(param, broadcast_index(index, shape, em.shape(param)),
+                             self._a_mask)
+                p = em.cast(p, torch.float32)
+                v = em.let(f"{v.code} {sign} {p.code}", torch.float32, v.vars | p.vars)
+        return v
+
+    def _row_stats(self, mi: int, row) -> list[str]:
+        """Row `mi`'s mean and rstd for a folded LayerNorm: its x loaded whole (`kf` over
+        the padded K), summed, then its centred squares summed (eager's two passes)."""
+        s, p = self.s, self.p
+        kp, k = cfg.pow2(s.norm.dim), p.dim(s.norm.dim)
+        ok = Cond("kf_ok", frozenset({"kf"}))
+        self._stats_of, self._a_mask = mi, mask_of(ok)
+        try:
+            lines, x = self._load(s.a, self._batch() + (row, Lin.of(Var("kf", s.k))),
+                                  mask_of(ok), ("kf",), f"[{kp}]", "kf", ok.code)
+        finally:
+            self._stats_of = None
+        return [*lines,
+                f"xf{mi} = tl.where(kf_ok, {x}.to(tl.float32), 0.0)",
+                f"mean{mi} = tl.sum(xf{mi}, 0) / {k}",
+                f"xc{mi} = tl.where(kf_ok, xf{mi} - mean{mi}, 0.0)",
+                f"rstd{mi} = tl.rsqrt(tl.sum(xc{mi} * xc{mi}, 0) / {k} + {s.norm.eps!r})"]
 
     def _sum_squares(self, mi: int, k_ok: Cond | None) -> list[str]:
         """Row `mi`'s x^2 over this K block, added lane by lane to `ss{mi}` (x as
@@ -376,7 +425,7 @@ class _MatmulSource:
             part = f"{cfg.pow2(self.m_hi)} * BLOCK_N"
             if len(self._accs()) > 1:  # an accumulator per product block
                 part = f"{len(self._accs())} * {part}"
-            if s.norm is not None:  # each part also carries its rows' sums of squares
+            if s.norm is not None and not self.centred:  # parts carry sums of squares
                 part += f" + {cfg.pow2(self.m_hi)}"
         else:
             tunables = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K"]
@@ -402,7 +451,7 @@ class _MatmulSource:
                 "out_dtype": _name(self.plan.values[out].dtype),
                 "m_pad": cfg.pow2(self.m_hi) if self.gemv else None,
                 "epilogue_loads": self._epilogue_loads, "column_shifts": list(self.shifts),
-                "row_norm": s.norm is not None,
+                "row_norm": s.norm is not None, "layer_norm": self.centred,
                 "siblings": [self.anchor.name] + [op.name for op, _ in self.partners]}
         return KernelSpec(self.name, source, p.args(), tunables, (tiles, batch, n_split),
                           configs, configs[0], "matmul", meta, 64 if p.needs_int64 else 32,
@@ -554,7 +603,8 @@ class _MatmulSource:
             *[f"{acc} = tl.zeros([{mp}, BLOCK_N], dtype=tl.float32)"
               for acc, *_ in self._accs()],
         ]
-        if s.norm is not None:
+        squares = s.norm is not None and not self.centred  # an RMSNorm's sums of x^2
+        if squares:
             head += [f"ss{mi} = tl.zeros([BLOCK_K], dtype=tl.float32)" for mi in range(mp)]
         # Rows past M read row M - 1 (valid memory, one mask-free vector load per row);
         # only the store is masked.
@@ -565,6 +615,13 @@ class _MatmulSource:
                 head.append(f"row{mi} = {mi} % {m}")
             elif not static_rows:
                 head.append(f"row{mi} = tl.minimum({mi}, {m} - 1)")
+        rows_at = [Lin.of(mi) if static_rows else Lin.of(Opaque(f"row{mi}", s.m))
+                   for mi in range(mp)]
+        if self.centred:
+            head += [f"kf = tl.arange(0, {cfg.pow2(s.norm.dim)}){wide}",
+                     f"kf_ok = kf < {p.dim(s.norm.dim)}"]
+            for mi in range(mp):
+                head += self._row_stats(mi, rows_at[mi])
         head += [*self._k_range(k), "for k0 in range(lo, hi, BLOCK_K):"]
         kk_a = Var("kk", s.k)
         kb_ok = self._k_mask("kb_ok", "kb2")
@@ -573,13 +630,13 @@ class _MatmulSource:
             loop += [f"k_ok = kk < {k}", f"kb_ok = kb2 < {k}"]
         loop += self._weight_loads(kb_ok)
         for mi in range(mp):  # rows unrolled: the weight tile is loaded once for all
-            row = Lin.of(mi) if static_rows else Lin.of(Opaque(f"row{mi}", s.m))
+            row = rows_at[mi]
             k_ok = self._k_mask("k_ok", "kk")
-            self._a_mask = mask_of(k_ok)
+            self._a_mask, self._row = mask_of(k_ok), mi
             a_lines, x = self._load(s.a, self._batch() + (row, Lin.of(kk_a)), mask_of(k_ok),
                                     ("kk",), "[BLOCK_K]", "kk", k_ok and k_ok.code)
             work = list(a_lines)
-            if s.norm is not None:
+            if squares:
                 work += self._sum_squares(mi, k_ok)
             for i, (acc, *_) in enumerate(self._accs()):
                 work += [f"part = tl.sum({x}.to(tl.float32)[:, None] * w{i}, 0)",
@@ -591,12 +648,12 @@ class _MatmulSource:
             loop += [f"if {mi} < {m}:", *["    " + x for x in work]] if skip else work
         tail = ["rm2 = rm[:, None]", "rn2 = rn[None, :]", f"m_ok = rm2 < {rows}",
                 f"n_ok = rn2 < {cols}"]
-        if s.norm is not None:
+        if squares:
             tail += self._squares_total(mp)
         offs = f"tl.arange(0, {mp})[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]"
         tail += self._combine("pid_b * tl.num_programs(0) + pid", f"[{mp}, BLOCK_N]",
-                              f"{mp} * BLOCK_N", offs, cols, mp if s.norm else None)
-        if s.norm is not None:
+                              f"{mp} * BLOCK_N", offs, cols, mp if squares else None)
+        if squares:
             tail += self._row_scale()
         return head + ["    " + x for x in loop] + tail + self._finish()
 
