@@ -159,6 +159,20 @@ def test_norm_into_paired_gate_and_up(dtype):
     _check(model, args, exe, dtype)
 
 
+def test_dynamic_rows_each_take_their_own_statistics():
+    """fp32 products of up to 8 rows stay GEMVs: each row's mean and rstd, rows past
+    a dynamic M (read at M - 1) never stored."""
+    t = torch.export.Dim("B", min=1, max=8)
+    model = LNLinear(96).eval()
+    exe = kiln.compile(model, (torch.randn(2, 1, 96),), target="interpret",
+                       dynamic_shapes=({0: t},))
+    assert len(_layer_norm_kernels(exe)) == 1
+    with torch.no_grad():
+        for b in (1, 5, 8):
+            x = torch.randn(b, 1, 96) * torch.arange(1, b + 1).view(b, 1, 1) + 2
+            assert rel_err(exe(x), model(x)) <= 1e-5
+
+
 def test_norm_read_by_another_op_stays_apart_and_matches():
     model, args, exe = _compile(LNAlsoAdded(), (torch.randn(1, 1, 64),), torch.float32)
     assert not _layer_norm_kernels(exe)
