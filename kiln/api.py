@@ -34,6 +34,7 @@ from kiln.dispatch.example_sizes import bind_example_sizes
 from kiln.dispatch.fold_delta_state import fold_delta_state
 from kiln.dispatch.fold_delta_step import fold_delta_step
 from kiln.dispatch.fold_fp8_prologue import fold_fp8_prologue
+from kiln.dispatch.fold_query_norm import fold_query_norm
 from kiln.dispatch.fold_rmsnorm import fold_rmsnorm
 from kiln.dispatch.fold_topk_sum import fold_topk_sum
 from kiln.dispatch.form_regions import form_regions
@@ -70,7 +71,8 @@ def build_pipeline(dump_dir: str | None = None) -> PassManager:
             Stage("import", [import_pass]),
             Stage("graph", list(GRAPH_PASSES)),
             Stage("parallel", [pipeline_stages, tensor_parallel, assign_devices]),
-            Stage("dispatch", [form_regions, fold_rmsnorm, fold_topk_sum, fold_delta_step,
+            Stage("dispatch", [form_regions, fold_rmsnorm, fold_query_norm, fold_topk_sum,
+                               fold_delta_step,
                                group_siblings, group_fp8_siblings, fold_fp8_prologue,
                                mask_envelope,
                                split_query_prologue, reinplace, fold_delta_state,

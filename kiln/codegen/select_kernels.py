@@ -46,7 +46,7 @@ from kiln.dispatch.split import (
     split_siblings,
     splittable_operands,
 )
-from kiln.ir.ops import is_fallback
+from kiln.ir.ops import OpCategory, category, is_fallback
 from kiln.ir.plan import DispatchPlan, Region, RegionKind
 from kiln.pipeline import as_pass
 from kiln.progress import phase
@@ -124,6 +124,11 @@ def spec_for(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec |
                 split_siblings(plan, region, f"the grouped GEMV declines: {e}")
             return spec_for(region, plan, target)
         operands = splittable_operands(region) if region.kind == RegionKind.EXTERN else []
+        if region.kind == RegionKind.ATTENTION and any(
+                category(o.target) == OpCategory.REDUCTION for o in region.ops):
+            # a query norm's sum folded in (dispatch/fold_query_norm): the query's
+            # prologue runs apart, as before the fold, the attention keeps its kernel
+            operands = [region.anchor().args[0].name]
         if operands:
             # producers dispatch folded into a kernel op's region (fold_delta_step)
             # that its template cannot compute: they run apart, the op keeps its kernel

@@ -31,6 +31,9 @@ span's edges and the blocks inside every row's span run unmasked, as a causal ti
 (the plain loops are empty in other tiles by their bounds; the mask's run under one `if
 not plain`). Key ranges are loop bounds and the `if` is around whole loops, never around
 the loads (Triton does not pipeline loads inside an `if`; a loop inside one pipelines).
+A decode query's per-head norm statistics (a sum or mean of q's row over the head dim,
+folded in by kiln.dispatch.fold_query_norm) are summed across the query tile's head-dim
+lanes, which hold each head's whole row.
 When the tiles are too few to fill the GPU (decode: one tile per KV head), the keys are
 split across programs (kiln.codegen.templates.split_k): each keeps its unnormalised
 output with its running max and sum, and the last program of a tile merges them by their
@@ -56,6 +59,8 @@ from kiln.codegen.templates.matmul.configs import can_split
 from kiln.codegen.templates.matmul.template import dot_operand
 from kiln.codegen.templates.op_operands import operand_shape as _shape
 from kiln.dispatch.causal_mask import is_causal_mask
+from kiln.dispatch.fold_query_norm import head_dim_sum
+from kiln.ir.ops import OpCategory, category
 from kiln.ir.plan import DispatchPlan, Ref, Region
 from kiln.ir.symbolic import Dim, bounds_of, same_dim, to_str
 from kiln.target import Target
@@ -257,11 +262,46 @@ class _AttentionSource:
                  shape: AttentionShape):
         self.region, self.plan, self.s = region, plan, shape
         self.p = SymbolicArgs(plan.symbols)
-        self.em = Emitter(region, plan, self.p, target)
+        sums = {o.name: self._row_sum_at(o) for o in region.ops
+                if category(o.target) == OpCategory.REDUCTION}
+        self.em = Emitter(region, plan, self.p, target, overrides=sums)
+        self._q_lanes = None  # the query tile's row and head-dim conditions (`_body`)
         self.name = kernel_name("attention", region)
         self.loop_loads = 0  # the most [BLOCK_N, D] tiles a key step loads
         self.mask_loads = 0
         self.three_d = len(_shape(region, plan, shape.q)) == 3
+
+    def _row_sum_at(self, op):
+        """A folded head-dim sum (dispatch/fold_query_norm.py) at a query row: the summed
+        value read at the tile's head-dim lanes `dq`, summed across them ([BLOCK_M, 1]).
+        Only where the query tile is loaded (its rows and head dim, never a key's)."""
+        src = head_dim_sum(op)
+        if src is None:
+            raise CodegenUnsupported(f"a reduction ({op.target}) in the attention's prologue "
+                                     "that is not a sum over the head dim")
+
+        def at(index):
+            em, d = self.em, self.s.head_dim
+            keyed = {"nk", "dk", "nv", "dv2", "dq"}
+            if (self._q_lanes is None or Lin.of(index[-1]).var_names()
+                    or any(keyed & Lin.of(i).var_names() for i in index[:-1])):
+                return None
+            if em.shape(src.name)[-1] != d:
+                return None
+            rows, lanes = self._q_lanes
+            v = em.value(src.name, tuple(index[:-1]) + (Lin.of(Var("dq", d)),),
+                         mask_of(rows, lanes))
+            if "dq" not in v.vars:
+                return None
+            x = em.cast(v, torch.float32).code
+            if lanes is not None:
+                x = f"tl.where({lanes.code}, {x}, 0.0)"
+            total = f"tl.sum({x}, 1)[:, None]"
+            if op.target == "aten.mean.dim":
+                total = f"{total} / {d}"
+            out = em.let(total, torch.float32, v.vars - {"dq"})
+            return em.cast(out, op.dtype)
+        return at
 
     # indices ------------------------------------------------------------------
     def _index(self, name: str, role: str, head: Lin, row: Lin, col: Lin, feature: Lin):
@@ -394,8 +434,10 @@ class _AttentionSource:
         head, qpos = self._head(), self._query_pos()
         rows_c = Cond("row_ok2", frozenset({"rows2"}))
         dq_c = Cond(f"dq < {d}", frozenset({"dq"})) if d != dp else None
+        self._q_lanes = (rows_c, dq_c)
         q_lines, q = self._load(s.q, self._index(s.q, "q", head, qpos, Lin(), Lin.of(Var("dq", d))),
                                 mask_of(rows_c, dq_c), tile=f"[BLOCK_M, {dp}]", pad=dq_c)
+        self._q_lanes = None  # a folded head-dim sum is the query's alone
         L += q_lines + [
             f"q = {q}",
             f"qk_scale = {s.scale * LOG2E!r}",
