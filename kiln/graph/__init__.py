@@ -18,9 +18,11 @@
 8. split_fp8_linear: an fp8 linear over more than a decode step's tokens becomes
    quantise-once + the block-scaled GEMM (two kernels instead of one that requantises
    x per output tile).
-9. patterns: label RMSNorm / RoPE / SwiGLU / attention on the final structure (labels
+9. eager_attention: attention written out (q @ k^T, scale, mask, softmax, @ v) as one
+   scaled_dot_product_attention op, on the composed views it matches.
+10. patterns: label RMSNorm / RoPE / SwiGLU / attention on the final structure (labels
    do not survive rewrites, so they come after every rewriting pass).
-10. dce: drop whatever the rewrites left unused; establishes no-dead-code last so the
+11. dce: drop whatever the rewrites left unused; establishes no-dead-code last so the
    earlier passes need not clean up after each other.
 """
 
@@ -29,6 +31,7 @@ from kiln.graph.collapse_dims import collapse_dims
 from kiln.graph.complex_products import complex_products
 from kiln.graph.cse import cse
 from kiln.graph.dce import dce
+from kiln.graph.eager_attention import eager_attention
 from kiln.graph.fold_constants import fold_constants
 from kiln.graph.fold_conv_scale import fold_conv_scale
 from kiln.graph.patterns import patterns
@@ -36,4 +39,5 @@ from kiln.graph.propagate_reshapes import propagate_reshapes
 from kiln.graph.split_fp8_linear import split_fp8_linear
 
 GRAPH_PASSES = [canonicalize, cse, complex_products, fold_conv_scale, fold_constants,
-                propagate_reshapes, collapse_dims, split_fp8_linear, patterns, dce]
+                propagate_reshapes, collapse_dims, split_fp8_linear, eager_attention, patterns,
+                dce]

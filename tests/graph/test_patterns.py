@@ -154,13 +154,18 @@ class Attention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        s = (q @ k.transpose(-1, -2)) / 4.0
-        s = s.masked_fill(~mask, float("-inf"))
+        if self.form == "written":  # SDPA's own order: graph/eager_attention rewrites it
+            s = (q @ k.transpose(-1, -2)) / 4.0
+            s = s.masked_fill(~mask, float("-inf"))
+        else:  # a float mask added before the scaling: not SDPA's order, stays decomposed
+            s = (q @ k.transpose(-1, -2) + torch.zeros_like(mask, dtype=q.dtype)
+                 .masked_fill(~mask, -1e4)) / 4.0
         p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)  # HF's fp32 upcast
         return p @ v
 
 
 @pytest.mark.parametrize("form,dtype", [("sdpa", torch.float32),
+                                        ("written", torch.float32),
                                         ("decomposed", torch.float32),
                                         ("decomposed", torch.bfloat16)])
 def test_attention(form, dtype):
@@ -170,6 +175,8 @@ def test_attention(form, dtype):
     found = labelled(Attention(form), q, k, v, mask,
                      dynamic=({2: T}, {2: T}, {2: T}, {0: T, 1: T}))
     assert set(found) == {"attention"}
+    if form == "written":
+        assert found["attention"] == ["aten.scaled_dot_product_attention.default"]
     if form == "decomposed":
         ops = found["attention"]
         assert ops.count("aten.bmm.default") == 2 and "aten._softmax.default" in ops
