@@ -21,7 +21,7 @@ one decode step at position `--tokens` after the prompt; error over that step's 
 on a GPU also the step's byte floor (`decode_bytes` at the run's copy bandwidth) and
 kiln's ratio to it. probes/hf_decode_profile.py shows where such a step goes.
 
-GPU:  PYTHONPATH=. python benchmarks/hf_models.py [--decode] --out $OUT/hf_models.json
+GPU:  PYTHONPATH=. python benchmarks/hf_models.py [--decode] [--attn eager] --out $OUT/x.json
 CPU smoke: PYTHONPATH=. python benchmarks/hf_models.py --device cpu --small [--decode]
 """
 
@@ -84,7 +84,7 @@ SMALL = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
              num_local_experts=4, vocab_size=256, pad_token_id=None)
 
 
-def build(name: str, small: bool, device: str, dtype):
+def build(name: str, small: bool, device: str, dtype, attn: str | None = None):
     import transformers
 
     prefix, kw, layers = MODELS[name]
@@ -93,7 +93,8 @@ def build(name: str, small: bool, device: str, dtype):
         kw = {k: SMALL.get(k, v) for k, v in kw.items()}
     torch.manual_seed(0)
     kw = dict(kw)
-    attn = kw.pop("attn_implementation", "sdpa")
+    attn = attn or kw.pop("attn_implementation", "sdpa")
+    kw.pop("attn_implementation", None)
     cfg = cls(num_hidden_layers=layers, **kw)
     cfg._attn_implementation = attn
     cls = (getattr(transformers, f"{prefix}ForCausalLM", None)
@@ -111,10 +112,10 @@ def first_call_s(fn, device) -> float:
 
 def run(name: str, args) -> dict:
     dtype = getattr(torch, args.dtype)
-    model = build(name, args.small, args.device, dtype)
+    model = build(name, args.small, args.device, dtype, args.attn)
     vocab = model.config.vocab_size
     ids = torch.randint(3, vocab, (1, args.tokens), device=args.device)
-    row = {"model": name, "tokens": args.tokens, "dtype": args.dtype,
+    row = {"model": name, "tokens": args.tokens, "dtype": args.dtype, "attn": args.attn,
            "layers": model.config.num_hidden_layers}
     with torch.no_grad():
         ref = model(ids, use_cache=False).logits
@@ -167,7 +168,7 @@ def run_decode(name: str, args) -> dict:
     from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
     dtype = getattr(torch, args.dtype)
-    model = build(name, args.small, args.device, dtype)
+    model = build(name, args.small, args.device, dtype, args.attn)
     model.generation_config.cache_implementation = "static"
     cache_len = args.tokens + 8
 
@@ -233,6 +234,10 @@ def main():
     ap.add_argument("--skip-torch-compile", action="store_true")
     ap.add_argument("--decode", action="store_true",
                     help="a decode step through transformers' static-cache export recipe")
+    ap.add_argument("--attn", choices=["sdpa", "eager"],
+                    help="transformers' attention path for every model (default: sdpa, "
+                         "eager where a model has no sdpa form); eager's attention written "
+                         "out is what graph/eager_attention.py rewrites")
     ap.add_argument("--out")
     args = ap.parse_args()
     rows = []
