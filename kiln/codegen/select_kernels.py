@@ -123,12 +123,14 @@ def spec_for(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec |
             else:
                 split_siblings(plan, region, f"the grouped GEMV declines: {e}")
             return spec_for(region, plan, target)
-        operands = splittable_operands(region) if region.kind == RegionKind.EXTERN else []
-        if region.kind == RegionKind.ATTENTION and any(
-                category(o.target) == OpCategory.REDUCTION for o in region.ops):
+        if region.kind == RegionKind.ATTENTION and _reduces(region):
             # a query norm's sum folded in (dispatch/fold_query_norm): the query's
             # prologue runs apart, as before the fold, the attention keeps its kernel
-            operands = [region.anchor().args[0].name]
+            query = region.anchor().args[0].name
+            moved = split_prologue(plan, region, query, f"the template declines: {e}")
+            if moved is not None and not _reduces(region):
+                return spec_for(region, plan, target)
+        operands = splittable_operands(region) if region.kind == RegionKind.EXTERN else []
         if operands:
             # producers dispatch folded into a kernel op's region (fold_delta_step)
             # that its template cannot compute: they run apart, the op keeps its kernel
@@ -148,6 +150,10 @@ def spec_for(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec |
     if spec is None:  # nothing fits even split; fitted_spec noted why
         return TorchKernel(region, target.torch_device)
     return spec
+
+
+def _reduces(region: Region) -> bool:
+    return any(category(o.target) == OpCategory.REDUCTION for o in region.ops)
 
 
 def _complex_values(region: Region, plan: DispatchPlan) -> list[str]:

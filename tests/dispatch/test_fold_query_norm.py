@@ -115,3 +115,28 @@ def test_norm_over_all_heads_prefill_and_cpu_do_not_fold():
                        compile_to="dispatch")
     for plan in (whole, prompt, cpu):
         assert not _folded(plan) and len(_reductions(plan)) == 2
+
+
+def test_a_declined_fold_runs_the_query_prologue_apart(monkeypatch):
+    """Should the attention template decline the folded sum, the query's prologue
+    (norm, RoPE) becomes a region again and the attention keeps its kernel."""
+    from kiln.codegen import select_kernels
+    from kiln.codegen.expr.values import CodegenUnsupported
+
+    real = select_kernels.TEMPLATES[RegionKind.ATTENTION]
+
+    def declines_folded(region, plan, target):
+        if any("head-dim sum" in n for n in region.notes) and any(
+                o.target == "aten.mean.dim" for o in region.ops):
+            raise CodegenUnsupported("a test's refusal")
+        return real(region, plan, target)
+
+    monkeypatch.setitem(select_kernels.TEMPLATES, RegionKind.ATTENTION, declines_folded)
+    model, twin = _models(torch.float32)
+    x, pos = torch.randn(1, 1, 64), torch.tensor([3])
+    exe = kiln.compile(model, (x, pos), target="interpret")
+    (attn,) = [r for r in exe.plan.regions if r.kind == RegionKind.ATTENTION]
+    assert isinstance(exe.program.kplan.kernels[attn.name], TritonKernel)
+    assert not any(o.target == "aten.mean.dim" for o in attn.ops)
+    with torch.no_grad():
+        assert rel_err(exe(x, pos), twin(x, pos)) <= 1e-5
