@@ -212,6 +212,9 @@ def _operands(kg: KilnGraph, m: _Match):
     if m.scores4 is None:
         return (q, kt, v) if rank(q) == 3 else None
     b, h, t, s = m.scores4.meta["val"].shape
+    n3, t3, s3 = m.scores.meta["val"].shape
+    if not (same_dim(n3, b * h) and same_dim(t3, t) and same_dim(s3, s)):
+        return None  # the 4-d view must split the batch of heads, nothing else
     found = []
     for x in (q, kt, v):
         if not is_op(x, VIEW) or not same_dim(x.meta["val"].shape[0], b * h):
