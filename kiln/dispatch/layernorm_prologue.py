@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import sympy
 import torch
 
 from kiln.dispatch.rmsnorm_prologue import CAST, is_cast, same_shape
 from kiln.ir.ops import bind_args
-from kiln.ir.plan import Op, Ref
+from kiln.ir.plan import Op, Ref, Sym
 from kiln.ir.symbolic import Dim, same_dim
 
 LAYER_NORM = "aten.native_layer_norm.default"
@@ -63,7 +64,8 @@ def match_layer_norm(ops: dict[str, Op], out: str) -> LayerNormRows | None:
     x, shape = a["input"], a["normalized_shape"]
     if not isinstance(x, Ref) or len(shape) != 1 or not same_shape(item.shape, top.shape):
         return None
-    if not same_dim(shape[0], top.shape[-1]):
+    size = shape[0].expr if isinstance(shape[0], Sym) else shape[0]  # a symbolic size
+    if not isinstance(size, (int, sympy.Expr)) or not same_dim(size, top.shape[-1]):
         return None
     params = []
     for p in (a["weight"], a["bias"]):

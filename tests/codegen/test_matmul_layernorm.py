@@ -235,3 +235,20 @@ def test_sm90_folded_gemv_compiles_without_spills():
     for config in (spec.default, Config.make(4, 1, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1)):
         res = compile_binary(spec, config, sm90).resources
         assert res.spills in (0, None), (config, res.spills, res.registers)
+
+
+def test_a_norm_over_a_dynamic_width_is_recognised_without_folding():
+    """normalized_shape holds a symbolic size there (a Sym in the plan's ops): matched,
+    compared as a dim, not folded (its width has no static bound for the whole-row load)."""
+    d = torch.export.Dim("D", min=8, max=64)
+
+    class Dynamic(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.layer_norm(x, (x.shape[-1],)), x.sum(-1)
+
+    exe = kiln.compile(Dynamic(), (torch.randn(1, 1, 32),), target="interpret",
+                       dynamic_shapes=({2: d},))
+    x = torch.randn(1, 1, 48)
+    with torch.no_grad():
+        for g, r in zip(exe(x), Dynamic()(x)):
+            assert rel_err(g, r) <= 1e-5
