@@ -5,6 +5,7 @@ time, the floor (hf_models.decode_bytes at copy bandwidth), then one replay's ke
 the profiler: totals by name and the second layer in order.
 
 GPU: PYTHONPATH=. python benchmarks/probes/hf_decode_profile.py phi3-mini [--tokens 512]
+     [--attn eager]   (transformers' attention written out: graph/eager_attention.py's)
 """
 
 import argparse
@@ -24,11 +25,12 @@ import kiln  # noqa: E402
 ap = argparse.ArgumentParser()
 ap.add_argument("model", choices=list(MODELS))
 ap.add_argument("--tokens", type=int, default=512)
+ap.add_argument("--attn", choices=["sdpa", "eager"])
 args = ap.parse_args()
 
 from transformers.integrations.executorch import TorchExportableModuleWithStaticCache  # noqa: E402
 
-model = build(args.model, False, "cuda", torch.bfloat16)
+model = build(args.model, False, "cuda", torch.bfloat16, args.attn)
 model.generation_config.cache_implementation = "static"
 cache_len = args.tokens + 8
 mod = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=cache_len,
