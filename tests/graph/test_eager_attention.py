@@ -154,6 +154,25 @@ def test_one_head_in_three_dims():
            torch.float32)
 
 
+class Cross(torch.nn.Module):
+    """Cross attention: keys longer than the queries, a value width of its own, a
+    boolean mask per batch."""
+
+    def forward(self, q, k, v, m):
+        s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        return torch.matmul(torch.softmax(s.masked_fill(~m, float("-inf")), -1), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cross_attention_with_its_own_value_width(dtype):
+    q, k, v = (torch.randn(2, 3, n, d, dtype=dtype) for n, d in ((5, 16), (9, 16), (9, 8)))
+    m = torch.rand(2, 1, 5, 9) > 0.3
+    m[..., 0] = True
+    args = (q, k, v, m)
+    assert _sdpa_count(Cross(), args) == 1
+    _check(Cross(), kiln.compile(Cross(), args, target="interpret"), [args], dtype)
+
+
 def test_returned_weights_and_unfit_chains_stay_as_written():
     x = torch.randn(1, 6, 64)
     assert _sdpa_count(HFEagerAttention(weights=True).eval(), (x,)) == 0
