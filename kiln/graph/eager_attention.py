@@ -310,7 +310,7 @@ def rewrite_eager_attention(kg: KilnGraph) -> int:
         k = _key(kg, kt, at)
         mask = _attn_mask(kg, m, at, q.meta["val"].dtype)
         sdpa = insert(kg, at, aten.scaled_dot_product_attention.default, (q, k, v, mask),
-                      {"scale": m.scale}, like=node)
+                      {"scale": m.scale}, like=node, val=_sdpa_value(kg, q, v))
         _replace_output(kg, m, sdpa)
         done += 1
     if tried:
@@ -318,6 +318,14 @@ def rewrite_eager_attention(kg: KilnGraph) -> int:
     if done:
         log.info("eager attention: %d chains as scaled_dot_product_attention", done)
     return done
+
+
+def _sdpa_value(kg: KilnGraph, q: fx.Node, v: fx.Node):
+    """The attention's fake output, q's rows by v's width: not from running SDPA on fake
+    CUDA inputs, whose flash path pads the head dim and fails on a symbolic size."""
+    qv, vv = q.meta["val"], v.meta["val"]
+    with kg.fake_mode():
+        return qv.new_empty((*qv.shape[:-1], vv.shape[-1]))
 
 
 @as_pass

@@ -83,8 +83,10 @@ def is_unit(d: Dim, symbols: Mapping[str, Bounds]) -> bool:
 
 
 def insert(kg: KilnGraph, before: fx.Node, target, args, kwargs=None,
-           like: fx.Node | None = None) -> fx.Node:
-    """Insert `target(*args, **kwargs)` before `before`, with meta and `like`'s stack trace."""
+           like: fx.Node | None = None, val=None) -> fx.Node:
+    """Insert `target(*args, **kwargs)` before `before`, with meta and `like`'s stack trace.
+    `val`: its fake value, given where running the op on fake inputs fails (CUDA's SDPA
+    picks a kernel that pads to concrete sizes)."""
     with kg.graph.inserting_before(before):
         node = kg.graph.create_node("call_function", target, tuple(args), dict(kwargs or {}),
                                     name=_short_name(target))
@@ -92,7 +94,9 @@ def insert(kg: KilnGraph, before: fx.Node, target, args, kwargs=None,
         node.meta["stack_trace"] = like.meta["stack_trace"]
     # a view's meta is made directly (a contiguous value of the new shape): a fake `view`
     # of a non-contiguous value fails, and in kiln's value semantics a view is a reshape.
-    if op_name(target) in STRICT_VIEWS:
+    if val is not None:
+        node.meta["val"] = val
+    elif op_name(target) in STRICT_VIEWS:
         node.meta["val"] = _view_meta(kg, args[0].meta["val"], [_meta_arg(a) for a in args[1]])
     else:
         infer_meta(kg, node)

@@ -61,7 +61,7 @@ class QKNormAttention(torch.nn.Module):
         v = self.v(x).view(B, T, self.kv, self.hd).transpose(1, 2)
         self.k_cache.index_copy_(2, pos, k)
         self.v_cache.index_copy_(2, pos, v)
-        mask = torch.arange(self.k_cache.shape[2])[None, :] <= pos[:, None]
+        mask = torch.arange(self.k_cache.shape[2], device=x.device)[None, :] <= pos[:, None]
         return torch.nn.functional.scaled_dot_product_attention(
             q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=True)
 

@@ -55,7 +55,7 @@ class HFEagerAttention(torch.nn.Module):
         k, v = (t[:, :, None].expand(B, self.kv, rep, T, self.hd).reshape(B, self.heads, T,
                                                                           self.hd)
                 for t in (k, v))
-        mask = torch.full((T, T), torch.finfo(x.dtype).min, dtype=x.dtype).triu(1)
+        mask = torch.full((T, T), torch.finfo(x.dtype).min, dtype=x.dtype, device=x.device).triu(1)
         w = torch.matmul(q, k.transpose(2, 3)) * self.hd ** -0.5 + mask[None, None]
         w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(w, v).transpose(1, 2).reshape(B, T, -1)
