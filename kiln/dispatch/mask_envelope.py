@@ -34,14 +34,13 @@ import logging
 import torch
 
 from kiln.dispatch.causal_mask import is_causal_mask
-from kiln.ir.ops import bind_args
+from kiln.ir.ops import SDPA_FORMS, bind_args
 from kiln.ir.plan import DispatchPlan, Op, Ref, Region, RegionKind, Role, Sym, TensorValue
 from kiln.ir.symbolic import bounds_of, same_dim
 from kiln.pipeline import as_pass
 
 log = logging.getLogger("kiln.dispatch")
 
-SDPA = "aten.scaled_dot_product_attention.default"
 # A dead key's candidate for the row's first key: past any key a mask can have.
 KEY_BOUND_NONE = 1 << 30
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -62,7 +61,7 @@ def bounded_mask(region: Region, plan: DispatchPlan) -> str | None:
     if region.kind != RegionKind.ATTENTION:
         return None
     anchor = region.anchor()
-    if anchor.target != SDPA:
+    if anchor.target not in SDPA_FORMS:
         return None
     a = bind_args(anchor)
     mask, key = a.get("attn_mask"), a.get("key")

@@ -19,14 +19,13 @@ from __future__ import annotations
 import logging
 
 from kiln.dispatch.split import materialisation_point, split_prologue
-from kiln.ir.ops import OpCategory, bind_args, category
+from kiln.ir.ops import SDPA_FORMS, OpCategory, bind_args, category
 from kiln.ir.plan import DispatchPlan, Ref, Region, RegionKind
 from kiln.ir.symbolic import bounds_of
 from kiln.pipeline import as_pass
 
 log = logging.getLogger("kiln.dispatch")
 
-SDPA = "aten.scaled_dot_product_attention.default"
 DECODE_ROWS = 16  # the attention template's decode tile: up to this many query rows
 _NOT_COMPUTE = {OpCategory.VIEW, OpCategory.CREATE, OpCategory.TUPLE}
 
@@ -53,7 +52,7 @@ def query_to_split(region: Region, plan: DispatchPlan) -> str | None:
     if region.kind != RegionKind.ATTENTION:
         return None
     anchor = region.anchor()
-    if anchor.target != SDPA:
+    if anchor.target not in SDPA_FORMS:
         return None
     q = bind_args(anchor).get("query")
     if not isinstance(q, Ref) or materialisation_point(region, q) is None:

@@ -7,7 +7,9 @@ softmax reduction, a second product, the [.., T, S] scores stored and read back 
 2048-token prompt's, 2048 x 2048 x 4 bytes a head a layer), and at decode three
 dependent kernels where the attention kernel is one (split over the keys). The chain is
 SDPA's definition, softmax(q @ k^T * scale + mask) @ v, so it is rewritten to the op,
-which graph/patterns.py labels "attention" either way.
+which graph/patterns.py labels "attention" either way. Scores soft-capped before the
+mask, cap * tanh(s * f / cap) (Gemma 2), become kiln.ops.softcap_attention: SDPA's
+arguments and the cap.
 
 Matched from a softmax over the last dim, every value between it and the products read
 by the chain alone (scores returned or reused stay as written):
@@ -18,6 +20,8 @@ by the chain alone (scores returned or reused stay as written):
   a view of a 3-d bmm to [B, H, T, S]; the bmm of views of q [B, H, T, D] and of k^T;
 - below it: casts and a view to bmm(p, view of v [B, H, S, Dv]), viewed back to 4-d;
 - without the 4-d views: the 3-d bmm operands themselves, one head of [N, T, D].
+- a softcap: mul(tanh(x), c), scalings below the tanh (scale * c = their product times
+  c, the cap c), none of the mask under it.
 A mask applied before a scaling is not SDPA's order and stays as written, unless it
 fills -inf. q, k, v and the output share one dtype. Eager rounds the scores to that
 dtype before an fp32 softmax; the kernel keeps them in fp32 (within fp16 tolerance).
@@ -36,6 +40,7 @@ from kiln.graph.rewrite import aten, insert, is_op, name_of, rank, shape_args
 from kiln.ir.graph import KilnGraph
 from kiln.ir.ops import norm_axis
 from kiln.ir.symbolic import same_dim
+from kiln.ops.softcap_attention import softcap_attention
 from kiln.pipeline import as_pass
 
 log = logging.getLogger("kiln.graph")
@@ -94,7 +99,7 @@ def _leads_to_scores(x, depth: int = 0) -> bool:
         return True
     name = name_of(x)
     if not (_cast(x) or name in _SCALES or name in _FILLS or name == VIEW
-            or name == "aten.add.Tensor"):
+            or name in ("aten.add.Tensor", "aten.tanh.default")):
         return False
     return any(_leads_to_scores(a, depth + 1) for a in x.args if isinstance(a, fx.Node))
 
@@ -104,6 +109,7 @@ class _Match:
 
     def __init__(self):
         self.scale, self.scaled = 1.0, False
+        self.cap: float | None = None  # the softcap: the scalings above its tanh
         # ("bool", cond, marks_filled) | ("add", tensor) | ("fill", cond, value, marks_filled)
         self.mask: tuple | None = None
         self.scores4 = None  # the [B, H, T, S] view of the scores bmm, if taken
@@ -129,6 +135,8 @@ class _Match:
                 node = self._scale(node, _SCALES[name])
             elif name in _FILLS or name == "aten.add.Tensor":
                 node = self._mask(node)
+            elif name == "aten.tanh.default":
+                node = self._softcap(node)
             else:
                 return False
             if node is None:
@@ -146,9 +154,17 @@ class _Match:
         self.scaled = True
         return x
 
-    def _mask(self, node):
-        if self.mask is not None:
+    def _softcap(self, node):
+        """cap * tanh(x): the scalings seen so far (above the tanh) are the cap; those
+        below it, times the cap, SDPA's scale."""
+        if self.cap is not None:
             return None
+        self.cap, self.scale, self.scaled = self.scale, 1.0, False
+        return node.args[0]
+
+    def _mask(self, node):
+        if self.mask is not None or self.cap is not None:
+            return None  # a second mask, or one under the cap (tanh(-inf) is not -inf)
         if name_of(node) == "aten.add.Tensor":
             a, b = node.args[:2]
             if node.kwargs.get("alpha", 1) != 1 or not all(isinstance(x, fx.Node) for x in (a, b)):
@@ -309,8 +325,12 @@ def rewrite_eager_attention(kg: KilnGraph) -> int:
         at = m.out
         k = _key(kg, kt, at)
         mask = _attn_mask(kg, m, at, q.meta["val"].dtype)
-        sdpa = insert(kg, at, aten.scaled_dot_product_attention.default, (q, k, v, mask),
-                      {"scale": m.scale}, like=node, val=_sdpa_value(kg, q, v))
+        if m.cap is None:
+            op, kw = aten.scaled_dot_product_attention.default, {"scale": m.scale}
+        else:
+            op, kw = softcap_attention._opoverload, {"scale": m.scale * m.cap,
+                                                      "softcap": m.cap}
+        sdpa = insert(kg, at, op, (q, k, v, mask), kw, like=node, val=_sdpa_value(kg, q, v))
         _replace_output(kg, m, sdpa)
         done += 1
     if tried:

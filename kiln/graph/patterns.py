@@ -32,7 +32,7 @@ from kiln.graph.rewrite import (
     strip,
 )
 from kiln.ir.graph import KilnGraph, shape_of
-from kiln.ir.ops import MATMULS, OpCategory, bind_args, norm_axis
+from kiln.ir.ops import MATMULS, SDPA_FORMS, OpCategory, bind_args, norm_axis
 from kiln.ir.symbolic import as_dim, same_dim
 from kiln.pipeline import as_pass
 
@@ -260,8 +260,7 @@ def _score_matmul(node, chain: list[fx.Node], depth: int = 0) -> fx.Node | None:
 
 
 def match_attention(node: fx.Node) -> list[fx.Node] | None:
-    if is_op(node, "aten.scaled_dot_product_attention.default",
-             "aten._scaled_dot_product_flash_attention_for_cpu.default"):
+    if is_op(node, *SDPA_FORMS, "aten._scaled_dot_product_flash_attention_for_cpu.default"):
         return [node]
     if not is_op(node, "aten._softmax.default"):
         return None

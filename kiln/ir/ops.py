@@ -118,6 +118,8 @@ _register(
         "_scaled_dot_product_flash_attention_for_cpu.default",
     ),
 )
+# kiln.ops.softcap_attention: SDPA's arguments and a cap on the scores
+_register(OpCategory.ATTENTION, ["kiln.softcap_attention.default"])
 _register(
     OpCategory.SCATTER,
     _names(
@@ -169,6 +171,10 @@ UNIT_DIM_OPS = SQUEEZES | {"aten.unsqueeze.default"}
 SHAPE_ONLY_OPS = RESHAPES | UNIT_DIM_OPS
 # Ops returning a tuple of pieces of their input along one dim (read through getitem).
 SPLITS = {"aten.split_with_sizes.default", "aten.split.Tensor", "aten.unbind.int"}
+# the ops an attention region's kernel computes (SDPA's arguments, by its names)
+SDPA = "aten.scaled_dot_product_attention.default"
+SOFTCAP_ATTENTION = "kiln.softcap_attention.default"
+SDPA_FORMS = (SDPA, SOFTCAP_ATTENTION)
 MATMULS = {"aten.mm.default", "aten.bmm.default", "aten.addmm.default"}
 # Integer ramps: arange in its overloads.
 ARANGES = {"aten.arange.default", "aten.arange.start", "aten.arange.start_step"}

@@ -12,7 +12,8 @@ from kiln.ops.latent_attention import latent_attention
 from kiln.ops.moe_experts import moe_experts
 from kiln.ops.moe_experts_fp8 import moe_experts_fp8, quantize_experts
 from kiln.ops.moe_experts_fp8 import scale_shape as expert_scale_shape
+from kiln.ops.softcap_attention import softcap_attention
 
 __all__ = ["dequantize_weight", "expert_scale_shape", "fp8_linear", "gated_delta_rule",
            "latent_attention", "moe_experts", "moe_experts_fp8", "quantize_experts",
-           "quantize_weight"]
+           "quantize_weight", "softcap_attention"]

@@ -15,6 +15,7 @@ import torch.fx as fx
 from kiln.errors import ShapeError
 from kiln.ir.graph import where
 from kiln.ir.ops import (
+    SDPA_FORMS,
     SPLITS,
     OpCategory,
     bind_args,
@@ -110,7 +111,7 @@ class Rules:
             return self.bmm(node)
         if name == "aten.embedding.default":
             return self.embedding(node)
-        if name == "aten.scaled_dot_product_attention.default":
+        if name in SDPA_FORMS:
             return self.attention(node)
         if name in ("aten.index_put.default",):
             return self.index_put(node)

@@ -14,6 +14,7 @@ from tests.helpers import rel_err
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
 SDPA = "aten.scaled_dot_product_attention.default"
+SOFTCAP = "kiln.softcap_attention.default"
 
 
 class NanoGPTAttention(torch.nn.Module):
@@ -90,7 +91,8 @@ class OneHead(torch.nn.Module):
 
 
 class Unfit(torch.nn.Module):
-    """Chains SDPA does not compute: an additive mask before the scaling, a softcap."""
+    """Chains neither SDPA nor the softcap op computes: an additive mask before the
+    scaling, a mask under the softcap's tanh."""
 
     def __init__(self, form):
         super().__init__()
@@ -101,13 +103,13 @@ class Unfit(torch.nn.Module):
         if self.form == "added_then_scaled":
             s = (s + m) * 0.25
         else:
-            s = torch.tanh(s / 30.0) * 30.0
+            s = torch.tanh((s + m) / 30.0) * 30.0
         return torch.softmax(s, dim=-1) @ v
 
 
-def _sdpa_count(model, args, **kw):
+def _sdpa_count(model, args, op=SDPA, **kw):
     kg = kiln.compile(model, args, target="interpret", compile_to="graph", **kw)
-    return sum(n.op == "call_function" and str(n.target) == SDPA for n in kg.graph.nodes)
+    return sum(n.op == "call_function" and str(n.target) == op for n in kg.graph.nodes)
 
 
 def _check(model, exe, cases, dtype):
@@ -177,7 +179,7 @@ def test_returned_weights_and_unfit_chains_stay_as_written():
     x = torch.randn(1, 6, 64)
     assert _sdpa_count(HFEagerAttention(weights=True).eval(), (x,)) == 0
     args = (*(torch.randn(2, 4, 5, 16) for _ in range(3)), torch.randn(5, 5))
-    for form in ("added_then_scaled", "softcap"):
+    for form in ("added_then_scaled", "masked_under_the_cap"):
         model = Unfit(form)
-        assert _sdpa_count(model, args) == 0
+        assert _sdpa_count(model, args) == _sdpa_count(model, args, SOFTCAP) == 0
         _check(model, kiln.compile(model, args, target="interpret"), [args], torch.float32)

@@ -1,4 +1,5 @@
-"""The attention template: flash-attention forward for a region's SDPA op.
+"""The attention template: flash-attention forward for a region's SDPA op (or
+kiln.ops.softcap_attention, SDPA with a cap on the scores).
 
 One program computes BLOCK_M query rows of one (batch, kv head) against every key,
 keeping a running max and sum (online softmax) so the [Tq, S] score matrix never
@@ -31,6 +32,8 @@ span's edges and the blocks inside every row's span run unmasked, as a causal ti
 (the plain loops are empty in other tiles by their bounds; the mask's run under one `if
 not plain`). Key ranges are loop bounds and the `if` is around whole loops, never around
 the loads (Triton does not pipeline loads inside an `if`; a loop inside one pipelines).
+kiln.ops.softcap_attention's cap is applied to the scaled scores before the mask, as
+cap * tanh(t) in base 2 with one exp2 (1 - 2 / (e^2t + 1): +-cap at either end).
 A decode query's per-head norm statistics (a sum or mean of q's row over the head dim,
 folded in by kiln.dispatch.fold_query_norm) are summed across the query tile's head-dim
 lanes, which hold each head's whole row.
@@ -60,12 +63,11 @@ from kiln.codegen.templates.matmul.template import dot_operand
 from kiln.codegen.templates.op_operands import operand_shape as _shape
 from kiln.dispatch.causal_mask import is_causal_mask
 from kiln.dispatch.fold_query_norm import head_dim_sum
-from kiln.ir.ops import OpCategory, category
+from kiln.ir.ops import SDPA_FORMS, OpCategory, bind_args, category
 from kiln.ir.plan import DispatchPlan, Ref, Region
 from kiln.ir.symbolic import Dim, bounds_of, same_dim, to_str
 from kiln.target import Target
 
-SDPA = "aten.scaled_dot_product_attention.default"
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 LOG2E = 1.4426950408889634
 FLT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
@@ -106,6 +108,7 @@ class AttentionShape:
     # keys it passes unchanged (kiln.dispatch.mask_envelope); the key loop stays within
     # its tile's rows' span
     key_bounds: tuple[str, str, str] | None = None
+    softcap: float | None = None  # scores capped at +-softcap by tanh before the mask
 
     @property
     def group(self) -> int:
@@ -113,18 +116,18 @@ class AttentionShape:
 
 
 def sdpa_arguments(op) -> dict:
-    names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"]
+    """SDPA's arguments by name, or kiln.ops.softcap_attention's (no dropout, not causal
+    by flag, a `softcap`; SDPA's is None)."""
     out = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
-           "enable_gqa": False}
-    out.update(dict(zip(names, op.args)))
-    out.update(op.kwargs)
+           "enable_gqa": False, "softcap": None}
+    out.update(bind_args(op))
     return out
 
 
 def analyse(region: Region, plan: DispatchPlan) -> AttentionShape:
     """The region's attention; raises CodegenUnsupported (why) if the template cannot run it."""
     anchor = region.anchor()
-    if anchor.target != SDPA or region.outputs != [anchor.name]:
+    if anchor.target not in SDPA_FORMS or region.outputs != [anchor.name]:
         raise CodegenUnsupported("the region's outputs are not its SDPA op alone")
     a = sdpa_arguments(anchor)
     refs = [a["query"], a["key"], a["value"]]
@@ -170,9 +173,13 @@ def analyse(region: Region, plan: DispatchPlan) -> AttentionShape:
     if mask is not None and not causal and is_causal_mask(region, mask):
         mask, kind, causal = None, None, True  # skip the blocks above the diagonal
     scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(D)
+    cap = a["softcap"]
+    if cap is not None and not (isinstance(cap, (int, float)) and cap > 0):
+        raise CodegenUnsupported(f"a softcap of {cap!r}")
     return AttentionShape(refs[0].name, refs[1].name, refs[2].name, mask, kind, causal,
                           float(scale), B, H, Hkv // repeat, Tq, S, D, Dv, anchor.dtype,
-                          repeat, _key_bounds(region, plan, mask))
+                          repeat, _key_bounds(region, plan, mask),
+                          None if cap is None else float(cap))
 
 
 def _key_bounds(region: Region, plan: DispatchPlan, mask: str | None):
@@ -440,7 +447,7 @@ class _AttentionSource:
         self._q_lanes = None  # a folded head-dim sum is the query's alone
         L += q_lines + [
             f"q = {q}",
-            f"qk_scale = {s.scale * LOG2E!r}",
+            *self._score_scale(),
             'm_i = tl.full([BLOCK_M], float("-inf"), tl.float32)',
             "l_i = tl.zeros([BLOCK_M], tl.float32)",
             f"acc = tl.zeros([BLOCK_M, {dvp}], tl.float32)",
@@ -499,6 +506,15 @@ class _AttentionSource:
             f"tl.store({o} + ooff, {out_code}, mask=row_ok2 & (dv2 < {dv}))",
         ]
         return L
+
+    def _score_scale(self) -> list[str]:
+        """The scores' factor into base 2; with a softcap, the factor of the tanh's
+        exp2 argument (2 scale / cap in base 2) and the cap in base 2."""
+        s = self.s
+        if s.softcap is None:
+            return [f"qk_scale = {s.scale * LOG2E!r}"]
+        return [f"qk_scale = {2.0 * s.scale / s.softcap * LOG2E!r}",
+                f"cap2 = {s.softcap * LOG2E!r}"]
 
     def _envelope(self, head: Lin, qpos: Lin, slen: str) -> list[str]:
         """Lines narrowing [kv_start, kv_end) to the keys the tile's rows' mask lets
@@ -700,6 +716,11 @@ class _AttentionSource:
         if s.causal and not full:
             conds.append("(nk <= qi[:, None])")
         score = "qk * qk_scale"
+        if s.softcap is not None:
+            # cap * tanh(t), t = qk * scale / cap, in base 2: tanh(t) = 1 - 2 / (e^2t + 1),
+            # one exp2 (+-cap at either end, no overflow to NaN)
+            L.append("qk = cap2 - 2.0 * cap2 / (tl.exp2(qk * qk_scale) + 1.0)")
+            score = "qk"
         if source == "bounds":
             conds.append("key_in")
         elif m is not None:
@@ -710,7 +731,7 @@ class _AttentionSource:
                 # mask is finfo.min, and a row of it alone (a padded query) is
                 # uniform over its keys in eager, not empty (0) as -inf would make it
                 mf = f"{m}.to(tl.float32)"
-                score = (f'qk * qk_scale + tl.where({mf} == float("-inf"), {mf}, '
+                score = (f'{score} + tl.where({mf} == float("-inf"), {mf}, '
                          f"tl.maximum({mf} * {LOG2E!r}, {-FLT32_MAX!r}))")
                 if enveloped:  # a NaN key's score is not -inf + NaN
                     conds.append("live_k")
