@@ -10,7 +10,7 @@ benchmarks/probes/region_bisect.py names the region.
 
 Four sets, each a row per architecture:
 - `forward`: the third sweep's architectures (ARCHITECTURES), one forward over
-  [2, 9] ids with `use_cache=False`, fresh ids at the call;
+  [2, 9] ids (`--tokens`) with `use_cache=False`, fresh ids at the call;
 - `recipe`: zoo_interpret's families through transformers' static-cache export recipe,
   a prompt module (dynamic length) and a one-token module writing the recipe's cache
   on the device; a prefill and two decode steps;
@@ -203,9 +203,9 @@ def _cast(value, dtype):
     return value.to(dtype) if floating else value
 
 
-def forward_case(name: str, dtype, device) -> Case:
+def forward_case(name: str, dtype, device, tokens: int = 9) -> Case:
     g = torch.Generator().manual_seed(2)
-    example, fresh = (torch.randint(0, 100, (2, 9), generator=g).to(device) for _ in "ab")
+    example, fresh = (torch.randint(0, 100, (2, tokens), generator=g).to(device) for _ in "ab")
     return Case(forward_model(name, dtype, device), ((example,), {"use_cache": False}),
                 ((fresh,), {"use_cache": False}),
                 lambda: forward_model(name, torch.float32, device), lambda out: out.logits)
@@ -238,7 +238,8 @@ def run_case(set_name: str, name: str, args) -> str:
     torch.export's own module, since a model that traces another program than it runs
     (transformers 5.17's Doge skips its causal mask in eager only) is not kiln's error."""
     dtype = getattr(torch, args.dtype)
-    case = CASES[set_name](name, dtype, args.device)
+    case = (CASES[set_name](name, dtype, args.device) if set_name == "models" else
+            CASES[set_name](name, dtype, args.device, args.tokens))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", KilnWarning)
         exe = kiln.compile(case.model, *case.example, target=args.target,
@@ -339,6 +340,8 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--share", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--tol", type=float, default=None, help="fp32 1e-5, else 1e-2")
+    p.add_argument("--tokens", type=int, default=9,
+                   help="forward / llms: ids per row (over 16: a prefill attention tile)")
     p.add_argument("--prompt", type=int, default=5)
     p.add_argument("--cache-len", type=int, default=16)
     p.add_argument("--json", default=None)

@@ -44,7 +44,7 @@ from kiln.dispatch.group_siblings import group_siblings
 from kiln.dispatch.mask_envelope import mask_envelope
 from kiln.dispatch.recompute_cheap import recompute_cheap
 from kiln.dispatch.reinplace import reinplace
-from kiln.dispatch.split_query_prologue import split_query_prologue
+from kiln.dispatch.split_attention_prologues import split_attention_prologues
 from kiln.frontend.export import capture, fallback_warning
 from kiln.frontend.import_pass import ModelSource, import_pass
 from kiln.frontend.module_identity import module_identity, module_state
@@ -75,7 +75,7 @@ def build_pipeline(dump_dir: str | None = None) -> PassManager:
                                fold_delta_step,
                                group_siblings, group_fp8_siblings, fold_fp8_prologue,
                                mask_envelope,
-                               split_query_prologue, reinplace, fold_delta_state,
+                               split_attention_prologues, reinplace, fold_delta_state,
                                group_cache_writes, recompute_cheap, bind_example_sizes]),
             Stage("codegen", [select_kernels]),
             Stage("schedule", [schedule]),

@@ -451,6 +451,8 @@ def test_target_that_is_not_a_string():
      "every key block"),
     ({"query_prologue_split": "no"}, "options['query_prologue_split'] must be True or False",
      "query prologue"),
+    ({"key_prologue_split": 0}, "options['key_prologue_split'] must be True or False",
+     "key and value prologues"),
 ])
 def test_bad_options_name_the_option(options, message, hint):
     with pytest.raises(ArgumentError) as e:

@@ -9,7 +9,7 @@ unmasked. Both compiled by kiln (tune none, one compile per T), kernel time by t
 T = 128 and 2048 from position 0; torch's SDPA (flash, causal, exact keys) as the peer.
 
 GPU: PYTHONPATH=. python benchmarks/probes/prefill_attention.py [--out f.json]
-        [--configs default nosplit bn128 ...] [--lengths 2048] [--rope]
+        [--configs default nosplit bn128 ...] [--lengths 2048] [--rope] [--key-rope]
 
 --configs forces the attention template's default config (tune none uses it) to each
 named change: the next step is why kiln's causal kernel runs at ~60% of torch's flash
@@ -80,7 +80,7 @@ class MaskedCacheRope(MaskedCache):
     """MaskedCache with q's RoPE before it, as kiln bench's model has it (rotate-half
     over the position's angles): kiln computed it in the attention's prologue (144 us
     against 122 without it, an H200 at T 2048); now, in a prefill, in a pointwise
-    kernel before it (dispatch/split_query_prologue.py: `us_all` counts both)."""
+    kernel before it (dispatch/split_attention_prologues.py: `us_all` counts both)."""
 
     def __init__(self):
         super().__init__()
@@ -95,6 +95,32 @@ class MaskedCacheRope(MaskedCache):
         q1, q2 = q[..., :D // 2], q[..., D // 2:]
         q = torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1)
         return super().forward(q, k_cache, v_cache, input_pos)
+
+
+class SelfRope(nn.Module):
+    """Attention over the prompt's own keys with RoPE on q and k, cos and sin made from
+    inv_freq and the positions (transformers' Llama with use_cache=False): k's RoPE
+    either in a kernel before the attention (the default) or in its key loop, once per
+    query tile walking the block (`_key_fused`: options key_prologue_split=False)."""
+
+    def __init__(self):
+        super().__init__()
+        half = D // 2
+        self.register_buffer("inv_freq", 1.0 / (500000.0 ** (torch.arange(half).float() / half)))
+
+    def forward(self, q, k_cache, v_cache, input_pos):
+        t = q.shape[2]
+        angles = input_pos.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat([angles, angles], dim=-1)
+        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+        k, v = k_cache[:, :, :t], v_cache[:, :, :t]
+
+        def rope(x):
+            x1, x2 = x[..., :D // 2], x[..., D // 2:]
+            return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+        return F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True,
+                                              enable_gqa=True)
 
 
 class CausalExact(nn.Module):
@@ -115,6 +141,10 @@ def main():
     ap.add_argument("--rope", action="store_true",
                     help="also gpt-fast's mask with q's RoPE before it: split into its own "
                          "kernel (the default) and kept in the attention's prologue (_fused)")
+    ap.add_argument("--key-rope", action="store_true",
+                    help="also attention over the prompt's own keys with q's and k's RoPE "
+                         "(no cache): k's RoPE in its own kernel (the default) and in the "
+                         "key loop (_key_fused)")
     args = ap.parse_args()
     os.environ["KILN_COMPILE_CACHE"] = "0"
     os.environ["KILN_CACHE_DIR"] = tempfile.mkdtemp()
@@ -127,6 +157,8 @@ def main():
     if args.rope:
         modules += [("masked_cache_rope", MaskedCacheRope),
                     ("masked_cache_rope_fused", MaskedCacheRope)]
+    if args.key_rope:
+        modules += [("self_rope", SelfRope), ("self_rope_key_fused", SelfRope)]
     variants = [(name, cls, c) for c in args.configs for name, cls in modules]
     for t in args.lengths:  # one compile per length: a dynamic T meets a guard torch cannot prove
         for name, cls, c in variants:
@@ -134,7 +166,9 @@ def main():
             ex = (torch.randn(1, HEADS, t, D, device=dev, dtype=dt), kc, vc,
                   torch.arange(t, device=dev))
             with forced(CONFIGS[c]):
-                opts = {"tune": "none", "query_prologue_split": not name.endswith("_fused")}
+                opts = {"tune": "none",
+                        "query_prologue_split": not name.endswith("cache_rope_fused"),
+                        "key_prologue_split": not name.endswith("_key_fused")}
                 mods[name, c, t] = (m, kiln.compile(m, ex, target="cuda", options=opts))
     for t in args.lengths:
         q = torch.randn(1, HEADS, t, D, generator=g).to(dev, dt)

@@ -157,7 +157,7 @@ def test_prefill_plan_is_unchanged():
     t = torch.export.Dim("T", min=2, max=s.max_len)
     args = (torch.zeros(1, 16, dtype=torch.long), torch.arange(16))
     dyn = ({1: t}, {0: t})
-    # the prefill query's RoPE in a region of its own (dispatch/split_query_prologue) is
+    # the prefill query's RoPE in a region of its own (dispatch/split_attention_prologues) is
     # the GPU plan's other difference from the CPU's: off here
     same = {"query_prologue_split": False}
     plan = _unbounded(_plan(model, args, dynamic_shapes=dyn, options=same))

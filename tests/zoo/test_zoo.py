@@ -162,7 +162,7 @@ DYNAMIC_LMS = {
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=100, pad_token_id=0)),
     # RoPE after a q / k RMSNorm: a prefill's query RoPE becomes a pointwise region of
-    # its own (dispatch/split_query_prologue.py)
+    # its own, and the key's too (dispatch/split_attention_prologues.py)
     "hf_qwen3": lambda: (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, vocab_size=100)),

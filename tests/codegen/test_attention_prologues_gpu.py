@@ -1,0 +1,60 @@
+"""Prefill attention on a GPU target against eager, for the thirty-fifth session's split
+of the key's prologue (dispatch/split_attention_prologues.py) and the thirty-fourth's
+soft-capped attention op: Qwen3's attention without a cache (q and k normalised, then
+RoPE, both in regions before the attention) at head dim 128, and transformers' Gemma 2
+(eager attention: a tanh cap on the scores, head dim 256, a sliding layer and a global
+one) with a dynamic prompt length. fp16/bf16 1e-2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kiln
+from kiln.ir.plan import RegionKind
+from tests.codegen.test_softcap_attention import SOFTCAP
+from tests.dispatch.test_split_attention_prologues import QKNormNoCache
+from tests.helpers import rel_err
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_key_rope_apart_matches_eager(dtype):
+    torch.manual_seed(0)
+    model = QKNormNoCache(dim=256, heads=8, kv=2, hd=128, max_len=1024).to(dtype).cuda().eval()
+    T = torch.export.Dim("T", min=2, max=1024)
+    x = torch.randn(1, 64, 256, dtype=dtype, device="cuda")
+    exe = kiln.compile(model, (x,), dynamic_shapes=({1: T},), target="cuda")
+    (attn,) = [r for r in exe.plan.regions if r.kind == RegionKind.ATTENTION]
+    assert any(r.name == f"{attn.name}_key" for r in exe.plan.regions)
+    assert exe.program.kplan.kernels[attn.name].kind == "triton"
+    with torch.no_grad():
+        for t in (3, 100, 700):
+            x = torch.randn(1, t, 256, dtype=dtype, device="cuda")
+            assert rel_err(exe(x), model(x)) <= 1e-2, (t, rel_err(exe(x), model(x)))
+
+
+def test_transformers_gemma2_prefill_with_the_cap():
+    import transformers
+
+    cfg = transformers.Gemma2Config(
+        vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=256, sliding_window=64,
+        attn_logit_softcapping=50.0, max_position_embeddings=1024)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(cfg).to(torch.bfloat16).cuda().eval()
+    T = kiln.Dim("T", min=2, max=512)
+    ids = torch.randint(0, 256, (1, 40), device="cuda")
+    exe = kiln.compile(model, (), {"input_ids": ids, "use_cache": False},
+                       dynamic_shapes={"input_ids": {1: T}, "use_cache": None}, target="cuda")
+    attns = [r for r in exe.plan.regions if r.kind == RegionKind.ATTENTION]
+    assert len(attns) == 2 and all(any(o.target == SOFTCAP for o in r.ops) for r in attns)
+    assert all(exe.program.kplan.kernels[r.name].kind == "triton" for r in attns)
+    with torch.no_grad():
+        for t in (17, 200, 500):
+            ids = torch.randint(0, 256, (1, t), device="cuda")
+            got = exe(input_ids=ids, use_cache=False).logits
+            ref = model(input_ids=ids, use_cache=False).logits
+            assert rel_err(got, ref) <= 1e-2, (t, rel_err(got, ref))
