@@ -20,13 +20,18 @@
    x per output tile).
 9. eager_attention: attention written out (q @ k^T, scale, mask, softmax, @ v) as one
    scaled_dot_product_attention op, on the composed views it matches.
-10. patterns: label RMSNorm / RoPE / SwiGLU / attention on the final structure (labels
+10. causal_sdpa: an SDPA whose boolean mask its aranges prove `key <= query`
+   (transformers' prompt mask without a cache) as is_causal, after eager_attention
+   made its SDPAs.
+11. patterns: label RMSNorm / RoPE / SwiGLU / attention on the final structure (labels
    do not survive rewrites, so they come after every rewriting pass).
-11. dce: drop whatever the rewrites left unused; establishes no-dead-code last so the
-   earlier passes need not clean up after each other.
+12. dce: drop whatever the rewrites left unused (the masks causal_sdpa replaced);
+   establishes no-dead-code last so the earlier passes need not clean up after each
+   other.
 """
 
 from kiln.graph.canonicalize import canonicalize
+from kiln.graph.causal_sdpa import causal_sdpa
 from kiln.graph.collapse_dims import collapse_dims
 from kiln.graph.complex_products import complex_products
 from kiln.graph.cse import cse
@@ -39,5 +44,5 @@ from kiln.graph.propagate_reshapes import propagate_reshapes
 from kiln.graph.split_fp8_linear import split_fp8_linear
 
 GRAPH_PASSES = [canonicalize, cse, complex_products, fold_conv_scale, fold_constants,
-                propagate_reshapes, collapse_dims, split_fp8_linear, eager_attention, patterns,
-                dce]
+                propagate_reshapes, collapse_dims, split_fp8_linear, eager_attention,
+                causal_sdpa, patterns, dce]

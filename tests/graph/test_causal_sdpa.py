@@ -1,0 +1,160 @@
+"""A boolean SDPA mask that aranges prove `key <= query` becomes is_causal
+(kiln.graph.causal_sdpa, read through kiln.graph.index_forms); every mask that is
+something else, or built from data, stays. Numerics on the interpret target."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kiln
+from kiln.ir.plan import RegionKind
+from tests.helpers import rel_err
+
+SDPA = "aten.scaled_dot_product_attention.default"
+
+
+def _sdpas(kg):
+    return [n for n in kg.graph.nodes if n.op == "call_function" and str(n.target) == SDPA]
+
+
+def _graph(model, args, dyn=None):
+    return kiln.compile(model, args, dynamic_shapes=dyn, target="interpret", compile_to="graph")
+
+
+class Masked(torch.nn.Module):
+    """SDPA under a boolean mask `keep(kj, qi)` of the key and query indices, built from
+    aranges (and, when `positions`, from the positions passed in)."""
+
+    def __init__(self, keep, positions=False):
+        super().__init__()
+        self.keep, self.positions = keep, positions
+
+    def forward(self, q, k, v, pos=None):
+        T, S = q.shape[2], k.shape[2]
+        qi = pos if self.positions else torch.arange(T)
+        kj = torch.arange(S)
+        mask = self.keep(kj[None, :], qi[:, None])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _qkv(T, S=None):
+    S = S or T
+    return torch.randn(1, 2, T, 8), torch.randn(1, 2, S, 8), torch.randn(1, 2, S, 8)
+
+
+@pytest.mark.parametrize("keep", [
+    lambda kj, qi: kj <= qi,
+    lambda kj, qi: qi >= kj,
+    lambda kj, qi: kj < qi + 1,
+    lambda kj, qi: (kj - qi) <= 0,
+    lambda kj, qi: (kj <= qi) & torch.ones((), dtype=torch.bool),
+    lambda kj, qi: (kj + 3 <= qi + 3) & (kj >= 0)])
+def test_causal_masks_become_is_causal(keep):
+    model = Masked(keep)
+    T = torch.export.Dim("T", min=2, max=40)
+    kg = _graph(model, _qkv(9), ({2: T}, {2: T}, {2: T}))
+    (sdpa,) = _sdpas(kg)
+    assert sdpa.kwargs.get("is_causal") is True and len(sdpa.args) == 3
+    exe = kiln.compile(model, _qkv(9), dynamic_shapes=({2: T}, {2: T}, {2: T}),
+                       target="interpret")
+    for t in (3, 33):
+        args = _qkv(t)
+        assert rel_err(exe(*args), model(*args)) <= 1e-5, t
+
+
+@pytest.mark.parametrize("keep", [
+    lambda kj, qi: kj < qi,  # the diagonal masked too
+    lambda kj, qi: kj <= qi + 1,  # one key ahead
+    lambda kj, qi: qi <= kj,  # the other triangle
+    lambda kj, qi: (kj <= qi) & (kj > qi - 4),  # a sliding window
+    lambda kj, qi: kj >= 0])  # all keys
+def test_other_masks_stay(keep):
+    kg = _graph(Masked(keep), _qkv(9))
+    (sdpa,) = _sdpas(kg)
+    assert not sdpa.kwargs.get("is_causal") and (len(sdpa.args) > 3 or "attn_mask" in sdpa.kwargs)
+
+
+def test_a_mask_from_positions_passed_in_stays():
+    """A static cache's prompt: the query positions are data (transformers' recipe)."""
+    model = Masked(lambda kj, qi: kj <= qi, positions=True)
+    kg = _graph(model, (*_qkv(6, 16), torch.arange(6)))
+    (sdpa,) = _sdpas(kg)
+    assert not sdpa.kwargs.get("is_causal")
+
+
+class PackedIds(torch.nn.Module):
+    """transformers 5's mask without a cache: causal and-ed with equal packed-sequence
+    ids, a cumsum of `diff(position_ids, prepend=first - 1) != 1`. `step`: the first
+    dummy position's distance (1: the ids are all 0, the mask causal)."""
+
+    def __init__(self, step=1):
+        super().__init__()
+        self.step = step
+
+    def forward(self, q, k, v):
+        T = q.shape[2]
+        pos = torch.arange(T)[None]
+        first = pos[:, :1] - self.step
+        ids = torch.cumsum(torch.diff(pos, dim=-1, prepend=first) != 1, dim=-1)
+        qi, kj = torch.arange(T)[:, None], torch.arange(T)[None, :]
+        same = ids[0][qi] == ids[0][kj]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(kj <= qi) & same)
+
+
+@pytest.mark.parametrize("step,causal", [(1, True), (2, False)])
+def test_packed_sequence_ids_over_aranges(step, causal):
+    model = PackedIds(step)
+    T = torch.export.Dim("T", min=2, max=40)
+    dyn = ({2: T}, {2: T}, {2: T})
+    (sdpa,) = _sdpas(_graph(model, _qkv(9), dyn))
+    assert bool(sdpa.kwargs.get("is_causal")) == causal
+    exe = kiln.compile(model, _qkv(9), dynamic_shapes=dyn, target="interpret")
+    for t in (2, 21):
+        args = _qkv(t)
+        assert rel_err(exe(*args), model(*args)) <= 1e-5, t
+
+
+def _tiny_llama():
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_transformers_llama_without_a_cache_runs_causal_attention():
+    """The prompt's mask (causal and packed-sequence ids) leaves the plan: no cumsum as a
+    torch region, no mask envelope; logits as eager at other lengths."""
+    model = _tiny_llama()
+    T = kiln.Dim("T", min=2, max=64)
+    ids = torch.randint(0, 100, (1, 9))
+    exe = kiln.compile(model, (), {"input_ids": ids, "use_cache": False},
+                       dynamic_shapes={"input_ids": {1: T}, "use_cache": None},
+                       target="interpret")
+    attns = [r for r in exe.plan.regions if r.kind == RegionKind.ATTENTION]
+    assert len(attns) == 2 and not any(r.key_bounds for r in attns)
+    assert all(exe.program.kplan.kernels[r.name].kind == "triton" for r in exe.plan.regions)
+    with torch.no_grad():
+        for t in (5, 40):
+            ids = torch.randint(0, 100, (1, t))
+            got = exe(input_ids=ids, use_cache=False).logits
+            assert rel_err(got, model(input_ids=ids, use_cache=False).logits) <= 1e-5, t
+
+
+def test_transformers_llama_with_a_padding_mask_keeps_it():
+    """An attention_mask passed in (left padding) is data: the mask stays and pads."""
+    model = _tiny_llama()
+    ids, pad = torch.randint(0, 100, (2, 7)), torch.ones(2, 7, dtype=torch.long)
+    pad[1, :3] = 0
+    exe = kiln.compile(model, (), {"input_ids": ids, "attention_mask": pad, "use_cache": False},
+                       target="interpret")
+    (sdpa, _) = _sdpas(kiln.compile(model, (), {"input_ids": ids, "attention_mask": pad,
+                                                "use_cache": False},
+                                    target="interpret", compile_to="graph"))
+    assert not sdpa.kwargs.get("is_causal")
+    with torch.no_grad():
+        got = exe(input_ids=ids, attention_mask=pad, use_cache=False).logits
+        ref = model(input_ids=ids, attention_mask=pad, use_cache=False).logits
+    assert rel_err(got[0], ref[0]) <= 1e-5 and rel_err(got[1, 3:], ref[1, 3:]) <= 1e-5
