@@ -11,8 +11,10 @@ prefill attention held 255 registers and spilled 54 words with them, 192 without
 The mask's value is followed as a formula in its element's index (index_forms.py);
 when it is exactly `x0 <= x1` (key index at most query index over the last two dims,
 the same for every batch and head) the SDPA drops the mask and sets is_causal, which
-torch defines as that mask (top-left aligned). Anything the forms cannot follow keeps
-its mask. The mask's ops are left to dce.
+torch defines as that mask (top-left aligned). An additive mask where(keep, 0, fill)
+of a fill that drowns any score (transformers' eager masks, finfo.min) counts as its
+`keep`: a causal mask leaves every row a key, so the two agree. Anything the forms
+cannot follow keeps its mask. The mask's ops are left to dce.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ import logging
 
 import sympy
 import torch
+import torch.fx as fx
 
+from kiln.graph.eager_attention import HUGE_FILL
+from kiln.graph.fold_constants import constant_placeholders
 from kiln.graph.index_forms import IndexForms, X
 from kiln.graph.rewrite import name_of
 from kiln.ir.graph import KilnGraph
@@ -49,18 +54,54 @@ def is_key_le_query(form) -> bool:
     return sympy.expand(diff - (X[0] - X[1])) == 0  # integers: a < b is a + 1 <= b
 
 
+_WHERES = ("aten.where.self", "aten.where.Scalar", "aten.where.ScalarSelf",
+           "aten.where.ScalarOther")
+
+
+def _number(node, consts: dict):
+    """The value of a scalar: a Python number, a full of [] / scalar_tensor, a lifted
+    0-d constant; None otherwise."""
+    if isinstance(node, (int, float)):
+        return node
+    if not isinstance(node, fx.Node):
+        return None
+    if name_of(node) == "aten.full.default" and list(node.args[0]) == []:
+        return node.args[1]
+    if name_of(node) == "aten.scalar_tensor.default":
+        return node.args[0]
+    t = consts.get(node)
+    return t.item() if isinstance(t, torch.Tensor) and t.numel() == 1 else None
+
+
+def mask_condition(mask: fx.Node, consts: dict) -> fx.Node | None:
+    """The boolean tensor saying which keys a mask keeps: the mask itself, or for an
+    additive mask where(keep, 0, fill) with a fill that drowns any score (transformers'
+    eager masks: finfo.min; -inf) its `keep`. None for any other mask."""
+    while name_of(mask) == "aten._to_copy.default":
+        mask = mask.args[0]
+    if mask.meta["val"].dtype == torch.bool:
+        return mask
+    if name_of(mask) not in _WHERES:
+        return None
+    keep, zero, fill = mask.args
+    zero, fill = _number(zero, consts), _number(fill, consts)
+    if zero != 0 or fill is None or not fill <= -HUGE_FILL:
+        return None
+    return keep
+
+
 @as_pass
 def causal_sdpa(kg: KilnGraph, ctx) -> KilnGraph:
-    forms, changed = IndexForms(), 0
+    forms, changed, consts = IndexForms(), 0, constant_placeholders(kg)
     for node in list(kg.graph.nodes):
         if name_of(node) != SDPA:
             continue
         b = bind_args(node)
         mask = b["attn_mask"]
-        if (mask is None or b["is_causal"] or b["dropout_p"] != 0.0
-                or mask.meta["val"].dtype != torch.bool):
+        if mask is None or b["is_causal"] or b["dropout_p"] != 0.0:
             continue
-        if not is_key_le_query(forms.of(mask)):
+        keep = mask_condition(mask, consts)
+        if keep is None or not is_key_le_query(forms.of(keep)):
             continue
         kwargs = {k: v for k, v in b.items() if k not in ("query", "key", "value", "attn_mask")}
         kwargs["is_causal"] = True

@@ -158,3 +158,41 @@ def test_transformers_llama_with_a_padding_mask_keeps_it():
         got = exe(input_ids=ids, attention_mask=pad, use_cache=False).logits
         ref = model(input_ids=ids, attention_mask=pad, use_cache=False).logits
     assert rel_err(got[0], ref[0]) <= 1e-5 and rel_err(got[1, 3:], ref[1, 3:]) <= 1e-5
+
+
+class Additive(torch.nn.Module):
+    """SDPA under an additive mask where(kj <= qi, zero, fill), as transformers' eager
+    masks are made (finfo.min)."""
+
+    def __init__(self, zero, fill):
+        super().__init__()
+        self.zero, self.fill = zero, fill
+
+    def forward(self, q, k, v):
+        T = q.shape[2]
+        keep = torch.arange(T)[None, :] <= torch.arange(T)[:, None]
+        mask = torch.where(keep, torch.tensor(self.zero), torch.tensor(self.fill))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype))
+
+
+@pytest.mark.parametrize("zero,fill,causal", [
+    (0.0, torch.finfo(torch.float32).min, True),
+    (0.0, float("-inf"), True),
+    (0.0, -100.0, False),  # a fill that does not drown every score
+    (1.0, torch.finfo(torch.float32).min, False)])  # a bias on every kept score
+def test_additive_masks(zero, fill, causal):
+    model = Additive(zero, fill)
+    (sdpa,) = _sdpas(_graph(model, _qkv(9)))
+    assert bool(sdpa.kwargs.get("is_causal")) == causal
+    exe = kiln.compile(model, _qkv(9), target="interpret")
+    args = _qkv(9)
+    assert rel_err(exe(*args), model(*args)) <= 1e-5
+
+
+def test_transformers_eager_attention_without_a_cache_runs_causal():
+    model = _tiny_llama()
+    model.config._attn_implementation = "eager"
+    ids = torch.randint(0, 100, (1, 11))
+    kg = kiln.compile(model, (), {"input_ids": ids, "use_cache": False}, target="interpret",
+                      compile_to="graph")
+    assert all(s.kwargs.get("is_causal") for s in _sdpas(kg)) and len(_sdpas(kg)) == 2
