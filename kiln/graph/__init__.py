@@ -20,9 +20,9 @@
    x per output tile).
 9. eager_attention: attention written out (q @ k^T, scale, mask, softmax, @ v) as one
    scaled_dot_product_attention op, on the composed views it matches.
-10. causal_sdpa: an SDPA whose boolean mask its aranges prove `key <= query`
-   (transformers' prompt mask without a cache) as is_causal, after eager_attention
-   made its SDPAs.
+10. causal_sdpa: an SDPA whose mask its aranges prove `key <= query` (transformers'
+   prompt mask without a cache) as is_causal, other masks without their always-true
+   terms, after eager_attention made its SDPAs.
 11. patterns: label RMSNorm / RoPE / SwiGLU / attention on the final structure (labels
    do not survive rewrites, so they come after every rewriting pass).
 12. dce: drop whatever the rewrites left unused (the masks causal_sdpa replaced);

@@ -14,7 +14,9 @@ the same for every batch and head) the SDPA drops the mask and sets is_causal, w
 torch defines as that mask (top-left aligned). An additive mask where(keep, 0, fill)
 of a fill that drowns any score (transformers' eager masks, finfo.min) counts as its
 `keep`: a causal mask leaves every row a key, so the two agree. Anything the forms
-cannot follow keeps its mask. The mask's ops are left to dce.
+cannot follow keeps its mask. A mask that is not causal (a sliding window) still
+loses the terms its aranges prove all true (the packed-sequence ids), as does the
+soft-capped attention's. The mask's ops are left to dce.
 """
 
 from __future__ import annotations
@@ -28,14 +30,15 @@ import torch.fx as fx
 from kiln.graph.eager_attention import HUGE_FILL
 from kiln.graph.fold_constants import constant_placeholders
 from kiln.graph.index_forms import IndexForms, X
-from kiln.graph.rewrite import name_of
+from kiln.graph.rewrite import name_of, same_shape
 from kiln.ir.graph import KilnGraph
-from kiln.ir.ops import bind_args
+from kiln.ir.ops import SOFTCAP_ATTENTION, bind_args
 from kiln.pipeline import as_pass
 
 log = logging.getLogger("kiln.graph")
 
 SDPA = "aten.scaled_dot_product_attention.default"
+_AND = ("aten.bitwise_and.Tensor", "aten.logical_and.default")
 
 
 def is_key_le_query(form) -> bool:
@@ -90,25 +93,56 @@ def mask_condition(mask: fx.Node, consts: dict) -> fx.Node | None:
     return keep
 
 
+def drop_true_terms(keep: fx.Node, forms: IndexForms) -> int:
+    """Drop the and-ed terms of a mask that its aranges prove all true (transformers'
+    packed-sequence ids over aranges, beside a sliding window that is not causal): the
+    cumsum's torch region and the ops the attention's prologue computes go with them.
+    Only where the other term has the and's own shape and dtype (no broadcast lost)."""
+    dropped, stack, seen = 0, [keep], set()
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, fx.Node) or node in seen or name_of(node) not in _AND:
+            continue
+        seen.add(node)
+        x, y = node.args[:2]
+        for term, other in ((x, y), (y, x)):
+            if (forms.of(term) is sympy.true and isinstance(other, fx.Node)
+                    and same_shape(other, node)
+                    and other.meta["val"].dtype == node.meta["val"].dtype):
+                node.replace_all_uses_with(other)
+                dropped += 1
+                stack.append(other)
+                break
+        else:
+            stack.extend((x, y))
+    return dropped
+
+
 @as_pass
 def causal_sdpa(kg: KilnGraph, ctx) -> KilnGraph:
-    forms, changed, consts = IndexForms(), 0, constant_placeholders(kg)
+    forms, consts = IndexForms(), constant_placeholders(kg)
+    causal = dropped = 0
     for node in list(kg.graph.nodes):
-        if name_of(node) != SDPA:
+        if name_of(node) not in (SDPA, SOFTCAP_ATTENTION):
             continue
         b = bind_args(node)
-        mask = b["attn_mask"]
-        if mask is None or b["is_causal"] or b["dropout_p"] != 0.0:
+        mask = b.get("attn_mask")
+        if mask is None or b.get("is_causal") or b.get("dropout_p", 0.0) != 0.0:
             continue
         keep = mask_condition(mask, consts)
-        if keep is None or not is_key_le_query(forms.of(keep)):
+        if keep is None:
             continue
-        kwargs = {k: v for k, v in b.items() if k not in ("query", "key", "value", "attn_mask")}
-        kwargs["is_causal"] = True
-        node.args = (b["query"], b["key"], b["value"])
-        node.kwargs = kwargs
-        changed += 1
-    if changed:
-        log.info("causal_sdpa: %d attention masks are key <= query: is_causal", changed)
+        if name_of(node) == SDPA and is_key_le_query(forms.of(keep)):
+            kwargs = {k: v for k, v in b.items()
+                      if k not in ("query", "key", "value", "attn_mask")}
+            kwargs["is_causal"] = True
+            node.args = (b["query"], b["key"], b["value"])
+            node.kwargs = kwargs
+            causal += 1
+        else:
+            dropped += drop_true_terms(keep, forms)
+    if causal or dropped:
+        log.info("causal_sdpa: %d attention masks are key <= query (is_causal); %d mask "
+                 "terms always true dropped", causal, dropped)
         kg.recompile()
     return kg

@@ -196,3 +196,31 @@ def test_transformers_eager_attention_without_a_cache_runs_causal():
     kg = kiln.compile(model, (), {"input_ids": ids, "use_cache": False}, target="interpret",
                       compile_to="graph")
     assert all(s.kwargs.get("is_causal") for s in _sdpas(kg)) and len(_sdpas(kg)) == 2
+
+
+class WindowPacked(PackedIds):
+    """A sliding window (not causal) and-ed with the packed-sequence ids."""
+
+    def forward(self, q, k, v):
+        T = q.shape[2]
+        pos = torch.arange(T)[None]
+        ids = torch.cumsum(torch.diff(pos, dim=-1, prepend=pos[:, :1] - self.step) != 1, -1)
+        qi, kj = torch.arange(T)[:, None], torch.arange(T)[None, :]
+        keep = (kj <= qi) & (kj > qi - 4) & (ids[0][qi] == ids[0][kj])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+@pytest.mark.parametrize("step,dropped", [(1, True), (2, False)])
+def test_always_true_terms_of_a_window_mask_are_dropped(step, dropped):
+    model = WindowPacked(step)
+    T = torch.export.Dim("T", min=2, max=40)
+    dyn = ({2: T}, {2: T}, {2: T})
+    kg = _graph(model, _qkv(9), dyn)
+    (sdpa,) = _sdpas(kg)
+    assert not sdpa.kwargs.get("is_causal")
+    cumsums = [n for n in kg.graph.nodes if str(n.target) == "aten.cumsum.default"]
+    assert (not cumsums) == dropped
+    exe = kiln.compile(model, _qkv(9), dynamic_shapes=dyn, target="interpret")
+    for t in (2, 21):
+        args = _qkv(t)
+        assert rel_err(exe(*args), model(*args)) <= 1e-5, t
