@@ -1,9 +1,10 @@
-"""Prefill attention on a GPU target against eager, for the thirty-fifth session's split
-of the key's prologue (dispatch/split_attention_prologues.py) and the thirty-fourth's
-soft-capped attention op: Qwen3's attention without a cache (q and k normalised, then
-RoPE, both in regions before the attention) at head dim 128, and transformers' Gemma 2
-(eager attention: a tanh cap on the scores, head dim 256, a sliding layer and a global
-one) with a dynamic prompt length. fp16/bf16 1e-2."""
+"""Prefill attention on a GPU target against eager: the thirty-fifth session's split of
+the key's prologue (dispatch/split_attention_prologues.py: Qwen3's attention without a
+cache, q and k normalised then RoPE'd in regions before it, head dim 128) and
+transformers' prompt mask run as is_causal (graph/causal_sdpa.py: Llama with sdpa and
+eager attention); the thirty-fourth's soft-capped attention op (transformers' Gemma 2:
+a tanh cap on the scores, head dim 256, a sliding layer and a global one). Dynamic
+prompt lengths; fp16/bf16 1e-2."""
 
 from __future__ import annotations
 
@@ -54,6 +55,32 @@ def test_transformers_gemma2_prefill_with_the_cap():
     assert all(exe.program.kplan.kernels[r.name].kind == "triton" for r in attns)
     with torch.no_grad():
         for t in (17, 200, 500):
+            ids = torch.randint(0, 256, (1, t), device="cuda")
+            got = exe(input_ids=ids, use_cache=False).logits
+            ref = model(input_ids=ids, use_cache=False).logits
+            assert rel_err(got, ref) <= 1e-2, (t, rel_err(got, ref))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_transformers_llama_prompt_mask_runs_causal(attn):
+    """transformers' prompt mask without a cache (causal and packed-sequence ids over
+    aranges) as is_causal (graph/causal_sdpa.py): no mask envelope; logits as eager."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=1024)
+    cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).cuda().eval()
+    T = kiln.Dim("T", min=2, max=1024)
+    ids = torch.randint(0, 256, (1, 40), device="cuda")
+    exe = kiln.compile(model, (), {"input_ids": ids, "use_cache": False},
+                       dynamic_shapes={"input_ids": {1: T}, "use_cache": None}, target="cuda")
+    attns = [r for r in exe.plan.regions if r.kind == RegionKind.ATTENTION]
+    assert len(attns) == 2 and not any(r.key_bounds for r in attns)
+    with torch.no_grad():
+        for t in (17, 300, 1000):
             ids = torch.randint(0, 256, (1, t), device="cuda")
             got = exe(input_ids=ids, use_cache=False).logits
             ref = model(input_ids=ids, use_cache=False).logits
