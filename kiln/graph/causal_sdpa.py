@@ -14,9 +14,10 @@ the same for every batch and head) the SDPA drops the mask and sets is_causal, w
 torch defines as that mask (top-left aligned). An additive mask where(keep, 0, fill)
 of a fill that drowns any score (transformers' eager masks, finfo.min) counts as its
 `keep`: a causal mask leaves every row a key, so the two agree. Anything the forms
-cannot follow keeps its mask. A mask that is not causal (a sliding window) still
-loses the terms its aranges prove all true (the packed-sequence ids), as does the
-soft-capped attention's. The mask's ops are left to dce.
+cannot follow keeps its mask. kiln.ops.softcap_attention (Gemma 2's global layers)
+takes is_causal the same way. A mask that is not causal (a sliding window) still loses
+the terms its aranges prove all true (the packed-sequence ids). The mask's ops are left
+to dce.
 """
 
 from __future__ import annotations
@@ -132,10 +133,9 @@ def causal_sdpa(kg: KilnGraph, ctx) -> KilnGraph:
         keep = mask_condition(mask, consts)
         if keep is None:
             continue
-        if name_of(node) == SDPA and is_key_le_query(forms.of(keep)):
-            kwargs = {k: v for k, v in b.items()
-                      if k not in ("query", "key", "value", "attn_mask")}
-            kwargs["is_causal"] = True
+        if is_key_le_query(forms.of(keep)):
+            kwargs = {k: v for k, v in b.items() if k not in ("query", "key", "value")}
+            kwargs.update(attn_mask=None, is_causal=True)
             node.args = (b["query"], b["key"], b["value"])
             node.kwargs = kwargs
             causal += 1

@@ -7,7 +7,8 @@ decode three dependent kernels, ~10 us a layer for 0.5 us of bytes on an H200).
 graph/eager_attention.py rewrites that chain to this op, which graph/patterns.py labels
 "attention" as it does SDPA, and kiln's attention kernel computes the cap on its scores
 in registers. The op's arguments are SDPA's (same names, a mask that selects when bool
-and adds otherwise, GQA) plus `softcap`; its PyTorch form below defines it (in fp32, as
+and adds otherwise, GQA, is_causal, which graph/causal_sdpa.py sets for a mask its
+aranges prove causal) plus `softcap`; its PyTorch form below defines it (in fp32, as
 the kernel keeps its scores) and runs it where no kernel is generated.
 """
 
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 @torch.library.custom_op("kiln::softcap_attention", mutates_args=())
 def softcap_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attn_mask: torch.Tensor | None, scale: float, softcap: float,
-                      enable_gqa: bool = False) -> torch.Tensor:
+                      enable_gqa: bool = False, is_causal: bool = False) -> torch.Tensor:
     q, k, v = query.float(), key.float(), value.float()
     if enable_gqa and q.dim() == 4 and k.shape[1] != q.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
@@ -29,9 +30,12 @@ def softcap_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if attn_mask is not None:
         s = (s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
              else s + attn_mask.float())
+    if is_causal:  # SDPA's: key j kept for query i when j <= i (top-left aligned)
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
     return (F.softmax(s, dim=-1) @ v).to(query.dtype)
 
 
 @softcap_attention.register_fake
-def _(query, key, value, attn_mask, scale, softcap, enable_gqa=False):
+def _(query, key, value, attn_mask, scale, softcap, enable_gqa=False, is_causal=False):
     return query.new_empty((*query.shape[:-1], value.shape[-1]))

@@ -54,7 +54,7 @@ def test_causal_masks_become_is_causal(keep):
     T = torch.export.Dim("T", min=2, max=40)
     kg = _graph(model, _qkv(9), ({2: T}, {2: T}, {2: T}))
     (sdpa,) = _sdpas(kg)
-    assert sdpa.kwargs.get("is_causal") is True and len(sdpa.args) == 3
+    assert sdpa.kwargs.get("is_causal") is True and sdpa.kwargs["attn_mask"] is None
     exe = kiln.compile(model, _qkv(9), dynamic_shapes=({2: T}, {2: T}, {2: T}),
                        target="interpret")
     for t in (3, 33):
@@ -71,7 +71,8 @@ def test_causal_masks_become_is_causal(keep):
 def test_other_masks_stay(keep):
     kg = _graph(Masked(keep), _qkv(9))
     (sdpa,) = _sdpas(kg)
-    assert not sdpa.kwargs.get("is_causal") and (len(sdpa.args) > 3 or "attn_mask" in sdpa.kwargs)
+    assert not sdpa.kwargs.get("is_causal")
+    assert len(sdpa.args) > 3 or sdpa.kwargs.get("attn_mask") is not None
 
 
 def test_a_mask_from_positions_passed_in_stays():
@@ -224,3 +225,39 @@ def test_always_true_terms_of_a_window_mask_are_dropped(step, dropped):
     for t in (2, 21):
         args = _qkv(t)
         assert rel_err(exe(*args), model(*args)) <= 1e-5, t
+
+
+def test_gemma2_global_layers_soft_capped_attention_runs_causal():
+    """kiln.ops.softcap_attention takes is_causal too: Gemma 2's global layer (its
+    sliding one keeps the window, without the packed ids); logits as eager at two
+    lengths on the interpret target."""
+    import transformers
+
+    cfg = transformers.Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+        attn_logit_softcapping=5.0, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    T = kiln.Dim("T", min=2, max=64)
+    ids = torch.randint(0, 128, (1, 9))
+    kw = dict(dynamic_shapes={"input_ids": {1: T}, "use_cache": None}, target="interpret")
+    kg = kiln.compile(model, (), {"input_ids": ids, "use_cache": False}, compile_to="graph", **kw)
+    capped = [n for n in kg.graph.nodes if str(n.target) == "kiln.softcap_attention.default"]
+    assert [bool(n.kwargs.get("is_causal")) for n in capped] == [False, True]
+    assert not any(str(n.target) == "aten.cumsum.default" for n in kg.graph.nodes)
+    exe = kiln.compile(model, (), {"input_ids": ids, "use_cache": False}, **kw)
+    with torch.no_grad():
+        for t in (9, 30):
+            ids = torch.randint(0, 128, (1, t))
+            got = exe(input_ids=ids, use_cache=False).logits
+            assert rel_err(got, model(input_ids=ids, use_cache=False).logits) <= 1e-5, t
+
+
+def test_softcap_op_is_causal_is_its_tril_mask():
+    q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
+    tril = torch.ones(5, 7, dtype=torch.bool).tril()
+    causal = torch.ops.kiln.softcap_attention(q, k, v, None, 0.3, 5.0, is_causal=True)
+    masked = torch.ops.kiln.softcap_attention(q, k, v, tril, 0.3, 5.0)
+    assert rel_err(causal, masked) == 0

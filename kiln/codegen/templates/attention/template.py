@@ -116,8 +116,8 @@ class AttentionShape:
 
 
 def sdpa_arguments(op) -> dict:
-    """SDPA's arguments by name, or kiln.ops.softcap_attention's (no dropout, not causal
-    by flag, a `softcap`; SDPA's is None)."""
+    """SDPA's arguments by name, or kiln.ops.softcap_attention's (no dropout, a
+    `softcap`; SDPA's is None)."""
     out = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
            "enable_gqa": False, "softcap": None}
     out.update(bind_args(op))
