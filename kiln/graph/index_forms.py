@@ -238,7 +238,9 @@ class IndexForms:
         if x is None or not indices or any(i is None for i in indices):
             return None
         idx = [self.of(i) for i in indices]
-        if any(not _is_int(f) for f in idx):
+        # a negative index reads from the end (x[-1] is the last row): only indices
+        # provably >= 0 are read as the formula says
+        if any(not _is_int(f) or f.is_nonnegative is not True for f in idx):
             return None
         r = len(shape_of(node.args[0]))
         rest = r - len(indices)

@@ -261,3 +261,24 @@ def test_softcap_op_is_causal_is_its_tril_mask():
     causal = torch.ops.kiln.softcap_attention(q, k, v, None, 0.3, 5.0, is_causal=True)
     masked = torch.ops.kiln.softcap_attention(q, k, v, tril, 0.3, 5.0)
     assert rel_err(causal, masked) == 0
+
+
+class WrappedIndex(torch.nn.Module):
+    """Query positions read as a[a - 1] + 1: x - 1 + 1 by the formula, but torch reads
+    a[-1] (the last row) at row 0, so row 0 passes every key: not causal."""
+
+    def forward(self, q, k, v):
+        T = q.shape[2]
+        a = torch.arange(T)
+        qi = a[a - 1] + 1
+        keep = torch.arange(T)[None, :] <= qi[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+def test_an_index_that_may_be_negative_is_not_followed():
+    model = WrappedIndex()
+    (sdpa,) = _sdpas(_graph(model, _qkv(9)))
+    assert not sdpa.kwargs.get("is_causal")
+    exe = kiln.compile(model, _qkv(9), target="interpret")
+    args = _qkv(9)
+    assert rel_err(exe(*args), model(*args)) <= 1e-5
