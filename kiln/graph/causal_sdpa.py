@@ -8,7 +8,8 @@ torch's is_causal. Read as a mask tensor it cost a torch cumsum region, the enve
 reduction kernel, and the attention kernel's mask loops: on sm_90 (Triton 3.6) an 8B
 prefill attention held 255 registers and spilled 54 words with them, 192 without.
 
-The mask's value is followed as a formula in its element's index (index_forms.py);
+The mask's value is followed as a formula in its element's index (index_forms.py;
+a constant tril buffer sliced to the prompt, nanoGPT's slow path, reads as one too);
 when it is exactly `x0 <= x1` (key index at most query index over the last two dims,
 the same for every batch and head) the SDPA drops the mask and sets is_causal, which
 torch defines as that mask (top-left aligned). An additive mask where(keep, 0, fill)
@@ -121,7 +122,8 @@ def drop_true_terms(keep: fx.Node, forms: IndexForms) -> int:
 
 @as_pass
 def causal_sdpa(kg: KilnGraph, ctx) -> KilnGraph:
-    forms, consts = IndexForms(), constant_placeholders(kg)
+    consts = constant_placeholders(kg)
+    forms = IndexForms(consts)
     causal = dropped = 0
     for node in list(kg.graph.nodes):
         if name_of(node) not in (SDPA, SOFTCAP_ATTENTION):

@@ -6,7 +6,10 @@ value at index (..., x1, x0) as a sympy expression in the index symbols, counted
 the last dim (x0 is the last dim's index, so broadcasting needs no renaming): an
 integer expression for integer tensors, a sympy boolean (a relation, True, False) for
 boolean ones, None when the value is not followed (a float, an input, an op not
-listed). A unit dim's symbol is pinned to 0. Every rule is exact; an op outside them
+listed). A constant buffer that is a tril of ones (nanoGPT's `bias`, gpt-fast's
+`causal`), read where its values are known, is the indicator of x0 <= x1: a float
+tensor's form is only such a 0 / 1 indicator (exact in every float dtype). A unit dim's
+symbol is pinned to 0. Every rule is exact; an op outside them
 gives None, so a caller's decision made from a form is never wrong, only missed.
 """
 
@@ -49,11 +52,47 @@ def _shift(form, by: int, at: int = 0):
     return form.xreplace({X[j]: X[j + by] for j in range(at, MAX_RANK + 1 - max(by, 0))})
 
 
+def _indicator(form):
+    """(condition) when a form takes only the values 1 (where the condition holds) and 0."""
+    if isinstance(form, sympy.Piecewise) and len(form.args) == 2 \
+            and form.args[0].expr == 1 and form.args[1] == (0, True):
+        return form.args[0].cond
+    if form in (sympy.Integer(0), sympy.Integer(1)):
+        return sympy.true if form == 1 else sympy.false
+    return None
+
+
+def _compare(cmp, x, y):
+    """cmp(x, y) of integer forms; an indicator against a constant by its two values."""
+    for a, b, flip in ((x, y, False), (y, x, True)):
+        cond = _indicator(a) if isinstance(a, sympy.Piecewise) else None
+        if cond is not None and not b.free_symbols:
+            one, zero = (cmp(b, 1), cmp(b, 0)) if flip else (cmp(1, b), cmp(0, b))
+            return sympy.Or(sympy.And(cond, one), sympy.And(sympy.Not(cond), zero))
+    if isinstance(x, sympy.Piecewise) or isinstance(y, sympy.Piecewise):
+        return None
+    return cmp(x, y)
+
+
+def tril_indicator(t: torch.Tensor):
+    """x0 <= x1 (bool) or its 0 / 1 indicator when `t` (unit dims aside) is
+    tril(ones(R, C)); None otherwise."""
+    m = t.squeeze() if t.dim() > 2 else t
+    if m.dim() != 2 or m.device.type == "meta" or m.numel() > (1 << 24):
+        return None
+    want = torch.ones(m.shape, dtype=torch.bool).tril()
+    if not torch.equal(m.detach().cpu() != 0, want) or not bool(((m == 0) | (m == 1)).all()):
+        return None
+    keep = sympy.Le(X[0], X[1])
+    return keep if t.dtype == torch.bool else sympy.Piecewise((1, keep), (0, True))
+
+
 class IndexForms:
     """The forms of one graph's nodes (memoised: a mask's ops are shared by layers)."""
 
-    def __init__(self):
+    def __init__(self, consts: dict | None = None):
         self._memo: dict[fx.Node, object] = {}
+        self._consts = consts or {}  # placeholders whose values are known (fold_constants)
 
     def of(self, arg):
         if isinstance(arg, bool):
@@ -76,11 +115,15 @@ class IndexForms:
         dtype = node.meta["val"].dtype
         if dtype == torch.bool:
             return form if _is_bool(form) else None
-        if dtype.is_floating_point or dtype.is_complex:
+        if dtype.is_complex:
             return None
+        if dtype.is_floating_point:
+            return form if _indicator(form) is not None else None
         return form if _is_int(form) else None
 
     def _form(self, node: fx.Node):
+        if node in self._consts:
+            return tril_indicator(self._consts[node])
         name = name_of(node)
         if not name:
             return None
@@ -111,7 +154,7 @@ class IndexForms:
             return -x if _is_int(x) else None
         if op in _CMP:
             x, y = self.of(a[0]), self.of(a[1])
-            return _CMP[op](x, y) if _is_int(x) and _is_int(y) else None
+            return _compare(_CMP[op], x, y) if _is_int(x) and _is_int(y) else None
         if op in _LOGIC:
             x, y = self.of(a[0]), self.of(a[1])
             return _LOGIC[op](x, y) if _is_bool(x) and _is_bool(y) else None
@@ -137,10 +180,11 @@ class IndexForms:
             return None
         to = node.meta["val"].dtype
         if to == torch.bool and _is_int(x):
-            return sympy.Ne(x, 0)
+            return _compare(sympy.Ne, x, sympy.Integer(0))
         if to != torch.bool and _is_bool(x):
-            return sympy.Integer(1) if x is sympy.true else (
-                sympy.Integer(0) if x is sympy.false else None)
+            if x in (sympy.true, sympy.false):
+                return sympy.Integer(int(x is sympy.true))
+            return sympy.Piecewise((1, x), (0, True))
         return x
 
     def _unsqueeze(self, node: fx.Node):

@@ -282,3 +282,53 @@ def test_an_index_that_may_be_negative_is_not_followed():
     exe = kiln.compile(model, _qkv(9), target="interpret")
     args = _qkv(9)
     assert rel_err(exe(*args), model(*args)) <= 1e-5
+
+
+class BufferMask(torch.nn.Module):
+    """A mask read from a constant buffer, sliced to the prompt (nanoGPT's and
+    gpt-fast's way): `table` is the buffer."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.register_buffer("table", table)
+
+    def forward(self, q, k, v):
+        T = q.shape[2]
+        mask = self.table[:T, :T]
+        keep = mask if mask.dtype == torch.bool else mask != 0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+_ONES = torch.ones(16, 16)
+_FLIPPED = torch.tril(torch.ones(16, 16))
+_FLIPPED[9, 3] = 0
+
+
+@pytest.mark.parametrize("table,causal", [
+    (torch.tril(_ONES), True),
+    (torch.tril(_ONES).bool(), True),
+    (torch.tril(_ONES, diagonal=-1), False),
+    (torch.triu(_ONES), False),
+    (_FLIPPED, False),
+    (2 * torch.tril(_ONES), False)])  # != 0 is the same mask, but 2 is not read as 0 / 1
+def test_a_tril_buffer_is_causal(table, causal):
+    model = BufferMask(table)
+    T = torch.export.Dim("T", min=2, max=15)  # a slice of all 16 rows is export's own case
+    dyn = ({2: T}, {2: T}, {2: T})
+    (sdpa,) = _sdpas(_graph(model, _qkv(9), dyn))
+    assert bool(sdpa.kwargs.get("is_causal")) == causal
+    exe = kiln.compile(model, _qkv(9), dynamic_shapes=dyn, target="interpret")
+    for t in (2, 15):
+        args = _qkv(t)
+        out, ref = exe(*args), model(*args)
+        assert rel_err(out.nan_to_num(), ref.nan_to_num()) <= 1e-5, t
+
+
+def test_nanogpt_slow_path_runs_causal():
+    from tests.graph.test_eager_attention import NanoGPTAttention
+
+    model = NanoGPTAttention(dim=64, heads=4, block=32).eval()
+    T = torch.export.Dim("T", min=2, max=31)
+    kg = kiln.compile(model, (torch.randn(1, 16, 64),), dynamic_shapes=({1: T},),
+                      target="interpret", compile_to="graph")
+    assert [s.kwargs.get("is_causal") for s in _sdpas(kg)] == [True]
