@@ -39,7 +39,8 @@ _ZEROS = {"aten.zeros.default", "aten.zeros_like.default", "aten.new_zeros.defau
 
 
 def _is_bool(form) -> bool:
-    return isinstance(form, sympy.logic.boolalg.Boolean)
+    # a sympy Symbol is a Boolean atom too: an index symbol is an integer, never a truth
+    return isinstance(form, sympy.logic.boolalg.Boolean) and not isinstance(form, sympy.Expr)
 
 
 def _is_int(form) -> bool:

@@ -48,7 +48,8 @@ def _qkv(T, S=None):
     lambda kj, qi: kj < qi + 1,
     lambda kj, qi: (kj - qi) <= 0,
     lambda kj, qi: (kj <= qi) & torch.ones((), dtype=torch.bool),
-    lambda kj, qi: (kj + 3 <= qi + 3) & (kj >= 0)])
+    lambda kj, qi: (kj + 3 <= qi + 3) & (kj >= 0),
+    lambda kj, qi: kj.int() <= qi.int()])  # an integer cast keeps the values
 def test_causal_masks_become_is_causal(keep):
     model = Masked(keep)
     T = torch.export.Dim("T", min=2, max=40)
