@@ -76,10 +76,12 @@ def _compare(cmp, x, y):
 
 
 def tril_indicator(t: torch.Tensor):
-    """x0 <= x1 (bool) or its 0 / 1 indicator when `t` (unit dims aside) is
-    tril(ones(R, C)); None otherwise."""
-    m = t.squeeze() if t.dim() > 2 else t
-    if m.dim() != 2 or m.device.type == "meta" or m.numel() > (1 << 24):
+    """x0 <= x1 (bool) or its 0 / 1 indicator when `t` is tril(ones(R, C)) in its last
+    two dims (any before them unit); None otherwise."""
+    if t.dim() < 2 or any(d != 1 for d in t.shape[:-2]):  # the last two dims: x1, x0
+        return None
+    m = t.reshape(t.shape[-2:])
+    if m.device.type == "meta" or m.numel() > (1 << 24):
         return None
     want = torch.ones(m.shape, dtype=torch.bool).tril()
     if not torch.equal(m.detach().cpu() != 0, want) or not bool(((m == 0) | (m == 1)).all()):

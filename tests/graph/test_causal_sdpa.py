@@ -333,3 +333,24 @@ def test_nanogpt_slow_path_runs_causal():
     kg = kiln.compile(model, (torch.randn(1, 16, 64),), dynamic_shapes=({1: T},),
                       target="interpret", compile_to="graph")
     assert [s.kwargs.get("is_causal") for s in _sdpas(kg)] == [True]
+
+
+def test_a_tril_whose_rows_are_not_the_second_last_dim_is_not_read():
+    """A [16, 1, 16] tril (a unit dim between rows and keys) read as [T, 1, T]: its rows
+    are dim 0, not the query dim the mask broadcasts as; it stays a mask."""
+
+    class Gapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.tril(torch.ones(16, 16)).view(16, 1, 16))
+
+        def forward(self, q, k, v):
+            T = q.shape[2]
+            keep = self.table[:T, :, :T].permute(1, 0, 2) != 0
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+    (sdpa,) = _sdpas(_graph(Gapped(), _qkv(9)))
+    assert not sdpa.kwargs.get("is_causal")  # only a tril in the last two dims is read
+    exe = kiln.compile(Gapped(), _qkv(9), target="interpret")
+    args = _qkv(9)
+    assert rel_err(exe(*args), Gapped()(*args)) <= 1e-5
