@@ -47,6 +47,7 @@ from kiln.frontend.reduction_shapes import fix_reduction_shapes
 from kiln.frontend.scalar_index import select_by_tensor_as_index
 from kiln.frontend.strided_views import in_order_as_strided_as_views
 from kiln.frontend.train_mode import check_inference_mode
+from kiln.frontend.unproven_guards import export_if_guards_hold, refused_for_a_guard
 from kiln.ir import treespec
 from kiln.ir.graph import GraphInput, GraphOutput, KilnGraph, where
 from kiln.ir.ops import ASSERT_OPS, fallback_problem, is_known, op_name
@@ -74,17 +75,25 @@ def _export(model: torch.nn.Module, args: tuple, kwargs, dynamic_shapes):
     dynamic_shapes, _ = int_dims(model, args, kwargs or {}, dynamic_shapes)
     args, kwargs = _distinct_inputs(tuple(args), kwargs or {})
     registered: set[str] = set()
+
+    def export(deferred: bool = False):
+        with warnings.catch_warnings(), _quiet_failure(), noop_module_moves():
+            warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecations
+            return export_with_state(lambda: torch.export.export(
+                model, tuple(args), kwargs=kwargs or {}, dynamic_shapes=dynamic_shapes,
+                strict=False, prefer_deferred_runtime_asserts_over_guards=deferred,
+            ), model)
+
     while True:
         try:
-            with warnings.catch_warnings(), _quiet_failure(), noop_module_moves():
-                warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecations
-                return export_with_state(lambda: torch.export.export(
-                    model, tuple(args), kwargs=kwargs or {}, dynamic_shapes=dynamic_shapes,
-                    strict=False,
-                ), model)
+            return export()
         except KilnError:
             raise
         except Exception as e:  # torch raises many types; all mean "could not capture"
+            if refused_for_a_guard(str(e)):
+                ep = export_if_guards_hold(lambda: export(deferred=True))
+                if ep is not None:
+                    return ep
             cls = _unknown_dataclass(str(e))
             if cls is None or cls in registered:
                 raise _export_error(e) from None
