@@ -114,6 +114,9 @@ def run(name: str, args) -> dict:
     dtype = getattr(torch, args.dtype)
     model = build(name, args.small, args.device, dtype, args.attn)
     vocab = model.config.vocab_size
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions is not None and args.tokens > positions:  # eager's own gather would assert
+        raise ValueError(f"{args.tokens} tokens exceed {name}'s {positions} positions")
     ids = torch.randint(3, vocab, (1, args.tokens), device=args.device)
     row = {"model": name, "tokens": args.tokens, "dtype": args.dtype, "attn": args.attn,
            "layers": model.config.num_hidden_layers}
