@@ -76,6 +76,18 @@ class MaskedCache(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+class PrefixCache(nn.Module):
+    """kiln.models' prompt mask over the whole static cache: key slot j passes query i
+    when j <= input_pos[i], built from an arange and the positions (no buffer). Its form
+    passes each row a prefix of the keys (dispatch/prefix_mask.py): no mask loops."""
+
+    def forward(self, q, k_cache, v_cache, input_pos):
+        mask = torch.arange(k_cache.shape[2], device=q.device)[None, :] <= input_pos[:, None]
+        rep = HEADS // KV_HEADS
+        k, v = (c.repeat_interleave(rep, dim=1) for c in (k_cache, v_cache))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])
+
+
 class MaskedCacheRope(MaskedCache):
     """MaskedCache with q's RoPE before it, as kiln bench's model has it (rotate-half
     over the position's angles): kiln computed it in the attention's prologue (144 us
@@ -153,7 +165,8 @@ def main():
     kc, vc = (torch.randn(1, KV_HEADS, CACHE, D, generator=g).to(dev, dt) for _ in range(2))
     rows = []
     mods = {}
-    modules = [("masked_cache", MaskedCache), ("causal_exact", CausalExact)]
+    modules = [("masked_cache", MaskedCache), ("prefix_cache", PrefixCache),
+               ("causal_exact", CausalExact)]
     if args.rope:
         modules += [("masked_cache_rope", MaskedCacheRope),
                     ("masked_cache_rope_fused", MaskedCacheRope)]

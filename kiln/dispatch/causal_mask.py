@@ -24,10 +24,10 @@ _CMP = {"le": "<=", "lt": "<", "ge": ">=", "gt": ">"}
 
 
 def is_causal_mask(region: Region, name: str) -> bool:
-    form = _form(region, Ref(name))
-    if not isinstance(form, tuple):
+    found = form(region, Ref(name))
+    if not isinstance(found, tuple):
         return False
-    return sympy.expand(form[1] - (KJ - QI)) == 0
+    return sympy.expand(found[1] - (KJ - QI)) == 0
 
 
 def _ramp_index(shape) -> sympy.Symbol | None:
@@ -39,8 +39,11 @@ def _ramp_index(shape) -> sympy.Symbol | None:
     return QI if same_dim(shape[-1], 1) else None
 
 
-def _form(region: Region, arg):
-    """An integer sympy form in qi / kj, a relation ("<=", lhs - rhs), True, or None."""
+def form(region: Region, arg, sub=None):
+    """An integer sympy form in qi / kj, a relation ("<=", lhs - rhs), True, or None.
+    `sub(region, arg)`, where given, reads each operand instead (a reader that knows
+    more values, calling back here for the ops it does not)."""
+    read = sub or form
     if isinstance(arg, bool):
         return arg
     if isinstance(arg, int):
@@ -56,7 +59,7 @@ def _form(region: Region, arg):
         axis = _ramp_index(op.shape)
         return None if axis is None else start + step * axis
     if t in _VIEWS:
-        inner = _form(region, op.args[0])
+        inner = read(region, op.args[0])
         if isinstance(inner, sympy.Expr) and inner.free_symbols:
             src = region.op(op.args[0].name) if op.args[0].name not in region.inputs else None
             was = _ramp_index(src.shape) if src is not None else None
@@ -69,19 +72,19 @@ def _form(region: Region, arg):
         return True
     name = t.split(".")[1]
     if name in ("add", "sub") and len(op.args) == 2:
-        x, y = _form(region, op.args[0]), _form(region, op.args[1])
+        x, y = read(region, op.args[0]), read(region, op.args[1])
         if not (isinstance(x, sympy.Expr) and isinstance(y, sympy.Expr)):
             return None
         return x + y if name == "add" else x - y
     if name in _CMP:
-        x, y = _form(region, op.args[0]), _form(region, op.args[1])
+        x, y = read(region, op.args[0]), read(region, op.args[1])
         if not (isinstance(x, sympy.Expr) and isinstance(y, sympy.Expr)):
             return None
         cmp = _CMP[name]
         diff = x - y if cmp in ("<=", "<") else y - x
         return ("<=", diff + 1 if cmp in ("<", ">") else diff)  # integers: a < b is a+1 <= b
     if t == "aten.logical_and.default":
-        x, y = _form(region, op.args[0]), _form(region, op.args[1])
+        x, y = read(region, op.args[0]), read(region, op.args[1])
         if x is True:
             return y
         if y is True:

@@ -14,7 +14,10 @@ stays exact. Where every row of a tile has `plain` >= end - start (a causal or s
 window mask: each row's live keys are one run, unbiased) and the rows' runs meet,
 the mask says nothing its envelope does not: the tile compares key indices with its
 rows' bounds and never loads the mask (an H200, prefill 2048: the mask tiles had taken
-kiln's attention from 133 us with `is_causal` to 297 us; without them 161 us).
+kiln's attention from 133 us with `is_causal` to 297 us; without them 161 us). A mask
+whose form passes each row a prefix of the keys (prefix_mask.py: kiln.models' and the
+transformers recipe's prompt over a cache) is plain in every tile: its envelope has no
+count and the kernel no mask loops.
 
 The envelope is a reduction region (ATen ops: the reduction template, or torch ops)
 placed before the first attention region reading it, computed once per distinct mask:
@@ -34,6 +37,7 @@ import logging
 import torch
 
 from kiln.dispatch.causal_mask import is_causal_mask
+from kiln.dispatch.prefix_mask import is_prefix_mask
 from kiln.ir.ops import SDPA_FORMS, bind_args
 from kiln.ir.plan import DispatchPlan, Op, Ref, Region, RegionKind, Role, Sym, TensorValue
 from kiln.ir.symbolic import bounds_of, same_dim
@@ -125,10 +129,10 @@ class _Names:
 
 
 def _envelope_ops(mask: str, shape: tuple, dtype: torch.dtype, fresh: _Names,
-                  start: str, end: str, plain: str) -> list[Op]:
+                  start: str, end: str, plain: str | None) -> list[Op]:
     """start = min_j (j if live else j + KEY_BOUND_NONE), end = max_j (j + 1 if live else
-    0), plain = sum_j (passed unchanged) over the mask's last dim, in int32 arithmetic
-    the reduction template emits."""
+    0), plain = sum_j (passed unchanged) over the mask's last dim (none where the mask's
+    form makes every tile plain), in int32 arithmetic the reduction template emits."""
     i32, keys = torch.int32, shape[-1]
     n = {k: fresh(f"{mask}_{k}") for k in ("ne", "live", "j", "shift", "jshift", "first",
                                            "j1", "last", "eq", "unbiased")}
@@ -153,8 +157,10 @@ def _envelope_ops(mask: str, shape: tuple, dtype: torch.dtype, fresh: _Names,
         Op(n["j1"], "aten.add.Tensor", (Ref(n["j"]), 1), {}, (keys,), i32),
         Op(n["last"], "aten.mul.Tensor", (Ref(n["j1"]), Ref(n["live"])), {}, shape, i32),
         Op(end, "aten.amax.default", (Ref(n["last"]), [-1]), {}, shape[:-1], i32),
-        Op(plain, "aten.sum.dim_IntList", (plain_of, [-1]), {"dtype": i32}, shape[:-1], i32),
     ]
+    if plain is not None:
+        ops.append(Op(plain, "aten.sum.dim_IntList", (plain_of, [-1]), {"dtype": i32},
+                      shape[:-1], i32))
     return ops
 
 
@@ -171,23 +177,28 @@ def add_envelopes(plan: DispatchPlan) -> int:
         key = _key(region, mask, ops)
         if key not in made:
             shape, dtype = _shape(region, plan, mask), _dtype(region, plan, mask)
-            bounds = tuple(fresh(f"{mask}_key_{k}") for k in ("start", "end", "plain"))
+            prefix = is_prefix_mask(plan, region, mask)
+            bounds = tuple(fresh(f"{mask}_key_{k}") for k in ("start", "end", "plain")
+                           [:2 if prefix else 3]) + ((None,) if prefix else ())
             moved = [copy.deepcopy(o) for o in ops]
             body = moved + _envelope_ops(mask, shape, dtype, fresh, *bounds)
             used = {r for o in body for r in o.refs()}
             inputs = [v for v in region.inputs if v in used]
+            made_values = [v for v in bounds if v is not None]
             env = Region(fresh(f"{region.name}_key_bounds"), RegionKind.REDUCTION, body,
-                         inputs, list(bounds), device=region.device)
-            for v in bounds:
+                         inputs, made_values, device=region.device)
+            for v in made_values:
                 plan.values[v] = TensorValue(v, tuple(shape[:-1]), torch.int32, Role.TEMP)
             env.notes.append(f"the key bounds of attention mask %{mask} per row: its first "
-                             "live key, one past its last and how many keys it passes "
-                             "unchanged, for the attention regions reading it")
+                             "live key, one past its last" + (
+                                 " (a prefix of the keys a row by the mask's form: every "
+                                 "tile plain)" if prefix else " and how many keys it passes "
+                                 "unchanged") + ", for the attention regions reading it")
             plan.regions.insert(plan.regions.index(region), env)
             made[key] = bounds
             log.info("key bounds of mask %%%s: region %s", mask, env.name)
         region.key_bounds = made[key]
-        region.inputs = list(dict.fromkeys(region.inputs + list(made[key])))
+        region.inputs = list(dict.fromkeys(region.inputs + [b for b in made[key] if b]))
         region.notes.append(f"key loop bounded per row block by %{made[key][0]}, "
                             f"%{made[key][1]}: the keys mask %{mask} lets through")
     return len(made)

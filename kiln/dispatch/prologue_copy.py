@@ -15,6 +15,7 @@ def copy_prologue(reader: Region, producer: Region, ops: list[Op], note: str) ->
     reader.ops = [copy.deepcopy(o) for o in ops] + [o for o in reader.ops
                                                      if o.name not in names]
     used = {r for o in reader.ops for r in o.refs()} - {o.name for o in reader.ops}
-    used |= set(reader.key_bounds or ())  # an attention's mask envelope: read, not an op's
+    # an attention's mask envelope: read, not an op's
+    used |= {b for b in reader.key_bounds or () if b is not None}
     reader.inputs = [v for v in dict.fromkeys(producer.inputs + reader.inputs) if v in used]
     reader.notes.append(note)

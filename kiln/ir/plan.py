@@ -104,8 +104,9 @@ class Region:
     label: str | None = None  # the LLM pattern of its anchor ("rmsnorm", "attention", ...)
     # attention: the values holding, per mask row, the first key the mask lets through,
     # one past the last and how many keys it passes unchanged (dispatch/mask_envelope.py);
-    # the key loop stays inside them
-    key_bounds: tuple[str, str, str] | None = None
+    # the key loop stays inside them. No count (None) for a mask whose form passes each
+    # row a prefix of the keys, unchanged (dispatch/prefix_mask.py): plain in every tile
+    key_bounds: tuple[str, str, str | None] | None = None
 
     def op(self, name: str) -> Op:
         for o in self.ops:

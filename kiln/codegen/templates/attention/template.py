@@ -30,7 +30,9 @@ its envelope's keys, unbiased (the envelope's third value: a causal or sliding-w
 mask): then the mask is never loaded, keys are compared with the rows' bounds at the
 span's edges and the blocks inside every row's span run unmasked, as a causal tile's do
 (the plain loops are empty in other tiles by their bounds; the mask's run under one `if
-not plain`). Key ranges are loop bounds and the `if` is around whole loops, never around
+not plain`). An envelope with no count (a mask whose form passes each row a prefix of
+the keys: kiln.dispatch.prefix_mask) makes every tile plain: no mask loops at all, their
+~60 registers at 8B widths included. Key ranges are loop bounds and the `if` is around whole loops, never around
 the loads (Triton does not pipeline loads inside an `if`; a loop inside one pipelines).
 kiln.ops.softcap_attention's cap is applied to the scaled scores before the mask, as
 cap * tanh(t) in base 2 with one exp2 (1 - 2 / (e^2t + 1): +-cap at either end).
@@ -107,7 +109,7 @@ class AttentionShape:
     # region inputs: per mask row, its first live key, one past its last and how many
     # keys it passes unchanged (kiln.dispatch.mask_envelope); the key loop stays within
     # its tile's rows' span
-    key_bounds: tuple[str, str, str] | None = None
+    key_bounds: tuple[str, str, str | None] | None = None
     softcap: float | None = None  # scores capped at +-softcap by tanh before the mask
 
     @property
@@ -185,13 +187,13 @@ def analyse(region: Region, plan: DispatchPlan) -> AttentionShape:
 def _key_bounds(region: Region, plan: DispatchPlan, mask: str | None):
     """The region's mask envelope (region.key_bounds), if it has one for `mask`."""
     bounds = region.key_bounds
-    if mask is None or bounds is None or len(bounds) != 3 or \
-            not all(b in region.inputs for b in bounds):
+    if mask is None or bounds is None or len(bounds) != 3 or bounds[0] is None or \
+            bounds[1] is None or not all(b in region.inputs for b in bounds if b is not None):
         return None
     rows = _shape(region, plan, mask)[:-1]
     ok = all(len(plan.values[b].shape) == len(rows) and plan.values[b].dtype == torch.int32
              and all(same_dim(x, y) for x, y in zip(plan.values[b].shape, rows))
-             for b in bounds)
+             for b in bounds if b is not None)
     return bounds if ok else None
 
 
@@ -399,8 +401,8 @@ class _AttentionSource:
                 "mask_tiles": self.mask_loads, "key_bounds": s.key_bounds is not None}
         if s.key_bounds is not None:  # time (and check) the whole walk, not an empty one
             # every key live and plain: the mask-free walk a causal mask takes
-            meta["timing_fill"] = {s.key_bounds[0]: "0", s.key_bounds[1]: to_str(s.s),
-                                   s.key_bounds[2]: to_str(s.s)}
+            meta["timing_fill"] = {b: v for b, v in zip(s.key_bounds, ("0", to_str(s.s),
+                                                                     to_str(s.s))) if b}
         return KernelSpec(self.name, source, p.args(), tunables, (tiles, heads, n_split),
                           configs, default, "attention", meta, 64 if p.needs_int64 else 32,
                           scratch=split.scratch(all_tiles, n_split, f"BLOCK_M * {dvp + 2}"))
@@ -466,7 +468,10 @@ class _AttentionSource:
         # a loop-invariant load (the query position a causal mask compares with) is
         # read once; a decode tile (16 rows at most: q's parts are small) issues every
         # load of the prologue as early as it can
-        steps = [(True, "mask"), (False, "mask")]
+        # a mask plain by its form (a prefix of the keys a row: dispatch/prefix_mask.py,
+        # key_bounds without a `plain` count) is never loaded: no mask loops
+        always_plain = s.key_bounds is not None and s.key_bounds[2] is None
+        steps = [] if always_plain else [(True, "mask"), (False, "mask")]
         if s.key_bounds is not None:  # a plain envelope's edges and inside
             steps += [(False, "bounds"), (True, "none")]
         loops = [self._key_step(head, qpos, dp, dvp, ieee, wide, full, source)
@@ -482,6 +487,11 @@ class _AttentionSource:
               "mid = tl.minimum(hi, tl.maximum(lo, full_end))"]
         if s.key_bounds is None:
             L += [*_loop("lo", "mid", loops[0]), *_loop("mid", "hi", loops[1])]
+        elif always_plain:  # every tile plain: the edges compared with the rows' bounds
+            L += ["in_a = tl.minimum(hi, tl.maximum(lo, in_lo))",
+                  "in_b = tl.minimum(hi, tl.maximum(in_a, in_hi))",
+                  *_loop("lo", "in_a", loops[0]), *_loop("in_a", "in_b", loops[1]),
+                  *_loop("in_b", "hi", loops[0])]
         else:  # the mask is read only where it says more than its envelope
             # the plain loops are empty in a tile that is not plain (by their bounds);
             # the mask's loops run only in such a tile: an `if` around loops, not loads
@@ -535,7 +545,11 @@ class _AttentionSource:
         with self.em.block() as lines:
             first = self.em.value(start, index, mask_of(rows)).code
             last = self.em.value(end, index, mask_of(rows)).code
-            passed = self.em.value(plain, index, mask_of(rows)).code
+            passed = None if plain is None else self.em.value(plain, index,
+                                                               mask_of(rows)).code
+        plain_lines = [] if passed is None else [
+            f"plain = (tl.min(tl.where(row_ok2, ({passed} >= key_hi - key_lo).to(tl.int32), 1))"
+            " > 0) & (span_lo <= span_hi)"]
         return lines + [
             f"key_lo = {first}",
             f"key_hi = {last}",
@@ -548,8 +562,7 @@ class _AttentionSource:
             f"span_hi = tl.min(tl.where(row_ok2, key_hi, {slen}))",
             f"hull_lo = tl.min(tl.where(row_ok2, key_lo, {slen}))",
             "hull_hi = tl.max(tl.where(row_ok2, key_hi, 0))",
-            f"plain = (tl.min(tl.where(row_ok2, ({passed} >= key_hi - key_lo).to(tl.int32), 1))"
-            " > 0) & (span_lo <= span_hi)",
+            *plain_lines,
             "in_lo = tl.cdiv(span_lo, BLOCK_N) * BLOCK_N",
             "in_hi = span_hi // BLOCK_N * BLOCK_N",
         ]
