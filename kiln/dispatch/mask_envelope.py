@@ -198,7 +198,7 @@ def add_envelopes(plan: DispatchPlan) -> int:
             made[key] = bounds
             log.info("key bounds of mask %%%s: region %s", mask, env.name)
         region.key_bounds = made[key]
-        region.inputs = list(dict.fromkeys(region.inputs + [b for b in made[key] if b]))
+        region.inputs = list(dict.fromkeys(region.inputs + region.key_bound_values()))
         region.notes.append(f"key loop bounded per row block by %{made[key][0]}, "
                             f"%{made[key][1]}: the keys mask %{mask} lets through")
     return len(made)

@@ -16,6 +16,6 @@ def copy_prologue(reader: Region, producer: Region, ops: list[Op], note: str) ->
                                                      if o.name not in names]
     used = {r for o in reader.ops for r in o.refs()} - {o.name for o in reader.ops}
     # an attention's mask envelope: read, not an op's
-    used |= {b for b in reader.key_bounds or () if b is not None}
+    used |= set(reader.key_bound_values())
     reader.inputs = [v for v in dict.fromkeys(producer.inputs + reader.inputs) if v in used]
     reader.notes.append(note)

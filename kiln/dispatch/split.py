@@ -118,7 +118,7 @@ def split_prologue(plan: DispatchPlan, region: Region, operand: str, why: str) -
     region.ops = kept
     # the mask envelope's values stay: the kernel reads them, not an op (mask_envelope.py)
     region.inputs = _inputs_of(kept, region.inputs + [point.name]) + \
-        [b for b in region.key_bounds or () if b is not None and b in region.inputs]
+        [b for b in region.key_bound_values() if b in region.inputs]
     n_compute = sum(_is_compute(o) for o in moved)
     region.notes.append(f"split: the {role}'s prologue ({n_compute} ops computing "
                         f"%{point.name}) moved to region {new.name}: {why}")

@@ -20,12 +20,15 @@
    x per output tile).
 9. eager_attention: attention written out (q @ k^T, scale, mask, softmax, @ v) as one
    scaled_dot_product_attention op, on the composed views it matches.
-10. causal_sdpa: an SDPA whose mask its aranges prove `key <= query` (transformers'
-   prompt mask without a cache) as is_causal, other masks without their always-true
-   terms, after eager_attention made its SDPAs.
-11. patterns: label RMSNorm / RoPE / SwiGLU / attention on the final structure (labels
+10. tril_rows: mask rows gathered from a constant causal buffer by positions (gpt-fast's
+   `causal[None, None, input_pos]`) as `arange(M) <= position`, computed where used
+   and recognisable as a prefix of the keys a row...
+11. causal_sdpa: ...and an SDPA whose mask its aranges prove `key <= query`
+   (transformers' prompt mask without a cache) as is_causal, other masks without their
+   always-true terms, after eager_attention made its SDPAs.
+12. patterns: label RMSNorm / RoPE / SwiGLU / attention on the final structure (labels
    do not survive rewrites, so they come after every rewriting pass).
-12. dce: drop whatever the rewrites left unused (the masks causal_sdpa replaced);
+13. dce: drop whatever the rewrites left unused (the masks causal_sdpa replaced);
    establishes no-dead-code last so the earlier passes need not clean up after each
    other.
 """
@@ -42,7 +45,8 @@ from kiln.graph.fold_conv_scale import fold_conv_scale
 from kiln.graph.patterns import patterns
 from kiln.graph.propagate_reshapes import propagate_reshapes
 from kiln.graph.split_fp8_linear import split_fp8_linear
+from kiln.graph.tril_rows import tril_rows
 
 GRAPH_PASSES = [canonicalize, cse, complex_products, fold_conv_scale, fold_constants,
                 propagate_reshapes, collapse_dims, split_fp8_linear, eager_attention,
-                causal_sdpa, patterns, dce]
+                tril_rows, causal_sdpa, patterns, dce]

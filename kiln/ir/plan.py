@@ -108,6 +108,10 @@ class Region:
     # row a prefix of the keys, unchanged (dispatch/prefix_mask.py): plain in every tile
     key_bounds: tuple[str, str, str | None] | None = None
 
+    def key_bound_values(self) -> list[str]:
+        """The plan values key_bounds names (the count absent for a prefix mask)."""
+        return [b for b in self.key_bounds or () if b is not None]
+
     def op(self, name: str) -> Op:
         for o in self.ops:
             if o.name == name:

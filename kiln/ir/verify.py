@@ -170,7 +170,7 @@ def verify_plan(plan: DispatchPlan) -> list[str]:
             if o not in plan.values:
                 problems.append(f"region {r.name} output %{o} is not a plan value")
             available.add(o)
-        lost = [b for b in r.key_bounds or () if b is not None and b not in r.inputs]
+        lost = [b for b in r.key_bound_values() if b not in r.inputs]
         if lost:  # the template would walk every key block, silently (mask_envelope.py)
             problems.append(f"region {r.name}'s key bounds {', '.join(lost)} are not among "
                             "its inputs")

@@ -31,7 +31,7 @@ def _bounded(exe, target):
         assert region.key_bounds is None
         return
     assert isinstance(kernel, TritonKernel) and kernel.spec.meta["key_bounds"]
-    (env,) = [r for r in exe.plan.regions if set(r.outputs) == set(region.key_bounds)]
+    (env,) = [r for r in exe.plan.regions if set(r.outputs) == set(region.key_bound_values())]
     assert isinstance(exe.program.kplan.kernels[env.name], TritonKernel), env.notes
 
 
@@ -189,7 +189,8 @@ def test_dead_keys_inside_the_envelope_may_hold_nan(name):
         assert rel_err(out, Masked()(q, k, v, mask)) <= 1e-5, (name, t, s)
 
 
-def test_the_key_loops_cover_each_split_once_and_read_the_mask_only_where_it_matters():
+@pytest.mark.parametrize("prefix", [False, True], ids=["holed buffer", "prefix"])
+def test_the_key_loops_cover_each_split_once_and_read_the_mask_only_where_it_matters(prefix):
     """The kernel's key loops (a plain envelope's: edges by the rows' bounds, inside
     unmasked; the mask's, under `if not plain`: in range / at the edge), their bounds
     and branch run as Python over every case of a split's [lo, hi) (hi < lo for
@@ -197,24 +198,28 @@ def test_the_key_loops_cover_each_split_once_and_read_the_mask_only_where_it_mat
     is plain: together they visit each block of [lo, hi) once and nothing else, and the
     mask is read only where the envelope is not plain. (A split past the keys once
     walked [hi, lo) with the mask read: 3-4x a decode attention's time on an H200,
-    right results.)"""
+    right results.) A causal buffer with a hole stays a mask read tile by tile; a whole
+    one is a prefix of the keys a row (graph/tril_rows.py): plain loops only."""
     import itertools
     from types import SimpleNamespace
 
     model = StaticCache()
+    if not prefix:
+        model.causal[40, 3] = False
     args = (torch.randn(1, 4, 8, 16), torch.randn(1, 2, 150, 16),
             torch.randn(1, 2, 150, 16), torch.arange(8))
     exe = kiln.compile(model, args, dynamic_shapes=({2: T}, None, None, {0: T}),
                        target="interpret")
     skeleton, loops = _loop_skeleton(_attention(exe)[1].spec.source)
-    assert sorted(loops) == sorted([("lo", "in_a"), ("in_a", "in_b"), ("edge_b", "hi"),
-                                    ("lo", "mid"), ("mid", "hi")]), loops
+    want = [("lo", "in_a"), ("in_a", "in_b")] + (
+        [("in_b", "hi")] if prefix else [("edge_b", "hi"), ("lo", "mid"), ("mid", "hi")])
+    assert sorted(loops) == sorted(want), loops
     code = compile("\n".join(skeleton), "skeleton", "exec")
     tl = SimpleNamespace(where=lambda c, a, b: a if c else b, minimum=min, maximum=max)
     n = 16
     for lo, hi, in_lo, in_hi, full_end, plain in itertools.product(
             range(0, 97, n), range(0, 100, 7), range(0, 97, n), range(0, 97, n),
-            (48, 96), (False, True)):
+            (48, 96), (True,) if prefix else (False, True)):
         walked = {}
         env = {"tl": tl, "lo": lo, "hi": hi, "in_lo": in_lo, "in_hi": in_hi,
                "full_end": full_end, "plain": plain,

@@ -136,7 +136,7 @@ def test_decode_subject_has_no_norm_region_left():
     args = (torch.zeros(1, 1, dtype=torch.long), torch.tensor([5]))
     plan, cpu = _plan(model, args), _plan(model, args, target="cpu")
     # the one reduction left computes the causal mask's envelope (dispatch/mask_envelope)
-    bounds = {v for r in plan.regions if r.key_bounds for v in r.key_bounds}
+    bounds = {v for r in plan.regions for v in r.key_bound_values()}
     (envelope,) = _reductions(plan)
     assert set(envelope.outputs) == bounds and len(_reductions(cpu)) == 2 * s.layers + 1
     assert all(r.label == "rmsnorm" for r in _reductions(cpu))
@@ -172,7 +172,7 @@ def test_prefill_plan_is_unchanged():
 def _unbounded(plan):
     """The plan less the mask envelope's region (dispatch/mask_envelope: one, before the
     attention), which the CPU target does not make."""
-    bounds = {v for r in plan.regions if r.key_bounds for v in r.key_bounds}
+    bounds = {v for r in plan.regions for v in r.key_bound_values()}
     (envelope,) = [r for r in plan.regions if set(r.outputs) == bounds]
     plan.regions.remove(envelope)
     return plan

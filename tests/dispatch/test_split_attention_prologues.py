@@ -182,7 +182,7 @@ def test_prefill_runs_split_and_decode_keeps_the_prologue():
     assert not any(r.name.endswith("_key") for r in plan.regions)
     # the mask's envelope still bounds the key loop (once lost by the split: the kernel
     # walked every key block, 513 us against 143 on an H200 at T 2048)
-    assert all(a.key_bounds and set(a.key_bounds) <= set(a.inputs) for a in attns)
+    assert all(a.key_bounds and set(a.key_bound_values()) <= set(a.inputs) for a in attns)
     assert all(pre.program.kplan.kernels[a.name].spec.meta["key_bounds"] for a in attns)
     with torch.no_grad():
         for t in (5, 37):

@@ -30,10 +30,11 @@ its envelope's keys, unbiased (the envelope's third value: a causal or sliding-w
 mask): then the mask is never loaded, keys are compared with the rows' bounds at the
 span's edges and the blocks inside every row's span run unmasked, as a causal tile's do
 (the plain loops are empty in other tiles by their bounds; the mask's run under one `if
-not plain`). An envelope with no count (a mask whose form passes each row a prefix of
-the keys: kiln.dispatch.prefix_mask) makes every tile plain: no mask loops at all, their
-~60 registers at 8B widths included. Key ranges are loop bounds and the `if` is around whole loops, never around
-the loads (Triton does not pipeline loads inside an `if`; a loop inside one pipelines).
+not plain`). An envelope with no count (a mask whose form passes each row a prefix
+of the keys: kiln.dispatch.prefix_mask) makes every tile plain: no mask loops at all,
+nor their ~60 registers at 8B widths. Key ranges are loop bounds and the `if` is around
+whole loops, never around the loads (Triton does not pipeline loads inside an `if`; a
+loop inside one pipelines).
 kiln.ops.softcap_attention's cap is applied to the scaled scores before the mask, as
 cap * tanh(t) in base 2 with one exp2 (1 - 2 / (e^2t + 1): +-cap at either end).
 A decode query's per-head norm statistics (a sum or mean of q's row over the head dim,
