@@ -72,12 +72,21 @@ def holds(expr, ranges: dict[sympy.Symbol, ValueRanges]) -> bool:
             return True
     except Exception:  # noqa: BLE001 - torch's bound does not take every function
         pass
-    shifted = expr.xreplace({s: int(ranges[s].lower)
-                             + sympy.Symbol(f"{s}_over", integer=True, nonnegative=True)
-                             for s in free})
+    shifted = _as_sympy(expr).xreplace({
+        s: int(ranges[s].lower) + sympy.Symbol(f"{s}_over", integer=True, nonnegative=True)
+        for s in free})
     if shifted in (sympy.true, True) or _true_by_sign(shifted):
         return True
     return _every_value(expr, free, ranges)
+
+
+def _as_sympy(expr):
+    """torch's own Min / Max (torch.utils._sympy.functions) as sympy's, which simplify
+    by their arguments' signs."""
+    own = {"Min": sympy.Min, "Max": sympy.Max}
+    return expr.replace(lambda e: isinstance(e, sympy.Basic) and not isinstance(
+        e, (sympy.Min, sympy.Max)) and type(e).__name__ in own,
+                        lambda e: own[type(e).__name__](*e.args))
 
 
 def _true_by_sign(rel) -> bool:
@@ -85,7 +94,8 @@ def _true_by_sign(rel) -> bool:
     expanded difference (sympy's own simplification otherwise)."""
     if isinstance(rel, sympy.Rel):
         diff = sympy.expand(sympy.simplify(rel.lhs - rel.rhs))
-        sign = {sympy.Eq: diff == 0, sympy.Ge: diff.is_nonnegative, sympy.Gt: diff.is_positive,
+        sign = {sympy.Eq: diff == 0, sympy.Ne: diff.is_positive or diff.is_negative,
+                sympy.Ge: diff.is_nonnegative, sympy.Gt: diff.is_positive,
                 sympy.Le: (-diff).is_nonnegative, sympy.Lt: (-diff).is_positive}
         if sign.get(type(rel)):
             return True
