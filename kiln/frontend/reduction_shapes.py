@@ -6,13 +6,16 @@ shape ([1] for a norm of a [1] over dim -1; eager returns []). The CPU target hi
 (its out= call resized the buffer); a generated kernel wrote the planned shape and
 returned it (found by the fuzzer on an H100: seeds 601445, 600369). The shape of a
 reduction follows from its arguments alone, so it is recomputed here and the fake
-tensor replaced where torch got it wrong.
+tensor replaced where torch got it wrong; the ops after it, whose fakes torch computed
+from the wrong one (a norm's argmin planned [1, 5, 1] for eager's [5, 1]), are run
+again on the repaired fakes.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import fx
+from torch._guards import detect_fake_mode
 
 aten = torch.ops.aten
 
@@ -45,14 +48,38 @@ def reduced_shape(shape, dim, keepdim: bool) -> list:
 
 
 def fix_reduction_shapes(gm: fx.GraphModule) -> None:
+    repaired: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        where = _REDUCTIONS.get(node.target) if node.op == "call_function" else None
-        val = node.meta.get("val")
+        if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        if repaired & set(node.all_input_nodes):
+            again = _run_on_fakes(node)
+            if again is not None and (again.shape != node.meta["val"].shape
+                                      or again.dtype != node.meta["val"].dtype):
+                node.meta["val"] = again
+                repaired.add(node)
+        where = _REDUCTIONS.get(node.target)
+        val = node.meta["val"]
         src = node.args[0].meta.get("val") if where and isinstance(node.args[0], fx.Node) \
             else None
-        if not isinstance(val, torch.Tensor) or not isinstance(src, torch.Tensor):
+        if not isinstance(src, torch.Tensor):
             continue
         want = reduced_shape(list(src.shape), _arg(node, where[0], "dim", None),
                              bool(_arg(node, where[1], "keepdim", False)))
         if list(val.shape) != want:
             node.meta["val"] = val.new_empty(want)
+            repaired.add(node)
+
+
+def _run_on_fakes(node: fx.Node) -> torch.Tensor | None:
+    """`node`'s op run on its inputs' fake values (None where that fails)."""
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    mode = detect_fake_mode([n.meta.get("val") for n in node.all_input_nodes])
+    if mode is None:
+        return None
+    try:
+        with mode:
+            out = node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the fake torch gave stays
+        return None
+    return out if isinstance(out, torch.Tensor) else None

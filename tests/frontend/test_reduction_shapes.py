@@ -17,10 +17,13 @@ class Norms(torch.nn.Module):
 
 
 def _as_torch_211(gm):
-    """What torch 2.11's export recorded: the input's shape for the norm."""
+    """What torch 2.11's export recorded: the input's shape for the norm, and the ops
+    after it shaped from that (the argmin of a [1, 5, 3] norm: [1, 5, 1])."""
     for node in gm.graph.nodes:
         if node.target is torch.ops.aten.linalg_vector_norm.default:
             node.meta["val"] = node.meta["val"].new_empty(node.args[0].meta["val"].shape)
+        elif node.target is torch.ops.aten.argmin.default:
+            node.meta["val"] = node.meta["val"].new_empty([1, *node.meta["val"].shape])
 
 
 def test_shape_rule():
