@@ -3,8 +3,10 @@ the key's prologue (dispatch/split_attention_prologues.py: Qwen3's attention wit
 cache, q and k normalised then RoPE'd in regions before it, head dim 128) and
 transformers' prompt mask run as is_causal (graph/causal_sdpa.py: Llama with sdpa and
 eager attention); the thirty-fourth's soft-capped attention op (transformers' Gemma 2:
-a tanh cap on the scores, head dim 256, a sliding layer and a global one). Dynamic
-prompt lengths; fp16/bf16 1e-2."""
+a tanh cap on the scores, head dim 256, a sliding layer and a global one); the
+thirty-sixth's gathered causal rows as a prefix mask (graph/tril_rows.py,
+dispatch/prefix_mask.py: gpt-fast's attention over a static cache, no mask loops).
+Dynamic prompt lengths; fp16/bf16 1e-2."""
 
 from __future__ import annotations
 
@@ -85,3 +87,38 @@ def test_transformers_llama_prompt_mask_runs_causal(attn):
             got = exe(input_ids=ids, use_cache=False).logits
             ref = model(input_ids=ids, use_cache=False).logits
             assert rel_err(got, ref) <= 1e-2, (t, rel_err(got, ref))
+
+
+class GatheredRows(torch.nn.Module):
+    """gpt-fast's (kiln bench's) attention: mask rows gathered from a causal buffer by
+    the positions, SDPA over a whole static cache (graph/tril_rows.py rewrites the
+    gather; dispatch/prefix_mask.py then compiles the kernel without mask loops)."""
+
+    def __init__(self, s: int):
+        super().__init__()
+        self.register_buffer("causal", torch.tril(torch.ones(s, s, dtype=torch.bool)))
+
+    def forward(self, q, k_cache, v_cache, input_pos):
+        mask = self.causal[None, None, input_pos]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gathered_causal_rows_run_as_a_prefix_mask(dtype):
+    torch.manual_seed(0)
+    S = 1024
+    model = GatheredRows(S).cuda()
+    T = torch.export.Dim("T", min=1, max=S)
+    cache = lambda: torch.randn(1, 8, S, 128, dtype=dtype, device="cuda")  # noqa: E731
+    ex = (torch.randn(1, 32, 16, 128, dtype=dtype, device="cuda"), cache(), cache(),
+          torch.arange(16, device="cuda"))
+    exe = kiln.compile(model, ex, dynamic_shapes=({2: T}, None, None, {0: T}), target="cuda")
+    (attn,) = [r for r in exe.plan.regions if r.kind == RegionKind.ATTENTION]
+    assert attn.key_bounds and attn.key_bounds[2] is None
+    assert "if not plain" not in exe.program.kplan.kernels[attn.name].spec.source
+    with torch.no_grad():
+        for start, t in ((0, 700), (300, 129), (900, 1)):
+            args = (torch.randn(1, 32, t, 128, dtype=dtype, device="cuda"), cache(), cache(),
+                    torch.arange(start, start + t, device="cuda"))
+            assert rel_err(exe(*args), model(*args)) <= 1e-2, (start, t)
