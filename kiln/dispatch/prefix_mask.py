@@ -19,10 +19,13 @@ import sympy
 import torch
 
 from kiln.dispatch.causal_mask import KJ, form
+from kiln.ir.ops import RESHAPES
 from kiln.ir.plan import DispatchPlan, Ref, Region
 from kiln.ir.symbolic import same_dim
 
 _ANDS = ("aten.logical_and.default", "aten.bitwise_and.Tensor", "aten.mul.Tensor")
+# views that may put a value's varying dim last (an expand or alias only broadcasts)
+_MOVES = RESHAPES | {"aten.unsqueeze.default"}
 
 
 def is_prefix_mask(plan: DispatchPlan, region: Region, name: str) -> bool:
@@ -55,6 +58,11 @@ def _read(plan: DispatchPlan, producers: dict[str, Region], region: Region, arg)
             return None
         return _read(plan, producers, source, arg)
     op = region.op(arg.name)
+    if op.target in _MOVES:  # a per-row value moved onto the keys varies along them
+        inner = _read(plan, producers, region, op.args[0])
+        if isinstance(inner, sympy.Expr) and any(s.name.startswith("row_")
+                                                 for s in inner.free_symbols):
+            return None
     if op.target in _ANDS and len(op.args) == 2 and op.dtype == torch.bool:
         kept = [a for a in op.args if not _is_key_free(plan, region, a)]
         if len(kept) == 1:  # and-ed with a per-row flag: a prefix or nothing

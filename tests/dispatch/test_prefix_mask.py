@@ -80,6 +80,28 @@ def test_a_mask_that_only_looks_alike_keeps_its_count(name):
     assert attns and all(r.key_bounds and r.key_bounds[2] is not None for r in attns)
 
 
+class PositionsOnTheKeys(torch.nn.Module):
+    """Self-attention whose mask compares each key with the positions laid along the
+    keys (`j <= 2 pos[j] + 1`, a [T, 1] column reshaped to [1, T]): not a prefix a row.
+    (The graph stage moves the reshape before the arithmetic, so the plan never holds
+    the column; prefix_mask.py also refuses a row value a reshape moves onto the keys.)"""
+
+    def forward(self, q, k, v, pos):
+        t = pos.shape[0]
+        column = pos[:, None] * 2 + 1  # [T, 1]: constant along the keys, here
+        mask = torch.arange(t)[None, :] <= column.reshape(1, t)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.expand(t, t))
+
+
+def test_positions_moved_onto_the_keys_are_no_prefix():
+    args = (torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16),
+            torch.arange(8))
+    plan = kiln.compile(PositionsOnTheKeys(), args, target="interpret", compile_to="dispatch",
+                        dynamic_shapes=({2: T}, {2: T}, {2: T}, {0: T}))
+    attns = _attentions(plan)
+    assert attns and all(r.key_bounds is None or r.key_bounds[2] is not None for r in attns)
+
+
 def test_an_empty_row_in_a_prefix_mask_gives_what_eager_gives():
     """A row whose position is below 0 passes no key (a padding query)."""
     exe = _compile(PREFIXES["kv <= pos"])
