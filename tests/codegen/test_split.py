@@ -221,3 +221,31 @@ def test_split_forms_on_the_gpu_match_torch_at_every_launch(dtype):
             TorchKernel(region, "cuda").run(inputs, ref, {})
             for o in region.outputs:
                 assert rel_err(outs[o].float(), ref[o].float()) <= 1e-2, spec.name
+
+
+class PrefixOverCache(torch.nn.Module):
+    """kiln.models' prompt attention: each row passes the cache's keys up to its position."""
+
+    def forward(self, q, k_cache, v_cache, input_pos):
+        mask = torch.arange(k_cache.shape[2])[None, :] <= input_pos[:, None]
+        return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask[None, None],
+                                              enable_gqa=True)
+
+
+def test_prompt_split_narrows_to_the_keys_its_rows_reach():
+    """The launch splits a prompt tile by the cache's 1024 slots (8 parts of 128 keys);
+    the rows reach 24, 324 or 1024 of them, so 1, 3 or all 8 parts are live (the rest
+    leave at once, one live part stores its output itself). One module, every reach,
+    against eager; the counters are zero after each call."""
+    q, kc, vc = torch.randn(1, 4, 24, 16), torch.randn(1, 2, 1024, 16), torch.randn(1, 2, 1024, 16)
+    model = PrefixOverCache()
+    exe = kiln.compile(model, (q, kc, vc, torch.arange(24)), target="interpret")
+    (region,) = [r for r in exe.plan.regions if r.kind == RegionKind.ATTENTION]
+    kernel = exe.program.kplan.kernels[region.name]
+    assert "n_live" in kernel.spec.source and kernel.config["KV_SPLIT"] > 1
+    assert kernel.spec.grid_for(kernel.sizes({}), kernel.config)[2] == 8
+    for start in (0, 300, 1000):
+        pos = torch.arange(start, start + 24)
+        assert rel_err(exe(q, kc, vc, pos), model(q, kc, vc, pos)) <= 1e-5, start
+        counts = scratch_buffer(kernel.spec.scratch[1], 1, 1, "cpu")
+        assert not counts.any()

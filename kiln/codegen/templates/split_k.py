@@ -49,17 +49,19 @@ def scratch(tiles: str, splits: str, numel: str) -> list[Scratch]:
             Scratch(COUNTS, torch.int32, f"({tiles}) if ({splits}) > 1 else 1", zeroed=True)]
 
 
-def program_range(total: str, block: str, start: str = "0") -> list[str]:
-    """Lines setting `lo`, `hi`: this split's part of [start, total), in whole blocks
-    (`start` an expression, block-aligned; a split past the range gets none of it)."""
+def program_range(total: str, block: str, start: str = "0",
+                  splits: str = "n_split") -> list[str]:
+    """Lines setting `lo`, `hi`: this split's part of [start, total) among `splits`, in
+    whole blocks (`start` an expression, block-aligned; a split past the range gets
+    none of it)."""
     if start == "0":
         return [
-            f"per_split = tl.cdiv(tl.cdiv({total}, n_split), {block}) * {block}",
+            f"per_split = tl.cdiv(tl.cdiv({total}, {splits}), {block}) * {block}",
             "lo = pid_s * per_split",
             f"hi = tl.minimum({total}, lo + per_split)",
         ]
     return [
-        f"per_split = tl.cdiv(tl.cdiv({total} - {start}, n_split), {block}) * {block}",
+        f"per_split = tl.cdiv(tl.cdiv({total} - {start}, {splits}), {block}) * {block}",
         f"lo = {start} + pid_s * per_split",
         f"hi = tl.minimum({total}, lo + per_split)",
     ]
@@ -71,19 +73,21 @@ def part(numel: str, split: str = "pid_s") -> str:
 
 
 def arrive(cap: str, tile: str, store: list[str], combine: list[str],
-           gate: list[str]) -> list[str]:
+           gate: list[str], live: str = "n_split") -> list[str]:
     """Lines after the reduction loop: with splits, store this part, count the arrival,
     and (the last program only) combine every part; then `gate` (the template's lines
-    that mask its store with `last`). `store` / `combine` are the template's lines."""
+    that mask its store with `last`). `store` / `combine` are the template's lines.
+    `live`: how many of the tile's programs arrive (the others left early), n_split
+    unless the template narrowed it."""
     inner = [f"        tile_id = {tile}", *["    " * 2 + x for x in store]] + [
         "        tl.debug_barrier()  # this CTA's part is stored before it is counted",
         f'        arrived = tl.atomic_add({COUNTS} + tile_id, 1, sem="acq_rel")',
-        "        last = arrived == n_split - 1",
+        f"        last = arrived == {live} - 1",
         "        if last:",
         *["    " * 3 + x for x in combine],
         f"            tl.store({COUNTS} + tile_id, 0)  # zero again for the next launch",
     ]
-    return [f"if {cap} > 1:", "    last = pid_s == 0", "    if n_split > 1:", *inner,
+    return [f"if {cap} > 1:", "    last = pid_s == 0", f"    if {live} > 1:", *inner,
             *["    " + x for x in gate]]
 
 

@@ -205,6 +205,19 @@ def _loop(start: str, end: str, body: list[str], depth: int = 0) -> list[str]:
             *[pad + "    " + x for x in body]]
 
 
+def _live_splits(kv_start: str) -> list[str]:
+    """Lines narrowing a prompt tile's split to the keys its rows reach. The launch
+    splits by the key operand's length (the host knows no more); a mask's envelope may
+    leave far fewer keys (a 128-token prompt over a 2304-slot static cache: 4 splits of
+    128-row parts stored and merged for 2 blocks of keys, 16.6 us against 7.0 without
+    a split, H200). Every program of the tile computes the same count; those past it
+    leave at once, so one live split stores its output directly, as if unsplit."""
+    return [f"n_live = tl.minimum(n_split, tl.maximum(1, tl.cdiv(kv_end - {kv_start}, "
+            f"{MIN_SPLIT_BLOCKS} * BLOCK_N)))",
+            "if pid_s >= n_live:",
+            "    return"]
+
+
 def _pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
@@ -483,8 +496,14 @@ class _AttentionSource:
         rows_hi = bounds_of(s.group * s.tq, self.plan.symbols).hi
         if rows_hi is not None and rows_hi <= 16:
             L = load_order.loads_first(L)
+        # a prompt tile with an envelope narrows its split to the keys it reaches (a
+        # decode tile's `_combine` reads only the parts with keys: n_used)
+        live = s.key_bounds is not None and (rows_hi is None or rows_hi > 16)
+        self._splits = "n_live" if live else "n_split"
         L += [f"lo = {kv_start}", "hi = kv_end", "if KV_SPLIT > 1:",
-              *["    " + x for x in split.program_range("kv_end", "BLOCK_N", kv_start)],
+              *(["    " + x for x in _live_splits(kv_start)] if live else []),
+              *["    " + x for x in split.program_range("kv_end", "BLOCK_N", kv_start,
+                                                      self._splits)],
               "mid = tl.minimum(hi, tl.maximum(lo, full_end))"]
         if s.key_bounds is None:
             L += [*_loop("lo", "mid", loops[0]), *_loop("mid", "hi", loops[1])]
@@ -647,7 +666,8 @@ class _AttentionSource:
                  f"tl.store({split.part(numel)} + {l_at}, l_i, mask=row_ok)"]
         # one pass over the parts, merging each by its maximum
         part = split.part(numel, "s")
-        ok = "row_ok & (s < n_split)"
+        live = self._splits
+        ok = f"row_ok & (s < {live})"
         m_s = split.load_part(f"{part} + {m_at}", ok, 'float("-inf")')
         l_s = split.load_part(f"{part} + {l_at}", ok)
         a_s = split.load_part(f"{part} + {acc_at}", f"({ok})[:, None]")
@@ -663,11 +683,11 @@ class _AttentionSource:
                 "beta = tl.exp2(m_s - m_use)",
                 "l_i = l_i * alpha + l_s * beta",
                 "acc = acc * alpha[:, None] + a_s * beta[:, None]",
-                "m_i = m_new"]),
+                "m_i = m_new"], count=live),
         ]
         gate = [f"row_ok2 = rows2 < tl.where(last, {rows}, 0)"]  # only the last stores
         return split.arrive("KV_SPLIT", "pid_z * tl.num_programs(0) + pid_m", store, combine,
-                            gate)
+                            gate, live=live)
 
 
     def _key_step(self, head, qpos, dp, dvp, ieee, wide, full: bool,
