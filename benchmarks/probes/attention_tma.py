@@ -11,6 +11,10 @@ each checked against torch's SDPA and timed with CUDA-graph'd do_bench. torch's 
 3 stages) should reproduce kiln's own kernel; if the TMA rows run well below it, the
 attention template gets a TMA form.
 
+Result (H200, 2026-12-02, results/attention-tma-h200-2026-12-02-thirtyseventh.json): no.
+T 2048: pointers 107.6 us, TMA 108.7-128.1 (best 128 x 128 at 3 stages), torch 84.5;
+T 4096: 347.5 against 342.2-412.2, torch 280.4. The pointer form is pipelined already.
+
 GPU: PYTHONPATH=. python benchmarks/probes/attention_tma.py [--lengths 2048 4096] [--out f.json]
 """
 
