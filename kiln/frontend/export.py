@@ -94,7 +94,7 @@ def _export(model: torch.nn.Module, args: tuple, kwargs, dynamic_shapes):
                 ep = export_if_guards_hold(lambda: export(deferred=True))
                 if ep is not None:
                     return ep
-            cls = _unknown_dataclass(str(e))
+            cls = _unknown_dataclass(str(e)) or _unhashable_output(e)
             if cls is None or cls in registered:
                 raise _export_error(e) from None
             registered.add(cls)  # a dataclass of tensors: a pytree node, then try again
@@ -129,6 +129,24 @@ def _unknown_dataclass(text: str) -> str | None:
     cls = getattr(sys.modules.get(module), name, None)
     path = f"{module}:{name}"
     return path if treespec.register_dataclass(cls, path) else None
+
+
+def _unhashable_output(e: BaseException) -> str | None:
+    """The same for torch 2.11, which fails before saying "Found <class>": it asks
+    whether each output leaf is an opaque type by hashing the leaf itself, and a
+    dataclass with eq (the default) is unhashable, so export raised a TypeError from
+    torch's code. The leaf is found in that frame of the traceback."""
+    if not isinstance(e, TypeError) or "unhashable" not in str(e):
+        return None
+    tb = e.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "is_opaque_type" and "torch" in frame.f_code.co_filename:
+            cls = type(frame.f_locals.get("cls"))
+            path = f"{cls.__module__}:{cls.__qualname__}"
+            return path if treespec.register_dataclass(cls, path) else None
+        tb = tb.tb_next
+    return None
 
 
 @contextlib.contextmanager

@@ -76,3 +76,26 @@ def test_a_class_that_does_not_import_comes_back_as_a_namedtuple_of_its_fields()
 def test_torch_format_still_loads():
     spec = pytree.tree_structure(({"a": 1}, [2, 3]))
     assert treespec.loads(pytree.treespec_dumps(spec)) == spec
+
+
+@dataclasses.dataclass
+class Unhashable:  # eq=True, so __hash__ is None, as a user's output class usually is
+    logits: torch.Tensor
+
+
+def test_torch_2_11s_unhashable_output_is_registered_and_retried():
+    """torch 2.11 hashes each output leaf (is_opaque_type) before it says "Found <class>
+    in output", so an unregistered dataclass of tensors failed with a TypeError from
+    torch's own code. kiln finds the leaf in that frame, registers its class and exports
+    again. The frame is made here as torch 2.11 has it (any torch runs this test)."""
+    from kiln.frontend.export import _unhashable_output
+
+    code = compile("def is_opaque_type(cls):\n    return cls in set()\n",
+                   "/site-packages/torch/_library/opaque_object.py", "exec")
+    scope: dict = {}
+    exec(code, scope)
+    with pytest.raises(TypeError) as e:
+        scope["is_opaque_type"](Unhashable(torch.ones(1)))
+    assert _unhashable_output(e.value) == f"{__name__}:Unhashable"
+    assert Unhashable in pytree.SUPPORTED_NODES
+    assert _unhashable_output(TypeError("unhashable type: 'list'")) is None  # no such frame
