@@ -46,6 +46,7 @@ from kiln.frontend.raised_by_model import model_frame, raised_by_model
 from kiln.frontend.reduction_shapes import fix_reduction_shapes
 from kiln.frontend.scalar_index import select_by_tensor_as_index
 from kiln.frontend.strided_views import in_order_as_strided_as_views
+from kiln.frontend.tensor_index import TensorPositions
 from kiln.frontend.train_mode import check_inference_mode
 from kiln.frontend.unproven_guards import export_if_guards_hold, refused_for_a_guard
 from kiln.ir import treespec
@@ -77,7 +78,8 @@ def _export(model: torch.nn.Module, args: tuple, kwargs, dynamic_shapes):
     registered: set[str] = set()
 
     def export(deferred: bool = False):
-        with warnings.catch_warnings(), _quiet_failure(), noop_module_moves():
+        with warnings.catch_warnings(), _quiet_failure(), noop_module_moves(), \
+                TensorPositions():
             warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecations
             return export_with_state(lambda: torch.export.export(
                 model, tuple(args), kwargs=kwargs or {}, dynamic_shapes=dynamic_shapes,

@@ -62,3 +62,34 @@ def test_position_past_the_dim_is_an_index_error():
         exe(torch.tensor(8))
     assert isinstance(e.value, IndexError)  # what eager raises for the same call
     assert "test_scalar_index.py" in e.value.where and "self.table[i]" in e.value.where
+
+
+def test_subscripts_by_0d_tensors_become_index_ops_with_eagers_meaning():
+    """The mode export traces under (torch 2.11 fails in its own subscript there): a
+    subscript of 0-d integer tensors and whole-dim slices is aten.index, equal to
+    eager's subscript; every other subscript is eager's own."""
+    from kiln.frontend.tensor_index import TensorPositions
+
+    x = torch.randn(6, 5, 4)
+    t, s = torch.tensor(-2), torch.tensor(3, dtype=torch.int32)
+    cases = [lambda: x[t], lambda: x[:, s], lambda: x[t, :, s], lambda: x[t, s],
+             lambda: x[2], lambda: x[1:3, t], lambda: x[torch.tensor(True)],
+             lambda: x[torch.tensor([1, 4])]]
+    for case in cases:
+        want = case()
+        with TensorPositions():
+            got = case()
+        assert torch.equal(got, want)
+    seen = []
+
+    class Spy(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Spy(), TensorPositions():
+        x[t, :, s], x[1:3, t]
+    assert torch.ops.aten.index.Tensor in seen  # the first, rewritten
+    assert seen.count(torch.Tensor.__getitem__) == 1  # the second, left to torch
+    with TensorPositions(), pytest.raises(IndexError):
+        x[torch.tensor(6)]
