@@ -77,9 +77,9 @@ def _export(model: torch.nn.Module, args: tuple, kwargs, dynamic_shapes):
     args, kwargs = _distinct_inputs(tuple(args), kwargs or {})
     registered: set[str] = set()
 
-    def export(deferred: bool = False):
+    def export(deferred: bool = False, positions: bool = False):
         with warnings.catch_warnings(), _quiet_failure(), noop_module_moves(), \
-                TensorPositions():
+                (TensorPositions() if positions else contextlib.nullcontext()):
             warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecations
             return export_with_state(lambda: torch.export.export(
                 model, tuple(args), kwargs=kwargs or {}, dynamic_shapes=dynamic_shapes,
@@ -94,6 +94,10 @@ def _export(model: torch.nn.Module, args: tuple, kwargs, dynamic_shapes):
         except Exception as e:  # torch raises many types; all mean "could not capture"
             if refused_for_a_guard(str(e)):
                 ep = export_if_guards_hold(lambda: export(deferred=True))
+                if ep is not None:
+                    return ep
+            if _guarded_on_data(e):
+                ep = _with_positions(lambda: export(positions=True))
                 if ep is not None:
                     return ep
             cls = _unknown_dataclass(str(e)) or _unhashable_output(e)
@@ -131,6 +135,23 @@ def _unknown_dataclass(text: str) -> str | None:
     cls = getattr(sys.modules.get(module), name, None)
     path = f"{module}:{name}"
     return path if treespec.register_dataclass(cls, path) else None
+
+
+def _guarded_on_data(e: BaseException) -> bool:
+    return "data-dependent" in str(e) or type(e).__name__.startswith("GuardOnDataDependent")
+
+
+def _with_positions(export):
+    """The program exported again with subscripts by 0-d tensors as index ops
+    (tensor_index.py: torch 2.11 guards inside its own subscript), or None if that
+    fails too: then the first error stands, naming the model's line (the mode's own
+    frame would be the line torch names)."""
+    try:
+        return export()
+    except KilnError:
+        raise
+    except Exception:  # torch raises many types; the first failure says it better
+        return None
 
 
 def _unhashable_output(e: BaseException) -> str | None:
@@ -200,7 +221,7 @@ def _export_error(e: Exception) -> KilnError:
     text = str(e).strip()
     name = type(e).__name__
     said = " torch said:\n" + _tail(text)
-    if "data-dependent" in text or name.startswith("GuardOnDataDependent"):
+    if _guarded_on_data(e):
         # torch's message quotes the user's frame when it can; the traceback always has it.
         where = user_frame(text) or user_frame("".join(traceback.format_tb(e.__traceback__)))
         return ExportError(

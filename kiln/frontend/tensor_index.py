@@ -2,11 +2,13 @@
 
 torch 2.13 captures it as `.item()` and a select, which scalar_index.py rewrites to
 `aten.index`; torch 2.11 (the GPU image's) fails inside the select, guarding on the
-unbacked item's range, and export raised a data-dependent error. While export traces,
-this mode turns such a subscript (0-d integer tensors and whole-dim slices only) into
-`aten.index` with the tensors as indices before torch's own subscript runs: eager's
-meaning (negative positions wrap, one past the end is an IndexError), no value
-needed at compile time. Other subscripts are left to torch.
+unbacked item's range, and export raised a data-dependent error. After such an error
+export runs again under this mode (export.py), which turns such a subscript (0-d
+integer tensors and whole-dim slices only) into `aten.index` with the tensors as
+indices before torch's own subscript runs: eager's meaning (negative positions wrap,
+one past the end is an IndexError), no value needed at compile time. Other subscripts
+are left to torch. Only on a retry: under the mode every torch call passes through
+its frame, which torch then names as a guard's cause instead of the model's line.
 """
 
 from __future__ import annotations
