@@ -224,21 +224,31 @@ def test_split_forms_on_the_gpu_match_torch_at_every_launch(dtype):
 
 
 class PrefixOverCache(torch.nn.Module):
-    """kiln.models' prompt attention: each row passes the cache's keys up to its position."""
+    """kiln.models' prompt attention: each row passes the cache's keys up to its position
+    (the last `window` of them with a window: the span starts past key 0)."""
+
+    def __init__(self, window=None):
+        super().__init__()
+        self.window = window
 
     def forward(self, q, k_cache, v_cache, input_pos):
-        mask = torch.arange(k_cache.shape[2])[None, :] <= input_pos[:, None]
+        kv, pos = torch.arange(k_cache.shape[2])[None, :], input_pos[:, None]
+        mask = kv <= pos
+        if self.window is not None:
+            mask = mask & (kv > pos - self.window)
         return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask[None, None],
                                               enable_gqa=True)
 
 
-def test_prompt_split_narrows_to_the_keys_its_rows_reach():
+@pytest.mark.parametrize("window", [None, 200])
+def test_prompt_split_narrows_to_the_keys_its_rows_reach(window):
     """The launch splits a prompt tile by the cache's 1024 slots (8 parts of 128 keys);
     the rows reach 24, 324 or 1024 of them, so 1, 3 or all 8 parts are live (the rest
-    leave at once, one live part stores its output itself). One module, every reach,
-    against eager; the counters are zero after each call."""
+    leave at once, one live part stores its output itself); a 200-key window starts the
+    span past key 0 (2 or 3 parts from there). One module, every reach, against eager;
+    the counters are zero after each call."""
     q, kc, vc = torch.randn(1, 4, 24, 16), torch.randn(1, 2, 1024, 16), torch.randn(1, 2, 1024, 16)
-    model = PrefixOverCache()
+    model = PrefixOverCache(window)
     exe = kiln.compile(model, (q, kc, vc, torch.arange(24)), target="interpret")
     (region,) = [r for r in exe.plan.regions if r.kind == RegionKind.ATTENTION]
     kernel = exe.program.kplan.kernels[region.name]
