@@ -259,3 +259,26 @@ def test_prompt_split_narrows_to_the_keys_its_rows_reach(window):
         assert rel_err(exe(q, kc, vc, pos), model(q, kc, vc, pos)) <= 1e-5, start
         counts = scratch_buffer(kernel.spec.scratch[1], 1, 1, "cpu")
         assert not counts.any()
+
+
+class BatchPrefix(torch.nn.Module):
+    """Each sequence of a batch its own positions ([B, T]): its own envelope a tile."""
+
+    def forward(self, q, k_cache, v_cache, input_pos):
+        mask = torch.arange(k_cache.shape[2])[None, None, :] <= input_pos[:, :, None]
+        return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask[:, None],
+                                              enable_gqa=True)
+
+
+def test_prompt_split_counts_live_parts_per_sequence():
+    """Two sequences at different depths of one 1024-slot cache: one tile's rows reach
+    24 keys (1 live part), the other's 1000 (8): each tile counts its own."""
+    q = torch.randn(2, 4, 24, 16)
+    kc, vc = torch.randn(2, 2, 1024, 16), torch.randn(2, 2, 1024, 16)
+    model = BatchPrefix()
+    pos = torch.stack([torch.arange(24), torch.arange(976, 1000)])
+    exe = kiln.compile(model, (q, kc, vc, pos), target="interpret")
+    (region,) = [r for r in exe.plan.regions if r.kind == RegionKind.ATTENTION]
+    assert "n_live" in exe.program.kplan.kernels[region.name].spec.source
+    for p in (pos, pos.flip(0)):
+        assert rel_err(exe(q, kc, vc, p), model(q, kc, vc, p)) <= 1e-5
