@@ -248,9 +248,14 @@ def _export_error(e: Exception) -> KilnError:
             "slice bounded by a tensor. Where library code does it, export with a fixed "
             "sequence length (a one-token decode step, no dynamic dim on it)." + said,
         )
-    if name == "FakeTensorDeviceMismatchError" or "found at least two devices" in text:
+    # torch 2.11 words it "Unhandled FakeTensor Device Propagation for aten.add.Tensor,
+    # found two different devices cpu, meta"
+    if name == "FakeTensorDeviceMismatchError" or "found at least two devices" in text \
+            or "found two different devices" in text:
         where = user_frame("".join(traceback.format_tb(e.__traceback__)))
-        found = re.search(r"devices?, (\S+) and (\S+?)!?$", text.splitlines()[-1])
+        last = text.splitlines()[-1]
+        found = (re.search(r"devices?, (\S+) and (\S+?)!?$", last)
+                 or re.search(r"two different devices (\S+), (\S+?)$", last))
         devices = f"{found.group(1)} and {found.group(2)}" if found else "two devices"
         return AffinityError(
             f"one op reads tensors pinned to {devices}: the model's own placements "
