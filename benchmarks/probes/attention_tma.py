@@ -32,6 +32,33 @@ HEADS, KV_HEADS, D = 32, 8, 128
 
 
 @triton.jit
+def _tile(ptr, desc, row0, start_n, D: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    """A [BLOCK_N, D] tile of K or V from row `row0 + start_n`."""
+    if TMA:
+        return desc.load([row0 + start_n, 0])
+    n = start_n + tl.arange(0, BLOCK_N)
+    return tl.load(ptr + (row0 + n)[:, None] * D + tl.arange(0, D)[None, :])
+
+
+@triton.jit
+def _step(q, k_ptr, v_ptr, k_desc, v_desc, row0, start_n, qi, m_i, l_i, acc, qk_scale,
+          D: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, MASKED: tl.constexpr):
+    """One key block of the online softmax (causal mask only on the diagonal blocks)."""
+    k = _tile(k_ptr, k_desc, row0, start_n, D, BLOCK_N, TMA)
+    qk = tl.dot(q, k.T) * qk_scale
+    if MASKED:
+        n = start_n + tl.arange(0, BLOCK_N)
+        qk = tl.where(n[None, :] <= qi[:, None], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _tile(v_ptr, v_desc, row0, start_n, D, BLOCK_N, TMA)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
 def causal_attention(q_ptr, k_ptr, v_ptr, o_ptr, k_desc, v_desc, T: tl.constexpr, S, qk_scale,
                      GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, TMA: tl.constexpr):
@@ -47,41 +74,12 @@ def causal_attention(q_ptr, k_ptr, v_ptr, o_ptr, k_desc, v_desc, T: tl.constexpr
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     kv_end = tl.minimum(T, tl.max(qi) + 1)
     full_end = tl.minimum(T, tl.min(qi) + 1) // BLOCK_N * BLOCK_N
-    kv_row0 = kvh * S
     for start_n in range(0, full_end, BLOCK_N):
-        n = start_n + tl.arange(0, BLOCK_N)
-        if TMA:
-            k = k_desc.load([kv_row0 + start_n, 0])
-        else:
-            k = tl.load(k_ptr + (kv_row0 + n)[:, None] * D + d[None, :])
-        qk = tl.dot(q, k.T) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if TMA:
-            v = v_desc.load([kv_row0 + start_n, 0])
-        else:
-            v = tl.load(v_ptr + (kv_row0 + n)[:, None] * D + d[None, :])
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        m_i, l_i, acc = _step(q, k_ptr, v_ptr, k_desc, v_desc, kvh * S, start_n, qi, m_i, l_i,
+                              acc, qk_scale, D, BLOCK_N, TMA, False)
     for start_n in range(full_end, kv_end, BLOCK_N):
-        n = start_n + tl.arange(0, BLOCK_N)
-        if TMA:
-            k = k_desc.load([kv_row0 + start_n, 0])
-        else:
-            k = tl.load(k_ptr + (kv_row0 + n)[:, None] * D + d[None, :])
-        qk = tl.where(n[None, :] <= qi[:, None], tl.dot(q, k.T) * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if TMA:
-            v = v_desc.load([kv_row0 + start_n, 0])
-        else:
-            v = tl.load(v_ptr + (kv_row0 + n)[:, None] * D + d[None, :])
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        m_i, l_i, acc = _step(q, k_ptr, v_ptr, k_desc, v_desc, kvh * S, start_n, qi, m_i, l_i,
+                              acc, qk_scale, D, BLOCK_N, TMA, True)
     out = acc / l_i[:, None]
     tl.store(o_ptr + q_rows[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty))
 
