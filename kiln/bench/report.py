@@ -27,16 +27,21 @@ def to_json(result: Result, settings: dict | None = None) -> dict:
         "device": result.device_name, "torch": torch.__version__,
         "preset": p.preset, "layers": p.shape().layers, "dtype": str(p.dtype).split(".")[-1],
         "quantize": p.quantize, "settings": settings or {},
-        "floors": {"copy_GBps": f.copy_bytes_per_s / 1e9,
-                   "matmul_TFLOPs": f.matmul_flops_per_s / 1e12,
-                   "fp8_matmul_TFLOPs": (f.fp8_matmul_flops_per_s / 1e12
-                                         if f.fp8_matmul_flops_per_s else None)},
+        "floors": {**_rates(f),
+                   # each measurement (the run's start, its end): `floors` is their best
+                   "measured": [_rates(m) for m in result.measured]},
         "compile_s": result.compile_s,
         "rows": [{"key": r.key, "phase": r.phase, "tokens": r.tokens, "batch": r.batch,
                   "quantize": r.quantize, "floor_ms": r.floor_ms, "ms": r.ms,
                   "rel_err": r.rel_err, "host_ms": r.host_ms, "gpu": r.gpu}
                  for r in result.rows],
     }
+
+
+def _rates(f) -> dict:
+    return {"copy_GBps": f.copy_bytes_per_s / 1e9, "matmul_TFLOPs": f.matmul_flops_per_s / 1e12,
+            "fp8_matmul_TFLOPs": (f.fp8_matmul_flops_per_s / 1e12
+                                  if f.fp8_matmul_flops_per_s else None)}
 
 
 # Measured (benchmarks/RESULTS.md, 2026-11-28 fifth session): a 1e-3 change of the 8B's
@@ -54,7 +59,8 @@ def table(data: dict) -> str:
              f"{data['device']}, torch {data['torch']}",
              f"floors: copy {data['floors']['copy_GBps']:.0f} GB/s, matmul "
              f"{data['floors']['matmul_TFLOPs']:.1f} TFLOP/s"
-             + (f", fp8 matmul {fp8_rate:.1f} TFLOP/s" if fp8_rate else ""),
+             + (f", fp8 matmul {fp8_rate:.1f} TFLOP/s" if fp8_rate else "")
+             + _measured(data["floors"].get("measured", [])),
              *(["settings: " + " ".join(f"{k}={v}" for k, v in data["settings"].items())]
                if data.get("settings") else []),
              f"{'row':<18}{'floor':>9}{'eager':>9}{'t.compile':>10}{'kiln':>9}"
@@ -127,6 +133,14 @@ def quantized_ratios(data: dict) -> dict[str, float]:
         if was and now:
             out[r["key"]] = now / was
     return out
+
+
+def _measured(runs: list) -> str:
+    """Where the floors came from, when measured more than once (older JSON: once)."""
+    if len(runs) < 2:
+        return ""
+    copies = " / ".join(f"{m['copy_GBps']:.0f}" for m in runs)
+    return f" (the faster of the start's and the end's: copy {copies} GB/s)"
 
 
 def cell(value: float | None, width: int, fmt: str = ".3f") -> str:

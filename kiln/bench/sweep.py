@@ -54,6 +54,14 @@ class Row:
     quantize: str | None = None  # "fp8": the model with fp8 projections
     host_ms: dict[str, float] = field(default_factory=dict)  # GPUs: a call's enqueue time
     gpu: dict[str, dict] = field(default_factory=dict)  # GPUs: SM clock, power cap (gpu_clock)
+    work: tuple[float, float] = (0.0, 0.0)  # (bytes, flops) the floor is made of
+
+    def floor_from(self, floors: Floors) -> float:
+        """The row's floor at `floors`' rates: its bytes at the copy rate, a prefill's
+        flops at the matmul rate (an fp8 model's at the fp8 rate) if those take longer."""
+        nbytes, flops = self.work
+        return max(floors.bytes_ms(nbytes),
+                   floors.flops_ms(flops, fp8=self.quantize == "fp8") if flops else 0.0)
 
     @property
     def key(self) -> str:
@@ -64,10 +72,11 @@ class Row:
 @dataclass
 class Result:
     plan: Plan
-    floors: Floors
+    floors: Floors  # the faster of the start's and the end's measurements, per rate
     rows: list[Row] = field(default_factory=list)
     compile_s: dict[str, float] = field(default_factory=dict)  # "runner phase bB[ fp8]" -> s
     device_name: str = ""
+    measured: list[Floors] = field(default_factory=list)  # at the start, at the end
 
 
 def run(plan: Plan, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> Result:
@@ -79,13 +88,8 @@ def run(plan: Plan, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> 
                    else "cpu")
     dtype = str(plan.dtype).removeprefix("torch.")
     log(f"kiln bench: {plan.preset} ({s.layers} layers, {dtype}) on {device_name}")
-    floors = measure(plan.device, plan.dtype, small=plan.device != "cuda",
-                     fp8=plan.quantize == "fp8")
-    log(f"  floors: copy {floors.copy_bytes_per_s / 1e9:.0f} GB/s, matmul "
-        f"{floors.matmul_flops_per_s / 1e12:.1f} TFLOP/s"
-        + (f", fp8 {floors.fp8_matmul_flops_per_s / 1e12:.1f}"
-           if floors.fp8_matmul_flops_per_s else ""))
-    result = Result(plan, floors, device_name=device_name)
+    floors = _floors(plan, log, "start")
+    result = Result(plan, floors, device_name=device_name, measured=[floors])
     base = subject.build(s, plan.dtype, plan.device)
     bases = {None: base}
     if plan.quantize == "fp8":
@@ -102,7 +106,23 @@ def run(plan: Plan, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> 
             gc.collect()
             if plan.device == "cuda":
                 torch.cuda.empty_cache()
+    # the floors again, once the runs have warmed the device: each rate the faster
+    end = _floors(plan, log, "end")
+    result.measured.append(end)
+    result.floors = floors.best(end)
+    for row in result.rows:
+        row.floor_ms = row.floor_from(result.floors)
     return result
+
+
+def _floors(plan: Plan, log, when: str) -> Floors:
+    f = measure(plan.device, plan.dtype, small=plan.device != "cuda",
+                fp8=plan.quantize == "fp8")
+    log(f"  floors ({when}): copy {f.copy_bytes_per_s / 1e9:.0f} GB/s, matmul "
+        f"{f.matmul_flops_per_s / 1e12:.1f} TFLOP/s"
+        + (f", fp8 {f.fp8_matmul_flops_per_s / 1e12:.1f}" if f.fp8_matmul_flops_per_s
+           else ""))
+    return f
 
 
 def _batch(result: Result, model, batch: int, names, prefill, contexts, log,
@@ -120,16 +140,15 @@ def _batch(result: Result, model, batch: int, names, prefill, contexts, log,
         if phase == "prefill":
             ids = torch.randint(0, s.vocab, (batch, tokens), generator=gen)
             pos = torch.arange(tokens)
-            floor = max(floors.flops_ms(subject.matmul_flops(s, batch, tokens),
-                                        fp8=quantize == "fp8"),
-                        floors.bytes_ms(subject.weight_bytes(model, batch)))
+            work = (subject.weight_bytes(model, batch), subject.matmul_flops(s, batch, tokens))
         else:
             ids = torch.randint(0, s.vocab, (batch, 1), generator=gen)
             pos = torch.tensor([tokens])
-            floor = floors.bytes_ms(subject.weight_bytes(model, batch)
-                                    + subject.kv_bytes(s, batch, tokens, plan.dtype))
+            work = (subject.weight_bytes(model, batch)
+                    + subject.kv_bytes(s, batch, tokens, plan.dtype), 0.0)
         ids, pos = ids.to(plan.device), pos.to(plan.device)
-        row = Row(phase, tokens, batch, floor, quantize=quantize)
+        row = Row(phase, tokens, batch, 0.0, quantize=quantize, work=work)
+        row.floor_ms = floor = row.floor_from(floors)
         ref = None
         for r in runners:
             with torch.no_grad():
@@ -148,7 +167,7 @@ def _batch(result: Result, model, batch: int, names, prefill, contexts, log,
                         row.host_ms[r.name] = host
         result.rows.append(row)
         log("  " + row.key + ": " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in row.ms.items())
-            + f" (floor {floor:.3f} ms)")
+            + f" (floor {floor:.3f} ms at the start's rates)")
 
 
 def _time(step, ids, pos, plan: Plan) -> float:

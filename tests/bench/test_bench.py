@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from kiln.bench import report, subject
+from kiln.bench.floors import Floors
+from kiln.bench.sweep import Row
 from kiln.cli import main
 
 SMOKE = ["bench", "--device", "cpu", "--preset", "tiny", "--runners", "eager,kiln",
@@ -43,6 +45,29 @@ def test_smoke_run_measures_every_row_and_matches_eager(smoke):
                                      "KILN_DECOMPOSE", "KILN_PDL", "KILN_FP8_GEMV_PACKED",
                                      "KILN_FP8_GEMM_TMA"}
     assert all(data["settings"].values()) and "settings: KILN_TUNE=" in text
+
+
+def test_floors_are_the_faster_of_the_start_and_the_end(smoke):
+    _, data = smoke
+    start, end = data["floors"]["measured"]
+    assert data["floors"]["copy_GBps"] == max(start["copy_GBps"], end["copy_GBps"])
+    assert data["floors"]["matmul_TFLOPs"] == max(start["matmul_TFLOPs"], end["matmul_TFLOPs"])
+    assert "the faster of the start's and the end's" in (smoke[0] / "bench.txt").read_text()
+
+
+def test_a_row_floor_follows_the_faster_rates():
+    slow = Floors(copy_bytes_per_s=1e9, matmul_flops_per_s=1e12)
+    fast = Floors(copy_bytes_per_s=2e9, matmul_flops_per_s=4e11, fp8_matmul_flops_per_s=8e12)
+    best = slow.best(fast)
+    assert (best.copy_bytes_per_s, best.matmul_flops_per_s, best.fp8_matmul_flops_per_s) == (
+        2e9, 1e12, 8e12)
+    decode = Row("decode", 20, 1, 0.0, work=(4e6, 0.0))
+    assert decode.floor_from(slow) == pytest.approx(4.0) and decode.floor_from(best) == 2.0
+    # a prefill's floor is its flops or its bytes, whichever takes longer; fp8 at its rate
+    prefill = Row("prefill", 12, 1, 0.0, work=(1e6, 4e10))
+    assert prefill.floor_from(best) == pytest.approx(40.0)
+    fp8 = Row("prefill", 12, 1, 0.0, quantize="fp8", work=(1e6, 4e10))
+    assert fp8.floor_from(best) == pytest.approx(5.0)
 
 
 def test_check_passes_itself_and_fails_a_faster_baseline(smoke, tmp_path, capsys):
