@@ -31,6 +31,7 @@ from kiln.codegen.autotune.tuner import start_workers, workers_released_on_failu
 from kiln.codegen.select_kernels import select_kernels
 from kiln.compiled_module import CompiledModule
 from kiln.dispatch.example_sizes import bind_example_sizes
+from kiln.dispatch.fold_cache_writes import fold_cache_writes
 from kiln.dispatch.fold_delta_state import fold_delta_state
 from kiln.dispatch.fold_delta_step import fold_delta_step
 from kiln.dispatch.fold_fp8_prologue import fold_fp8_prologue
@@ -76,7 +77,8 @@ def build_pipeline(dump_dir: str | None = None) -> PassManager:
                                group_siblings, group_fp8_siblings, fold_fp8_prologue,
                                mask_envelope,
                                split_attention_prologues, reinplace, fold_delta_state,
-                               group_cache_writes, recompute_cheap, bind_example_sizes]),
+                               group_cache_writes, fold_cache_writes, recompute_cheap,
+                               bind_example_sizes]),
             Stage("codegen", [select_kernels]),
             Stage("schedule", [schedule]),
         ],

@@ -36,6 +36,7 @@ from kiln.codegen.templates.matmul import grouped as matmul
 from kiln.codegen.templates.moe import template as moe
 from kiln.codegen.templates.reduction import row_kernel as reduction
 from kiln.codegen.torch_kernel import TorchKernel
+from kiln.dispatch.fold_cache_writes import unfold_cache_writes
 from kiln.dispatch.group_siblings import products
 from kiln.dispatch.split import (
     epilogue_outputs,
@@ -122,6 +123,11 @@ def spec_for(region: Region, plan: DispatchPlan, target: Target) -> KernelSpec |
                                      f"the grouped GEMV declines its epilogue: {e}")
             else:
                 split_siblings(plan, region, f"the grouped GEMV declines: {e}")
+            return spec_for(region, plan, target)
+        if region.kind == RegionKind.ATTENTION and unfold_cache_writes(
+                plan, region, f"the template declines: {e}"):
+            # cache writes folded in (dispatch/fold_cache_writes): back to their copy
+            # region before the attention (select_kernels' loop reaches it)
             return spec_for(region, plan, target)
         if region.kind == RegionKind.ATTENTION and _reduces(region):
             # a query norm's sum folded in (dispatch/fold_query_norm): the query's

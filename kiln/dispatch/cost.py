@@ -108,8 +108,9 @@ def _bytes_read(region: Region, plan: DispatchPlan, shapes: _Shapes) -> Dim:
     for name in region.inputs:
         v = plan.values[name]
         used = uses.get(name, [])
-        if used and all(op.name in inplace_ops and pos == 0 for op, pos in used):
-            continue  # only written in place: the destination is not read
+        if used and all(op.name in inplace_ops and pos == 0 and not uses.get(op.name)
+                        for op, pos in used):
+            continue  # only written in place, not read back: the destination is not read
         if used and all(category(op.target) == OpCategory.GATHER and pos == _GATHER_TABLE_ARG
                         for op, pos in used):
             total += sum(numel(op.shape) for op, _ in used) * v.itemsize

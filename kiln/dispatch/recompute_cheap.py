@@ -14,7 +14,9 @@ HF- and gpt-fast-style models; an H200 step measured no faster, only fewer launc
 gather's round trip moves into its readers), is copied into each of them instead and
 goes. Not when
 the output leaves the program, or when an input is a state some region writes in place
-(a later reader would see the new state). Only targets that generate kernels.
+(a later reader would see the new state). One reader is enough where it took over
+another's work (a decode attention with its cache write folded in). Only targets that
+generate kernels.
 """
 
 from __future__ import annotations
@@ -55,6 +57,12 @@ def _reads_per_element(region: Region, plan: DispatchPlan) -> bool:
         region.kind == RegionKind.EXTERN and region.anchor().target == DELTA_OP)
 
 
+def _took_over_a_reader(users: list[Region]) -> bool:
+    """One reader that took over another reader's work (a decode attention with the
+    cache write folded in, dispatch/fold_cache_writes.py): it was read twice."""
+    return len(users) == 1 and users[0].folded_writes is not None
+
+
 def _cheap(region: Region) -> bool:
     """A pointwise region of one output whose every op is a view, a create, a gather or
     cheap (a gather alone, uncast, is a copy region)."""
@@ -82,7 +90,8 @@ def recompute_cheap_values(plan: DispatchPlan) -> int:
         size = numel(plan.values[out].shape)
         users = readers.get(out, [])
         if (out in returned or not isinstance(size, int) or size > MAX_ELEMENTS
-                or len(users) < 2 or set(region.inputs) & written
+                or len(users) < 2 and not _took_over_a_reader(users)
+                or set(region.inputs) & written
                 or any(not _reads_per_element(u, plan) or u.device != region.device
                        for u in users)):
             continue

@@ -107,6 +107,9 @@ class Region:
     # the key loop stays inside them. No count (None) for a mask whose form passes each
     # row a prefix of the keys, unchanged (dispatch/prefix_mask.py): plain in every tile
     key_bounds: tuple[str, str, str | None] | None = None
+    # attention: the name of the copy region whose cache writes it took over (dispatch/
+    # fold_cache_writes.py), put back apart if its template declines them; not saved
+    folded_writes: str | None = None
 
     def key_bound_values(self) -> list[str]:
         """The plan values key_bounds names (the count absent for a prefix mask)."""

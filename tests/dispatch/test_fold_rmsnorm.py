@@ -142,10 +142,11 @@ def test_decode_subject_has_no_norm_region_left():
     assert all(r.label == "rmsnorm" for r in _reductions(cpu))
     folded = _folded(plan)
     assert len(folded) == 2 * s.layers + 1 and all(r.kind == RegionKind.MATMUL for r in folded)
-    # and each layer's K and V cache writes share one region (dispatch/group_cache_writes);
-    # the mask row and the two rotary tables read at the position are recomputed where
-    # they are read (dispatch/recompute_cheap)
-    assert len(plan.regions) == len(cpu.regions) - (2 * s.layers + 1) + 1 - s.layers - 3
+    # and each layer's K and V cache writes share one region (dispatch/group_cache_writes),
+    # which goes into the layer's attention (dispatch/fold_cache_writes); the mask row and
+    # the two rotary tables read at the position are recomputed where they are read
+    # (dispatch/recompute_cheap)
+    assert len(plan.regions) == len(cpu.regions) - (2 * s.layers + 1) + 1 - 2 * s.layers - 3
     for r in folded:  # each holds the norm's one mean beside its product
         assert [category(o.target) for o in r.ops].count(OpCategory.REDUCTION) == 1
 

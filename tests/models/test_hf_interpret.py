@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kiln.models
+from kiln.ir.plan import RegionKind
 from tests.helpers import rel_err
 from tests.models.support import make_checkpoint, run_batched
 
@@ -28,6 +29,11 @@ def test_every_region_runs_a_generated_kernel(interpreted):
         kernels = module.program.kplan.kernels
         kinds = {name: k.kind for name, k in kernels.items()}
         assert kinds and set(kinds.values()) == {"triton"}, kinds
+    # the decode step's cache writes run in its attention (dispatch/fold_cache_writes):
+    # the batch's rows at their own positions (prompts of 5 and 11 below)
+    (attention,) = [r for r in llm.decode_module.program.plan.regions
+                    if r.kind == RegionKind.ATTENTION]
+    assert len(attention.outputs) == 3 and len(attention.inplace) == 2
 
 
 def test_batched_prefill_and_decode_match_transformers(interpreted):

@@ -78,13 +78,17 @@ __all__ = ["TL", "CodegenUnsupported", "Cond", "Emitter", "KernelArgs", "Mask", 
 
 class Emitter:
     def __init__(self, region: Region, plan: DispatchPlan, args: KernelArgs, target: Target,
-                 overrides: dict | None = None, prefix: str = "t"):
+                 overrides: dict | None = None, prefix: str = "t",
+                 written_first: tuple[str, ...] = ()):
         self.region = region
         self.plan = plan
         self.args = args
         self.target = target
         self.ops = {o.name: o for o in region.ops}
         self.overrides = dict(overrides or {})
+        # in-place scatters whose kernel stores every element it reads before reading it
+        # (a decode attention's folded cache writes): read from their state's memory
+        self.written_first = frozenset(written_first)
         self.prefix = prefix
         self.lines: list[str] = []
         self.helpers: set[str] = set()  # names of jit helper functions the code calls
@@ -173,6 +177,8 @@ class Emitter:
                 raise CodegenUnsupported(f"%{name} is not available at index {index}")
             if isinstance(v, str):
                 v = Val(v, self.dtype(name), frozenset().union(*(i.var_names() for i in index)))
+        elif name in self.written_first:
+            v = self.load(name, index, mask)
         elif name in self.ops:
             v = self._op(self.ops[name], index, mask)
         elif name in self.region.inputs:
@@ -198,7 +204,8 @@ class Emitter:
         raise CodegenUnsupported(f"argument {arg!r} of {op.target} is not a tensor or number")
 
     def load(self, name: str, index: Index, mask: Mask | None) -> Val:
-        """Load region input `name` (contiguous row-major) at `index`."""
+        """Load region input `name` (or a `written_first` output: its state's memory),
+        contiguous row-major, at `index`."""
         shape = self.shape(name)
         dtype = self.dtype(name)
         off = linearize(index, shape)

@@ -60,9 +60,9 @@ def scatter_spec(region: Region, plan: DispatchPlan, target: Target, *ops: Op) -
     each stored at its own destination)."""
     args = KernelArgs()
     em = Emitter(region, plan, args, target)
-    update = _update_shape(em, ops[0])
+    update = update_shape(em, ops[0])
     for other in ops[1:]:
-        shape = _update_shape(em, other)
+        shape = update_shape(em, other)
         if len(shape) != len(update) or not all(map(same_dim, shape, update)):
             raise CodegenUnsupported(f"scatters of other update shapes ({update}, {shape})")
     n = numel(update)
@@ -71,7 +71,7 @@ def scatter_spec(region: Region, plan: DispatchPlan, target: Target, *ops: Op) -
     mask = mask_of(xmask)
     u = delinearize(Var("xindex", n), update)
     for op in ops:
-        dest, value, accumulate = _destination(em, op, u, update, mask)
+        dest, value, accumulate = destination(em, op, u, update, mask)
         out = op.name
         dtype = plan.values[out].dtype
         if accumulate:
@@ -129,7 +129,7 @@ def _input_behind_views(region: Region, ref) -> str | None:
     return ref.name if isinstance(ref, Ref) and ref.name in region.inputs else None
 
 
-def _update_shape(em: Emitter, op: Op) -> tuple:
+def update_shape(em: Emitter, op: Op) -> tuple:
     """The shape of the elements the scatter writes (what the kernel walks)."""
     t = op.target
     a = op.args
@@ -145,7 +145,7 @@ def _update_shape(em: Emitter, op: Op) -> tuple:
     raise CodegenUnsupported(f"{t} is not generated")
 
 
-def _destination(em: Emitter, op: Op, u, update, mask):
+def destination(em: Emitter, op: Op, u, update, mask):
     """(destination index, value written, accumulate?) for update element `u`."""
     t = op.target
     a = op.args

@@ -44,6 +44,9 @@ When the tiles are too few to fill the GPU (decode: one tile per KV head), the k
 split across programs (kiln.codegen.templates.split_k): each keeps its unnormalised
 output with its running max and sum, and the last program of a tile merges them by their
 maxima.
+A decode step's K/V cache writes folded in (kiln.dispatch.fold_cache_writes) are stored
+by the program whose key range holds the written position, before its key loop reads
+the caches' memory (`_cache_writes`): one launch fewer a layer.
 """
 
 from __future__ import annotations
@@ -58,9 +61,11 @@ from kiln.codegen.expr.emit import Emitter, kernel_name, module_source
 from kiln.codegen.expr.indexing import Lin, Var, floordiv, modidx
 from kiln.codegen.expr.kernel_args import SymbolicArgs
 from kiln.codegen.expr.values import CodegenUnsupported, Cond, Val, mask_of
+from kiln.codegen.expr.views import is_view, source_index
 from kiln.codegen.templates import load_order
 from kiln.codegen.templates import split_k as split
 from kiln.codegen.templates.attention.repeated_heads import repeated_heads
+from kiln.codegen.templates.copy import destination, update_shape
 from kiln.codegen.templates.matmul.configs import can_split
 from kiln.codegen.templates.matmul.template import dot_operand
 from kiln.codegen.templates.op_operands import operand_shape as _shape
@@ -130,8 +135,11 @@ def sdpa_arguments(op) -> dict:
 def analyse(region: Region, plan: DispatchPlan) -> AttentionShape:
     """The region's attention; raises CodegenUnsupported (why) if the template cannot run it."""
     anchor = region.anchor()
-    if anchor.target not in SDPA_FORMS or region.outputs != [anchor.name]:
-        raise CodegenUnsupported("the region's outputs are not its SDPA op alone")
+    writes = [o.name for o in region.ops if category(o.target) == OpCategory.SCATTER]
+    if anchor.target not in SDPA_FORMS or region.outputs != [anchor.name, *writes] \
+            or any(w not in region.inplace for w in writes):
+        raise CodegenUnsupported("the region's outputs are not its SDPA op alone (and the "
+                                 "cache writes folded into it)")
     a = sdpa_arguments(anchor)
     refs = [a["query"], a["key"], a["value"]]
     if a["dropout_p"] not in (0, 0.0):
@@ -287,7 +295,11 @@ class _AttentionSource:
         self.p = SymbolicArgs(plan.symbols)
         sums = {o.name: self._row_sum_at(o) for o in region.ops
                 if category(o.target) == OpCategory.REDUCTION}
-        self.em = Emitter(region, plan, self.p, target, overrides=sums)
+        # the step's cache writes (dispatch/fold_cache_writes.py): stored before the key
+        # loop reads them (`_cache_writes`), so K and V read the caches' memory
+        self.writes = [o for o in region.ops if category(o.target) == OpCategory.SCATTER]
+        self.em = Emitter(region, plan, self.p, target, overrides=sums,
+                          written_first=tuple(o.name for o in self.writes))
         self._q_lanes = None  # the query tile's row and head-dim conditions (`_body`)
         self.name = kernel_name("attention", region)
         self.loop_loads = 0  # the most [BLOCK_N, D] tiles a key step loads
@@ -431,6 +443,8 @@ class _AttentionSource:
         out = self.region.outputs[0]
         o = self.out_ptr = p.tensor(out, s.dtype, self.plan.values[out].shape, output=True,
                                     name="out_ptr")
+        for w in self.writes:  # written, then read: an output of the kernel
+            p.tensor(w.name, w.dtype, self.plan.values[w.name].shape, output=True)
         # causal, or a mask with an envelope (a causal mask read from a buffer, whose
         # row spans grow with the row): the longest row blocks (the last) start first,
         # so they do not trail
@@ -461,7 +475,8 @@ class _AttentionSource:
         q_lines, q = self._load(s.q, self._index(s.q, "q", head, qpos, Lin(), Lin.of(Var("dq", d))),
                                 mask_of(rows_c, dq_c), tile=f"[BLOCK_M, {dp}]", pad=dq_c)
         self._q_lanes = None  # a folded head-dim sum is the query's alone
-        L += q_lines + [
+        row_lines, stores = self._cache_writes()
+        L += q_lines + row_lines + [
             f"q = {q}",
             *self._score_scale(),
             'm_i = tl.full([BLOCK_M], float("-inf"), tl.float32)',
@@ -505,6 +520,7 @@ class _AttentionSource:
               *["    " + x for x in split.program_range("kv_end", "BLOCK_N", kv_start,
                                                       self._splits)],
               "mid = tl.minimum(hi, tl.maximum(lo, full_end))"]
+        L += [line.replace("{kv_start}", kv_start) for line in stores]
         if s.key_bounds is None:
             L += [*_loop("lo", "mid", loops[0]), *_loop("mid", "hi", loops[1])]
         elif always_plain:  # every tile plain: the edges compared with the rows' bounds
@@ -536,6 +552,70 @@ class _AttentionSource:
             f"tl.store({o} + ooff, {out_code}, mask=row_ok2 & (dv2 < {dv}))",
         ]
         return L
+
+    def _cache_writes(self) -> tuple[list[str], list[str]]:
+        """The folded cache writes (dispatch/fold_cache_writes.py): lines computing the
+        tile's new key and value rows (in the prologue: their loads go out with q's),
+        and lines storing them (after the split's key range is known, templates
+        "{kv_start}" filled in). The program whose keys hold the written position
+        stores the row and then reads it; no other program reads that row. A row no
+        program reads (past the tile's keys) is stored by the tile's first split."""
+        if not self.writes:
+            return [], []
+        s = self.s
+        rows_hi = bounds_of(s.group * s.tq, self.plan.symbols).hi
+        if rows_hi is None or rows_hi > 16 or not same_dim(s.tq, 1):
+            raise CodegenUnsupported("cache writes folded into a prompt's attention")
+        kvh = Lin.of(Var("kvh", s.kv_heads, block=False)) * s.kv_repeat
+        reads = {}
+        for name, role, key, lane, size in ((s.k, "k", "nk", "dq", s.head_dim),
+                                            (s.v, "v", "nv", "dv2", s.value_dim)):
+            index = self._index(name, role, kvh, Lin(), Lin.of(Var(key, s.s)),
+                                Lin.of(Var(lane, size)))
+            src, index = self._behind_views(name, index)
+            reads[src] = (index, key, lane, size)
+        rows, stores = [], []
+        for n, op in enumerate(self.writes):
+            if op.name not in reads:
+                raise CodegenUnsupported(f"a folded cache write (%{op.name}) the attention "
+                                         "reads as neither its keys nor its values")
+            index, key, lane, size = reads[op.name]
+            at = [i for i, x in enumerate(index) if key in Lin.of(x).var_names()]
+            if len(at) != 1 or not Lin.of(index[at[0]]).equals(Lin.of(Var(key, s.s))):
+                raise CodegenUnsupported(f"a cache write (%{op.name}) along another dim than "
+                                         "the attention's keys")
+            axis = at[0]
+            update = update_shape(self.em, op)
+            if not same_dim(update[axis], 1):
+                raise CodegenUnsupported(f"a cache write (%{op.name}) of several rows")
+            u = tuple(Lin() if i == axis else Lin.of(x) for i, x in enumerate(index))
+            lanes = Cond(f"{lane} < {size}", frozenset({lane})) \
+                if size != _pow2(size) else None
+            with self.em.block() as lines:
+                dest, value, accumulate = destination(self.em, op, u, update, mask_of(lanes))
+            if accumulate or any(not Lin.of(d).equals(x) for i, (d, x) in
+                                 enumerate(zip(dest, u)) if i != axis) \
+                    or Lin.of(dest[axis]).var_names() & {lane}:
+                raise CodegenUnsupported(f"a cache write (%{op.name}) whose rows are not the "
+                                         "tile's own")
+            rows += lines + [f"wpos{n} = {self.em.code(dest[axis])}"]
+            with self.em.block() as lines:
+                self.em.store(op.name, dest, value, mask_of(lanes, Cond(f"writer{n}")),
+                              span=(lane,))
+            stores += [
+                # the split reading the row, or (no split reads it) the first
+                f"writer{n} = ((wpos{n} >= lo) & (wpos{n} < hi)) | ((pid_s == 0) & "
+                f"((wpos{n} < {{kv_start}}) | (wpos{n} >= kv_end)))",
+                *lines]
+        return rows, stores + ["tl.debug_barrier()  # the row stored before any load of it"]
+
+    def _behind_views(self, name: str, index):
+        """(value, index): operand `name` at `index`, seen back through its views."""
+        ops = {o.name: o for o in self.region.ops}
+        while name in ops and is_view(ops[name], ops):
+            name, index = source_index(ops[name], index,
+                                       lambda n: _shape(self.region, self.plan, n), ops)
+        return name, index
 
     def _score_scale(self) -> list[str]:
         """The scores' factor into base 2; with a softcap, the factor of the tanh's
