@@ -174,9 +174,9 @@ class WriteThenAttend(torch.nn.Module):
         self.register_buffer("k", torch.randn(1, 2, slots, hd))
         self.register_buffer("v", torch.randn(1, 2, slots, hd))
 
-    def forward(self, q, kn, vn, pos):
-        self.k.index_copy_(2, pos, kn)
-        self.v.index_copy_(2, pos, vn)
+    def forward(self, q, kn, vn, pos):  # rows computed in the step, as a model's are
+        self.k.index_copy_(2, pos, kn * 2)
+        self.v.index_copy_(2, pos, vn + 1)
         mask = (torch.arange(self.k.shape[2], device=q.device) <= pos)[None, :]
         return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask,
                                               enable_gqa=True)
@@ -207,6 +207,6 @@ def test_on_the_gpu_the_program_reading_the_row_reads_what_it_wrote(dtype):
         got = exe(*(x.to(dtype) if x.is_floating_point() else x for x in a))
         want = ref(*a)
         assert rel_err(got.float(), want) < 2e-2, pos
-        assert rel_err(got.float(), a[2].repeat_interleave(2, dim=1)) < 5e-2, pos
+        assert rel_err(got.float(), a[2].repeat_interleave(2, dim=1) + 1) < 5e-2, pos
     assert rel_err(exe.state["k"].float(), ref.k) < 1e-2
     assert rel_err(exe.state["v"].float(), ref.v) < 1e-2
