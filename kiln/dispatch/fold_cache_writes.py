@@ -62,14 +62,16 @@ def one_row_writes(region: Region) -> list | None:
 
 def _one_position(values_shape, op, a) -> bool:
     """Does the scatter write one position a row: index_copy's source one long on its
-    dim, an index_put's values of some size-1 dim before the last (kiln's own cache
-    `cache[rows, input_pos] = k` at decode: [B, 1, KV, D]; the template checks that dim
-    is the attention's keys)."""
+    dim; an index_put's values of a size-1 dim before the last, or of fewer dims than
+    the cache (kiln's own cache `cache[rows, input_pos] = k` at decode: [B, 1, KV, D],
+    or [KV, D] broadcast at a batch of 1). The template checks the written rows lie
+    along the attention's keys."""
     if values_shape is None:
         return False
     if op.target == "aten.index_copy.default":
         return values_shape[norm_axis(a["dim"], len(op.shape))] == 1
-    return any(d == 1 for d in values_shape[:-1])
+    # values broadcast over the indexed rows (a batch of 1: [KV, D] into [1, 1, KV, D])
+    return len(values_shape) < len(op.shape) or any(d == 1 for d in values_shape[:-1])
 
 
 def fold_cache_writes_of(plan: DispatchPlan) -> int:

@@ -210,3 +210,24 @@ def test_on_the_gpu_the_program_reading_the_row_reads_what_it_wrote(dtype):
         assert rel_err(got.float(), a[2].repeat_interleave(2, dim=1) + 1) < 5e-2, pos
     assert rel_err(exe.state["k"].float(), ref.k) < 1e-2
     assert rel_err(exe.state["v"].float(), ref.v) < 1e-2
+
+
+def test_kiln_llama_at_one_row_folds_its_writes_and_matches_transformers(tmp_path):
+    """kiln.models' contiguous cache at max batch 1 writes `cache[rows, pos] = k` with
+    values broadcast over the indexed rows ([KV, D]): folded too, against transformers
+    over a prompt and decode steps (the interpret target: generated kernels)."""
+    pytest.importorskip("transformers")
+    import kiln.models
+    from tests.models.support import make_checkpoint, run_alone
+
+    hf_model = make_checkpoint(tmp_path / "llama3.1", "llama3.1", num_hidden_layers=1)
+    llm = kiln.models.load(tmp_path / "llama3.1", target="interpret", dtype=torch.float32)
+    (attention,) = [r for r in llm.decode_module.program.plan.regions
+                    if r.kind == RegionKind.ATTENTION]
+    assert len(attention.outputs) == 3 and len(attention.inplace) == 2
+    vocab = llm.cfg.vocab_size
+    prompt, steps = torch.randint(3, vocab, (6,)), torch.randint(3, vocab, (3,))
+    ours = run_alone(llm, prompt, steps)
+    with torch.no_grad():
+        ref = hf_model(torch.cat([prompt, steps])[None]).logits[0, len(prompt) - 1:]
+    assert rel_err(ours, ref) <= 1e-4
