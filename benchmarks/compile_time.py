@@ -76,7 +76,7 @@ def alias_weights(llm) -> None:
     from kiln.ir.plan import Role
 
     by_shape: dict = {}
-    for module in (llm.prefill_module, llm.decode_module):
+    for module in llm.modules():
         states = {v.target for v in module.plan.values.values()
                   if v.role == Role.STATE and v.target is not None}
         for name, t in module.state.items():
@@ -143,15 +143,17 @@ def step(args) -> dict:
         return {"load_s": total, "weights_s": weights, "load_without_weights_s":
                 total - weights, "phases": timings}
     llm, wall = build_llm(args)
-    compile_timings = [llm.prefill_module.compile_timings, llm.decode_module.compile_timings]
+    # prefill, decode and (batching a 16-bit model) one row's decode: generate.py
+    compile_timings = [m.compile_timings for m in llm.modules()]
     modules = sum(sum(top_level(t).values()) for t in compile_timings)
     out = {"compile_s": llm.compile_s, "llm_s": wall, "modules_s": modules,
            "cpu_s": llm.bench_cpu_s,
            "ready_s": llm.load_s if llm.runnable else 0.0,
-           "regions": len(llm.prefill_module.plan.regions)
-           + len(llm.decode_module.plan.regions),
+           "regions": sum(len(m.plan.regions) for m in llm.modules()),
            "phases": phases_of(compile_timings),
            "prefill_phases": compile_timings[0], "decode_phases": compile_timings[1]}
+    if len(compile_timings) > 2:
+        out["decode_one_phases"] = compile_timings[2]
     out["phases"]["LLM other (cache set-up, examples)"] = llm.compile_s - modules
     if llm.runnable:
         out["phases"]["CUDA graphs + warm prefill"] = llm.load_s

@@ -99,7 +99,7 @@ def run(args) -> None:
               parallel={"tp": tp, "pp": pp} if world > 1 else None,
               read_weights=random_reader(model))
     compile_s = time.perf_counter() - t0
-    held = {n: t for m in (llm.prefill_module, llm.decode_module) for n, t in m.state.items()}
+    held = {n: t for m in llm.modules() for n, t in m.state.items()}
     params = dict(model.named_parameters(remove_duplicate=False))
     weight_bytes = sum(t.numel() * t.element_size() for n, t in held.items()
                        if n in params and "embed_tokens" not in n)

@@ -8,9 +8,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kiln.errors import TargetError
 
 KiB = 1024
+
+# Rows up to which kiln's matmul kernels take their GEMV form (the matmul template and
+# dispatch's folds agree through this, and kiln.models compiles a one-row decode module
+# where its batch bound passes it). fp32 products run on FMA units in either form, and
+# the GEMV multiplies no padding rows. fp16/bf16 tiles run on tensor cores: the GEMV's
+# per-row CUDA-core products and cross-lane sums cost more than a padded 16-row tile
+# from two rows on (H200, an 8B decode step at batch 4: 6.03 ms as GEMVs, 4.64 ms tiled
+# with the norms unfolded; at batch 1 the GEMV wins, 4.34 ms).
+GEMV_MAX_M = 8
+HALF_GEMV_MAX_M = 1
+
+
+def gemv_max_rows(dtype: torch.dtype) -> int:
+    """Rows up to which a product in `dtype` takes the GEMV form."""
+    return GEMV_MAX_M if dtype == torch.float32 else HALF_GEMV_MAX_M
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from kiln.dispatch.layernorm_prologue import (
     LAYER_NORM_MAX_K,
     LayerNormRows,
@@ -41,26 +39,13 @@ from kiln.ir.ops import IDENTITY_OPS, OpCategory, category
 from kiln.ir.plan import DispatchPlan, Region, RegionKind
 from kiln.ir.symbolic import bounds_of, numel, same_dim
 from kiln.pipeline import as_pass
+from kiln.target import gemv_max_rows
 
 log = logging.getLogger("kiln.dispatch")
 
-# Rows up to which the matmul template takes its GEMV form (it imports gemv_max_rows:
-# the fold and the template must agree on which products fold). fp32 products run
-# on FMA units in either form, and the GEMV multiplies no padding rows. fp16/bf16
-# tiles run on tensor cores: the GEMV's per-row CUDA-core products and cross-lane
-# sums cost more than a padded 16-row tile from two rows on (H200, an 8B decode step
-# at batch 4: 6.03 ms as GEMVs, 4.64 ms tiled with the norms unfolded; at batch 1 the
-# GEMV wins, 4.34 ms).
-GEMV_MAX_M = 8
-HALF_GEMV_MAX_M = 1
 # tokens the fp8 linear takes its CUDA-core GEMV form for (codegen/.../fp8_matmul/gemv.py):
 # the fold below and group_fp8_siblings read it
 FP8_GEMV_MAX_M = 1
-
-
-def gemv_max_rows(dtype: torch.dtype) -> int:
-    """Rows up to which a product in `dtype` takes the GEMV form."""
-    return GEMV_MAX_M if dtype == torch.float32 else HALF_GEMV_MAX_M
 _LEFT = {"aten.mm.default": 0, "aten.addmm.default": 1}  # the left operand's position
 FP8_LINEAR = "kiln.fp8_linear.default"
 _INLINE = {OpCategory.POINTWISE, OpCategory.VIEW, OpCategory.CREATE, OpCategory.TUPLE}

@@ -5,6 +5,14 @@
     prefill(tokens [B, T], input_pos [B, T] (, block_table [B, W]))  B <= max_batch, T dynamic
     decode (tokens [B, 1], input_pos [B, 1] (, block_table [B, W]))  B <= max_batch
 
+and, where batching would cost a lone sequence its fast kernels, a third time: a decode
+module for one row (`decode_one`). A 16-bit product of several rows runs kiln's tiled
+tensor-core form, and a decode module bounded at 4 rows runs it at every batch, its
+norms unfolded (kiln.target.gemv_max_rows): the 8B's step at one row
+replayed in 5.03 ms with max_batch_size 4 against ~4.0 ms as GEMVs (H200,
+benchmarks/RESULTS.md, thirty-eighth session). One row then runs `decode_one`, compiled
+for exactly one (GEMVs, norms folded, q/k/v grouped); more run `decode`.
+
 (block_table only with the paged cache; W, its width, is dynamic too.) A batch of
 prompts of different lengths is prefilled right-padded: a pad sits after its row's
 last real token, so no real token attends to it, and decode overwrites it later
@@ -44,7 +52,7 @@ from kiln.models.kv_cache import BlockAllocator, PagedLayout
 from kiln.models.llama import Llama
 from kiln.models.saved_llm import read_saved_llm, save_llm
 from kiln.progress import phase
-from kiln.target import get_target
+from kiln.target import gemv_max_rows, get_target
 
 
 @dataclass
@@ -113,6 +121,8 @@ class LLM:
         t0 = time.perf_counter()
         self.prefill_module = self._compile(seq_len=None)
         self.decode_module = self._compile(seq_len=1)
+        self.decode_one = (self._compile(seq_len=1, max_batch_size=1)
+                           if self._one_row_apart() else None)
         if read_weights is not None:
             self._materialize(read_weights)
         self.compile_s = time.perf_counter() - t0
@@ -133,6 +143,7 @@ class LLM:
                     saved.needs_seq_lens, saved.name, path)
         self.dtype, self.cache_layout = saved.dtype, saved.cache_layout
         self.prefill_module, self.decode_module = saved.prefill, saved.decode
+        self.decode_one = saved.decode_one
         self.compile_s = 0.0
         self._start(saved.cuda_graphs if cuda_graphs is None else cuda_graphs, False, t0)
         return self
@@ -171,6 +182,8 @@ class LLM:
             if self.cuda_graphs:
                 with phase("cuda_graphs"):
                     self.decode_module.cuda_graphs(max_graphs=len(self.buckets))
+                    if self.decode_one is not None:
+                        self.decode_one.cuda_graphs(max_graphs=1)
                     self._capture_buckets()
             with phase("warm_prefill"):
                 self._warm_prefill()
@@ -181,7 +194,7 @@ class LLM:
         rank's slices (or whole replicated weights) read once, shared by both. Buffers
         the checkpoint gives (DeepSeek-V3's router correction, its W_UK / W_UV) are read
         so too; the others are computed (RoPE tables) or start as zeros (KV caches)."""
-        modules = (self.prefill_module, self.decode_module)
+        modules = self.modules()
         self.model.init_rope(self.device)  # tables computed, not read
         params = dict(self.model.named_parameters(remove_duplicate=False))  # tied too
         own_buffers = dict(self.model.named_buffers())
@@ -223,15 +236,28 @@ class LLM:
     def max_seq_len(self) -> int:
         return self.cfg.max_seq_len
 
-    def _compile(self, seq_len: int | None):
+    def modules(self) -> tuple:
+        """The compiled modules: prefill, decode, and decode_one where there is one."""
+        return (self.prefill_module, self.decode_module) + (
+            (self.decode_one,) if self.decode_one is not None else ())
+
+    def _one_row_apart(self) -> bool:
+        """Whether one row gets a decode module of its own: where kiln generates the
+        kernels (a Triton target) and the batch bound would take the products past
+        their GEMV form; not for a multi-device plan."""
+        return (self.target.uses_triton and not self.parallel
+                and self.max_batch_size > gemv_max_rows(self.dtype))
+
+    def _compile(self, seq_len: int | None, max_batch_size: int | None = None):
         """Compile for T = seq_len (decode), or for a dynamic T in [1, max_seq_len] with
-        logits at L dynamic positions per row (prefill: L = 1, the last prompt token)."""
+        logits at L dynamic positions per row (prefill: L = 1, the last prompt token);
+        for batches up to max_batch_size (default the LLM's)."""
         # a model still on the meta device (its weights are read after compiling) is
         # exported with meta examples: one device for every tensor export sees
         meta = self.model.lm_head.weight.device.type == "meta"
         dev = torch.device("meta") if meta else self.device
-        args, shapes = generation_inputs(self.model, self.max_batch_size, seq_len, dev,
-                                         self.paged)
+        args, shapes = generation_inputs(self.model, max_batch_size or self.max_batch_size,
+                                         seq_len, dev, self.paged)
         return kiln.compile(self.model, (), kwargs=args, dynamic_shapes=shapes,
                             target=self.target, options=self.compile_options,
                             parallel=self.parallel)
@@ -284,6 +310,8 @@ class LLM:
         if self.paged:
             args["block_table"] = block_table
         module = self.decode_module
+        if T == 1 and B == 1 and self.decode_one is not None:
+            module = self.decode_one
         if T > 1:
             module = self.prefill_module
             if logits_at is None:

@@ -8,11 +8,11 @@ import torch.nn.functional as F
 import kiln
 from kiln.bench import subject
 from kiln.dispatch import split
-from kiln.dispatch.fold_rmsnorm import GEMV_MAX_M
 from kiln.dispatch.group_cache_writes import group_cache_writes_of
 from kiln.ir.ops import OpCategory, category
 from kiln.ir.plan import RegionKind
 from kiln.ir.verify import verify_plan
+from kiln.target import GEMV_MAX_M
 
 SM90 = "cuda:sm_90"
 
