@@ -143,7 +143,7 @@ def step(args) -> dict:
         return {"load_s": total, "weights_s": weights, "load_without_weights_s":
                 total - weights, "phases": timings}
     llm, wall = build_llm(args)
-    # prefill, decode and (batching a 16-bit model) one row's decode: generate.py
+    # prefill and decode (its narrow version's phases under "narrow/")
     compile_timings = [m.compile_timings for m in llm.modules()]
     modules = sum(sum(top_level(t).values()) for t in compile_timings)
     out = {"compile_s": llm.compile_s, "llm_s": wall, "modules_s": modules,
@@ -152,8 +152,6 @@ def step(args) -> dict:
            "regions": sum(len(m.plan.regions) for m in llm.modules()),
            "phases": phases_of(compile_timings),
            "prefill_phases": compile_timings[0], "decode_phases": compile_timings[1]}
-    if len(compile_timings) > 2:
-        out["decode_one_phases"] = compile_timings[2]
     out["phases"]["LLM other (cache set-up, examples)"] = llm.compile_s - modules
     if llm.runnable:
         out["phases"]["CUDA graphs + warm prefill"] = llm.load_s

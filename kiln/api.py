@@ -11,6 +11,7 @@ kiln.load_modules do the same for modules that share weights.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -43,6 +44,7 @@ from kiln.dispatch.group_cache_writes import group_cache_writes
 from kiln.dispatch.group_fp8_siblings import group_fp8_siblings
 from kiln.dispatch.group_siblings import group_siblings
 from kiln.dispatch.mask_envelope import mask_envelope
+from kiln.dispatch.narrow_rows import narrow_bound
 from kiln.dispatch.recompute_cheap import recompute_cheap
 from kiln.dispatch.reinplace import reinplace
 from kiln.dispatch.split_attention_prologues import split_attention_prologues
@@ -50,6 +52,7 @@ from kiln.frontend.export import capture, fallback_warning
 from kiln.frontend.import_pass import ModelSource, import_pass
 from kiln.frontend.module_identity import module_identity, module_state
 from kiln.graph import GRAPH_PASSES
+from kiln.ir.symbolic import Bounds
 from kiln.lazy_module import MAX_MODULES, LazyModule
 from kiln.parallel.assign_devices import assign_devices
 from kiln.parallel.config import parse_parallel
@@ -59,7 +62,7 @@ from kiln.parallel.tensor_parallel import tensor_parallel
 from kiln.pipeline import Context, PassManager, Stage
 from kiln.progress import phase, recording
 from kiln.runtime.distributed import join_world
-from kiln.runtime.program import Program
+from kiln.runtime.program import NarrowVersion, Program
 from kiln.runtime.schedule import schedule
 from kiln.runtime.state import state_for_target
 from kiln.settings import setup_logging
@@ -208,7 +211,10 @@ def _compile_started(model, args, kwargs, *, dynamic_shapes, target, compile_to,
     if cfg.is_single:  # (ranks of one host would each start a worker per core)
         start_workers(tgt, ctx.options)  # their start-up overlaps export, if still to do
     with warnings.catch_warnings(record=True) as seen:  # re-raised below, as they came
-        result = build_pipeline(dump_ir).run(src, ctx, compile_to=compile_to)
+        manager = build_pipeline(dump_ir)
+        result = manager.run(src, ctx, compile_to=compile_to)
+        if isinstance(result, Program) and cfg.is_single:
+            _add_narrow_version(result, manager, ctx)
     for w in seen:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
     if ctx.options.get("fallback_ops"):
@@ -228,6 +234,27 @@ def _compile_started(model, args, kwargs, *, dynamic_shapes, target, compile_to,
                           parallel=None if cfg.is_single else cfg,
                           weight_slices=ctx.options.get("weight_cuts"),
                           compile_timings=ctx.timings)
+
+
+def _add_narrow_version(program: Program, manager: PassManager, ctx: Context) -> None:
+    """Compile the plan again where one dynamic dim's smaller sizes keep its products
+    GEMVs (dispatch/narrow_rows.py says which and why): dispatch, codegen and schedule
+    run a second time on the parallel stage's graph with that dim's bound narrowed, and
+    the program runs the result at those sizes. options={"narrow_version": False}
+    compiles one plan for every size."""
+    bound = None
+    if ctx.options.get("narrow_version", True):
+        bound = narrow_bound(program.plan, ctx.target)
+    if bound is None:
+        return
+    graph = manager.stage_ir["parallel"]
+    narrowed = dataclasses.replace(graph, symbols={
+        **graph.symbols, **dict.fromkeys(bound.symbols, Bounds(bound.lo, bound.hi))})
+    # its own options: the passes note what they found (example sizes, ...) in them
+    again = Context(target=ctx.target, options=dict(ctx.options), timings=ctx.timings)
+    with recording(ctx.timings), phase("narrow"):
+        low = manager.run(narrowed, again, start="dispatch", tag="narrow")
+    program.narrow = NarrowVersion(bound.symbols[0], bound.hi, low)
 
 
 def _cached_module(hit, tgt: Target, ctx: Context) -> CompiledModule:

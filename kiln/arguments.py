@@ -18,13 +18,15 @@ from kiln.frontend.export import FALLBACK_MODES
 # The options a user may pass (kiln.codegen.autotune.tuner reads them); the passes'
 # own entries in ctx.options (fallback, parallel, ...) are keyword arguments instead.
 OPTIONS = ("tune", "tune_compiler", "tune_timeout", "tune_workers", "compile_cache",
-           "mask_envelope", "query_prologue_split", "key_prologue_split")
+           "mask_envelope", "query_prologue_split", "key_prologue_split", "narrow_version")
 # On/off options for measuring a dispatch choice: what False does.
 _MEASURING = {"mask_envelope": "walks every key block of a masked attention",
               "query_prologue_split": "keeps a prefill attention's query prologue (RoPE) "
               "in its kernel",
               "key_prologue_split": "keeps a prefill attention's key and value prologues "
-              "(RoPE, a k norm) in its key loop"}
+              "(RoPE, a k norm) in its key loop",
+              "narrow_version": "compiles one plan for every size (a decode batch's "
+              "one row runs tiled products too)"}
 _KEYWORDS = ("fallback", "allow_train", "parallel", "devices", "device_map", "pins")
 
 

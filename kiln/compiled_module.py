@@ -213,8 +213,8 @@ class CompiledModule:
                 outs = self._stages.run(flat, self.state)
             elif self._graphs is not None and (self._graph_when is None or self._graph_when(*flat)):
                 outs = self._graphs.run(flat, self.state, env)
-            else:
-                outs = self.program.run(flat, self.state, env)
+            else:  # the narrow version at its sizes (runtime/program.py)
+                outs = self.program.for_sizes(env).run(flat, self.state, env)
         finally:
             if grad:
                 torch._C._set_grad_enabled(True)

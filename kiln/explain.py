@@ -36,6 +36,7 @@ def explain(program, example_sizes: dict[str, int] | None = None,
            + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + ")"]
     out += _symbols(plan.symbols, example, plan.dim_names)
     out += _size_args(plan)
+    out += _narrow(program)
     if parallel is not None:
         out += _device(plan, parallel, example)
     out.append("")
@@ -50,6 +51,21 @@ def explain(program, example_sizes: dict[str, int] | None = None,
     out += _memory(program.mem, example, upper)
     out += _compile_time(timings or {})
     return "\n".join(out) + "\n"
+
+
+def _narrow(program) -> list[str]:
+    """The narrow version a call at small sizes runs instead (runtime/program.py)."""
+    n = getattr(program, "narrow", None)
+    if n is None:
+        return []
+    plan = n.program.plan
+    kinds = Counter(r.kind.value for r in plan.regions)
+    name = program.plan.dim_names.get(n.symbol)
+    dim = f"{name} ({n.symbol})" if name else n.symbol
+    return [f"narrow version: calls with {dim} <= {n.hi} run a plan of their own, "
+            f"{len(plan.regions)} regions ("
+            + ", ".join(f"{c} {k}" for k, c in sorted(kinds.items()))
+            + "): their products as GEMVs"]
 
 
 def _compile_time(timings: dict[str, float], shown: float = 0.01) -> list[str]:

@@ -76,19 +76,28 @@ class PassManager:
         self.dump_dir = Path(dump_dir) if dump_dir else dump_ir_dir()
         self.verify_ir = verify_ir
         self.invariants: set[str] = set()
+        self.stage_ir: dict[str, object] = {}  # each stage's result, by stage name
 
-    def run(self, ir, ctx: Context, compile_to: str | None = None):
+    def run(self, ir, ctx: Context, compile_to: str | None = None, start: str | None = None,
+            tag: str = ""):
+        """Run the stages on `ir`, up to `compile_to`'s; from `start`'s on, when given
+        (`ir` is then what the stage before it gave: `stage_ir` keeps each stage's).
+        `tag` names a second run of the same stages in the progress bar and the dumps'
+        file names."""
         if compile_to is not None and compile_to not in STAGES:
             raise KilnError(
                 f"unknown stage {compile_to!r} for compile_to",
                 hint="choose one of: " + ", ".join(STAGES),
             )
         self._make_dump_dir()
-        total = sum(len(s.passes) for s in self.stages)
+        names = [s.name for s in self.stages]
+        stages = self.stages[names.index(start):] if start is not None else self.stages
+        total = sum(len(s.passes) for s in stages)
         step = 0
-        with progress(total=total, desc="kiln compile", unit="pass") as bar, \
+        desc = f"kiln compile ({tag})" if tag else "kiln compile"
+        with progress(total=total, desc=desc, unit="pass") as bar, \
                 recording(ctx.timings):
-            for stage in self.stages:
+            for stage in stages:
                 for p in stage.passes:
                     step += 1
                     bar.set_postfix_str(f"{stage.name}/{p.name}")
@@ -97,8 +106,9 @@ class PassManager:
                     self.invariants.update(p.establishes)
                     with phase("verify"):
                         self._check(ir, stage, p)
-                    self._dump(ir, step, stage, p)
+                    self._dump(ir, step, stage, p, tag)
                     bar.update(1)
+                self.stage_ir[stage.name] = ir
                 if stage.name == compile_to:
                     break
         log.info("compile phases: %s", ", ".join(
@@ -129,9 +139,10 @@ class PassManager:
                             where="dump_ir= (kiln compile --dump-ir) or KILN_DUMP_IR",
                             hint="name a directory, or a path where one can be made") from None
 
-    def _dump(self, ir, step: int, stage: Stage, p: Pass) -> None:
+    def _dump(self, ir, step: int, stage: Stage, p: Pass, tag: str = "") -> None:
         if self.dump_dir is None:
             return
-        path = self.dump_dir / f"{step:02d}-{stage.name}-{p.name}.txt"
+        tag = f"{tag}-" if tag else ""
+        path = self.dump_dir / f"{tag}{step:02d}-{stage.name}-{p.name}.txt"
         with phase("dump"):
             path.write_text(print_ir(ir))

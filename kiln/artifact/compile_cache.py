@@ -209,7 +209,8 @@ def put(key: str, program: Program, example_sizes: dict, captured: dict, ctx_opt
     try:
         with phase("compile_cache"):
             state = ctx_options["state"]
-            targets = {v.target for v in program.plan.values.values() if v.target}
+            targets = {v.target for p in program.versions()
+                       for v in p.plan.values.values() if v.target}
             derived = ctx_options.get("derived", {})
             made = {n: state[n] for n in sorted(targets)
                     if n not in captured and n not in derived}
@@ -252,7 +253,7 @@ def _not_cacheable(program: Program, captured: dict, options: dict, warned: bool
         return "the compile warned"
     imported, state = options.get("imported_state", {}), options.get("state", {})
     derived = options.get("derived", {})
-    for v in program.plan.values.values():
+    for v in (v for p in program.versions() for v in p.plan.values.values()):
         if v.target is None:
             continue
         if v.target in derived:

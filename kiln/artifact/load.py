@@ -36,7 +36,7 @@ from kiln.ir.symbolic import numel
 from kiln.ir.verify import verify_plan
 from kiln.progress import phase
 from kiln.runtime.memory_plan import MemoryPlan, Slot, lifetimes
-from kiln.runtime.program import Program
+from kiln.runtime.program import NarrowVersion, Program
 from kiln.target import Target, get_target
 
 log = logging.getLogger("kiln.artifact")
@@ -276,32 +276,63 @@ def load_program(directory: Path, requested: Target | None
     where = str(directory / MANIFEST_FILE)
     try:
         tgt = _target(manifest["target"], requested)
-        with phase("plan"):
-            plan = plan_from_json(manifest["plan"])
-            _check_ops_registered(plan, where)
-            problems = verify_plan(plan)
-        if problems:
-            raise ManifestFormatError("the plan does not verify: " + problems[0])
-        entries = manifest["kernels"]
-        missing = [r.name for r in plan.regions if r.name not in entries]
-        if missing:
-            raise ManifestFormatError(f"regions {missing} have no kernel")
-        _check_versions(manifest, entries)
-        with phase("kernels"):
-            binaries: dict = {}
-            kernels = {r.name: _kernel(entries[r.name], r, tgt, directory, binaries, plan)
-                       for r in plan.regions}
-        with phase("memory_plan"):
-            mem = _memory_plan(plan, manifest["memory"]["slots"])
-        _check_state(plan, manifest["weights"]["tensors"], directory)
+        _check_versions(manifest, {**manifest["kernels"],
+                                   **(manifest.get("narrow") or {}).get("kernels", {})})
+        binaries: dict = {}
+        program = _program(manifest, tgt, directory, binaries, manifest, where)
+        if not program.plan.dim_names:  # manifests before the plan carried them
+            program.plan.dim_names = {str(sym): str(name)
+                                      for name, sym in manifest.get("dim_names", {}).items()}
+        if "narrow" in manifest:
+            program.narrow = _narrow(manifest["narrow"], program, tgt, directory, binaries,
+                                     manifest, where)
         example_sizes = {k: int(v) for k, v in manifest.get("example_sizes", {}).items()}
-        if not plan.dim_names:  # manifests before the plan carried them: name -> symbol
-            plan.dim_names = {str(sym): str(name)
-                              for name, sym in manifest.get("dim_names", {}).items()}
     except (ManifestFormatError, KeyError, TypeError, ValueError, AttributeError) as e:
         detail = f"missing entry {e}" if isinstance(e, KeyError) else str(e)
         raise ArtifactError(f"{where} is not a valid kiln manifest: {detail}",
                             hint=_RECOMPILE) from None
-    with phase("program"):
-        program = Program(KernelPlan(plan, tgt, kernels), mem)
     return program, manifest, example_sizes
+
+
+def _program(entries: dict, tgt: Target, directory: Path, binaries: dict, manifest: dict,
+             where: str) -> Program:
+    """The Program of a manifest's plan, memory plan and kernels (`entries`: the
+    manifest itself, or its narrow version's entry), checked."""
+    with phase("plan"):
+        plan = plan_from_json(entries["plan"])
+        _check_ops_registered(plan, where)
+        problems = verify_plan(plan)
+    if problems:
+        raise ManifestFormatError("the plan does not verify: " + problems[0])
+    kernel_entries = entries["kernels"]
+    missing = [r.name for r in plan.regions if r.name not in kernel_entries]
+    if missing:
+        raise ManifestFormatError(f"regions {missing} have no kernel")
+    with phase("kernels"):
+        kernels = {r.name: _kernel(kernel_entries[r.name], r, tgt, directory, binaries, plan)
+                   for r in plan.regions}
+    with phase("memory_plan"):
+        mem = _memory_plan(plan, entries["memory"]["slots"])
+    _check_state(plan, manifest["weights"]["tensors"], directory)
+    with phase("program"):
+        return Program(KernelPlan(plan, tgt, kernels), mem)
+
+
+def _narrow(entry: dict, program: Program, tgt: Target, directory: Path, binaries: dict,
+            manifest: dict, where: str) -> NarrowVersion:
+    """The narrow version kept beside the plan (runtime/program.py): its dim must be one
+    of the plan's, its largest size within that dim's bounds."""
+    if not isinstance(entry, dict):
+        raise ManifestFormatError(f"the narrow version is not an object: {entry!r:.60}")
+    symbol, hi = entry.get("symbol"), entry.get("max")
+    bounds = program.plan.symbols.get(symbol) if isinstance(symbol, str) else None
+    if bounds is None:
+        raise ManifestFormatError(f"the narrow version is for {symbol!r}, which is not one "
+                                  f"of the plan's dims "
+                                  f"({', '.join(sorted(program.plan.symbols)) or 'none'})")
+    if not isinstance(hi, int) or isinstance(hi, bool) or not bounds.contains(hi):
+        raise ManifestFormatError(f"the narrow version runs {symbol} up to {hi!r}, not a "
+                                  f"size within its bounds {bounds}")
+    narrow = _program(entry, tgt, directory, binaries, manifest, where)
+    narrow.plan.dim_names = narrow.plan.dim_names or dict(program.plan.dim_names)
+    return NarrowVersion(symbol, hi, narrow)

@@ -62,23 +62,36 @@ def _kernel_entry(kernel, kernels_dir: Path, written: dict[str, dict]) -> dict:
     return entry
 
 
-def build_manifest(module, directory: Path) -> dict:
-    """The manifest of `module` (a CompiledModule); writes kernel binaries as it goes."""
-    program = module.program
-    kplan = program.kplan
-    written: dict[str, dict] = {}
+def _program_entries(program, directory: Path, written: dict[str, dict]) -> dict:
+    """A Program's plan, memory plan and kernels, as the manifest holds them."""
     return {
+        "plan": plan_to_json(program.plan),
+        "memory": program.mem.to_json(),
+        "kernels": {r.name: _kernel_entry(program.kplan.kernels[r.name],
+                                          directory / KERNELS_DIR, written)
+                    for r in program.plan.regions},
+    }
+
+
+def build_manifest(module, directory: Path) -> dict:
+    """The manifest of `module` (a CompiledModule); writes kernel binaries as it goes.
+    A narrow version (runtime/program.py) is kept beside the plan under "narrow", with
+    the dim and the largest size it runs; it reads the same weights."""
+    program = module.program
+    written: dict[str, dict] = {}
+    manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "versions": versions(),
-        "target": dataclasses.asdict(kplan.target),
+        "target": dataclasses.asdict(program.kplan.target),
         "example_sizes": dict(getattr(module, "example_sizes", None) or {}),
-        "plan": plan_to_json(program.plan),
-        "memory": program.mem.to_json(),
-        "kernels": {r.name: _kernel_entry(kplan.kernels[r.name], directory / KERNELS_DIR,
-                                          written)
-                    for r in program.plan.regions},
+        **_program_entries(program, directory, written),
     }
+    narrow = program.narrow
+    if narrow is not None:
+        manifest["narrow"] = {"symbol": narrow.symbol, "max": narrow.hi,
+                              **_program_entries(narrow.program, directory, written)}
+    return manifest
 
 
 def save(module, path) -> Path:

@@ -2,7 +2,10 @@
 
 The tuner times kernels at these sizes and `kiln explain` reports costs at them. The
 example already passed torch.export, so its sizes satisfy the plan: reading each
-symbol off the first input dim that is exactly that symbol is enough (no checks).
+symbol off the first input dim that is exactly that symbol is enough (no checks). A
+plan compiled again for narrower sizes (dispatch/narrow_rows.py: one row of a batch
+of up to 4) takes the example's size clamped into its bounds: its kernels are tuned
+at the sizes it runs.
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ def example_sizes(plan: DispatchPlan, leaves: list) -> dict[str, int]:
         for size, want in zip(arg.shape, plan.values[name].shape):
             if isinstance(want, sympy.Symbol):
                 env.setdefault(want.name, int(size))
-    return env
+    return {sym: _clamped(n, plan.symbols.get(sym)) for sym, n in env.items()}
+
+
+def _clamped(n: int, bounds) -> int:
+    if bounds is None:
+        return n
+    n = max(n, bounds.lo)
+    return n if bounds.hi is None else min(n, bounds.hi)
 
 
 def _bind_example(plan: DispatchPlan, ctx: Context) -> DispatchPlan:

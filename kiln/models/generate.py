@@ -5,13 +5,10 @@
     prefill(tokens [B, T], input_pos [B, T] (, block_table [B, W]))  B <= max_batch, T dynamic
     decode (tokens [B, 1], input_pos [B, 1] (, block_table [B, W]))  B <= max_batch
 
-and, where batching would cost a lone sequence its fast kernels, a third time: a decode
-module for one row (`decode_one`). A 16-bit product of several rows runs kiln's tiled
-tensor-core form, and a decode module bounded at 4 rows runs it at every batch, its
-norms unfolded (kiln.target.gemv_max_rows): the 8B's step at one row
-replayed in 5.03 ms with max_batch_size 4 against ~4.0 ms as GEMVs (H200,
-benchmarks/RESULTS.md, thirty-eighth session). One row then runs `decode_one`, compiled
-for exactly one (GEMVs, norms folded, q/k/v grouped); more run `decode`.
+A lone sequence's decode step runs the decode module's narrow version, which
+kiln.compile makes wherever the batch bound would take 16-bit products past their
+GEMV form (kiln/dispatch/narrow_rows.py): one row keeps its GEMVs, folded norms and
+grouped q/k/v. Prefill's T starts at 2: one token is a decode step.
 
 (block_table only with the paged cache; W, its width, is dynamic too.) A batch of
 prompts of different lengths is prefilled right-padded: a pad sits after its row's
@@ -52,7 +49,7 @@ from kiln.models.kv_cache import BlockAllocator, PagedLayout
 from kiln.models.llama import Llama
 from kiln.models.saved_llm import read_saved_llm, save_llm
 from kiln.progress import phase
-from kiln.target import gemv_max_rows, get_target
+from kiln.target import get_target
 
 
 @dataclass
@@ -121,8 +118,6 @@ class LLM:
         t0 = time.perf_counter()
         self.prefill_module = self._compile(seq_len=None)
         self.decode_module = self._compile(seq_len=1)
-        self.decode_one = (self._compile(seq_len=1, max_batch_size=1)
-                           if self._one_row_apart() else None)
         if read_weights is not None:
             self._materialize(read_weights)
         self.compile_s = time.perf_counter() - t0
@@ -143,7 +138,6 @@ class LLM:
                     saved.needs_seq_lens, saved.name, path)
         self.dtype, self.cache_layout = saved.dtype, saved.cache_layout
         self.prefill_module, self.decode_module = saved.prefill, saved.decode
-        self.decode_one = saved.decode_one
         self.compile_s = 0.0
         self._start(saved.cuda_graphs if cuda_graphs is None else cuda_graphs, False, t0)
         return self
@@ -182,8 +176,6 @@ class LLM:
             if self.cuda_graphs:
                 with phase("cuda_graphs"):
                     self.decode_module.cuda_graphs(max_graphs=len(self.buckets))
-                    if self.decode_one is not None:
-                        self.decode_one.cuda_graphs(max_graphs=1)
                     self._capture_buckets()
             with phase("warm_prefill"):
                 self._warm_prefill()
@@ -237,27 +229,18 @@ class LLM:
         return self.cfg.max_seq_len
 
     def modules(self) -> tuple:
-        """The compiled modules: prefill, decode, and decode_one where there is one."""
-        return (self.prefill_module, self.decode_module) + (
-            (self.decode_one,) if self.decode_one is not None else ())
+        """The compiled modules: prefill and decode."""
+        return (self.prefill_module, self.decode_module)
 
-    def _one_row_apart(self) -> bool:
-        """Whether one row gets a decode module of its own: where kiln generates the
-        kernels (a Triton target) and the batch bound would take the products past
-        their GEMV form; not for a multi-device plan."""
-        return (self.target.uses_triton and not self.parallel
-                and self.max_batch_size > gemv_max_rows(self.dtype))
-
-    def _compile(self, seq_len: int | None, max_batch_size: int | None = None):
-        """Compile for T = seq_len (decode), or for a dynamic T in [1, max_seq_len] with
-        logits at L dynamic positions per row (prefill: L = 1, the last prompt token);
-        for batches up to max_batch_size (default the LLM's)."""
+    def _compile(self, seq_len: int | None):
+        """Compile for T = seq_len (decode), or for a dynamic T in [2, max_seq_len] with
+        logits at L dynamic positions per row (prefill: L = 1, the last prompt token)."""
         # a model still on the meta device (its weights are read after compiling) is
         # exported with meta examples: one device for every tensor export sees
         meta = self.model.lm_head.weight.device.type == "meta"
         dev = torch.device("meta") if meta else self.device
-        args, shapes = generation_inputs(self.model, max_batch_size or self.max_batch_size,
-                                         seq_len, dev, self.paged)
+        args, shapes = generation_inputs(self.model, self.max_batch_size, seq_len, dev,
+                                         self.paged)
         return kiln.compile(self.model, (), kwargs=args, dynamic_shapes=shapes,
                             target=self.target, options=self.compile_options,
                             parallel=self.parallel)
@@ -310,8 +293,6 @@ class LLM:
         if self.paged:
             args["block_table"] = block_table
         module = self.decode_module
-        if T == 1 and B == 1 and self.decode_one is not None:
-            module = self.decode_one
         if T > 1:
             module = self.prefill_module
             if logits_at is None:
@@ -508,13 +489,15 @@ def generation_inputs(model, max_batch_size: int, seq_len: int | None, device,
                       paged: bool = False) -> tuple[dict, dict]:
     """The example kwargs and dynamic shapes an LLM exports `model` with (its KV cache
     set up; `paged`: a block table too): decode at T = seq_len, or prefill over a
-    dynamic T in [1, max_seq_len] with logits at L dynamic positions per row (L = 1,
-    the last prompt token). Apart from LLM so the exports can be had uncompiled."""
+    dynamic T in [2, max_seq_len] (one token is a decode step; a Dim from 1 would have
+    kiln.compile make prefill a narrow version for it) with logits at L dynamic
+    positions per row (L = 1, the last prompt token). Apart from LLM so the exports can
+    be had uncompiled."""
     max_seq_len = model.cfg.max_seq_len
     b = min(2, max_batch_size)  # an example of 1 would pin the batch dim to 1
     t = seq_len or min(8, max_seq_len)
     batch = Dim("batch", min=1, max=max_batch_size) if b > 1 else None
-    seq = Dim("seq", min=1, max=max_seq_len) if seq_len is None and t > 1 else None
+    seq = Dim("seq", min=2, max=max_seq_len) if seq_len is None and t > 2 else None
     dims = {k: d for k, d in ((0, batch), (1, seq)) if d is not None}
     args = {"tokens": torch.zeros(b, t, dtype=torch.long, device=device),
             "input_pos": torch.arange(t, device=device).expand(b, t).contiguous()}

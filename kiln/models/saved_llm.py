@@ -5,10 +5,9 @@ generate DIR`) reads it back in seconds, with no export, no passes and no tuning
       llm.json             {"format": "kiln-llm", "format_version": 1, ...}: the model's
                            config, target, dtype, batch size, cache layout, stop ids,
                            which tokenizer
-      modules.json         kiln.save_modules: the prefill and decode modules (and
-      weights.safetensors  decode_one, one row's: generate.py), their weights stored once
-      prefill/ decode/     (all read the same tensors), the KV caches as shapes only
-                           (they start as zeros)
+      modules.json         kiln.save_modules: the prefill and decode modules, their
+      weights.safetensors  weights stored once (both read the same tensors), the KV
+      prefill/ decode/     caches as shapes only (they start as zeros)
       tokenizer.json ...   the checkpoint's tokenizer, config.json and
                            generation_config.json, copied as they were
 
@@ -94,10 +93,7 @@ def save_llm(llm, path) -> None:
     }
     files[LLM_FILE] = json.dumps(body, indent=1) + "\n"
     modules = {"prefill": llm.prefill_module, "decode": llm.decode_module}
-    if llm.decode_one is not None:
-        modules["decode_one"] = llm.decode_one
-    kiln.save_modules(path, modules,
-                      empty_state=True, files=files)
+    kiln.save_modules(path, modules, empty_state=True, files=files)
 
 
 def _config_json(cfg) -> dict:
@@ -141,7 +137,6 @@ class SavedLLM:
     needs_seq_lens: bool
     cuda_graphs: bool
     name: str
-    decode_one: kiln.CompiledModule | None = None  # one row's decode (generate.py)
 
 
 def read_manifest(path: Path) -> dict:
@@ -193,8 +188,7 @@ def read_saved_llm(path, target=None, asked: dict | None = None) -> SavedLLM:
                             hint=_recompile(path))
     stop_ids, needs_seq_lens, cuda_graphs, name = fields
     return SavedLLM(modules["prefill"], modules["decode"], cfg, tokenizer, stop_ids, tgt,
-                    dtype, max_batch, layout, needs_seq_lens, cuda_graphs, name,
-                    modules.get("decode_one"))
+                    dtype, max_batch, layout, needs_seq_lens, cuda_graphs, name)
 
 
 def _check_target(path: Path, saved: str, requested, source: str) -> kiln.Target:

@@ -54,15 +54,16 @@ class GraphRunner:
         self.graphs: dict[tuple, _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
-    def _step(self, static: list[torch.Tensor], state, env, arena) -> list[torch.Tensor]:
+    def _step(self, prog: Program, static: list[torch.Tensor], state, env,
+              arena) -> list[torch.Tensor]:
         """The work a graph captures, on its static inputs and its own arena."""
-        return self.program.run(static, state, env, arena=arena)
+        return prog.run(static, state, env, arena=arena)
 
     def _key(self, args: list[torch.Tensor], env: dict[str, int]) -> tuple:
         return tuple(sorted(env.items())) + tuple(tuple(a.shape) for a in args)
 
     def _capture(self, args, state, env) -> _Captured:
-        prog = self.program
+        prog = self.program.for_sizes(env)  # the narrow version at its sizes
         arena = Arena(prog.mem, prog.plan, prog.device)
         static = [a.clone() for a in args]
         side = torch.cuda.Stream()
@@ -74,13 +75,13 @@ class GraphRunner:
             k: v.clone() for k, v in state.items() if k in _state_targets(prog)}
         with torch.cuda.stream(side):
             for _ in range(self.warmup):
-                self._step(static, state, env, arena)
+                self._step(prog, static, state, env, arena)
         torch.cuda.current_stream().wait_stream(side)
         for k, v in snapshot.items():
             state[k].copy_(v)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            outs = self._step(static, state, env, arena)
+            outs = self._step(prog, static, state, env, arena)
         log.info("captured a CUDA graph for sizes %s", env)
         return _Captured(graph, static, outs, arena)
 
@@ -90,7 +91,7 @@ class GraphRunner:
         cap = self.graphs.get(key)
         if cap is None:
             if len(self.graphs) >= self.max_graphs:
-                return self.program.run(args, state, env)
+                return self.program.for_sizes(env).run(args, state, env)
             cap = self._capture(args, state, env)
             self.graphs[key] = cap
         _copy_into(cap.inputs, args)
@@ -111,8 +112,8 @@ class StageGraphRunner(GraphRunner):
         super().__init__(program, max_graphs, warmup)
         self._n_args = len(program.plan.user_inputs)
 
-    def _step(self, static, state, env, arena) -> list[torch.Tensor]:
-        outs, sent = self.program.run_stage(static[:self._n_args], static[self._n_args:],
+    def _step(self, prog, static, state, env, arena) -> list[torch.Tensor]:
+        outs, sent = prog.run_stage(static[:self._n_args], static[self._n_args:],
                                             state, env, arena=arena)
         return outs + sent
 

@@ -10,9 +10,17 @@ worked out once per set of sizes and kept (`_Bound`, for the KEPT_SIZES sets use
 last); a call at sizes seen before only checks its arguments, looks up the tensors that
 change per call (inputs, weights, state) and launches. Growing the arena drops every
 kept set, since their views point into the old storage.
+
+A program may carry a narrow version (`narrow`): the same model's plan compiled again
+for the sizes where one dim keeps its products in their GEMV form
+(dispatch/narrow_rows.py: one row of a decode batch). Its caller runs `for_sizes(env)`,
+which is that version at those sizes and the program itself otherwise; both read the
+same weights and state.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +48,15 @@ class _Bound:
         self.steps = steps
 
 
+@dataclass(frozen=True)
+class NarrowVersion:
+    """`program` runs the calls whose size `symbol` is at most `hi`."""
+
+    symbol: str
+    hi: int
+    program: Program
+
+
 class Program:
     KEPT_SIZES = 16  # sets of sizes whose bound launches are kept
 
@@ -56,6 +73,18 @@ class Program:
                    if v.role in (Role.WEIGHT, Role.STATE)]
         self._weight_names = [n for n, _ in weights]
         self._weight_targets = [t for _, t in weights]
+        self.narrow: NarrowVersion | None = None
+
+    def versions(self) -> tuple[Program, ...]:
+        """This program and its narrow version, if any: every plan the module may run."""
+        return (self,) if self.narrow is None else (self, self.narrow.program)
+
+    def for_sizes(self, env: dict[str, int]) -> Program:
+        """The program for a call bound at `env`: the narrow version where it applies."""
+        n = self.narrow
+        if n is not None and env.get(n.symbol, n.hi + 1) <= n.hi:
+            return n.program
+        return self
 
     def _build_steps(self) -> None:
         # Per region, decided once: its kernel and where each output goes (a state
@@ -162,10 +191,14 @@ class Program:
         lines = [self.kplan.describe().rstrip(), "memory slots:"]
         for i, s in enumerate(self.mem.slots):
             lines.append(f"  slot {i}: " + ", ".join("%" + v for v in s.values))
+        if self.narrow is not None:
+            lines.append(f"narrow version, for {self.narrow.symbol} <= {self.narrow.hi}:")
+            lines.append(self.narrow.program.describe().rstrip())
         return "\n".join(lines) + "\n"
 
     def verify(self) -> list[str]:
-        return self.kplan.verify()
+        return self.kplan.verify() + (self.narrow.program.verify()
+                                      if self.narrow is not None else [])
 
 
 def follows_kernel(steps: list) -> None:

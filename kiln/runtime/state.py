@@ -16,8 +16,8 @@ def device_present(target: Target) -> bool:
 
 def state_for_target(program: Program, named: dict[str, torch.Tensor],
                      target: Target) -> dict[str, torch.Tensor]:
-    """The parameters, buffers and constants `program` reads (by state-dict name, from
-    `named`), on the target's device.
+    """The parameters, buffers and constants `program` (and its narrow version) reads
+    (by state-dict name, from `named`), on the target's device.
 
     On the model's own device they are shared, not copied (as torch.compile does): an
     8B model must not need two copies, and buffer updates (the KV cache) are the
@@ -26,8 +26,8 @@ def state_for_target(program: Program, named: dict[str, torch.Tensor],
     """
     device = torch.device(target.torch_device if device_present(target) else "cpu")
     state = {}
-    for v in program.plan.values.values():
-        if v.target is None:
+    for v in (v for p in program.versions() for v in p.plan.values.values()):
+        if v.target is None or v.target in state:
             continue
         t = named.get(v.target)
         if t is None:
