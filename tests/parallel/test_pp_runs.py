@@ -43,10 +43,10 @@ class ReplayedStageGraphs(StageGraphRunner):
         arena = Arena(prog.mem, prog.plan, prog.device)
         static = [a.clone() for a in args]
         kept = {k: state[k].clone() for k in _state_targets(prog)}
-        outs = self._step(static, state, env, arena)  # a capture runs nothing: undo it
+        outs = self._step(prog, static, state, env, arena)  # a capture runs nothing: undo it
         for k, v in kept.items():
             state[k].copy_(v)
-        return _Captured(_Replay(lambda: self._step(static, state, env, arena), outs),
+        return _Captured(_Replay(lambda: self._step(prog, static, state, env, arena), outs),
                          static, outs, arena)
 
 
