@@ -64,9 +64,12 @@ def test_paged_cache_and_batched_decode_on_cuda(dtype, gpu_llms):
     steps = torch.randint(3, vocab, (3, 5), generator=gen)
     alone = [run_alone(contiguous, p, s).float() for p, s in zip(prompts, steps)]
     assert rel_err(run_alone(paged, prompts[2], steps[2]).float(), alone[2]) <= 1e-2
+    # a lone row decodes by the narrow version's GEMVs, a batch by the tiled plan: two
+    # 16-bit results, each within ~1e-2 of the truth (test_logits_match_transformers_on_cuda)
+    tol = 2e-2
     for llm in (contiguous, paged):
         for got, want in zip(run_batched(llm, prompts, steps), alone):
-            assert rel_err(got.float(), want) <= 1e-2
+            assert rel_err(got.float(), want) <= tol
 
 
 @pytest.mark.parametrize("paged", [False, True])
