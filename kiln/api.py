@@ -48,6 +48,7 @@ from kiln.dispatch.narrow_rows import narrow_bound
 from kiln.dispatch.recompute_cheap import recompute_cheap
 from kiln.dispatch.reinplace import reinplace
 from kiln.dispatch.split_attention_prologues import split_attention_prologues
+from kiln.errors import KilnError, KilnWarning
 from kiln.frontend.export import capture, fallback_warning
 from kiln.frontend.import_pass import ModelSource, import_pass
 from kiln.frontend.module_identity import module_identity, module_state
@@ -252,8 +253,17 @@ def _add_narrow_version(program: Program, manager: PassManager, ctx: Context) ->
         **graph.symbols, **dict.fromkeys(bound.symbols, Bounds(bound.lo, bound.hi))})
     # its own options: the passes note what they found (example sizes, ...) in them
     again = Context(target=ctx.target, options=dict(ctx.options), timings=ctx.timings)
-    with recording(ctx.timings), phase("narrow"):
-        low = manager.run(narrowed, again, start="dispatch", tag="narrow")
+    try:
+        with recording(ctx.timings), phase("narrow"):
+            low = manager.run(narrowed, again, start="dispatch", tag="narrow")
+    except KilnError as e:  # the plan for every size stands: the version only speeds up
+        name = graph.dim_names.get(bound.symbols[0], bound.symbols[0])
+        warnings.warn(KilnWarning(
+            f"the plan for {name} <= {bound.hi} (GEMVs) did not compile, so those sizes run "
+            f"the plan for every size: {e.what}",
+            hint="report it; options={'narrow_version': False} compiles without trying"),
+            stacklevel=2)
+        return
     program.narrow = NarrowVersion(bound.symbols[0], bound.hi, low)
 
 

@@ -170,3 +170,26 @@ def test_a_compile_cache_hit_keeps_the_narrow_version():
     assert again.program.narrow is not None and again.program.narrow.hi == 1
     x = torch.randn(1, 64, dtype=torch.float16)
     assert torch.equal(again(x), first(x))
+
+
+def test_a_narrow_version_that_fails_to_compile_leaves_the_plan_for_every_size(monkeypatch):
+    """It only speeds some sizes up: a failure there is a warning, not a failed compile."""
+    import kiln.api as api
+    from kiln.errors import KilnError, KilnWarning
+    from kiln.pipeline import Pass
+
+    real, calls = api.select_kernels, []
+
+    def planted(plan, ctx):
+        calls.append(plan)
+        if len(calls) == 2:  # the narrow version's
+            raise KilnError("a planted codegen failure")
+        return real(plan, ctx)
+
+    monkeypatch.setattr(api, "select_kernels", Pass(real.name, planted, real.establishes))
+    model = Block().half()
+    with pytest.warns(KilnWarning, match="batch <= 1 .* planted codegen failure"):
+        exe = _compile(model, 2, options={"compile_cache": False})
+    assert exe.program.narrow is None and len(calls) == 2
+    x = torch.randn(1, 64, dtype=torch.float16)
+    assert rel_err(exe(x).float(), model.float()(x.float())) <= 1e-2
