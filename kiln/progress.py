@@ -38,8 +38,11 @@ def progress(total=None, desc: str = "", unit: str = "it", **kw) -> tqdm:
 
 @contextlib.contextmanager
 def recording(into: dict[str, float]):
-    """Add the seconds of every `phase` run inside to `into`, by key."""
-    token = _recording.set((into, ""))
+    """Add the seconds of every `phase` run inside to `into`, by key; inside a phase
+    already recording into `into`, under that phase's key (a second run of the passes
+    inside phase("narrow") is timed as narrow/...)."""
+    now = _recording.get()
+    token = _recording.set((into, now[1] if now is not None and now[0] is into else ""))
     try:
         yield into
     finally:
