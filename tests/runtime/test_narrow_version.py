@@ -196,3 +196,34 @@ def test_a_narrow_version_that_fails_to_compile_leaves_the_plan_for_every_size(m
     assert exe.program.narrow is None and len(calls) == 2
     x = torch.randn(1, 64, dtype=torch.float16)
     assert rel_err(exe(x).float(), model.float()(x.float())) <= 1e-2
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_transformers_models_with_a_batch_dim_decode_one_row_by_gemvs(family):
+    """Models written without kiln in mind (RMSNorm and LayerNorm families): one token
+    each for up to 4 rows, fp16; the one-row plan has fewer kernels (norms folded,
+    siblings grouped) and both sizes match fp32 eager."""
+    tf = pytest.importorskip("transformers")
+    cfg = (tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+           if family == "llama" else
+           tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64))
+    torch.manual_seed(0)
+    ref = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    half = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    half.load_state_dict(ref.state_dict())
+    half = half.half()
+    batch = kiln.Dim("batch", min=1, max=4)
+    exe = kiln.compile(half, (), {"input_ids": torch.randint(3, 128, (2, 1)),
+                                  "use_cache": False},
+                       dynamic_shapes={"input_ids": {0: batch}, "use_cache": None},
+                       target="interpret")
+    narrow = exe.program.narrow
+    assert narrow is not None and narrow.hi == 1
+    assert len(narrow.program.plan.regions) < len(exe.plan.regions)
+    for rows in (1, 3):
+        ids = torch.randint(3, 128, (rows, 1))
+        with torch.no_grad():
+            want = ref(input_ids=ids, use_cache=False).logits
+        got = exe(input_ids=ids, use_cache=False).logits
+        assert rel_err(got.float(), want) <= 1e-2, rows
