@@ -63,6 +63,12 @@ class Weird(torch.nn.Module):
 
 def weird():
     return Weird(), (torch.rand(4) * 0.5,)
+
+
+def rows():
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    return {"model": mlp, "args": (torch.randn(3, 8),),
+            "dynamic_shapes": ({0: kiln.Dim("rows", min=1, max=32)},)}
 '''
 
 
@@ -97,6 +103,14 @@ def test_compile_writes_an_artifact(artifact):
     assert (artifact / "manifest.json").is_file()
     assert (artifact / "weights.safetensors").is_file()
     assert kiln.load(artifact).dim_names == {"T": next(iter(kiln.load(artifact).plan.symbols))}
+
+
+def test_compile_names_a_narrow_version(model_file, tmp_path, capsys):
+    """fp32 products of up to 8 rows run as GEMVs: those sizes get a plan of their own."""
+    rc, out, _ = _run(capsys, "compile", f"{model_file}:rows", "--target", "interpret",
+                      "-o", tmp_path / "rows.kiln")
+    assert rc == 0 and "rows <= 8 runs a plan of its own" in out
+    assert kiln.load(tmp_path / "rows.kiln").program.narrow.hi == 8
 
 
 def test_run_artifact_on_random_inputs_at_chosen_size(artifact, capsys):

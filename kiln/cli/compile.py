@@ -36,7 +36,8 @@ def cmd_compile(args) -> int:
     for k in exe.program.kplan.kernels.values():
         kinds[k.kind] = kinds.get(k.kind, 0) + 1
     print(f"compiled {args.model} for {exe.target} in {secs:.2f} s: {len(exe.plan.regions)} "
-          f"regions ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))} kernels)")
+          f"regions ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))} kernels)"
+          + _narrow_note(exe))
     print(f"saved {out} in {time.perf_counter() - t0:.2f} s")
     return 0
 
@@ -65,10 +66,19 @@ def _compile_llm(args) -> int:
                quantize=args.quantize)
     print(f"compiled {source} for {llm.target} in {time.perf_counter() - t0:.2f} s: prefill "
           f"{len(llm.prefill_module.plan.regions)} regions, decode "
-          f"{len(llm.decode_module.plan.regions)}")
+          f"{len(llm.decode_module.plan.regions)}" + _narrow_note(llm.decode_module))
     t0 = time.perf_counter()
     llm.save(out)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"saved {out} ({size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.2f} s; "
           f"generate with: kiln generate {out} --prompt TEXT")
     return 0
+
+
+def _narrow_note(exe) -> str:
+    """The narrow version a module carries (kiln/runtime/program.py), in a few words."""
+    n = exe.program.narrow
+    if n is None:
+        return ""
+    dim = exe.plan.dim_names.get(n.symbol, n.symbol)
+    return f"; {dim} <= {n.hi} runs a plan of its own ({len(n.program.plan.regions)} regions)"
