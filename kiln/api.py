@@ -214,7 +214,7 @@ def _compile_started(model, args, kwargs, *, dynamic_shapes, target, compile_to,
     with warnings.catch_warnings(record=True) as seen:  # re-raised below, as they came
         manager = build_pipeline(dump_ir)
         result = manager.run(src, ctx, compile_to=compile_to)
-        if isinstance(result, Program) and cfg.is_single:
+        if isinstance(result, Program) and cfg.pp == 1:  # a stage binds per micro-batch
             _add_narrow_version(result, manager, ctx)
     for w in seen:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
