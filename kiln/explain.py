@@ -50,6 +50,13 @@ def explain(program, example_sizes: dict[str, int] | None = None,
     out += _stage_io(plan, example)
     out += _memory(program.mem, example, upper)
     out += _compile_time(timings or {})
+    narrow = getattr(program, "narrow", None)
+    if kernels and narrow is not None:  # its regions and kernels too, at its sizes
+        sizes = {k: min(v, narrow.hi) if k in narrow.program.plan.symbols
+                 and narrow.program.plan.symbols[k].hi == narrow.hi else v
+                 for k, v in (example_sizes or {}).items()}
+        out += ["", f"== the narrow version ({narrow.symbol} <= {narrow.hi}) =="]
+        out += explain(narrow.program, sizes, kernels=True).splitlines()
     return "\n".join(out) + "\n"
 
 

@@ -81,6 +81,9 @@ def test_one_row_runs_gemvs_and_every_size_matches_eager(half):
         assert (exe.program.for_sizes(env) is narrow.program) == (rows == 1)
         assert rel_err(exe(x).float(), ref_model(x.float())) <= 1e-2, rows
     assert "narrow version: calls with batch" in exe.explain()
+    listed = exe.explain(kernels=True)  # its kernels too
+    assert "== the narrow version" in listed and "kiln_gemv" in listed
+    assert "== the narrow version" not in exe.explain()
 
 
 def test_fp32_keeps_gemvs_up_to_eight_rows():
