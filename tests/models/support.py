@@ -84,7 +84,8 @@ def run_alone(llm, prompt, steps):
 
 
 def run_batched(llm, prompts, steps):
-    """The same, for all prompts at once: a right-padded prefill, then batched decode."""
+    """The same, for all prompts at once: a right-padded prefill (each row's length given
+    to models that need it), then batched decode."""
     alloc = BlockAllocator(llm.cache_layout) if llm.paged else None
     lens = [len(p) for p in prompts]
     T = max(lens)
@@ -100,7 +101,9 @@ def run_batched(llm, prompts, steps):
         return alloc.block_table(list(range(len(prompts))), width)
 
     width = -(-T // llm.cache_layout.block_size) if llm.paged else None
-    logits = llm.forward(tokens, torch.arange(T), table(lens, width))
+    # a model with recurrent state (Qwen3-Next) must not advance it through the padding
+    seq_lens = torch.tensor(lens) if llm.needs_seq_lens else None
+    logits = llm.forward(tokens, torch.arange(T), table(lens, width), seq_lens=seq_lens)
     out = [[logits[i, n - 1]] for i, n in enumerate(lens)]
     for j in range(steps.shape[1]):
         pos = torch.tensor([[n + j] for n in lens])

@@ -415,3 +415,15 @@ def test_a_shared_expert_of_the_experts_widths_runs_as_one_more_gathered_expert(
     out = [llm.forward(tokens[:, :12], torch.arange(12))]
     out += [llm.forward(tokens[:, p:p + 1], torch.tensor([p])) for p in range(12, 16)]
     assert rel_err(torch.cat(out, dim=1), ref) <= 1e-4
+
+
+def test_padded_rows_decode_as_each_row_alone(llm):
+    """Right-padded prompts (their lengths given) and batched decode steps: each row's
+    logits as it gives alone, the recurrent state not advanced through the padding."""
+    from tests.models.support import run_alone, run_batched
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen) for n in (5, 9)]
+    steps = torch.randint(3, VOCAB, (2, 3), generator=gen)
+    for i, got in enumerate(run_batched(llm, prompts, steps)):
+        assert rel_err(got, run_alone(llm, prompts[i], steps[i])) <= 1e-5, i
