@@ -11,8 +11,10 @@ kiln.load_modules do the same for modules that share weights.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
+from collections.abc import Iterator
 
 import torch
 import torch.utils._pytree as pytree
@@ -29,6 +31,7 @@ from kiln.arguments import (
 )
 from kiln.artifact import compile_cache
 from kiln.codegen.autotune.tuner import start_workers, workers_released_on_failure
+from kiln.codegen.autotune.worker_pool import run_worker_kept
 from kiln.codegen.select_kernels import select_kernels
 from kiln.compiled_module import CompiledModule
 from kiln.dispatch.example_sizes import bind_example_sizes
@@ -154,10 +157,23 @@ def _dense_examples(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return pytree.tree_map_only(torch.Tensor, dense, (args, kwargs))
 
 
+@contextlib.contextmanager
+def compile_session() -> Iterator[None]:
+    """kiln.compile calls inside share the autotuner's run worker (the process, with a
+    CUDA context of its own, that times candidates on the GPU): it is stopped when the
+    session ends instead of after each compile. Compile a model's modules (prefill and
+    decode) in one session: each compile after the first would otherwise wait for a
+    fresh worker (~8 s on an H200 machine) before its first timing. Its GPU memory
+    (at most ~5% of the GPU, cached between timings) is freed when the session ends."""
+    with run_worker_kept():
+        yield
+
+
 def _compile_now(model, args, kwargs, **kw):
     """kiln.compile with example args: the pipeline, run now (or the compile cache's hit).
-    A compile that fails stops the tuner's workers it started."""
-    with workers_released_on_failure():
+    A compile that fails stops the tuner's workers it started. The plan and its narrow
+    version share one run worker."""
+    with workers_released_on_failure(), run_worker_kept():
         return _compile_started(model, args, kwargs, **kw)
 
 
@@ -189,19 +205,23 @@ def _compile_started(model, args, kwargs, *, dynamic_shapes, target, compile_to,
     key = captured = by_identity = None
     if compile_cache.usable(ctx.options, cfg, compile_to, dump_ir):
         with recording(ctx.timings):
-            identity = module_identity(model)
+            with phase("compile_cache"):
+                identity = module_identity(model)
             if identity is not None:  # kiln's and torch's modules only: found before export
-                by_identity = compile_cache.identity_key(
-                    identity, tgt, ctx.options, ctx.options["example_leaves"], dynamic_shapes)
+                with phase("compile_cache"):
+                    by_identity = compile_cache.identity_key(
+                        identity, tgt, ctx.options, ctx.options["example_leaves"],
+                        dynamic_shapes)
                 hit = compile_cache.get(by_identity, module_state(model), tgt)
         if by_identity is not None and hit is not None:
             return _cached_module(hit, tgt, ctx)
         if by_identity is not None and cfg.is_single:  # a miss: kernels will be built
-            start_workers(tgt, ctx.options)
+            with recording(ctx.timings), phase("workers"):
+                start_workers(tgt, ctx.options)
         with recording(ctx.timings), phase("import/export"):
             src.exported = capture(model, args, kwargs, dynamic_shapes, allow_train)
         captured = {**src.exported.state_dict, **src.exported.constants}
-        with recording(ctx.timings):
+        with recording(ctx.timings), phase("compile_cache"):
             key = compile_cache.compile_key(src.exported, tgt, ctx.options,
                                             ctx.options["example_leaves"], dynamic_shapes)
             hit = compile_cache.get(key, captured, tgt)
@@ -210,7 +230,8 @@ def _compile_started(model, args, kwargs, *, dynamic_shapes, target, compile_to,
                 compile_cache.alias(by_identity, key)
             return _cached_module(hit, tgt, ctx)
     if cfg.is_single:  # (ranks of one host would each start a worker per core)
-        start_workers(tgt, ctx.options)  # their start-up overlaps export, if still to do
+        with recording(ctx.timings), phase("workers"):
+            start_workers(tgt, ctx.options)  # their start-up overlaps export, if still to do
     with warnings.catch_warnings(record=True) as seen:  # re-raised below, as they came
         manager = build_pipeline(dump_ir)
         result = manager.run(src, ctx, compile_to=compile_to)

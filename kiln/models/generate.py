@@ -116,8 +116,9 @@ class LLM:
             c = model.cache
             self.cache_layout = PagedLayout(c.block_size, c.blocks_per_seq, c.num_blocks)
         t0 = time.perf_counter()
-        self.prefill_module = self._compile(seq_len=None)
-        self.decode_module = self._compile(seq_len=1)
+        with kiln.compile_session():  # one tuning run worker for both
+            self.prefill_module = self._compile(seq_len=None)
+            self.decode_module = self._compile(seq_len=1)
         if read_weights is not None:
             self._materialize(read_weights)
         self.compile_s = time.perf_counter() - t0

@@ -63,3 +63,54 @@ def test_a_failed_compile_stops_the_workers_it_started(monkeypatch):
     with tuner.workers_released_on_failure():  # a compile that works keeps them
         pass
     assert stopped == [True]
+
+
+class RunPool:
+    workers_started = 1
+
+    def __init__(self, events):
+        self.events = events
+
+    def close(self, wait=True):
+        self.events.append("close")
+
+
+def test_a_kept_run_worker_outlives_each_compile_inside_and_stops_after(monkeypatch):
+    import kiln
+    from kiln.codegen.autotune import worker_pool
+
+    events = []
+    monkeypatch.setattr(worker_pool, "_run_pool", RunPool(events))
+    with kiln.compile_session():
+        with worker_pool.run_worker_kept():  # one kiln.compile: a plan, its narrow version
+            worker_pool.stop_run_worker()
+            worker_pool.stop_run_worker()
+        worker_pool.stop_run_worker()  # the next module's plan
+        assert events == [] and worker_pool._run_pool is not None
+    assert events == ["close"] and worker_pool._run_pool is None
+    monkeypatch.setattr(worker_pool, "_run_pool", RunPool(events))
+    worker_pool.stop_run_worker()  # outside a session: at once
+    assert events == ["close", "close"]
+
+
+def test_a_plan_and_its_narrow_version_share_the_run_worker(monkeypatch):
+    # kiln.compile runs select_kernels twice (the narrow version's passes again); the
+    # worker used to stop after the first, and the second's first timing waited ~8 s
+    import torch
+
+    import kiln
+    from kiln.codegen import select_kernels
+    from kiln.codegen.autotune import worker_pool
+
+    events = []
+    monkeypatch.setattr(worker_pool, "_run_pool", RunPool(events))
+    select = select_kernels._select
+    monkeypatch.setattr(select_kernels, "_select",
+                        lambda *a: (select(*a), events.append("select"))[0])
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 16)).half()
+    x = torch.randn(3, 16, dtype=torch.float16)
+    m = kiln.compile(model, (x,), dynamic_shapes=({0: kiln.Dim("b", min=1, max=4)},),
+                     target="interpret", options={"compile_cache": False})
+    assert m.program.narrow is not None
+    assert events == ["select", "select", "close"]

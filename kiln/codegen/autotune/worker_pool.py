@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -138,21 +139,29 @@ class _Worker:
                 return f"killed by signal {-code}"
         return f"exited with status {code}"
 
-    def stop(self, kill: bool = False) -> None:
+    def stop(self, kill: bool = False, wait: bool = True) -> None:
+        """End the worker; `wait=False` reaps it in a thread instead of here (a run
+        worker's exit tears down its CUDA context: time the compile need not wait)."""
         if self.proc.poll() is None:
             if kill:
                 self.proc.kill()
             else:
                 with contextlib.suppress(OSError):
                     self.outbox.send(None)
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            if wait:
+                self._reap()
+            else:
+                threading.Thread(target=self._reap, name="kiln-worker-exit", daemon=True).start()
         for conn in (self.outbox, self.inbox):
             conn.close()
         Path(self.log).unlink(missing_ok=True)
+
+    def _reap(self) -> None:
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 class WorkerPool:
@@ -298,14 +307,14 @@ class WorkerPool:
         if not self.workers:
             self.start_error = why
 
-    def _drop(self, w: _Worker, kill: bool = False) -> None:
+    def _drop(self, w: _Worker, kill: bool = False, wait: bool = True) -> None:
         if w in self.workers:
             self.workers.remove(w)
-        w.stop(kill=kill)
+        w.stop(kill=kill, wait=wait)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         for w in list(self.workers):
-            self._drop(w, kill=w.job is not None or not w.ready)
+            self._drop(w, kill=w.job is not None or not w.ready, wait=wait)
 
 
 _pool: WorkerPool | None = None
@@ -348,13 +357,35 @@ def get_run_pool() -> WorkerPool:
     return _run_pool
 
 
+_run_worker_holds = 0  # open run_worker_kept() blocks
+
+
 def stop_run_worker() -> None:
     """Stop the run worker, freeing its CUDA context (and the GPU memory it holds) for the
-    model that was just compiled; the next timed tuning starts another."""
+    model that was just compiled; the next timed tuning starts another. Inside
+    run_worker_kept() the stop waits for the outermost block's end."""
     global _run_pool
-    if _run_pool is not None:
-        _run_pool.close()
+    if _run_pool is not None and not _run_worker_holds:
+        _run_pool.close(wait=False)  # its memory is freed as it exits
         _run_pool = None
+
+
+@contextlib.contextmanager
+def run_worker_kept() -> Iterator[None]:
+    """Compiles inside share one run worker, stopped when the outermost block ends.
+
+    Why: select_kernels stops the worker when its plan is done, and the next plan's first
+    timing waited for a fresh one (torch, Triton and a CUDA context: ~8 s on an H200
+    machine). A kiln.compile with a narrow version runs select_kernels twice, and
+    kiln.models compiles two modules: an 8B LLM's cold compile paid that wait two or
+    three times."""
+    global _run_worker_holds
+    _run_worker_holds += 1
+    try:
+        yield
+    finally:
+        _run_worker_holds -= 1
+        stop_run_worker()
 
 
 def workers_started() -> int:
