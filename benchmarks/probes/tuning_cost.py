@@ -106,6 +106,26 @@ def seen_ready(self, w, busy):
 
 worker_pool.WorkerPool._receive = seen_ready
 
+# each kernel's choice: its wall seconds (build + timing + check), and whether it was
+# the narrow version's (the passes run again inside phase "narrow")
+chosen: list[dict] = []
+_choose = tuner.Tuner.choose
+
+
+def timed_choose(self, region, spec, plan=None):
+    from kiln import progress
+    rec = progress._recording.get()
+    t = time.perf_counter()
+    try:
+        return _choose(self, region, spec, plan)
+    finally:
+        chosen.append({"region": region.name, "kernel": spec.name, "template": spec.template,
+                       "narrow": bool(rec and "narrow" in rec[1]),
+                       "s": round(time.perf_counter() - t, 3)})
+
+
+tuner.Tuner.choose = timed_choose
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import compile_time  # noqa: E402
 
@@ -146,7 +166,7 @@ report = {"variant": vars(args), "compile_s": llm.compile_s, "wall_s": total,
               for k, (n, s, parts) in by_kind.items()},
           "run_jobs_parent": {k: round(v, 2) for k, v in parent.items()},
           "compile_worker_start_s": sorted(round(s, 2) for s in starts),
-          "choices": choices}
+          "choices": choices, "chosen": chosen}
 Path(args.out).write_text(json.dumps(report, indent=1))
 print(f"compile {llm.compile_s:.1f} s (wall {total:.1f})")
 for k, v in phases.items():
@@ -156,6 +176,15 @@ for k, v in report["run_jobs"].items():
     print(f"  run jobs {k:<16} n={v['n']:4d} worker s={v['s']:7.2f} parts {v['parts']}")
 print("  run jobs, parent's view (s):", report["run_jobs_parent"])
 print("  compile workers ready after (s):", report["compile_worker_start_s"])
+groups = collections.defaultdict(lambda: [0, 0.0])
+for c in chosen:
+    g = groups[(c["template"], "narrow" if c["narrow"] else "plan")]
+    g[0] += 1
+    g[1] += c["s"]
+for (template, which), (n, s) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
+    print(f"  choose {template:<12} {which:<7} n={n:4d} {s:7.2f} s")
+for c in sorted(chosen, key=lambda c: -c["s"])[:30]:
+    print(f"    {c['s']:6.2f} s  {'narrow ' if c['narrow'] else ''}{c['region']}: {c['kernel']}")
 if prof:
     st = pstats.Stats(prof)
     st.sort_stats("cumulative").print_stats(45)

@@ -544,6 +544,22 @@ def test_a_candidate_that_faults_kills_or_hangs_its_run_worker_is_quarantined(
         [str(ok)] * 4 + ["extern"])
 
 
+def test_a_stopped_run_worker_exits_without_the_compile_waiting_for_it(planted_runs,
+                                                                       compiles):
+    """select_kernels' stop hands the worker its exit and goes on (the exit tears down a
+    CUDA context); the worker still ends, and the next tuning starts another."""
+    from kiln.codegen.autotune import worker_pool
+
+    plan, tune_planted, _ = planted_runs
+    ok = Config.make(4, 1, XBLOCK=256)
+    plan.update({ok: 1.0, "extern": 2.0})
+    tune_planted(add_spec(ok, []))
+    (worker,) = worker_pool.get_run_pool().workers
+    worker_pool.stop_run_worker()
+    assert worker_pool._run_pool is None
+    assert worker.proc.wait(timeout=60) == 0  # it exited on its own, told to
+
+
 def test_screening_times_on_only_the_candidates_near_the_fastest():
     from kiln.codegen.autotune.screen import REST, SCREEN, screened_times
     from kiln.codegen.autotune.timing import PRUNE_RATIO
