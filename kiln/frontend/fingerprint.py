@@ -13,8 +13,8 @@ with its symbols, strides, dtype, device), source lines and module paths (kiln's
 messages and pipeline stages read them), the signature, the symbols' ranges, the
 argument structures, and the state: each tensor's name, shape, strides, dtype, device,
 whether it is the same memory as another (tied weights), and the values of lifted
-constants (never of parameters or buffers: a plan reads those, it is not made from
-them).
+constants and of non-persistent buffers the program only reads (never of parameters,
+persistent buffers or buffers it writes: a plan reads those, it is not made from them).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
+from torch.export.graph_signature import InputKind
 
 
 def program_fingerprint(ep: torch.export.ExportedProgram) -> str:
@@ -48,13 +49,53 @@ def program_fingerprint(ep: torch.export.ExportedProgram) -> str:
     for name, t in sorted(ep.state_dict.items()):
         put("state", name, tensor_identity(t), isinstance(t, torch.nn.Parameter),
             groups.setdefault(tied_memory(t), len(groups)))
+    written = written_buffers(ep)
     for name, c in sorted(ep.constants.items()):
         if isinstance(c, torch.Tensor):
+            # a non-persistent buffer the program writes (a KV cache: 1 GB of an 8B LLM's,
+            # ~3 s a module to copy and hash on a GPU machine) is state, never folded
             put("constant", name, tensor_identity(c),
-                groups.setdefault(tied_memory(c), len(groups)), _digest(c))
+                groups.setdefault(tied_memory(c), len(groups)),
+                "written" if name in written else _digest(c))
         else:  # a script object: its type and text
             put("constant", name, type(c).__qualname__, repr(c))
     return h.hexdigest()
+
+
+def written_buffers(ep: torch.export.ExportedProgram) -> set[str]:
+    """The buffers the captured program writes in place, directly or through a view of
+    one (its ops are not functionalized yet: `cache.index_copy_`, `cache[:, pos] = x`)."""
+    buffers = {s.arg.name: s.target for s in ep.graph_signature.input_specs
+               if s.kind == InputKind.BUFFER}
+    out = set()
+    for node in ep.graph_module.graph.nodes:
+        schema = _schema(node)
+        if schema is None:
+            continue
+        for i, a in enumerate(schema.arguments):
+            arg = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+            if a.alias_info is not None and a.alias_info.is_write \
+                    and isinstance(arg, torch.fx.Node):
+                base = _aliased_base(arg)
+                if base.name in buffers:
+                    out.add(buffers[base.name])
+    return out
+
+
+def _schema(node: torch.fx.Node):
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema
+    return None
+
+
+def _aliased_base(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose memory `node` is (through views and in-place results)."""
+    while True:
+        schema = _schema(node)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None \
+                or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return node
+        node = node.args[0]
 
 
 def _value(v):

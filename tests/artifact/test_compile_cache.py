@@ -88,6 +88,37 @@ def test_a_zero_dim_constant_is_keyed_by_its_value():
     _check(exe, other, x)
 
 
+class Cached(torch.nn.Module):
+    """A KV cache's way: a non-persistent buffer the program writes (its values are state,
+    never hashed: an 8B LLM's is 1 GB), beside a read-only one (a table: hashed)."""
+
+    def __init__(self, table=1.0):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.register_buffer("cache", torch.zeros(8, 16), persistent=False)
+        self.register_buffer("table", torch.full((16,), table), persistent=False)
+
+    def forward(self, x, pos):
+        self.cache[pos] = self.lin(x)
+        return self.cache.sum(0) * self.table
+
+
+def test_a_written_buffer_is_keyed_by_its_shape_a_read_one_by_its_values():
+    x, pos = torch.randn(1, 16), torch.tensor([3])
+    a = kiln.compile(Cached(), (x, pos))
+    assert not _hit(a)
+    model = Cached()
+    model.cache.normal_()  # a cache already holding other rows
+    exe = kiln.compile(model, (x, pos))
+    assert _hit(exe)
+    want = model.cache.clone()
+    want[3] = model.lin(x)[0]
+    got = exe(x, pos)
+    assert torch.allclose(got, want.sum(0), atol=1e-5)
+    assert torch.equal(model.cache, want)  # the model's own cache, written in place
+    assert not _hit(kiln.compile(Cached(table=2.0), (x, pos)))
+
+
 def test_changed_code_config_or_helper_misses(monkeypatch):
     x = torch.randn(6, 16)
     assert not _hit(_compile(Mlp(), x))
