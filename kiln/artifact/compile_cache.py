@@ -59,7 +59,7 @@ from kiln.artifact.save import MANIFEST_FILE, build_manifest, dumps
 from kiln.artifact.weights import load_weights, save_weights
 from kiln.codegen.autotune.timing import gpu_for
 from kiln.errors import KilnError
-from kiln.frontend.fingerprint import program_fingerprint
+from kiln.frontend.fingerprint import program_fingerprint, value_digest
 from kiln.ir.derived import Derivation
 from kiln.progress import phase
 from kiln.runtime.program import Program
@@ -168,6 +168,11 @@ def get(key: str, state: dict[str, torch.Tensor], target: Target
     try:
         with phase("compile_cache"):
             program, manifest, example_sizes = load_program(entry, target)
+            changed = _values_changed(manifest.get("values_read", {}), state)
+            if changed:
+                log.info("compile cache %s: the plan was decided by the values of %s, "
+                         "which differ here; compiling", key, changed)
+                return None
             stored = manifest["stored"]
             bound = dict(load_weights(entry, stored, "cpu")) if stored["tensors"] else {}
             derived = _replay(manifest.get("derived", {}), state)
@@ -222,6 +227,10 @@ def put(key: str, program: Program, example_sizes: dict, captured: dict, ctx_opt
             # recipes, not values: replayed on the model's tensors at every hit
             manifest["derived"] = {n: derived[n].encode() for n in sorted(targets)
                                    if n in derived}
+            # tensors whose values decided a rewrite (a mask proved causal): checked at a hit
+            imported = ctx_options.get("imported_state", {})
+            manifest["values_read"] = {n: value_digest(imported.get(n, state.get(n)))
+                                       for n in sorted(ctx_options.get("values_read", ()))}
             (tmp / MANIFEST_FILE).write_text(dumps(manifest) + "\n")
             final = root / key
             if final.exists():
@@ -251,6 +260,11 @@ def alias(identity_key: str, key: str) -> None:
 def _not_cacheable(program: Program, captured: dict, options: dict, warned: bool) -> str:
     if warned or options.get("fallback_ops"):
         return "the compile warned"
+    imported = options.get("imported_state", {})
+    for name in options.get("values_read", ()):
+        t = imported.get(name)
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            return f"the plan was decided by {name}'s values, which cannot be kept"
     imported, state = options.get("imported_state", {}), options.get("state", {})
     derived = options.get("derived", {})
     for v in (v for p in program.versions() for v in p.plan.values.values()):
@@ -266,6 +280,18 @@ def _not_cacheable(program: Program, captured: dict, options: dict, warned: bool
         if v.target in captured and captured[v.target] is not state[v.target]:
             return f"{v.target} is not the captured program's tensor"
     return ""
+
+
+def _values_changed(kept, state: dict[str, torch.Tensor]) -> str | None:
+    """The first tensor whose values decided the kept plan and differ in `state` (or are
+    missing); None when all match."""
+    if not isinstance(kept, dict):
+        return "an unreadable entry"
+    for name, digest in sorted(kept.items()):
+        t = state.get(name)
+        if not isinstance(t, torch.Tensor) or digest is None or value_digest(t) != digest:
+            return name
+    return None
 
 
 def _not_replayable(name: str, derivation: Derivation, captured: dict, imported: dict,

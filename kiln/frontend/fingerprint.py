@@ -56,7 +56,7 @@ def program_fingerprint(ep: torch.export.ExportedProgram) -> str:
             # ~3 s a module to copy and hash on a GPU machine) is state, never folded
             put("constant", name, tensor_identity(c),
                 groups.setdefault(tied_memory(c), len(groups)),
-                "written" if name in written else _digest(c))
+                "written" if name in written else value_digest(c))
         else:  # a script object: its type and text
             put("constant", name, type(c).__qualname__, repr(c))
     return h.hexdigest()
@@ -132,8 +132,9 @@ def tied_memory(t: torch.Tensor) -> tuple:
             tuple(t.shape), tuple(t.stride()))
 
 
-def _digest(t: torch.Tensor) -> str | None:
-    """A lifted constant's values (plain tensor attributes, tensors made in forward)."""
+def value_digest(t: torch.Tensor) -> str | None:
+    """A tensor's values (a lifted constant's, or one a pass decided a rewrite by);
+    None on the meta device."""
     if t.device.type == "meta":
         return None
     # flat first: a 0-dim tensor (Gemma's embedding normaliser) has no bytes view

@@ -47,6 +47,8 @@ def _import(src: ModelSource, ctx: Context) -> KilnGraph:
     ctx.options["imported_state"] = dict(kg.state)
     # ...unless a pass recorded how it follows from a model tensor (ir/derived.py)
     ctx.options["derived"] = kg.derived
+    # ...and a plan decided by a tensor's values is kept with them (graph/index_forms.py)
+    ctx.options["values_read"] = kg.values_read
     kg.devices_named = named_devices(kg)
     ctx.options["fallback_ops"] = kg.fallback_ops
     return kg

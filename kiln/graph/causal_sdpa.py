@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from kiln.graph.eager_attention import HUGE_FILL
-from kiln.graph.fold_constants import constant_placeholders
+from kiln.graph.fold_constants import constant_placeholders, note_values_read
 from kiln.graph.index_forms import IndexForms, X
 from kiln.graph.rewrite import name_of, same_shape
 from kiln.ir.graph import KilnGraph
@@ -63,9 +63,9 @@ _WHERES = ("aten.where.self", "aten.where.Scalar", "aten.where.ScalarSelf",
            "aten.where.ScalarOther")
 
 
-def _number(node, consts: dict):
+def _number(node, consts: dict, read: set | None = None):
     """The value of a scalar: a Python number, a full of [] / scalar_tensor, a lifted
-    0-d constant; None otherwise."""
+    0-d constant (added to `read`); None otherwise."""
     if isinstance(node, (int, float)):
         return node
     if not isinstance(node, fx.Node):
@@ -75,10 +75,14 @@ def _number(node, consts: dict):
     if name_of(node) == "aten.scalar_tensor.default":
         return node.args[0]
     t = consts.get(node)
-    return t.item() if isinstance(t, torch.Tensor) and t.numel() == 1 else None
+    if not (isinstance(t, torch.Tensor) and t.numel() == 1):
+        return None
+    if read is not None:
+        read.add(node)
+    return t.item()
 
 
-def mask_condition(mask: fx.Node, consts: dict) -> fx.Node | None:
+def mask_condition(mask: fx.Node, consts: dict, read: set | None = None) -> fx.Node | None:
     """The boolean tensor saying which keys a mask keeps: the mask itself, or for an
     additive mask where(keep, 0, fill) with a fill that drowns any score (transformers'
     eager masks: finfo.min; -inf) its `keep`. None for any other mask."""
@@ -89,7 +93,7 @@ def mask_condition(mask: fx.Node, consts: dict) -> fx.Node | None:
     if name_of(mask) not in _WHERES:
         return None
     keep, zero, fill = mask.args
-    zero, fill = _number(zero, consts), _number(fill, consts)
+    zero, fill = _number(zero, consts, read), _number(fill, consts, read)
     if zero != 0 or fill is None or not fill <= -HUGE_FILL:
         return None
     return keep
@@ -132,7 +136,7 @@ def causal_sdpa(kg: KilnGraph, ctx) -> KilnGraph:
         mask = b.get("attn_mask")
         if mask is None or b.get("is_causal") or b.get("dropout_p", 0.0) != 0.0:
             continue
-        keep = mask_condition(mask, consts)
+        keep = mask_condition(mask, consts, forms.read)
         if keep is None:
             continue
         if is_key_le_query(forms.of(keep)):
@@ -143,6 +147,7 @@ def causal_sdpa(kg: KilnGraph, ctx) -> KilnGraph:
             causal += 1
         else:
             dropped += drop_true_terms(keep, forms)
+    note_values_read(kg, forms.read)
     if causal or dropped:
         log.info("causal_sdpa: %d attention masks are key <= query (is_causal); %d mask "
                  "terms always true dropped", causal, dropped)

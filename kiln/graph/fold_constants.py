@@ -61,6 +61,13 @@ def constant_placeholders(kg: KilnGraph) -> dict[fx.Node, torch.Tensor]:
     return out
 
 
+def note_values_read(kg: KilnGraph, nodes) -> None:
+    """Record that the plan follows from these placeholders' values (a rewrite decided
+    by them, nothing folded): a compile cache hit checks them (KilnGraph.values_read)."""
+    targets = {i.name: i.target for i in kg.inputs}
+    kg.values_read.update(targets[n.name] for n in nodes if n.name in targets)
+
+
 def _static(node: fx.Node) -> bool:
     val = node.meta.get("val")
     vals = val if isinstance(val, (tuple, list)) else [val]

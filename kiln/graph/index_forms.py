@@ -96,6 +96,7 @@ class IndexForms:
     def __init__(self, consts: dict | None = None):
         self._memo: dict[fx.Node, object] = {}
         self._consts = consts or {}  # placeholders whose values are known (fold_constants)
+        self.read: set[fx.Node] = set()  # those whose values a form was read from
 
     def of(self, arg):
         if isinstance(arg, bool):
@@ -126,6 +127,7 @@ class IndexForms:
 
     def _form(self, node: fx.Node):
         if node in self._consts:
+            self.read.add(node)
             return tril_indicator(self._consts[node])
         name = name_of(node)
         if not name:

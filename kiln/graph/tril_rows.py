@@ -21,7 +21,7 @@ import logging
 import torch
 import torch.fx as fx
 
-from kiln.graph.fold_constants import constant_placeholders
+from kiln.graph.fold_constants import constant_placeholders, note_values_read
 from kiln.graph.index_forms import IndexForms, X
 from kiln.graph.rewrite import insert, name_of, replace, reshape_to
 from kiln.ir.graph import KilnGraph, shape_of
@@ -74,6 +74,7 @@ def rewrite_tril_rows(kg: KilnGraph) -> int:
             continue
         replace(node, out)
         done += 1
+    note_values_read(kg, forms.read)
     return done
 
 

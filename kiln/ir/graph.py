@@ -63,6 +63,9 @@ class KilnGraph:
     # state name of a tensor a pass made from a model tensor's values -> how, so the
     # compile cache can keep the recipe instead of the values (ir/derived.py)
     derived: dict[str, Derivation] = field(default_factory=dict)
+    # state names whose values decided a rewrite without being folded (a mask buffer
+    # proved a tril of ones): the compile cache checks them at a hit (values_read)
+    values_read: set[str] = field(default_factory=set)
     # leaf positions of the returned Nones among the user outputs (frontend/none_outputs)
     none_outputs: tuple[int, ...] = ()
 

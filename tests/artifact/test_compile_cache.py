@@ -43,9 +43,9 @@ def _hit(exe) -> bool:
     return "import/export/decompose" not in t and "compile_cache" in t
 
 
-def _check(exe, model, x):
-    want = model(x)
-    got = exe(x)
+def _check(exe, model, *args):
+    want = model(*args)
+    got = exe(*args)
     assert ((got - want).norm() / want.norm()).item() < 1e-5
 
 
@@ -117,6 +117,37 @@ def test_a_written_buffer_is_keyed_by_its_shape_a_read_one_by_its_values():
     assert torch.allclose(got, want.sum(0), atol=1e-5)
     assert torch.equal(model.cache, want)  # the model's own cache, written in place
     assert not _hit(kiln.compile(Cached(table=2.0), (x, pos)))
+
+
+class MaskBuffer(torch.nn.Module):
+    """A causal mask kept as a persistent buffer, rows picked by position (gpt-fast's
+    way): kiln rewrites its gather as `key <= position` after reading its values, so a
+    model whose buffer holds other values must not get that plan from the cache."""
+
+    def __init__(self, causal=True):
+        super().__init__()
+        ones = torch.ones(16, 16, dtype=torch.bool)
+        self.register_buffer("mask", ones.tril() if causal else ones)
+        self.q = torch.nn.Linear(8, 8)
+
+    def forward(self, x, pos):
+        q = self.q(x)[None, None]
+        mask = self.mask[None, None, pos][..., :x.shape[0]]
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+
+def test_a_plan_decided_by_a_buffers_values_is_kept_with_them():
+    x, pos = torch.randn(6, 8), torch.arange(6)
+    causal = MaskBuffer()
+    assert not _hit(kiln.compile(causal, (x, pos)))
+    again = MaskBuffer()
+    again.q.load_state_dict(causal.q.state_dict())
+    assert _hit(kiln.compile(again, (x, pos)))  # the same mask: the same plan
+    full = MaskBuffer(causal=False)
+    full.q.load_state_dict(causal.q.state_dict())
+    exe = kiln.compile(full, (x, pos))
+    assert not _hit(exe)  # served the causal plan, it was 0.76 off
+    _check(exe, full, x, pos)
 
 
 def test_changed_code_config_or_helper_misses(monkeypatch):
