@@ -245,3 +245,34 @@ def test_timed_group_kept_only_when_faster_than_its_siblings_apart(monkeypatch, 
                                    if r.kind == RegionKind.MATMUL and r.name not in before
                                    or r is region}
         assert len(products(region)) == 1
+
+
+def test_the_siblings_apart_are_built_with_the_plan(monkeypatch):
+    """When candidates are timed, select_kernels hands the tuner's one pool run the specs
+    each grouped kernel's siblings run as apart (timed after the group): each is the spec
+    the later split makes (its build is found by source), and the plan is left as it was."""
+    from copy import deepcopy
+
+    from kiln.codegen import select_kernels as sk
+    from kiln.dispatch.split import split_siblings
+
+    target = get_target("interpret")
+    plan = kiln.compile(Attention(), (torch.randn(1, 1, 64),), target=target,
+                        compile_to="dispatch")
+    (region,) = [r for r in plan.regions if len(products(r)) > 1]
+    spec = sk.spec_for(region, plan, target)
+    regions, values, ops = [r.name for r in plan.regions], dict(plan.values), deepcopy(region.ops)
+    ahead = sk._apart_specs(plan, [(region, spec)], target)
+    assert [r.name for r in plan.regions] == regions and plan.values == values
+    assert region.ops == ops and len(products(region)) == 3
+    assert len(ahead) == 3
+    parts = split_siblings(plan, region, "the split select_kernels makes")
+    assert [sk.spec_for(r, plan, target).source_hash for r in parts] == [
+        s.source_hash for _, s in ahead]
+
+    work = []
+    monkeypatch.setattr(sk, "will_time", lambda target, ctx: True)
+    monkeypatch.setattr(sk, "precompile", lambda w, *a: work.extend(w))
+    exe = kiln.compile(Attention(), (torch.randn(1, 1, 64),), target=target)
+    built = {r.name for r, _ in work}
+    assert built - {r.name for r in exe.plan.regions} == {r.name for r in parts} - {region.name}

@@ -126,6 +126,14 @@ def choose(region: Region, spec: KernelSpec, target: Target, ctx,
     return tuner.choose(region, spec, plan)
 
 
+def will_time(target: Target, ctx) -> bool:
+    """Whether tuning for `target` in this compile times candidates on a GPU here."""
+    options = ctx.options if ctx is not None else {}
+    mode = options.get("tune") or tune_mode() or "fast"
+    return (target.backend != "interpret" and mode != "none" and gpu_for(target)
+            and options.get("example_env") is not None)
+
+
 def start_workers(target: Target, options: dict) -> None:
     """Start the compile workers, and the run worker when candidates will be timed here,
     before the compile needs them: a worker is a fresh interpreter importing torch and
