@@ -114,3 +114,18 @@ def test_a_plan_and_its_narrow_version_share_the_run_worker(monkeypatch):
                      target="interpret", options={"compile_cache": False})
     assert m.program.narrow is not None
     assert events == ["select", "select", "close"]
+
+
+def test_a_compile_worker_imports_no_more_of_kiln_than_it_builds_with():
+    """kiln/__init__ binds the compiler's entry points on first use: a worker importing
+    kiln.codegen.build does not pull in the pipeline (kiln.api, torch.export's tracer),
+    which had made its start 4.0 s instead of 1.6 (a GPU compile starts one a core)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kiln.codegen.autotune.compile_worker as w; w._warm_up(); "
+            "print(sorted(m for m in ('kiln.api', 'kiln.frontend.export', 'torch._dynamo') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
